@@ -1,0 +1,348 @@
+"""The quantization formats of DESIGN.md §3: one table, and the codecs.
+
+Every backend reads `FORMATS` and `ELEMENTS`; nothing else in the code base
+re-derives a bit layout. The codecs here are jnp and jittable; they are the
+reference that kernels are tested against.
+
+Packing (all modes): ``data`` is ``uint32 [..., N, K*bits/32]``, a
+little-endian bit stream along K: element k occupies bits
+``[k*bits, (k+1)*bits)`` of the stream. 3-, 5- and 6-bit elements straddle
+words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementFormat:
+    """A small float: 1 sign bit, `ebits` exponent bits, `mbits` mantissa bits.
+
+    `special` says which codes are not finite numbers:
+      "none": every code is finite (FP4, FP6 of OCP MX);
+      "fn":   only S.1111.111 is NaN, no Inf (E4M3 "fn");
+      "ieee": exponent all ones is Inf (mantissa 0) or NaN (E5M2).
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    special: str
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal number."""
+        return 1 - self.bias
+
+    @property
+    def max_exponent_code(self) -> int:
+        """Largest exponent field that holds finite numbers."""
+        top = (1 << self.ebits) - 1
+        return top - 1 if self.special == "ieee" else top
+
+    @property
+    def max_mantissa_code(self) -> int:
+        top = (1 << self.mbits) - 1
+        return top - 1 if self.special == "fn" else top
+
+    @property
+    def max_value(self) -> float:
+        return float((1 + self.max_mantissa_code / (1 << self.mbits))
+                     * 2.0 ** (self.max_exponent_code - self.bias))
+
+    @property
+    def emax(self) -> int:
+        """floor(log2(max_value)): OCP MX's emax_elem."""
+        return self.max_exponent_code - self.bias
+
+
+ELEMENTS: dict[str, ElementFormat] = {
+    e.name: e
+    for e in (
+        ElementFormat("e2m1", ebits=2, mbits=1, bias=1, special="none"),
+        ElementFormat("e2m3", ebits=2, mbits=3, bias=1, special="none"),
+        ElementFormat("e3m2", ebits=3, mbits=2, bias=3, special="none"),
+        ElementFormat("e4m3", ebits=4, mbits=3, bias=7, special="fn"),
+        ElementFormat("e5m2", ebits=5, mbits=2, bias=15, special="ieee"),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One row of DESIGN.md §3.
+
+    element: an ELEMENTS key, or None for affine (unsigned integers).
+    scale:   "e8m0" | "e4m3" (stored as uint8 codes) | "float" (w's dtype).
+    """
+
+    mode: str
+    element: str | None
+    bits: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    default_group_size: int
+    scale: str
+    has_biases: bool = False
+    has_global_scale: bool = False
+    scale_rules: tuple[str, ...] = ()
+
+    @property
+    def default_bits(self) -> int:
+        return 4 if 4 in self.bits else self.bits[0]
+
+    @property
+    def default_scale_rule(self) -> str | None:
+        return self.scale_rules[0] if self.scale_rules else None
+
+
+_MX_RULES = ("floor", "rceil", "round")
+
+FORMATS: dict[str, Format] = {
+    f.mode: f
+    for f in (
+        Format("affine", None, (2, 3, 4, 5, 6, 8), (32, 64, 128), 64, "float",
+               has_biases=True),
+        Format("mxfp4", "e2m1", (4,), (32,), 32, "e8m0", scale_rules=_MX_RULES),
+        Format("mxfp6_e2m3", "e2m3", (6,), (32,), 32, "e8m0", scale_rules=_MX_RULES),
+        Format("mxfp6_e3m2", "e3m2", (6,), (32,), 32, "e8m0", scale_rules=_MX_RULES),
+        Format("mxfp8_e4m3", "e4m3", (8,), (32,), 32, "e8m0", scale_rules=_MX_RULES),
+        Format("mxfp8_e5m2", "e5m2", (8,), (32,), 32, "e8m0", scale_rules=_MX_RULES),
+        Format("nvfp4", "e2m1", (4,), (16,), 16, "e4m3", has_global_scale=True),
+        Format("fp4", "e2m1", (4,), (32, 16, 64), 32, "float"),
+    )
+}
+
+ALIASES = {"mxfp8": "mxfp8_e4m3"}
+
+
+def get_format(mode) -> Format:
+    """The table row for `mode` (aliases resolved); ValueError if unknown."""
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str, one of {sorted(FORMATS)}; got {mode!r}")
+    fmt = FORMATS.get(ALIASES.get(mode, mode))
+    if fmt is None:
+        raise ValueError(
+            f"mode={mode!r} is not a known format; expected one of "
+            f"{sorted(FORMATS) + sorted(ALIASES)}")
+    return fmt
+
+
+def resolve(mode, bits=None, group_size=None) -> tuple[Format, int, int]:
+    """Validate (mode, bits, group_size); fill in the format's defaults."""
+    fmt = get_format(mode)
+    if bits is None:
+        bits = fmt.default_bits
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in fmt.bits:
+        raise ValueError(f"bits={bits!r} is not allowed for mode={fmt.mode!r}; "
+                         f"expected one of {list(fmt.bits)}")
+    if group_size is None:
+        group_size = fmt.default_group_size
+    if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
+            or group_size not in fmt.group_sizes):
+        raise ValueError(f"group_size={group_size!r} is not allowed for mode={fmt.mode!r}; "
+                         f"expected one of {list(fmt.group_sizes)}")
+    return fmt, int(bits), int(group_size)
+
+
+# ---------------------------------------------------------------------------
+# Bit-stream packing.
+
+
+def _stream_geometry(bits: int):
+    """For 32 elements (= `bits` words): per element, its word, shift, spill."""
+    start = np.arange(32) * bits
+    word = start // 32
+    shift = start % 32
+    spill = shift + bits > 32
+    return word, shift, spill
+
+
+def pack_bits(codes, bits: int):
+    """uint codes [..., K] (each < 2**bits) -> uint32 words [..., K*bits/32]."""
+    codes = jnp.asarray(codes).astype(jnp.uint32)
+    k = codes.shape[-1]
+    if k % 32:
+        raise ValueError(f"pack_bits needs the last axis to be a multiple of 32, got {k}")
+    blocks = codes.reshape(*codes.shape[:-1], k // 32, 32)
+    word, shift, spill = _stream_geometry(bits)
+    lo = blocks << shift.astype(np.uint32)
+    # Elements straddling a word put their top bits at the next word's bottom.
+    hi = blocks >> np.where(spill, 32 - shift, 0).astype(np.uint32)
+    words = []
+    for j in range(bits):
+        # Bit fields are disjoint, so a sum is an OR.
+        (own,) = np.nonzero(word == j)
+        w = jnp.sum(lo[..., own[0]:own[-1] + 1], axis=-1, dtype=jnp.uint32)
+        if j > 0 and spill[own[0] - 1]:
+            w = w + hi[..., own[0] - 1]
+        words.append(w)
+    return jnp.stack(words, axis=-1).reshape(*codes.shape[:-1], k * bits // 32)
+
+
+def unpack_bits(data, bits: int):
+    """uint32 words [..., W] -> uint32 codes [..., W*32/bits]."""
+    data = jnp.asarray(data)
+    if data.dtype != jnp.uint32:
+        raise TypeError(f"data must be uint32, got {data.dtype}")
+    w = data.shape[-1]
+    if w % bits:
+        raise ValueError(f"unpack_bits needs the last axis to be a multiple of bits={bits}, got {w}")
+    mask = np.uint32((1 << bits) - 1)
+    if 32 % bits == 0:
+        shifts = (np.arange(32 // bits) * bits).astype(np.uint32)
+        codes = (data[..., None] >> shifts) & mask
+        return codes.reshape(*data.shape[:-1], w * 32 // bits)
+    blocks = data.reshape(*data.shape[:-1], w // bits, bits)
+    word, shift, spill = _stream_geometry(bits)
+    lo = blocks[..., word] >> shift.astype(np.uint32)
+    nxt = np.minimum(word + 1, bits - 1)
+    hi = jnp.where(spill, blocks[..., nxt] << np.where(spill, 32 - shift, 0).astype(np.uint32), 0)
+    return ((lo | hi) & mask).reshape(*data.shape[:-1], w * 32 // bits)
+
+
+# ---------------------------------------------------------------------------
+# Exact powers of two, built from float32 bit patterns.
+
+
+def exp2i(e):
+    """2.0**e as float32 for integer e in [-149, 127]; exact, subnormals included."""
+    e = jnp.asarray(e, jnp.int32)
+    normal = lax.bitcast_convert_type(((jnp.clip(e, -126, 127) + 127) << 23).astype(jnp.uint32),
+                                      jnp.float32)
+    sub = lax.bitcast_convert_type(
+        (jnp.uint32(1) << jnp.clip(e + 149, 0, 22).astype(jnp.uint32)), jnp.float32)
+    return jnp.where(e >= -126, normal, sub)
+
+
+def _floor_log2(a):
+    """floor(log2(a)) for finite a > 0 (float32), exact."""
+    _, e = jnp.frexp(a)
+    return e - 1
+
+
+# ---------------------------------------------------------------------------
+# Element codecs.
+
+
+def decode_element(codes, element: str):
+    """Element codes (any uint) -> float32 values, exact."""
+    f = ELEMENTS[element]
+    c = jnp.asarray(codes).astype(jnp.int32)
+    e = (c >> f.mbits) & ((1 << f.ebits) - 1)
+    m = c & ((1 << f.mbits) - 1)
+    sign = (c >> (f.ebits + f.mbits)) & 1
+    # value = significand * 2**(exponent - mbits); subnormals share emin.
+    significand = jnp.where(e == 0, m, m + (1 << f.mbits)).astype(jnp.float32)
+    mag = significand * exp2i(jnp.maximum(e, 1) - f.bias - f.mbits)
+    if f.special == "fn":
+        mag = jnp.where((e == (1 << f.ebits) - 1) & (m == (1 << f.mbits) - 1), jnp.nan, mag)
+    elif f.special == "ieee":
+        top = e == (1 << f.ebits) - 1
+        mag = jnp.where(top, jnp.where(m == 0, jnp.inf, jnp.nan), mag)
+    return jnp.where(sign == 1, -mag, mag)
+
+
+def encode_element(x, element: str):
+    """float32 values -> uint32 codes: round to nearest even, saturate to the
+    largest finite value. NaN encodes as the format's NaN, or 0 where there is none
+    (its block's scale marks it NaN)."""
+    f = ELEMENTS[element]
+    x = jnp.asarray(x, jnp.float32)
+    a = jnp.minimum(jnp.abs(x), f.max_value)
+    finite = jnp.isfinite(x)
+    a = jnp.where(finite | jnp.isinf(x), a, 0.0)
+    exp = jnp.maximum(_floor_log2(jnp.where(a > 0, a, 1.0)), f.emin)
+    # Round to a multiple of the spacing at a's exponent (ties to even).
+    q = jnp.round(a * exp2i(f.mbits - exp)) * exp2i(exp - f.mbits)
+    qexp = jnp.maximum(_floor_log2(jnp.where(q > 0, q, 1.0)), f.emin)
+    normal = q >= exp2i(f.emin)
+    e_code = jnp.where(normal, qexp + f.bias, 0)
+    m_code = (q * exp2i(f.mbits - qexp)).astype(jnp.int32) - jnp.where(normal, 1 << f.mbits, 0)
+    code = (e_code << f.mbits) | m_code
+    code = jnp.where(jnp.signbit(x), code | (1 << (f.ebits + f.mbits)), code)
+    if f.special != "none":
+        nan_code = (1 << (f.bits - 1)) - 1  # S.111..1: NaN in both fn and ieee
+        code = jnp.where(jnp.isnan(x), nan_code, code)
+    return code.astype(jnp.uint32)
+
+
+def round_to_element(x, element: str):
+    """x rounded (RNE, saturating) onto the element grid, as float32."""
+    return decode_element(encode_element(x, element), element)
+
+
+# ---------------------------------------------------------------------------
+# Scale codecs.
+
+
+def decode_e8m0(codes):
+    """E8M0 codes (uint8) -> float32: 2**(e-127); 0 is 2**-127 (exact); 255 is NaN."""
+    e = jnp.asarray(codes).astype(jnp.int32)
+    return jnp.where(e == 255, jnp.nan, exp2i(e - 127))
+
+
+def e8m0_exponent(amax, element: str, rule: str):
+    """The shared exponent (int32, clamped to [-127, 127]) of a block whose
+    largest magnitude is `amax` (float32), per OCP MX rule `rule`."""
+    f = ELEMENTS[element]
+    amax = jnp.asarray(amax, jnp.float32)
+    safe = jnp.where(amax > 0, amax, 1.0)
+    if rule == "floor":
+        e = _floor_log2(safe) - f.emax
+    elif rule == "rceil":
+        # Smallest e with amax <= max_value * 2**e (no element saturates).
+        e = _floor_log2(safe) - f.emax
+        e = jnp.where(safe > f.max_value * exp2i(jnp.clip(e, -149, 127)), e + 1, e)
+    elif rule == "round":
+        # MLX: round(log2(amax / max_value)), the quotient taken in float32.
+        r = safe / np.float32(f.max_value)
+        mant, ex = jnp.frexp(r)  # r = mant * 2**ex, mant in [0.5, 1)
+        m2 = mant * 2.0
+        e = (ex - 1) + (m2 * m2 >= 2.0).astype(jnp.int32)
+    else:
+        raise ValueError(f"scale_rule={rule!r} is not known; expected one of {list(_MX_RULES)}")
+    e = jnp.where(amax > 0, e, -127)
+    return jnp.clip(e, -127, 127)
+
+
+def encode_e8m0(amax, element: str, rule: str):
+    """uint8 E8M0 scale code for blocks of largest magnitude `amax`; 0xFF if not finite."""
+    e = e8m0_exponent(amax, element, rule)
+    return jnp.where(jnp.isfinite(amax), e + 127, 255).astype(jnp.uint8)
+
+
+def decode_e4m3(codes):
+    return decode_element(codes, "e4m3")
+
+
+def encode_e4m3(x):
+    return encode_element(x, "e4m3").astype(jnp.uint8)
+
+
+def decode_scales(fmt: Format, scales):
+    """Stored scales -> float32 multipliers."""
+    if fmt.scale == "e8m0":
+        return decode_e8m0(scales)
+    if fmt.scale == "e4m3":
+        return decode_e4m3(scales)
+    return jnp.asarray(scales).astype(jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def element_values(element: str) -> np.ndarray:
+    """All 2**bits values of an element format, as float32 numpy (for docs and kernels)."""
+    f = ELEMENTS[element]
+    return np.asarray(jax.jit(lambda c: decode_element(c, element))(
+        np.arange(1 << f.bits, dtype=np.uint32)))

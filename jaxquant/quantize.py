@@ -1,0 +1,152 @@
+"""quantize / dequantize in jnp, for every mode of DESIGN.md §3.
+
+`dequantize_reference` is the definition of dequantization that every kernel
+is tested against; `jaxquant.dequantize` (the primitive) lowers to it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import formats
+from jaxquant.formats import Format
+from jaxquant.quantized_array import CANONICAL, QuantizedArray
+
+_FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
+
+
+def check_float_dtype(name: str, dtype) -> np.dtype:
+    dtype = jnp.dtype(dtype)
+    if dtype not in [jnp.dtype(d) for d in _FLOATS]:
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64; got {dtype}")
+    return dtype
+
+
+def ldexp(x, n):
+    """x * 2**n (n int32 in [-254, 254]) without forming a subnormal factor:
+    XLA flushes subnormal operands on CPU, and E8M0's 2**-127 is one."""
+    half = n // 2
+    return x * formats.exp2i(half) * formats.exp2i(n - half)
+
+
+# ---------------------------------------------------------------------------
+# quantize
+
+
+def quantize(w, mode: str = "affine", bits: int | None = None, group_size: int | None = None,
+             scale_rule: str | None = None) -> QuantizedArray:
+    """Quantize `w` [..., N, K] with groups along K (DESIGN.md §3).
+
+    mode: one of `jaxquant.formats.FORMATS` (or the alias "mxfp8").
+    bits, group_size: default to the format's (affine: 4 bits, group 64).
+    scale_rule: MX modes only: "floor" (OCP, default), "rceil" or "round" (MLX).
+    """
+    fmt, bits, group_size = formats.resolve(mode, bits, group_size)
+    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+        w = np.asarray(w)
+    dtype = check_float_dtype("w", w.dtype)
+    if w.ndim < 2:
+        raise ValueError(f"w must have at least 2 dimensions [..., N, K]; got shape {w.shape}")
+    k = w.shape[-1]
+    if k % group_size:
+        raise ValueError(f"w's last axis (K={k}) must be a multiple of group_size={group_size}")
+    if scale_rule is None:
+        scale_rule = fmt.default_scale_rule
+    elif scale_rule not in fmt.scale_rules:
+        allowed = list(fmt.scale_rules) or ["None (this mode has a single rule)"]
+        raise ValueError(f"scale_rule={scale_rule!r} is not allowed for mode={fmt.mode!r}; "
+                         f"expected one of {allowed}")
+
+    w = jnp.asarray(w)
+    wg = w.astype(jnp.float32).reshape(*w.shape[:-1], k // group_size, group_size)
+    biases = global_scale = None
+    if fmt.mode == "affine":
+        codes, scales, biases = _quantize_affine(wg, bits, dtype)
+    elif fmt.scale == "e8m0":
+        codes, scales = _quantize_mx(wg, fmt.element, scale_rule)
+    elif fmt.mode == "nvfp4":
+        codes, scales, global_scale = _quantize_nvfp4(wg)
+    elif fmt.mode == "fp4":
+        codes, scales = _quantize_fp4(wg, dtype)
+    else:  # pragma: no cover - the table and this dispatch must agree
+        raise NotImplementedError(fmt.mode)
+    data = formats.pack_bits(codes.reshape(w.shape), bits)
+    return QuantizedArray(data, scales, biases, global_scale, mode=fmt.mode, bits=bits,
+                          group_size=group_size, dtype=dtype)
+
+
+def _quantize_affine(wg, bits, dtype):
+    # MLX's CPU rule, step by step (DESIGN.md §3), in float32.
+    n_bins = np.float32((1 << bits) - 1)
+    w_min = jnp.min(wg, axis=-1, keepdims=True)
+    w_max = jnp.max(wg, axis=-1, keepdims=True)
+    edge_is_min = jnp.abs(w_min) > jnp.abs(w_max)
+    s = jnp.maximum((w_max - w_min) / n_bins, np.float32(1e-7))
+    scale = jnp.where(edge_is_min, s, -s)
+    edge = jnp.where(edge_is_min, w_min, w_max)
+    q0 = jnp.rint(edge / scale)
+    scale = jnp.where(q0 != 0, edge / q0, scale)
+    bias = jnp.where(q0 != 0, edge, np.float32(0))
+    q = jnp.clip(jnp.rint((wg - bias) / scale), 0, n_bins)
+    q = jnp.where(jnp.isnan(q), 0, q)
+    return q.astype(jnp.uint32), scale[..., 0].astype(dtype), bias[..., 0].astype(dtype)
+
+
+def _quantize_mx(wg, element, rule):
+    amax = jnp.max(jnp.abs(wg), axis=-1)
+    scales = formats.encode_e8m0(amax, element, rule)
+    exponent = scales.astype(jnp.int32) - 127
+    codes = formats.encode_element(ldexp(wg, -exponent[..., None]), element)
+    return codes, scales
+
+
+def _quantize_nvfp4(wg):
+    a = jnp.abs(wg)
+    amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0))
+    encode = jnp.where(amax > 0, np.float32(6 * 448) / amax, np.float32(1))
+    global_scale = np.float32(1) / encode
+    block_amax = jnp.max(a, axis=-1)
+    scales = formats.encode_e4m3(block_amax / np.float32(6) * encode)
+    scales = jnp.where(jnp.isfinite(block_amax), scales, np.uint8(0x7F))
+    divisor = (formats.decode_e4m3(scales) * global_scale)[..., None]
+    codes = formats.encode_element(jnp.where(divisor != 0, wg / divisor, 0), "e2m1")
+    return codes, scales, global_scale
+
+
+def _quantize_fp4(wg, dtype):
+    scales = (jnp.max(jnp.abs(wg), axis=-1) / np.float32(6)).astype(dtype)
+    divisor = scales.astype(jnp.float32)[..., None]
+    codes = formats.encode_element(jnp.where(divisor != 0, wg / divisor, 0), "e2m1")
+    return codes, scales
+
+
+# ---------------------------------------------------------------------------
+# dequantize
+
+
+def dequantize_reference(qw: QuantizedArray, dtype=None):
+    """The definition of dequantization: [..., N, K] values in `dtype`
+    (default: qw.dtype), arithmetic in float32 (float64 for float64 output)."""
+    dtype = check_float_dtype("dtype", qw.dtype if dtype is None else dtype)
+    if qw.layout != CANONICAL:
+        raise ValueError(f"dequantize_reference takes the canonical layout; got {qw.layout!r}")
+    fmt: Format = qw.format
+    *lead, n, k = qw.shape
+    g = qw.group_size
+    codes = formats.unpack_bits(qw.data, qw.bits).reshape(*lead, n, k // g, g)
+    if fmt.mode == "affine":
+        compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
+        scales = qw.scales.astype(compute)[..., None]
+        biases = qw.biases.astype(compute)[..., None]
+        values = codes.astype(compute) * scales + biases
+    elif fmt.scale == "e8m0":
+        e = qw.scales.astype(jnp.int32)[..., None]
+        values = ldexp(formats.decode_element(codes, fmt.element), e - 127)
+        values = jnp.where(e == 255, jnp.nan, values)
+    else:
+        values = formats.decode_element(codes, fmt.element)
+        values = values * formats.decode_scales(fmt, qw.scales)[..., None]
+        if qw.global_scale is not None:
+            values = values * jnp.asarray(qw.global_scale, jnp.float32)
+    return values.reshape(*lead, n, k).astype(dtype)

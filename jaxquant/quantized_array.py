@@ -1,0 +1,143 @@
+"""QuantizedArray: a quantized weight as a JAX pytree."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import formats
+
+CANONICAL = "canonical"
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedArray:
+    """A quantized array of logical shape [..., N, K] (DESIGN.md §2, §3).
+
+    Children (arrays): `data` uint32 [..., N, K*bits/32]; `scales` [..., N, K/group];
+    `biases` like scales (affine only) or None; `global_scale` float32 scalar
+    (nvfp4 only) or None.
+    Static: `mode`, `bits`, `group_size`, `dtype` (the logical dtype, that of the
+    array that was quantized) and `layout` ("canonical" is DESIGN.md §3's).
+
+    The logical shape is derived from `scales`, so the same object is right
+    inside `vmap` (where children lose their batch axis) and after indexing.
+    """
+
+    __slots__ = ("data", "scales", "biases", "global_scale", "mode", "bits", "group_size",
+                 "dtype", "layout")
+
+    def __init__(self, data, scales, biases=None, global_scale=None, *, mode, bits,
+                 group_size, dtype, layout=CANONICAL):
+        self.data = data
+        self.scales = scales
+        self.biases = biases
+        self.global_scale = global_scale
+        self.mode = formats.get_format(mode).mode
+        self.bits = bits
+        self.group_size = group_size
+        self.dtype = jnp.dtype(dtype)
+        self.layout = layout
+        _validate(self)
+
+    # -- pytree ------------------------------------------------------------
+    def tree_flatten(self):
+        children = (self.data, self.scales, self.biases, self.global_scale)
+        aux = (self.mode, self.bits, self.group_size, self.dtype, self.layout)
+        return children, aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.data, obj.scales, obj.biases, obj.global_scale = children
+        obj.mode, obj.bits, obj.group_size, obj.dtype, obj.layout = aux
+        return obj
+
+    # -- array-like --------------------------------------------------------
+    @property
+    def format(self) -> formats.Format:
+        return formats.FORMATS[self.mode]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = tuple(np.shape(self.scales))
+        return s[:-1] + (s[-1] * self.group_size,)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the children (packed data, scales, biases, global scale)."""
+        return sum(int(np.prod(np.shape(c))) * jnp.dtype(c.dtype).itemsize
+                   for c in (self.data, self.scales, self.biases, self.global_scale)
+                   if c is not None)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        """Index the leading axes (all but K): `qw[e]`, `qw[idx]`, `qw[:, 3:5]`."""
+        idx = index if isinstance(index, tuple) else (index,)
+        if any(i is None or i is Ellipsis for i in idx):
+            raise IndexError("QuantizedArray indexing takes no None or Ellipsis; "
+                             "index the leading axes explicitly")
+        if len(idx) > self.ndim - 1:
+            raise IndexError(f"QuantizedArray of shape {self.shape} can be indexed on its "
+                             f"{self.ndim - 1} leading axes (not K); got {len(idx)} indices")
+        pick = lambda c: None if c is None else c[idx]
+        return QuantizedArray(pick(self.data), pick(self.scales), pick(self.biases),
+                              self.global_scale, mode=self.mode, bits=self.bits,
+                              group_size=self.group_size, dtype=self.dtype, layout=self.layout)
+
+    def __repr__(self):
+        return (f"QuantizedArray(shape={self.shape}, dtype={self.dtype.name}, mode={self.mode!r}, "
+                f"bits={self.bits}, group_size={self.group_size}, layout={self.layout!r})")
+
+
+def _validate(qw: QuantizedArray) -> None:
+    """Check the children against the format; ValueError/TypeError naming the field."""
+    fmt, qw.bits, qw.group_size = formats.resolve(qw.mode, qw.bits, qw.group_size)
+    if qw.layout != CANONICAL:
+        return  # a backend's layout is checked by that backend
+    data, scales = qw.data, qw.scales
+    for name, c in (("data", data), ("scales", scales)):
+        if not (hasattr(c, "shape") and hasattr(c, "dtype")):
+            raise TypeError(f"{name} must be an array; got {type(c).__name__}")
+    if data.dtype != jnp.uint32:
+        raise TypeError(f"data must be uint32; got {data.dtype}")
+    want_scale = "uint8" if fmt.scale in ("e8m0", "e4m3") else "a float dtype"
+    if (scales.dtype == jnp.uint8) != (fmt.scale != "float") or (
+            fmt.scale == "float" and not jnp.issubdtype(scales.dtype, jnp.floating)):
+        raise TypeError(f"scales for mode={fmt.mode!r} must be {want_scale}; got {scales.dtype}")
+    if data.ndim < 1 or scales.ndim != data.ndim:
+        raise ValueError(f"data and scales must have the same rank >= 1; got data "
+                         f"{data.shape} and scales {scales.shape}")
+    if data.shape[:-1] != scales.shape[:-1] or \
+            data.shape[-1] * 32 != scales.shape[-1] * qw.group_size * qw.bits:
+        k = scales.shape[-1] * qw.group_size
+        raise ValueError(
+            f"scales shape {scales.shape} does not match data shape {data.shape}: for "
+            f"bits={qw.bits}, group_size={qw.group_size} expected data "
+            f"{scales.shape[:-1] + (k * qw.bits // 32,)} (K={k})")
+    if fmt.has_biases:
+        b = qw.biases
+        if b is None or not hasattr(b, "shape"):
+            raise ValueError(f"mode={fmt.mode!r} needs biases of shape {scales.shape}")
+        if b.shape != scales.shape or b.dtype != scales.dtype:
+            raise ValueError(f"biases must match scales ({scales.shape}, {scales.dtype}); "
+                             f"got {b.shape}, {b.dtype}")
+    elif qw.biases is not None:
+        raise ValueError(f"mode={fmt.mode!r} has no biases; got biases={qw.biases!r}")
+    if qw.global_scale is not None:
+        if not fmt.has_global_scale:
+            raise ValueError(f"mode={fmt.mode!r} has no global_scale")
+        if np.size(qw.global_scale) != 1:
+            raise ValueError(f"global_scale must be a float32 scalar; got shape "
+                             f"{np.shape(qw.global_scale)}")
