@@ -1,0 +1,8 @@
+"""The ops: one primitive each (DESIGN.md §2, §4)."""
+
+from jaxquant.ops.dequantize import dequantize
+from jaxquant.ops.norms import add_rms_norm, gated_rms_norm, rms_norm
+from jaxquant.ops.qmm import gather_qmm, qmm, ragged_qmm
+
+__all__ = ["add_rms_norm", "dequantize", "gated_rms_norm", "gather_qmm", "qmm", "ragged_qmm",
+           "rms_norm"]

@@ -1,0 +1,48 @@
+"""Argument checks and batching helpers shared by the ops."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant.quantize import check_float_dtype
+from jaxquant.quantized_array import QuantizedArray
+
+
+def require_quantized(name, qw, *, ndim=None, min_ndim=None):
+    if not isinstance(qw, QuantizedArray):
+        raise TypeError(f"{name} must be a jaxquant.QuantizedArray (from jq.quantize); "
+                        f"got {type(qw).__name__}")
+    if ndim is not None and qw.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions; got shape {qw.shape}")
+    if min_ndim is not None and qw.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions; got shape {qw.shape}")
+
+
+def check_x(x, name="x"):
+    if not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    check_float_dtype(name, x.dtype)
+    return x
+
+
+def compute_dtype(dtype):
+    """float32 accumulation, float64 for float64 inputs (DESIGN.md §4)."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def default_precision():
+    """The matmul precision in force now (`jax.default_matmul_precision`), captured
+    at bind time so the reference and the kernels see the same one."""
+    return jax.config.jax_default_matmul_precision
+
+
+def move_to_front(x, dim):
+    return jnp.moveaxis(x, dim, 0)
+
+
+def to_front_or_broadcast(x, dim, size):
+    """The vmapped axis of x at the front; an unbatched x broadcast to `size`."""
+    if dim is None:
+        return jnp.broadcast_to(x, (size,) + x.shape)
+    return jnp.moveaxis(x, dim, 0)

@@ -1,0 +1,214 @@
+"""qmm, gather_qmm, ragged_qmm: quantized matmuls (DESIGN.md §2, §4).
+
+All three are linear in x: their JVP is the op on the tangent, their
+transpose is the op with `transpose` flipped, so `jax.grad` flows to x
+(and through it to adapters on top of a frozen quantized base). There is
+no derivative with respect to the quantized weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import ad
+
+from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
+                                 move_to_front, require_quantized, to_front_or_broadcast)
+from jaxquant.primitive import Op
+from jaxquant.quantize import dequantize_reference
+
+
+# ---------------------------------------------------------------------------
+# References: the definition of each op.
+
+
+def _contract(x, w, transpose, precision, batch=0):
+    """x [*B, ..., K] . w [*B, N, K] (transpose) or [*B, K, N] -> [*B, ..., N], float32 acc."""
+    w_axis = w.ndim - 1 if transpose else w.ndim - 2
+    dims = (((x.ndim - 1,), (w_axis,)), (tuple(range(batch)), tuple(range(batch))))
+    return lax.dot_general(x, w, dims, precision=precision,
+                           preferred_element_type=compute_dtype(x.dtype))
+
+
+def qmm_reference(x, qw, *, transpose, precision):
+    w = dequantize_reference(qw, dtype=x.dtype)
+    return _contract(x, w, transpose, precision, batch=qw.ndim - 2).astype(x.dtype)
+
+
+def gather_qmm_reference(x, qw, indices, *, transpose, precision):
+    num_experts = qw.shape[0]
+    valid = (indices >= 0) & (indices < num_experts)
+    w = dequantize_reference(qw[jnp.where(valid, indices, 0)], dtype=x.dtype)  # [T, k, N, K]
+    xs = jnp.broadcast_to(x[:, None, :], w.shape[:2] + x.shape[-1:]) if x.ndim == 2 else x
+    # Per (token, slot) exactly qmm's contraction, so gather == qmm bit for bit.
+    one = lambda xi, wi: _contract(xi, wi, transpose, precision)
+    y = jax.vmap(jax.vmap(one))(xs, w)
+    return jnp.where(valid[..., None], y, jnp.nan).astype(x.dtype)
+
+
+def ragged_qmm_reference(x, qw, group_sizes, *, transpose, precision):
+    w = dequantize_reference(qw, dtype=x.dtype)
+    rhs = jnp.swapaxes(w, -1, -2) if transpose else w  # [E, K, N]
+    y = lax.ragged_dot(x, rhs, group_sizes.astype(jnp.int32), precision=precision,
+                       preferred_element_type=compute_dtype(x.dtype))
+    return y.astype(x.dtype)
+
+
+qmm_op = Op("qmm", qmm_reference)
+gather_qmm_op = Op("gather_qmm", gather_qmm_reference)
+ragged_qmm_op = Op("ragged_qmm", ragged_qmm_reference)
+
+
+# ---------------------------------------------------------------------------
+# Public functions: validate at trace time, bind one primitive.
+
+
+def _k_axis(qw, transpose):
+    return qw.shape[-1] if transpose else qw.shape[-2]
+
+
+def qmm(x, qw, transpose: bool = True, *, backend: str | None = None):
+    """y = x @ dequantize(qw).T (transpose=True, qw [N, K], x [..., K] -> [..., N])
+    or x @ dequantize(qw) (transpose=False, qw [K, N]), like MLX's quantized_matmul.
+
+    qw may carry leading batch axes [*B, N, K]; x is then [*B, M, K].
+    """
+    require_quantized("qw", qw, min_ndim=2)
+    x = check_x(x)
+    k = _k_axis(qw, transpose)
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x's last axis must be K={k} (qw.shape={qw.shape}, "
+                         f"transpose={transpose}); got x.shape={x.shape}")
+    if qw.ndim > 2 and (x.ndim != qw.ndim or x.shape[:-2] != qw.shape[:-2]):
+        raise ValueError(f"with batched qw {qw.shape}, x must be [*B, M, K] with B="
+                         f"{qw.shape[:-2]}; got x.shape={x.shape}")
+    return qmm_op.bind(x, qw, backend=backend, transpose=bool(transpose),
+                       precision=default_precision())
+
+
+def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = None):
+    """MoE decode: out[t, j] = x[t] (or x[t, j]) @ dequantize(qw[indices[t, j]]).T.
+
+    qw [E, N, K]; indices int [T, k]; x [T, K] or [T, k, K] -> [T, k, N].
+    An index outside [0, E) gives a NaN row and reads nothing out of bounds.
+    """
+    require_quantized("qw", qw, ndim=3)
+    x = check_x(x)
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"indices must be an integer array; got {indices.dtype}")
+    if indices.ndim != 2:
+        raise ValueError(f"indices must be [T, k]; got shape {indices.shape}")
+    k = _k_axis(qw, transpose)
+    t, slots = indices.shape
+    if x.shape not in ((t, k), (t, slots, k)):
+        raise ValueError(f"x must be [T, K] = {(t, k)} or [T, k, K] = {(t, slots, k)} "
+                         f"(indices {indices.shape}, qw {qw.shape}); got x.shape={x.shape}")
+    return gather_qmm_op.bind(x, qw, indices, backend=backend, transpose=bool(transpose),
+                              precision=default_precision())
+
+
+def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | None = None):
+    """MoE prefill, like `lax.ragged_dot`: rows of x [T, K] are grouped by expert in
+    order, group e has group_sizes[e] rows; rows past sum(group_sizes) are zero.
+    qw [E, N, K] -> [T, N]."""
+    require_quantized("qw", qw, ndim=3)
+    x = check_x(x)
+    group_sizes = jnp.asarray(group_sizes)
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be an integer array; got {group_sizes.dtype}")
+    if group_sizes.shape != (qw.shape[0],):
+        raise ValueError(f"group_sizes must be [E] = ({qw.shape[0]},); got {group_sizes.shape}")
+    k = _k_axis(qw, transpose)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
+    return ragged_qmm_op.bind(x, qw, group_sizes, backend=backend, transpose=bool(transpose),
+                              precision=default_precision())
+
+
+# ---------------------------------------------------------------------------
+# Batching: keep the primitive where the batch folds into token rows.
+
+
+def _qmm_batch(args, dims, *, backend, transpose, precision):
+    x, qw = args
+    x_dim, qw_dims = dims
+    nb = qw.ndim - 2
+    bind = lambda x, qw: qmm_op.bind(x, qw, backend=backend, transpose=transpose,
+                                     precision=precision)
+    if not jax.tree_util.tree_leaves(qw_dims):
+        if nb == 0:
+            return bind(move_to_front(x, x_dim), qw), 0
+        # x [*B, M, K]: the vmapped axis moves next to M and folds into it.
+        x = jnp.moveaxis(x, x_dim, nb)
+        v, m = x.shape[nb], x.shape[nb + 1]
+        y = bind(x.reshape(*x.shape[:nb], v * m, x.shape[-1]), qw)
+        return y.reshape(*y.shape[:nb], v, m, y.shape[-1]), nb
+    if qw.global_scale is not None and qw_dims.global_scale is not None:
+        return None  # a batch of global scales: vmap of the reference
+    # A batch of weights: qmm with a leading batch axis on qw and x.
+    size = next(c.shape[d] for c, d in zip((qw.data, qw.scales, qw.biases),
+                                           (qw_dims.data, qw_dims.scales, qw_dims.biases))
+                if c is not None and d is not None)
+    front = lambda c, d: None if c is None else to_front_or_broadcast(c, d, size)
+    qw = type(qw)(front(qw.data, qw_dims.data), front(qw.scales, qw_dims.scales),
+                  front(qw.biases, qw_dims.biases), qw.global_scale, mode=qw.mode,
+                  bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout)
+    x = to_front_or_broadcast(x, x_dim, size)
+    if nb > 0:
+        return bind(x, qw), 0
+    y = bind(x.reshape(size, -1, x.shape[-1]), qw)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), 0
+
+
+def _gather_batch(args, dims, *, backend, transpose, precision):
+    x, qw, indices = args
+    x_dim, qw_dims, i_dim = dims
+    if jax.tree_util.tree_leaves(qw_dims):
+        return None
+    size = (x.shape[x_dim] if x_dim is not None else indices.shape[i_dim])
+    x = to_front_or_broadcast(x, x_dim, size)
+    indices = to_front_or_broadcast(indices, i_dim, size)
+    y = gather_qmm_op.bind(x.reshape(-1, *x.shape[2:]), qw, indices.reshape(-1, indices.shape[-1]),
+                           backend=backend, transpose=transpose, precision=precision)
+    return y.reshape(size, -1, *y.shape[1:]), 0
+
+
+qmm_op.batch_rule = _qmm_batch
+gather_qmm_op.batch_rule = _gather_batch
+
+
+# ---------------------------------------------------------------------------
+# Differentiation: linear in x.
+
+
+def _linear_in_x(op: Op):
+    def jvp(primals, tangents, *, tree, backend, **params):
+        if any(type(t) is not ad.Zero for t in tangents[1:]):
+            raise ValueError(f"jaxquant.{op.name} has no derivative with respect to the "
+                             "quantized weights (or indices); differentiate with respect to "
+                             "x, or keep the quantized arrays out of the differentiated inputs")
+        y = op.primitive.bind(*primals, tree=tree, backend=backend, **params)
+        dx = tangents[0]
+        if type(dx) is ad.Zero:
+            return y, ad.Zero(jax.core.get_aval(y).to_tangent_aval())
+        return y, op.primitive.bind(dx, *primals[1:], tree=tree, backend=backend, **params)
+
+    def transpose(ct, x, *rest, tree, backend, transpose, precision):
+        assert ad.is_undefined_primal(x) and not any(ad.is_undefined_primal(r) for r in rest)
+        if type(ct) is ad.Zero:
+            return [ad.Zero(x.aval)] + [None] * len(rest)
+        ct_x = op.primitive.bind(ct, *rest, tree=tree, backend=backend,
+                                 transpose=not transpose, precision=precision)
+        if ct_x.shape != x.aval.shape:  # gather_qmm with x shared across slots
+            ct_x = ct_x.sum(axis=1)
+        return [ct_x.astype(x.aval.dtype)] + [None] * len(rest)
+
+    ad.primitive_jvps[op.primitive] = jvp
+    ad.primitive_transposes[op.primitive] = transpose
+
+
+for _op in (qmm_op, gather_qmm_op, ragged_qmm_op):
+    _linear_in_x(_op)
