@@ -148,5 +148,6 @@ def dequantize_reference(qw: QuantizedArray, dtype=None):
         values = formats.decode_element(codes, fmt.element)
         values = values * formats.decode_scales(fmt, qw.scales)[..., None]
         if qw.global_scale is not None:
-            values = values * jnp.asarray(qw.global_scale, jnp.float32)
+            gs = jnp.asarray(qw.global_scale, jnp.float32)
+            values = values * gs.reshape(gs.shape + (1,) * (values.ndim - gs.ndim))
     return values.reshape(*lead, n, k).astype(dtype)

@@ -16,8 +16,9 @@ class QuantizedArray:
     """A quantized array of logical shape [..., N, K] (DESIGN.md §2, §3).
 
     Children (arrays): `data` uint32 [..., N, K*bits/32]; `scales` [..., N, K/group];
-    `biases` like scales (affine only) or None; `global_scale` float32 scalar
-    (nvfp4 only) or None.
+    `biases` like scales (affine only) or None; `global_scale` (nvfp4 only) float32,
+    a scalar or one per leading index (its shape a prefix of the leading axes, as
+    `vmap` of `quantize` makes), or None.
     Static: `mode`, `bits`, `group_size`, `dtype` (the logical dtype, that of the
     array that was quantized) and `layout` ("canonical" is DESIGN.md §3's).
 
@@ -92,8 +93,10 @@ class QuantizedArray:
             raise IndexError(f"QuantizedArray of shape {self.shape} can be indexed on its "
                              f"{self.ndim - 1} leading axes (not K); got {len(idx)} indices")
         pick = lambda c: None if c is None else c[idx]
-        return QuantizedArray(pick(self.data), pick(self.scales), pick(self.biases),
-                              self.global_scale, mode=self.mode, bits=self.bits,
+        gs = self.global_scale
+        if gs is not None and np.ndim(gs):
+            gs = gs[idx[:np.ndim(gs)]]
+        return QuantizedArray(pick(self.data), pick(self.scales), pick(self.biases), gs, mode=self.mode, bits=self.bits,
                               group_size=self.group_size, dtype=self.dtype, layout=self.layout)
 
     def __repr__(self):
@@ -138,6 +141,7 @@ def _validate(qw: QuantizedArray) -> None:
     if qw.global_scale is not None:
         if not fmt.has_global_scale:
             raise ValueError(f"mode={fmt.mode!r} has no global_scale")
-        if np.size(qw.global_scale) != 1:
-            raise ValueError(f"global_scale must be a float32 scalar; got shape "
-                             f"{np.shape(qw.global_scale)}")
+        gs = np.shape(qw.global_scale)
+        if len(gs) > scales.ndim - 2 or gs != scales.shape[:len(gs)]:
+            raise ValueError(f"global_scale must be a float32 scalar, or one per leading index "
+                             f"(shape a prefix of {scales.shape[:-2]}); got shape {gs}")

@@ -46,3 +46,23 @@ def to_front_or_broadcast(x, dim, size):
     if dim is None:
         return jnp.broadcast_to(x, (size,) + x.shape)
     return jnp.moveaxis(x, dim, 0)
+
+
+def batch_size(args, dims):
+    """The size of the vmapped axis, from the first batched (array, dim) pair."""
+    pairs = zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(
+        dims, is_leaf=lambda d: d is None))
+    return next(a.shape[d] for a, d in pairs if d is not None)
+
+
+def quantized_to_front(qw, qw_dims, size):
+    """A vmapped QuantizedArray as one with a leading batch axis of `size`.
+    An unbatched scalar global_scale stays scalar (it broadcasts)."""
+    def front(name):
+        c, d = getattr(qw, name), getattr(qw_dims, name)
+        if c is None or (name == "global_scale" and d is None and jnp.ndim(c) == 0):
+            return c
+        return to_front_or_broadcast(c, d, size)
+    return QuantizedArray(*map(front, ("data", "scales", "biases", "global_scale")),
+                          mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
+                          layout=qw.layout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from jax.interpreters import ad
 
-from jaxquant.ops.common import require_quantized, to_front_or_broadcast
+from jaxquant.ops.common import batch_size, quantized_to_front, require_quantized
 from jaxquant.primitive import Op
 from jaxquant.quantize import check_float_dtype, dequantize_reference
 
@@ -26,16 +26,7 @@ def dequantize(qw, dtype=None, *, backend: str | None = None):
 
 def _batch(args, dims, *, backend, dtype):
     (qw,), (qw_dims,) = args, dims
-    if qw.global_scale is not None and qw_dims.global_scale is not None:
-        return None  # a batch of global scales: vmap of the reference
-    pairs = [(qw.data, qw_dims.data), (qw.scales, qw_dims.scales)]
-    if qw.biases is not None:
-        pairs.append((qw.biases, qw_dims.biases))
-    size = next(c.shape[d] for c, d in pairs if d is not None)
-    fronted = [to_front_or_broadcast(c, d, size) for c, d in pairs]
-    if qw.global_scale is not None:
-        fronted.append(qw.global_scale)
-    qw = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(qw), fronted)
+    qw = quantized_to_front(qw, qw_dims, batch_size(args, dims))
     return dequantize_op.bind(qw, backend=backend, dtype=dtype), 0
 
 

@@ -14,8 +14,9 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 
-from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
-                                 move_to_front, require_quantized, to_front_or_broadcast)
+from jaxquant.ops.common import (batch_size, check_x, compute_dtype, default_precision,
+                                 move_to_front, quantized_to_front, require_quantized,
+                                 to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.quantize import dequantize_reference
 
@@ -146,16 +147,9 @@ def _qmm_batch(args, dims, *, backend, transpose, precision):
         v, m = x.shape[nb], x.shape[nb + 1]
         y = bind(x.reshape(*x.shape[:nb], v * m, x.shape[-1]), qw)
         return y.reshape(*y.shape[:nb], v, m, y.shape[-1]), nb
-    if qw.global_scale is not None and qw_dims.global_scale is not None:
-        return None  # a batch of global scales: vmap of the reference
     # A batch of weights: qmm with a leading batch axis on qw and x.
-    size = next(c.shape[d] for c, d in zip((qw.data, qw.scales, qw.biases),
-                                           (qw_dims.data, qw_dims.scales, qw_dims.biases))
-                if c is not None and d is not None)
-    front = lambda c, d: None if c is None else to_front_or_broadcast(c, d, size)
-    qw = type(qw)(front(qw.data, qw_dims.data), front(qw.scales, qw_dims.scales),
-                  front(qw.biases, qw_dims.biases), qw.global_scale, mode=qw.mode,
-                  bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout)
+    size = batch_size(args, dims)
+    qw = quantized_to_front(qw, qw_dims, size)
     x = to_front_or_broadcast(x, x_dim, size)
     if nb > 0:
         return bind(x, qw), 0
@@ -176,8 +170,22 @@ def _gather_batch(args, dims, *, backend, transpose, precision):
     return y.reshape(size, -1, *y.shape[1:]), 0
 
 
+def _ragged_batch(args, dims, *, backend, transpose, precision):
+    # lax.ragged_dot has no general batching rule: map over the batch, on the primitive.
+    fronted = jax.tree_util.tree_map(lambda a, d: None if d is None else move_to_front(a, d),
+                                     args, dims, is_leaf=lambda d: d is None)
+
+    def one(batched):
+        full = jax.tree_util.tree_map(lambda a, b: a if b is None else b, args, batched,
+                                      is_leaf=lambda b: b is None)
+        return ragged_qmm_op.bind(*full, backend=backend, transpose=transpose,
+                                  precision=precision)
+    return jax.lax.map(one, fronted), 0
+
+
 qmm_op.batch_rule = _qmm_batch
 gather_qmm_op.batch_rule = _gather_batch
+ragged_qmm_op.batch_rule = _ragged_batch
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""python -m jaxquant [report | bench ...]
+
+report (default): the JAX devices and jaxquant backends here, and each
+format's quantize -> dequantize error on a standard normal matrix.
+bench ...: the benchmarks (`python -m jaxquant bench --help`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def report(n: int = 1024, k: int = 4096) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxquant as jq
+    from jaxquant import dispatch
+
+    print(f"jaxquant {jq.__version__}, jax {jax.__version__}, devices: "
+          f"{', '.join(sorted({d.platform + ':' + d.device_kind for d in jax.devices()}))}")
+    for name in dispatch.BACKENDS:
+        why = dispatch.unavailable_reason(name)
+        print(f"  backend {name:9s} {'available' if why is None else 'unavailable: ' + why}")
+    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32)
+    print(f"\nround trip on a standard normal [{n}, {k}] float32 matrix "
+          f"(rel. error = |w - deq(q(w))| / |w|):")
+    print(f"{'mode':12s} {'bits':>4s} {'group':>5s} {'bits/weight':>11s} {'rel. error':>10s} "
+          f"{'max abs err':>11s} {'ms':>7s}")
+    roundtrip = jax.jit(lambda w, mode, bits, group: jq.dequantize(
+        jq.quantize(w, mode=mode, bits=bits, group_size=group)), static_argnums=(1, 2, 3))
+    for fmt in jq.FORMATS.values():
+        for bits in fmt.bits:
+            groups = fmt.group_sizes if fmt.mode in ("affine", "fp4") else fmt.group_sizes[:1]
+            for group in groups:
+                roundtrip(w, fmt.mode, bits, group).block_until_ready()
+                t0 = time.perf_counter()
+                d = roundtrip(w, fmt.mode, bits, group).block_until_ready()
+                ms = 1e3 * (time.perf_counter() - t0)
+                qw = jq.quantize(w[:1], mode=fmt.mode, bits=bits, group_size=group)
+                bpw = 8 * (qw.nbytes - (4 if qw.global_scale is not None else 0)) / k
+                err = np.linalg.norm(np.asarray(d - w)) / np.linalg.norm(np.asarray(w))
+                print(f"{fmt.mode:12s} {bits:4d} {group:5d} {bpw:11.3f} {err:10.5f} "
+                      f"{float(jnp.max(jnp.abs(d - w))):11.5f} {ms:7.1f}")
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv and argv[0] == "bench":
+        from jaxquant import bench
+        return bench.main(argv[1:]) or 0
+    if argv and argv[0] != "report":
+        print(f"unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
+        return 2
+    report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

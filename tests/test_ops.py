@@ -1,0 +1,481 @@
+"""The ops (DESIGN.md §4) on the reference backend against the float64 oracle,
+under jit, vmap, scan, grad and x64."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jaxquant as jq
+from tests import oracle
+
+MODES = [("affine", 2), ("affine", 3), ("affine", 4), ("affine", 5), ("affine", 6),
+         ("affine", 8), ("mxfp4", 4), ("mxfp6_e2m3", 6), ("mxfp6_e3m2", 6), ("mxfp8_e4m3", 8),
+         ("mxfp8_e5m2", 8), ("nvfp4", 4), ("fp4", 4)]
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
+       jnp.dtype(jnp.bfloat16): 2.0**-8}
+
+
+def deq64(qw):
+    """The oracle's float64 values of a QuantizedArray."""
+    arr = lambda a: None if a is None else np.asarray(a)
+    return oracle.dequantize(qw.mode, qw.bits, qw.group_size, arr(qw.data), arr(qw.scales),
+                             arr(qw.biases), arr(qw.global_scale))
+
+
+def assert_matmul_close(y, x, w64, dtype, transpose=True):
+    """y (any dtype) vs float64 x @ w: the reference rounds w to x's dtype, then
+    accumulates in float32 and rounds the output: bound each step elementwise."""
+    x64 = np.asarray(x, np.float64)
+    w64 = w64 if transpose else np.swapaxes(w64, -1, -2)
+    want = x64 @ np.swapaxes(w64, -1, -2)
+    mag = np.abs(x64) @ np.swapaxes(np.abs(w64), -1, -2)
+    eps = EPS[jnp.dtype(dtype)]
+    k = x64.shape[-1]
+    bound = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(want) + 1e-30
+    got = np.asarray(y, np.float64)
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+def rand(key, shape, dtype=jnp.float32, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
+
+
+def quantize_for(mode, bits, w):
+    return jq.quantize(w, mode=mode, bits=bits if mode == "affine" else None)
+
+
+# ---------------------------------------------------------------------------
+# qmm
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose", [True, False])
+def test_qmm_matches_oracle(mode, bits, dtype, transpose):
+    n, k = 64, 128
+    w = rand(0, (n, k) if transpose else (k, n), dtype)
+    qw = quantize_for(mode, bits, w)
+    x = rand(1, (2, 3, k), dtype)
+    y = jax.jit(jq.qmm, static_argnums=2)(x, qw, transpose)
+    assert y.dtype == dtype and y.shape == (2, 3, n)
+    assert_matmul_close(y, x, deq64(qw), dtype, transpose)
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 5), n=st.integers(1, 40), groups=st.integers(1, 4),
+       mode=st.sampled_from(MODES), seed=st.integers(0, 2**16))
+def test_qmm_random_shapes(m, n, groups, mode, seed):
+    mode, bits = mode
+    k = groups * jq.formats.get_format(mode).default_group_size
+    qw = quantize_for(mode, bits, rand(seed, (n, k), scale=np.exp((seed % 7) - 3)))
+    x = rand(seed + 1, (m, k))
+    assert_matmul_close(jq.qmm(x, qw), x, deq64(qw), jnp.float32)
+
+
+def test_qmm_batched_weights():
+    qw = jq.quantize(rand(0, (3, 32, 64)), mode="mxfp4")
+    x = rand(1, (3, 5, 64))
+    y = jq.qmm(x, qw)
+    w64 = deq64(qw)
+    for b in range(3):
+        assert_matmul_close(y[b], x[b], w64[b], jnp.float32)
+
+
+def test_qmm_vmap_over_x_weights_and_both():
+    qws = jq.quantize(rand(0, (4, 32, 64)), mode="affine", bits=4, group_size=32)
+    x = rand(1, (4, 2, 64))
+    w64 = deq64(qws)
+    y_x = jax.vmap(jq.qmm, in_axes=(0, None))(x, qws[1])
+    y_w = jax.vmap(jq.qmm, in_axes=(None, 0))(x[0], qws)
+    y_both = jax.jit(jax.vmap(jq.qmm))(x, qws)
+    for b in range(4):
+        assert_matmul_close(y_x[b], x[b], w64[1], jnp.float32)
+        assert_matmul_close(y_w[b], x[0], w64[b], jnp.float32)
+        assert_matmul_close(y_both[b], x[b], w64[b], jnp.float32)
+    # The batch folds into the primitive: one qmm in the jaxpr, no reference loop.
+    jaxpr = jax.make_jaxpr(jax.vmap(jq.qmm))(x, qws)
+    assert [e.primitive.name for e in jaxpr.eqns].count("jaxquant_qmm") == 1
+
+
+def test_qmm_vmap_batch_of_nvfp4_global_scales():
+    ws = rand(0, (3, 16, 32))
+    qws = jax.vmap(lambda w: jq.quantize(w, mode="nvfp4"))(ws)
+    assert qws.global_scale.shape == (3,)
+    x = rand(1, (2, 32))
+    y = jax.vmap(jq.qmm, in_axes=(None, 0))(x, qws)
+    for b in range(3):
+        assert_matmul_close(y[b], x, deq64(qws[b]), jnp.float32)
+
+
+def test_qmm_scan_layer_loop():
+    layers = jq.quantize(rand(0, (4, 64, 64), scale=0.1), mode="mxfp8")
+    x = rand(1, (2, 64))
+
+    def body(h, qw):
+        return jnp.tanh(jq.qmm(h, qw)), None
+
+    out, _ = jax.jit(lambda x, l: jax.lax.scan(body, x, l))(x, layers)
+    h = np.asarray(x, np.float64)
+    w64 = deq64(layers)
+    for i in range(4):
+        h = np.tanh(h @ w64[i].T)
+    np.testing.assert_allclose(out, h, rtol=1e-4, atol=1e-5)
+
+
+def test_qmm_grad_in_x_and_lora():
+    qw = jq.quantize(rand(0, (32, 64)), mode="affine")
+    x = rand(1, (3, 64))
+    w64 = deq64(qw)
+    g = jax.jit(jax.grad(lambda x: jq.qmm(x, qw).sum()))(x)
+    np.testing.assert_allclose(g, np.broadcast_to(w64.sum(0), (3, 64)), rtol=1e-5, atol=1e-5)
+    # LoRA on a frozen quantized base: gradient reaches the adapters.
+    a, b = rand(2, (64, 4), scale=0.1), rand(3, (4, 32), scale=0.1)
+
+    def loss(ab, x):
+        a, b = ab
+        return jnp.sum(jnp.sin(jq.qmm(x, qw) + x @ a @ b))
+
+    ga, gb = jax.grad(loss)((a, b), x)
+    ct = np.cos(x.astype(np.float64) @ w64.T + np.asarray(x @ a @ b, np.float64))
+    np.testing.assert_allclose(gb, (np.asarray(x @ a, np.float64)).T @ ct, rtol=1e-3, atol=1e-4)
+    assert ga.shape == a.shape
+    # transpose=False and second derivatives through the linear op.
+    qw_t = jq.quantize(rand(4, (64, 32)), mode="mxfp4")
+    g2 = jax.grad(lambda x: jnp.sum(jq.qmm(x, qw_t, transpose=False) ** 2))(x)
+    y = x.astype(np.float64) @ deq64(qw_t)
+    np.testing.assert_allclose(g2, 2 * y @ deq64(qw_t).T, rtol=1e-4, atol=1e-3)
+
+
+def test_qmm_no_derivative_wrt_weights():
+    w = rand(0, (16, 32))
+    x = rand(1, (2, 32))
+    qw = jq.quantize(w, mode="affine", group_size=32)
+    with pytest.raises(ValueError, match="quantized weights"):
+        jax.grad(lambda s: jq.qmm(x, jq.QuantizedArray(qw.data, s, qw.biases, mode="affine",
+                                                       bits=4, group_size=32,
+                                                       dtype=jnp.float32)).sum())(qw.scales)
+
+
+def test_qmm_x64():
+    with jax.enable_x64(True):
+        qw = jq.quantize(rand(0, (16, 64)).astype(jnp.float64), mode="affine", group_size=32)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)))
+        y = jq.qmm(x, qw)
+        assert y.dtype == jnp.float64
+        np.testing.assert_allclose(y, np.asarray(x) @ deq64(qw).T, rtol=1e-12, atol=1e-12)
+
+
+def test_qmm_honours_default_matmul_precision():
+    qw = jq.quantize(rand(0, (16, 64)), mode="mxfp4")
+    x = rand(1, (2, 64))
+    with jax.default_matmul_precision("highest"):
+        text = jax.jit(jq.qmm).lower(x, qw).as_text()
+    assert "HIGHEST" in text
+    assert "HIGHEST" not in jax.jit(jq.qmm).lower(x, qw).as_text()
+
+
+# ---------------------------------------------------------------------------
+# gather_qmm
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("per_slot_x", [False, True])
+def test_gather_qmm_matches_oracle_and_qmm_bitwise(mode, bits, per_slot_x):
+    e, n, k, t, slots = 5, 24, 64, 4, 3
+    qw = quantize_for(mode, bits, rand(0, (e, n, k)))
+    idx = jax.random.randint(jax.random.key(2), (t, slots), 0, e)
+    x = rand(1, (t, slots, k) if per_slot_x else (t, k), jnp.bfloat16)
+    y = jax.jit(jq.gather_qmm)(x, qw, idx)
+    assert y.shape == (t, slots, n) and y.dtype == jnp.bfloat16
+    w64 = deq64(qw)
+    qmm = jax.jit(jq.qmm)
+    for i in range(t):
+        for j in range(slots):
+            xi = x[i, j] if per_slot_x else x[i]
+            assert_matmul_close(y[i, j], xi, w64[int(idx[i, j])], jnp.bfloat16)
+            single = qmm(xi, qw[int(idx[i, j])])
+            assert np.array_equal(np.asarray(single), np.asarray(y[i, j]))
+
+
+def test_gather_qmm_bad_ids_give_nan_rows():
+    e = 3
+    qw = jq.quantize(rand(0, (e, 16, 32)), mode="mxfp4")
+    idx = jnp.array([[0, -1], [3, 2], [2**31 - 1, -2**31]], jnp.int32)
+    y = jax.jit(jq.gather_qmm)(rand(1, (3, 32)), qw, idx)
+    bad = np.array([[False, True], [True, False], [True, True]])
+    assert np.all(np.isnan(np.asarray(y))[bad])
+    assert not np.any(np.isnan(np.asarray(y))[~bad])
+
+
+def test_gather_qmm_vmap_and_grad():
+    qw = jq.quantize(rand(0, (4, 16, 32)), mode="nvfp4")
+    x = rand(1, (2, 3, 32))
+    idx = jnp.array([[[0, 1], [2, 3], [1, 1]], [[3, 3], [0, 2], [2, 0]]])
+    y = jax.vmap(jq.gather_qmm, in_axes=(0, None, 0))(x, qw, idx)
+    for b in range(2):
+        np.testing.assert_array_equal(y[b], jq.gather_qmm(x[b], qw, idx[b]))
+    w64 = deq64(qw)
+    g = jax.grad(lambda x: jq.gather_qmm(x, qw, idx[0]).sum())(x[0])
+    want = np.stack([w64[np.asarray(idx[0, t])].sum(axis=(0, 1)) for t in range(3)])
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# ragged_qmm
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("mxfp6_e3m2", 6),
+                                       ("nvfp4", 4), ("fp4", 4), ("mxfp8_e5m2", 8)])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_ragged_qmm_matches_oracle(mode, bits, transpose):
+    e, n, k, t = 4, 64, 64, 11
+    shape = (e, n, k) if transpose else (e, k, n)
+    qw = quantize_for(mode, bits, rand(0, shape))
+    gs = jnp.array([3, 0, 5, 1], jnp.int32)  # 9 rows used, 2 left over
+    x = rand(1, (t, k))
+    y = jax.jit(jq.ragged_qmm, static_argnums=3)(x, qw, gs, transpose)
+    w64 = deq64(qw)
+    start = 0
+    for g, size in enumerate(np.asarray(gs)):
+        assert_matmul_close(y[start:start + size], x[start:start + size], w64[g], jnp.float32,
+                            transpose)
+        start += size
+    assert np.all(np.asarray(y[start:]) == 0)
+    gx = jax.grad(lambda x: jq.ragged_qmm(x, qw, gs, transpose).sum())(x)
+    assert np.all(np.asarray(gx[start:]) == 0)
+    np.testing.assert_allclose(gx[0], (w64[0] if transpose else w64[0].T).sum(0),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_qmm_vmap_over_x():
+    qw = jq.quantize(rand(0, (2, 8, 32)), mode="mxfp4")
+    gs = jnp.array([2, 3])
+    x = rand(1, (3, 6, 32))
+    y = jax.vmap(jq.ragged_qmm, in_axes=(0, None, None))(x, qw, gs)
+    for b in range(3):
+        np.testing.assert_allclose(y[b], jq.ragged_qmm(x[b], qw, gs), rtol=1e-6, atol=1e-6)
+    gss = jnp.array([[2, 3], [1, 1], [0, 6]])
+    y = jax.vmap(jq.ragged_qmm, in_axes=(0, None, 0))(x, qw, gss)
+    for b in range(3):
+        np.testing.assert_allclose(y[b], jq.ragged_qmm(x[b], qw, gss[b]), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# norms (float64 numpy oracle written here from DESIGN.md §4)
+
+
+def rms64(x, w=None, eps=1e-6, off=0.0, group=None):
+    x = np.asarray(x, np.float64)
+    xs = x.reshape(*x.shape[:-1], -1, group) if group else x
+    y = (xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps)).reshape(x.shape)
+    return y if w is None else y * (np.asarray(w, np.float64) + off)
+
+
+def act64(g, name):
+    g = np.asarray(g, np.float64)
+    s = 1 / (1 + np.exp(-g))
+    return g * s if name == "silu" else s
+
+
+@pytest.mark.parametrize("width", [1, 7, 64, 128, 256, 1000, 5376])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(width, dtype):
+    x = rand(0, (3, width), dtype, scale=3.0)
+    w = rand(1, (width,), dtype)
+    tol = dict(rtol=4 * EPS[jnp.dtype(dtype)], atol=4 * EPS[jnp.dtype(dtype)])
+    y = jax.jit(jq.rms_norm)(x, w)
+    assert y.dtype == dtype
+    np.testing.assert_allclose(np.asarray(y, np.float64), rms64(x, w), **tol)
+    y = jq.rms_norm(x, None, eps=1e-3, weight_offset=1.0)
+    np.testing.assert_allclose(np.asarray(y, np.float64), rms64(x, eps=1e-3), **tol)
+    y = jq.rms_norm(x, w, weight_offset=1.0)
+    np.testing.assert_allclose(np.asarray(y, np.float64), rms64(x, w, off=1.0), **tol)
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
+                                    (jnp.float32, jnp.float32)])
+def test_add_rms_norm(dtypes):
+    xd, rd = dtypes
+    x, r, w = rand(0, (4, 96), xd), rand(1, (4, 96), rd), rand(2, (96,), rd)
+    y, h = jax.jit(jq.add_rms_norm)(x, r, w)
+    assert h.dtype == rd and y.dtype == rd
+    h64 = np.asarray((x + r).astype(rd), np.float64)
+    np.testing.assert_array_equal(np.asarray(h, np.float64), h64)
+    eps = EPS[jnp.dtype(rd)]
+    np.testing.assert_allclose(np.asarray(y, np.float64), rms64(h64, w), rtol=4 * eps,
+                               atol=4 * eps)
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("group_size", [None, 64])
+def test_gated_rms_norm(activation, norm_before_gate, group_size):
+    x = rand(0, (5, 256), jnp.float32)  # float32 x with bf16 gate/weight (DESIGN §4)
+    gate, w = rand(1, (5, 256), jnp.bfloat16), rand(2, (256,), jnp.bfloat16)
+    y = jax.jit(jq.gated_rms_norm, static_argnames=("activation", "norm_before_gate",
+                                                    "group_size"))(
+        x, gate, w, activation=activation, norm_before_gate=norm_before_gate,
+        group_size=group_size)
+    assert y.dtype == jnp.bfloat16
+    a = act64(gate, activation)
+    if norm_before_gate:
+        want = rms64(x, w, group=group_size) * a
+    else:
+        want = rms64(np.asarray(x, np.float64) * a, w, group=group_size)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2**-7, atol=2**-7)
+
+
+def test_norms_vmap_and_grad():
+    x, r, w = rand(0, (3, 4, 32)), rand(1, (3, 4, 32)), rand(2, (32,))
+    y = jax.vmap(jq.rms_norm, in_axes=(0, None))(x, w)
+    np.testing.assert_allclose(y, jq.rms_norm(x, w), rtol=1e-6)
+    ws = rand(3, (3, 32))
+    y = jax.vmap(jq.rms_norm)(x, ws)  # batched weight: vmap of the reference
+    for b in range(3):
+        np.testing.assert_allclose(y[b], jq.rms_norm(x[b], ws[b]), rtol=1e-6)
+    yh = jax.vmap(jq.add_rms_norm, in_axes=(0, None, None))(x, r[0], w)
+    np.testing.assert_allclose(yh[1], x + r[0], rtol=1e-6)
+
+    def ref(x, w):
+        xf = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        return jnp.sum(jnp.sin(xf * w))
+
+    g = jax.grad(lambda x, w: jnp.sum(jnp.sin(jq.rms_norm(x, w))), argnums=(0, 1))(x, w)
+    gr = jax.grad(ref, argnums=(0, 1))(x, w)
+    for a, b in zip(g, gr):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    gg = jax.grad(lambda x: jnp.sum(jq.gated_rms_norm(x, r, w, norm_before_gate=False)))(x)
+    assert gg.shape == x.shape and np.all(np.isfinite(gg))
+
+
+# ---------------------------------------------------------------------------
+# Every public op is exactly one jaxquant primitive.
+
+
+def test_one_primitive_per_op():
+    qw = jq.quantize(rand(0, (4, 16, 32)), mode="mxfp4")
+    x = rand(1, (3, 32))
+    idx = jnp.zeros((3, 2), jnp.int32)
+    cases = {
+        "dequantize": (jq.dequantize, (qw,)),
+        "qmm": (jq.qmm, (x, qw[0])),
+        "gather_qmm": (jq.gather_qmm, (x, qw, idx)),
+        "ragged_qmm": (jq.ragged_qmm, (x, qw, jnp.array([1, 1, 1, 0]))),
+        "rms_norm": (jq.rms_norm, (x, x[0])),
+        "add_rms_norm": (jq.add_rms_norm, (x, x, x[0])),
+        "gated_rms_norm": (jq.gated_rms_norm, (x, x, x[0])),
+    }
+    for name, (fn, args) in cases.items():
+        eqns = jax.make_jaxpr(fn)(*args).eqns
+        names = [e.primitive.name for e in eqns]
+        assert names == [f"jaxquant_{name}"], (name, names)
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs.
+
+
+def test_op_bad_inputs():
+    qw = jq.quantize(rand(0, (4, 16, 32)), mode="mxfp4")
+    x = rand(1, (3, 32))
+    with pytest.raises(TypeError, match="qw"):
+        jq.qmm(x, np.ones((16, 32)))
+    with pytest.raises(TypeError, match="x"):
+        jq.qmm(x.astype(jnp.int32), qw[0])
+    with pytest.raises(ValueError, match="K=32"):
+        jq.qmm(rand(1, (3, 31)), qw[0])
+    with pytest.raises(ValueError, match="x must be"):
+        jq.qmm(x, qw)  # batched qw needs [*B, M, K]
+    with pytest.raises(ValueError, match="qw"):
+        jq.gather_qmm(x, qw[0], jnp.zeros((3, 2), jnp.int32))
+    with pytest.raises(TypeError, match="indices"):
+        jq.gather_qmm(x, qw, jnp.zeros((3, 2)))
+    with pytest.raises(ValueError, match="indices"):
+        jq.gather_qmm(x, qw, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="x must be"):
+        jq.gather_qmm(x, qw, jnp.zeros((4, 2), jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes"):
+        jq.ragged_qmm(x, qw, jnp.array([1, 2]))
+    with pytest.raises(TypeError, match="group_sizes"):
+        jq.ragged_qmm(x, qw, jnp.array([1.0, 2, 0, 0]))
+    with pytest.raises(ValueError, match="weight"):
+        jq.rms_norm(x, jnp.ones(31))
+    with pytest.raises(ValueError, match="residual"):
+        jq.add_rms_norm(x, x[:2])
+    with pytest.raises(ValueError, match="activation"):
+        jq.gated_rms_norm(x, x, activation="relu")
+    with pytest.raises(ValueError, match="group_size"):
+        jq.gated_rms_norm(x, x, group_size=5)
+    with pytest.raises(ValueError, match="eps"):
+        jq.rms_norm(x, eps=-1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        jq.dequantize(qw, dtype=jnp.int8)
+
+
+# ---------------------------------------------------------------------------
+# Composition: a decoder MLP block and a routed MoE block, end to end under jit.
+
+
+def test_decoder_mlp_block():
+    d, f = 128, 256
+    wg, wu, wd = rand(0, (f, d), scale=0.1), rand(1, (f, d), scale=0.1), rand(2, (d, f), scale=0.1)
+    qg, qu = jq.quantize(wg, mode="affine"), jq.quantize(wu, mode="affine")
+    qd = jq.quantize(wd, mode="affine")
+    norm_w = 1 + rand(3, (d,), scale=0.1)
+    x, res = rand(4, (2, 5, d)), rand(5, (2, 5, d))
+
+    @jax.jit
+    def block(x, res):
+        y, h = jq.add_rms_norm(x, res, norm_w)
+        a = jax.nn.silu(jq.qmm(y, qg)) * jq.qmm(y, qu)
+        return h + jq.qmm(a, qd)
+
+    out = block(x, res)
+    h = np.asarray(x, np.float64) + np.asarray(res, np.float64)
+    y = rms64(h, norm_w)
+    g, u = y @ deq64(qg).T, y @ deq64(qu).T
+    want = h + (g / (1 + np.exp(-g)) * u) @ deq64(qd).T
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    # ...and the quantization error against the float weights stays at the format's level.
+    gd, ud = y @ np.asarray(wg, np.float64).T, y @ np.asarray(wu, np.float64).T
+    dense = h + (gd / (1 + np.exp(-gd)) * ud) @ np.asarray(wd, np.float64).T
+    rel = np.linalg.norm(np.asarray(out) - dense) / np.linalg.norm(dense - h)
+    assert rel < 0.2, rel
+
+
+def moe_block(x, router, q_gate, q_up, q_down, top_k):
+    logits = x @ router
+    weights, idx = jax.lax.top_k(logits, top_k)
+    weights = jax.nn.softmax(weights, axis=-1)
+    a = jax.nn.silu(jq.gather_qmm(x, q_gate, idx)) * jq.gather_qmm(x, q_up, idx)
+    y = jq.gather_qmm(a, q_down, idx)  # per-slot x
+    return jnp.einsum("tk,tkn->tn", weights, y)
+
+
+def test_moe_block():
+    e, d, f, t, top_k = 8, 64, 96, 6, 2
+    router = rand(0, (d, e))
+    qs = [jq.quantize(rand(i + 1, shape, scale=0.1), mode="mxfp4")
+          for i, shape in enumerate([(e, f, d), (e, f, d), (e, d, f)])]
+    x = rand(9, (t, d))
+    out = jax.jit(moe_block, static_argnums=5)(x, router, *qs, top_k)
+    x64 = np.asarray(x, np.float64)
+    logits = np.asarray(x @ router, np.float64)
+    wg, wu, wd = (deq64(q) for q in qs)
+    want = np.zeros((t, d))
+    for i in range(t):
+        top = np.argsort(-logits[i])[:top_k]
+        p = np.exp(logits[i, top] - logits[i, top].max())
+        p /= p.sum()
+        for j, ex in enumerate(top):
+            g, u = wg[ex] @ x64[i], wu[ex] @ x64[i]
+            want[i] += p[j] * (wd[ex] @ (g / (1 + np.exp(-g)) * u))
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    hlo = jax.jit(moe_block, static_argnums=5).lower(x, router, *qs, top_k).as_text()
+    # One device program: no host callbacks, sends or receives.
+    for word in ("callback", "stablehlo.send", "stablehlo.recv"):
+        assert word not in hlo
