@@ -169,12 +169,24 @@ def _stream_geometry(bits: int):
     return word, shift, spill
 
 
+def _check_stream_length(k: int, bits: int):
+    per_word = 32 // bits if 32 % bits == 0 else 32
+    if k % per_word:
+        raise ValueError(f"a {bits}-bit stream needs the element count to be a multiple of "
+                         f"{per_word}; got {k}")
+
+
 def pack_bits(codes, bits: int):
     """uint codes [..., K] (each < 2**bits) -> uint32 words [..., K*bits/32]."""
     codes = jnp.asarray(codes).astype(jnp.uint32)
     k = codes.shape[-1]
-    if k % 32:
-        raise ValueError(f"pack_bits needs the last axis to be a multiple of 32, got {k}")
+    _check_stream_length(k, bits)
+    if 32 % bits == 0:  # whole elements per word
+        per_word = 32 // bits
+        shifts = (np.arange(per_word) * bits).astype(np.uint32)
+        fields = codes.reshape(*codes.shape[:-1], k // per_word, per_word) << shifts
+        # Bit fields are disjoint, so a sum is an OR.
+        return jnp.sum(fields, axis=-1, dtype=jnp.uint32)
     blocks = codes.reshape(*codes.shape[:-1], k // 32, 32)
     word, shift, spill = _stream_geometry(bits)
     lo = blocks << shift.astype(np.uint32)
@@ -182,7 +194,6 @@ def pack_bits(codes, bits: int):
     hi = blocks >> np.where(spill, 32 - shift, 0).astype(np.uint32)
     words = []
     for j in range(bits):
-        # Bit fields are disjoint, so a sum is an OR.
         (own,) = np.nonzero(word == j)
         w = jnp.sum(lo[..., own[0]:own[-1] + 1], axis=-1, dtype=jnp.uint32)
         if j > 0 and spill[own[0] - 1]:
@@ -197,13 +208,14 @@ def unpack_bits(data, bits: int):
     if data.dtype != jnp.uint32:
         raise TypeError(f"data must be uint32, got {data.dtype}")
     w = data.shape[-1]
-    if w % bits:
-        raise ValueError(f"unpack_bits needs the last axis to be a multiple of bits={bits}, got {w}")
     mask = np.uint32((1 << bits) - 1)
     if 32 % bits == 0:
         shifts = (np.arange(32 // bits) * bits).astype(np.uint32)
         codes = (data[..., None] >> shifts) & mask
         return codes.reshape(*data.shape[:-1], w * 32 // bits)
+    if w % bits:
+        raise ValueError(f"a {bits}-bit stream needs the word count to be a multiple of "
+                         f"{bits}; got {w}")
     blocks = data.reshape(*data.shape[:-1], w // bits, bits)
     word, shift, spill = _stream_geometry(bits)
     lo = blocks[..., word] >> shift.astype(np.uint32)

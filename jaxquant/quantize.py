@@ -6,6 +6,9 @@ is tested against; `jaxquant.dequantize` (the primitive) lowers to it.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,7 +61,12 @@ def quantize(w, mode: str = "affine", bits: int | None = None, group_size: int |
         raise ValueError(f"scale_rule={scale_rule!r} is not allowed for mode={fmt.mode!r}; "
                          f"expected one of {allowed}")
 
-    w = jnp.asarray(w)
+    return _quantize(jnp.asarray(w), fmt.mode, bits, group_size, scale_rule)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(w, mode, bits, group_size, scale_rule):
+    fmt, dtype, k = formats.FORMATS[mode], w.dtype, w.shape[-1]
     wg = w.astype(jnp.float32).reshape(*w.shape[:-1], k // group_size, group_size)
     biases = global_scale = None
     if fmt.mode == "affine":
