@@ -238,6 +238,19 @@ def exp2i(e):
     return jnp.where(e >= -126, normal, sub)
 
 
+def exact_div(x, d):
+    """x / d correctly rounded, also under jit.
+
+    XLA rewrites a division by a constant or by a broadcast operand into a
+    multiplication by the reciprocal, which is not correctly rounded (x / 15
+    differs from IEEE division for most x). Adding a zero of x's shape that
+    XLA cannot prove constant keeps the true division.
+    """
+    x = jnp.asarray(x)
+    zero = jnp.where(jnp.isfinite(x), x * 0, 0).astype(x.dtype)
+    return x / (jnp.asarray(d, x.dtype) + zero)
+
+
 def _floor_log2(a):
     """floor(log2(a)) for finite a > 0 (float32), exact."""
     _, e = jnp.frexp(a)
@@ -264,6 +277,34 @@ def decode_element(codes, element: str):
         top = e == (1 << f.ebits) - 1
         mag = jnp.where(top, jnp.where(m == 0, jnp.inf, jnp.nan), mag)
     return jnp.where(sign == 1, -mag, mag)
+
+
+def decode_element_scaled(codes, element: str, exponent):
+    """decode_element(codes) * 2**exponent as float32, exact, subnormal results
+    included: they are built from bits, since XLA flushes float32 subnormals
+    produced by arithmetic on CPU. (Every MX value, E8M0 2**-127 included, is
+    a float32 number.)"""
+    f = ELEMENTS[element]
+    c = jnp.asarray(codes).astype(jnp.int32)
+    e = (c >> f.mbits) & ((1 << f.ebits) - 1)
+    m = c & ((1 << f.mbits) - 1)
+    significand = jnp.where(e == 0, m, m + (1 << f.mbits))
+    power = jnp.maximum(e, 1) - f.bias - f.mbits + jnp.asarray(exponent, jnp.int32)
+    half = power // 2  # two normal factors: neither operand is a flushed subnormal
+    normal = significand.astype(jnp.float32) * exp2i(half) * exp2i(power - half)
+    # Results under 2**-126: significand * 2**power = (significand << (power + 149)) ulps.
+    tiny = power < -126
+    sub_bits = significand.astype(jnp.uint32) << jnp.clip(power + 149, 0, 31).astype(jnp.uint32)
+    use_bits = tiny & (power + 149 >= 0) & (sub_bits < (1 << 23))
+    mag = jnp.where(use_bits, lax.bitcast_convert_type(sub_bits, jnp.float32), normal)
+    mag = jnp.where(tiny & (power + 149 < 0), 0.0, mag)
+    if f.special == "fn":
+        mag = jnp.where((e == (1 << f.ebits) - 1) & (m == (1 << f.mbits) - 1), jnp.nan, mag)
+    elif f.special == "ieee":
+        top = e == (1 << f.ebits) - 1
+        mag = jnp.where(top, jnp.where(m == 0, jnp.inf, jnp.nan), mag)
+    sign = ((c >> (f.ebits + f.mbits)) & 1).astype(jnp.uint32) << 31
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(mag, jnp.uint32) | sign, jnp.float32)
 
 
 def encode_element(x, element: str):
@@ -319,7 +360,7 @@ def e8m0_exponent(amax, element: str, rule: str):
         e = jnp.where(safe > f.max_value * exp2i(jnp.clip(e, -149, 127)), e + 1, e)
     elif rule == "round":
         # MLX: round(log2(amax / max_value)), the quotient taken in float32.
-        r = safe / np.float32(f.max_value)
+        r = exact_div(safe, np.float32(f.max_value))
         mant, ex = jnp.frexp(r)  # r = mant * 2**ex, mant in [0.5, 1)
         m2 = mant * 2.0
         e = (ex - 1) + (m2 * m2 >= 2.0).astype(jnp.int32)

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -50,8 +52,12 @@ class Op:
     # -- rules -------------------------------------------------------------
     def _impl(self, *leaves, tree, backend, **params):
         # Eager calls run the lowering through jit, so backends apply there too.
+        return self._jitted(tree, backend, tuple(sorted(params.items())))(*leaves)
+
+    @functools.lru_cache(maxsize=256)
+    def _jitted(self, tree, backend, params):
         return jax.jit(lambda *l: self.primitive.bind(*l, tree=tree, backend=backend,
-                                                      **params))(*leaves)
+                                                      **dict(params)))
 
     def _abstract_eval(self, *avals, tree, backend, **params):
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]

@@ -16,6 +16,7 @@ from jaxquant import formats
 from jaxquant.formats import Format
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
+div = formats.exact_div  # IEEE division: XLA turns x / c into x * (1/c)
 _FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
 
 
@@ -90,13 +91,13 @@ def _quantize_affine(wg, bits, dtype):
     w_min = jnp.min(wg, axis=-1, keepdims=True)
     w_max = jnp.max(wg, axis=-1, keepdims=True)
     edge_is_min = jnp.abs(w_min) > jnp.abs(w_max)
-    s = jnp.maximum((w_max - w_min) / n_bins, np.float32(1e-7))
+    s = jnp.maximum(div(w_max - w_min, n_bins), np.float32(1e-7))
     scale = jnp.where(edge_is_min, s, -s)
     edge = jnp.where(edge_is_min, w_min, w_max)
-    q0 = jnp.rint(edge / scale)
-    scale = jnp.where(q0 != 0, edge / q0, scale)
+    q0 = jnp.rint(div(edge, scale))
+    scale = jnp.where(q0 != 0, div(edge, q0), scale)
     bias = jnp.where(q0 != 0, edge, np.float32(0))
-    q = jnp.clip(jnp.rint((wg - bias) / scale), 0, n_bins)
+    q = jnp.clip(jnp.rint(div(wg - bias, scale)), 0, n_bins)
     q = jnp.where(jnp.isnan(q), 0, q)
     return q.astype(jnp.uint32), scale[..., 0].astype(dtype), bias[..., 0].astype(dtype)
 
@@ -112,20 +113,20 @@ def _quantize_mx(wg, element, rule):
 def _quantize_nvfp4(wg):
     a = jnp.abs(wg)
     amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0))
-    encode = jnp.where(amax > 0, np.float32(6 * 448) / amax, np.float32(1))
-    global_scale = np.float32(1) / encode
+    encode = jnp.where(amax > 0, div(jnp.full_like(amax, 6 * 448), amax), np.float32(1))
+    global_scale = div(jnp.ones_like(encode), encode)
     block_amax = jnp.max(a, axis=-1)
-    scales = formats.encode_e4m3(block_amax / np.float32(6) * encode)
+    scales = formats.encode_e4m3(div(block_amax, np.float32(6)) * encode)
     scales = jnp.where(jnp.isfinite(block_amax), scales, np.uint8(0x7F))
     divisor = (formats.decode_e4m3(scales) * global_scale)[..., None]
-    codes = formats.encode_element(jnp.where(divisor != 0, wg / divisor, 0), "e2m1")
+    codes = formats.encode_element(jnp.where(divisor != 0, div(wg, divisor), 0), "e2m1")
     return codes, scales, global_scale
 
 
 def _quantize_fp4(wg, dtype):
-    scales = (jnp.max(jnp.abs(wg), axis=-1) / np.float32(6)).astype(dtype)
+    scales = div(jnp.max(jnp.abs(wg), axis=-1), np.float32(6)).astype(dtype)
     divisor = scales.astype(jnp.float32)[..., None]
-    codes = formats.encode_element(jnp.where(divisor != 0, wg / divisor, 0), "e2m1")
+    codes = formats.encode_element(jnp.where(divisor != 0, div(wg, divisor), 0), "e2m1")
     return codes, scales
 
 
@@ -150,7 +151,7 @@ def dequantize_reference(qw: QuantizedArray, dtype=None):
         values = codes.astype(compute) * scales + biases
     elif fmt.scale == "e8m0":
         e = qw.scales.astype(jnp.int32)[..., None]
-        values = ldexp(formats.decode_element(codes, fmt.element), e - 127)
+        values = formats.decode_element_scaled(codes, fmt.element, e - 127)
         values = jnp.where(e == 255, jnp.nan, values)
     else:
         values = formats.decode_element(codes, fmt.element)

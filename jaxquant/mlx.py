@@ -1,0 +1,387 @@
+"""MLX-compatible quantization API (DESIGN.md §2 `jq.mlx`).
+
+Functions here take MLX's signatures and return MLX's tuples, so code written
+against ``mlx.core`` ports by changing the import::
+
+    w_q, scales, biases = jq.mlx.quantize(w, group_size=64, bits=4)
+    w_q, scales = jq.mlx.quantize(w, mode="mxfp4")
+    w2 = jq.mlx.dequantize(w_q, scales, biases, group_size=64, bits=4)
+
+The arrays are bit-compatible with MLX's: ``w_q`` is MLX's uint32 packing (a
+little-endian bit stream along K, DESIGN.md §3), scales are MLX's (the input
+dtype for affine, uint8 E8M0 for mxfp4/mxfp8, uint8 E4M3 for nvfp4), so arrays
+move between MLX and JAX unchanged (``np.array(mlx_array)``; for bfloat16 MLX
+arrays use ``np.array(a.view(mx.uint16)).view(ml_dtypes.bfloat16)``, which
+`from_mlx` does for you when handed an ``mlx.core.array``).
+
+Checked bit for bit against MLX 0.32.4 (CPU) in tests/test_mlx.py. What MLX
+does, and therefore what these functions do:
+
+- Defaults per mode (MLX's table): affine group 64 / 4 bits, mxfp4 32 / 4,
+  mxfp8 32 / 8, nvfp4 16 / 4. ``"mxfp8"`` is E4M3 (jaxquant's
+  ``"mxfp8_e4m3"``).
+- affine: DESIGN.md §3's rule (``jq.quantize``), which is MLX's CPU rule.
+- mxfp4 / mxfp8: the shared exponent is the smallest one with no saturation
+  (``scale_rule="rceil"``; MLX 0.32 no longer uses ``round(log2(amax/max))``),
+  and an all-zero block gets scale 2**0 (code 127; OCP's floor rule gives 0).
+  E4M3 elements round to nearest, ties to even.
+- E2M1 elements (mxfp4, nvfp4) round to nearest with ties toward zero
+  (0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3, 5 -> 4; DESIGN.md's ``jq.quantize``
+  rounds ties to even), and a value that rounds to zero is written as +0
+  (code 0), never -0 (code 8). mxfp8 keeps the sign of zero (code 0x80).
+- nvfp4 without ``global_scale``: block scale ``e4m3(amax / 6)``, elements
+  ``e2m1(w / scale)``; there is no tensor scale (unlike ``jq.quantize``, which
+  always computes one). With ``global_scale=g`` (MLX's convention: ``g`` is
+  the tensor's absolute maximum, or any float32 > 0), block scale
+  ``e4m3(amax / 6 * (2688 / g))`` and the dequantization multiplier is
+  ``g / 2688`` (2688 = 6 * 448). The returned QuantizedArray stores that
+  multiplier as its ``global_scale`` (jaxquant's convention, DESIGN.md §3).
+
+Dequantization is ``jq.dequantize`` (the op; DESIGN.md §3 defines its values).
+It equals MLX's bit for bit for mxfp4, mxfp8 and nvfp4 without a global scale
+(every value is an exact product). Known, documented differences, all within
+one unit in the last place (jaxquant rounds once, MLX's CPU path twice):
+
+- affine: MLX computes ``T(T(scale * q) + bias)`` in the scale dtype ``T``;
+  jaxquant computes ``scale * q + bias`` in float32 (compiled by XLA, which
+  fuses it into one multiply-add on CPU) and rounds once to the output dtype.
+- nvfp4 with a global scale: MLX computes ``e2m1 * (e4m3 * (g / 2688))``,
+  jaxquant ``(e2m1 * e4m3) * (g / 2688)``.
+- Inputs MLX mishandles are not copied: non-finite blocks (jaxquant: scale
+  0xFF = NaN, per OCP), blocks whose absolute maximum is a float32 subnormal,
+  E8M0 255 (MLX decodes it as +inf, jaxquant as NaN), and MLX's 1-bit affine
+  mode (not a jaxquant format).
+- nvfp4 with a global scale and float16/bfloat16 input: the block scales are
+  MLX's, but MLX's half-precision element quotient is not reproduced; about
+  0.1% of elements, next to rounding ties, land on the neighbouring code.
+
+Modes MLX lacks (``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e5m2``, ``fp4``) are
+accepted too, with jaxquant's own rules and defaults; they have no MLX twin.
+
+Everything here is jittable and works on tracers; ``stream=`` is accepted for
+signature compatibility and ignored (JAX places the computation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import dispatch, formats
+from jaxquant.ops import dequantize as _jq_dequantize
+from jaxquant.quantize import check_float_dtype, ldexp
+from jaxquant.quantize import quantize as _jq_quantize
+from jaxquant.quantized_array import CANONICAL, QuantizedArray
+
+__all__ = ["MLX_MODES", "NVFP4_GLOBAL_SCALE_FACTOR", "dequantize", "from_mlx", "quantize",
+           "to_mlx"]
+
+#: The modes MLX itself implements (its names).
+MLX_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+#: MLX's nvfp4 ``global_scale`` g encodes with 2688 / g and decodes with g / 2688.
+NVFP4_GLOBAL_SCALE_FACTOR = 6 * 448
+
+
+# ---------------------------------------------------------------------------
+# Small helpers.
+
+
+def _exact_div(x, d):
+    """x / d correctly rounded, also under jit (d: a number or an array that
+    broadcasts against x).
+
+    XLA rewrites a division by a constant, or by a broadcast operand, into a
+    multiplication by the reciprocal, which is not correctly rounded (x / 6,
+    x / scale[..., None]). A divisor of x's own shape that XLA cannot prove
+    constant keeps the true division.
+    """
+    x = jnp.asarray(x)
+    zero = jnp.where(jnp.isfinite(x), x * 0, 0).astype(x.dtype)  # +-0, not foldable
+    return x / (jnp.asarray(d, x.dtype) + zero)
+
+
+def _as_array(x, name: str):
+    """jax / numpy arrays as they are (tracers included); MLX arrays and
+    sequences as numpy."""
+    if x is None or isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    if type(x).__module__.startswith("mlx"):
+        return _mlx_to_numpy(x)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        try:
+            return np.asarray(x)
+        except Exception as e:  # pragma: no cover - numpy's own message is kept
+            raise TypeError(f"{name} must be an array; got {type(x).__name__}") from e
+    return x
+
+
+def _mlx_to_numpy(a):
+    """An ``mlx.core.array`` as numpy (bfloat16 through a uint16 view: numpy's
+    buffer protocol does not know bfloat16)."""
+    import ml_dtypes
+    import mlx.core as mx
+
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.array(a)
+
+
+def _to_dtype(dtype, name="dtype"):
+    """A jnp dtype from a numpy/jnp dtype, a name, or an ``mlx.core.Dtype``."""
+    if dtype is None:
+        return None
+    if type(dtype).__module__.startswith("mlx"):
+        dtype = str(dtype).rsplit(".", 1)[-1]
+    try:
+        return jnp.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}={dtype!r} is not a dtype") from e
+
+
+def _resolve(mode, bits, group_size):
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str such as {list(MLX_MODES)}; got {mode!r}")
+    return formats.resolve(mode, bits, group_size)
+
+
+def _global_scale_from_mlx(g):
+    """MLX's nvfp4 global_scale g -> jaxquant's float32 multiplier g / 2688
+    (elementwise: a scalar, or one per leading index)."""
+    if g is None:
+        return None
+    g = jnp.asarray(_as_array(g, "global_scale"), jnp.float32)
+    return _exact_div(g, NVFP4_GLOBAL_SCALE_FACTOR)
+
+
+def _global_scale_to_mlx(gs):
+    """jaxquant's multiplier -> MLX's g, chosen so that MLX's g / 2688 gives
+    back exactly `gs` (the one of gs * 2688 and its two neighbours that does)."""
+    gs = jnp.asarray(gs, jnp.float32)
+    g = gs * np.float32(NVFP4_GLOBAL_SCALE_FACTOR)
+    up = jnp.nextafter(g, jnp.float32(jnp.inf))
+    down = jnp.nextafter(g, jnp.float32(-jnp.inf))
+    back = lambda c: _exact_div(c, NVFP4_GLOBAL_SCALE_FACTOR) == gs
+    return jnp.where(back(g), g, jnp.where(back(up), up, jnp.where(back(down), down, g)))
+
+
+# ---------------------------------------------------------------------------
+# from_mlx / to_mlx
+
+
+def from_mlx(w_q, scales, biases=None, *, group_size, bits, mode, dtype=None,
+             global_scale=None) -> QuantizedArray:
+    """MLX's quantized arrays -> a QuantizedArray sharing their buffers.
+
+    w_q: uint32 [..., N, K*bits/32] (MLX's packed weight); scales [..., N, K/group];
+    biases (affine only) like scales. group_size / bits / mode: as given to
+    ``mx.quantize`` (None = MLX's default for the mode). dtype: the logical dtype
+    (default: the scales' dtype for affine, bfloat16 otherwise, as
+    ``mx.dequantize``). global_scale: nvfp4 only, MLX's convention (see module doc).
+
+    Arrays are kept as they are (numpy stays numpy, jax stays jax, tracers
+    work); ``mlx.core.array`` inputs are converted to numpy.
+    """
+    return _from_mlx(w_q, scales, biases, group_size=group_size, bits=bits, mode=mode,
+                     dtype=dtype, global_scale=global_scale, w_name="w_q")
+
+
+def _from_mlx(w_q, scales, biases, *, group_size, bits, mode, dtype, global_scale, w_name):
+    fmt, bits, group_size = _resolve(mode, bits, group_size)
+    w = w_name
+    w_q = _as_array(w_q, w)
+    scales = _as_array(scales, "scales")
+    biases = _as_array(biases, "biases")
+    if w_q is None or not hasattr(w_q, "dtype"):
+        raise TypeError(f"{w} must be an array; got {type(w_q).__name__}")
+    if w_q.dtype != np.uint32:
+        raise TypeError(f"{w} must be uint32 (MLX's packed weight); got {w_q.dtype}")
+    if w_q.ndim < 2:
+        raise ValueError(f"{w} must have at least 2 dimensions [..., N, K*bits/32]; "
+                         f"got shape {tuple(w_q.shape)}")
+    if scales is None or not hasattr(scales, "dtype"):
+        raise TypeError(f"scales must be an array; got {type(scales).__name__}")
+    words = w_q.shape[-1]
+    if (words * 32) % bits or ((words * 32) // bits) % group_size:
+        raise ValueError(
+            f"{w}'s last axis ({words} uint32 words = {words * 32} bits) does not hold a "
+            f"whole number of groups of {group_size} {bits}-bit elements (mode={fmt.mode!r})")
+    k = words * 32 // bits
+    want = tuple(w_q.shape[:-1]) + (k // group_size,)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"scales must have shape {want} for {w} of shape {tuple(w_q.shape)} "
+                         f"(K={k}, group_size={group_size}, bits={bits}); got "
+                         f"{tuple(scales.shape)}")
+    if fmt.scale == "float":
+        if not jnp.issubdtype(scales.dtype, jnp.floating):
+            raise TypeError(f"scales for mode={fmt.mode!r} must be a float dtype; got "
+                            f"{scales.dtype}")
+    elif scales.dtype != np.uint8:
+        raise TypeError(f"scales for mode={fmt.mode!r} must be uint8 ({fmt.scale.upper()} "
+                        f"codes); got {scales.dtype}")
+    if fmt.has_biases:
+        if biases is None:
+            raise ValueError(f"mode={fmt.mode!r} needs biases (mx.quantize returns "
+                             f"(w_q, scales, biases)); got biases=None")
+        if tuple(biases.shape) != want or biases.dtype != scales.dtype:
+            raise ValueError(f"biases must match scales ({want}, {scales.dtype}); got "
+                             f"{tuple(biases.shape)}, {biases.dtype}")
+    elif biases is not None:
+        raise ValueError(f"mode={mode!r} has no biases; got biases of shape "
+                         f"{tuple(np.shape(biases))}")
+    if global_scale is not None and not fmt.has_global_scale:
+        raise ValueError(f"global_scale is only used by mode='nvfp4'; got mode={mode!r}")
+    if dtype is None:
+        dtype = scales.dtype if fmt.scale == "float" else jnp.bfloat16
+    dtype = check_float_dtype("dtype", _to_dtype(dtype))
+    return QuantizedArray(w_q, scales, biases, _global_scale_from_mlx(global_scale),
+                          mode=fmt.mode, bits=bits, group_size=group_size, dtype=dtype)
+
+
+def to_mlx(qw: QuantizedArray) -> tuple:
+    """A QuantizedArray -> the tuple ``mx.quantize`` returns.
+
+    affine: ``(w_q, scales, biases)``; other modes: ``(w_q, scales)``. An nvfp4
+    array with a global scale returns ``(w_q, scales, global_scale)``, the last
+    in MLX's convention (pass it as ``mx.dequantize(..., global_scale=g)``).
+    The arrays are qw's own (no copy).
+    """
+    if not isinstance(qw, QuantizedArray):
+        raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
+    if qw.layout != CANONICAL:
+        raise ValueError(f"qw must be in the canonical layout (MLX's); got layout="
+                         f"{qw.layout!r}: undo it with jq.unpack_layout first")
+    if qw.format.has_biases:
+        return qw.data, qw.scales, qw.biases
+    if qw.global_scale is not None:
+        return qw.data, qw.scales, _global_scale_to_mlx(qw.global_scale)
+    return qw.data, qw.scales
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize
+
+
+def quantize(w, group_size=None, bits=None, mode="affine", *, global_scale=None, stream=None):
+    """``mx.quantize``: ``(w_q, scales, biases)`` for affine, ``(w_q, scales)`` otherwise.
+
+    w: float array [..., N, K], groups along K. See the module docstring for the
+    rules per mode and for ``global_scale`` (nvfp4 only, MLX's convention: one
+    float32 scalar).
+    """
+    del stream
+    fmt, bits, group_size = _resolve(mode, bits, group_size)
+    if global_scale is not None:
+        if not fmt.has_global_scale:
+            raise ValueError(f"global_scale is only used by mode='nvfp4'; got mode={mode!r}")
+        global_scale = _as_array(global_scale, "global_scale")
+        if np.size(global_scale) != 1:
+            raise ValueError(f"global_scale must be a float32 scalar; got shape "
+                             f"{tuple(np.shape(global_scale))}")
+        global_scale = jnp.asarray(global_scale, jnp.float32).reshape(())
+    w = _as_array(w, "w")
+    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+        w = np.asarray(w)
+    return _quantize_jit(w, global_scale, mode=fmt.mode, bits=bits, group_size=group_size)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "bits", "group_size"))
+def _quantize_jit(w, global_scale, *, mode, bits, group_size):
+    fmt = formats.FORMATS[mode]
+    if mode in ("mxfp4", "mxfp8_e4m3", "nvfp4"):
+        qw = _quantize_mlx(w, fmt, group_size, global_scale)
+    elif fmt.scale == "e8m0":
+        qw = _jq_quantize(w, mode, bits, group_size, scale_rule="rceil")
+    else:
+        qw = _jq_quantize(w, mode, bits, group_size)
+    out = to_mlx(qw)
+    return out[:2] if mode == "nvfp4" else out
+
+
+def _encode_e2m1_mlx(x):
+    """E2M1 codes as MLX writes them: round to nearest, ties toward zero
+    (0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3, 5 -> 4), saturate at 6, and a value
+    that rounds to zero is +0 (code 0)."""
+    codes = formats.encode_element(x, "e2m1")  # nearest, ties to even
+    mag = codes & jnp.uint32(7)
+    lower = jnp.where(mag > 0, mag - 1, 0)
+    value = formats.decode_element(mag, "e2m1")
+    midpoint = (value + formats.decode_element(lower, "e2m1")) * np.float32(0.5)
+    mag = jnp.where((mag > 0) & (jnp.abs(x) == midpoint), lower, mag)
+    return jnp.where(mag == 0, jnp.uint32(0), (codes & jnp.uint32(8)) | mag)
+
+
+def _quantize_mlx(w, fmt, group_size, global_scale):
+    """MLX's mxfp4 / mxfp8 / nvfp4 quantization (see the module docstring)."""
+    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+        w = np.asarray(w)
+    dtype = check_float_dtype("w", w.dtype)
+    if w.ndim < 2:
+        raise ValueError(f"w must have at least 2 dimensions [..., N, K]; got shape {w.shape}")
+    k = w.shape[-1]
+    if k % group_size:
+        raise ValueError(f"w's last axis (K={k}) must be a multiple of group_size={group_size}")
+    wg = jnp.asarray(w).astype(jnp.float32).reshape(*w.shape[:-1], k // group_size, group_size)
+    amax = jnp.max(jnp.abs(wg), axis=-1)
+    multiplier = None
+    if fmt.scale == "e8m0":
+        scales = formats.encode_e8m0(amax, fmt.element, "rceil")
+        scales = jnp.where(amax == 0, jnp.uint8(127), scales)  # MLX: an all-zero block has 2**0
+        x = ldexp(wg, -(scales.astype(jnp.int32) - 127)[..., None])
+    else:
+        target = _exact_div(amax, 6)
+        if dtype != jnp.float32:  # MLX divides in w's dtype
+            target = target.astype(dtype).astype(jnp.float32)
+        if global_scale is not None:
+            multiplier = _global_scale_from_mlx(global_scale)
+            target = target * (np.float32(NVFP4_GLOBAL_SCALE_FACTOR) / global_scale)
+        scales = formats.encode_e4m3(target)
+        divisor = formats.decode_e4m3(scales)
+        if multiplier is not None:
+            divisor = divisor * multiplier
+        divisor = divisor[..., None]
+        x = jnp.where(divisor != 0, _exact_div(wg, jnp.where(divisor != 0, divisor, 1)), 0)
+    if fmt.element == "e2m1":
+        codes = _encode_e2m1_mlx(x)
+    else:
+        codes = formats.encode_element(x, fmt.element)  # E4M3: nearest, ties to even
+    bits = fmt.bits[0]
+    data = formats.pack_bits(codes.reshape(w.shape), bits)
+    return QuantizedArray(data, scales, None, multiplier, mode=fmt.mode, bits=bits,
+                          group_size=group_size, dtype=dtype)
+
+
+def dequantize(w, scales, biases=None, group_size=None, bits=None, mode="affine",
+               global_scale=None, dtype=None, *, stream=None, backend=None):
+    """``mx.dequantize``: the [..., N, K] values of MLX's quantized arrays.
+
+    dtype: the output dtype (numpy/jnp dtype, name, or ``mlx.core`` Dtype);
+    default: the scales' dtype for affine, bfloat16 otherwise (as MLX).
+    Computed by ``jq.dequantize`` (so a backend kernel serves it where one is
+    available; ``backend=`` as for every jaxquant op). See the module docstring
+    for the rounding differences with MLX's CPU path.
+    """
+    del stream
+    fmt, bits, group_size = _resolve(mode, bits, group_size)
+    args = [_as_array(a, n) for a, n in ((w, "w"), (scales, "scales"), (biases, "biases"),
+                                         (global_scale, "global_scale"))]
+    dtype = _to_dtype(dtype)
+    if dtype is not None:
+        dtype = check_float_dtype("dtype", dtype)
+    return _dequantize_jit(*args, group_size=group_size, bits=bits, mode=mode, dtype=dtype,
+                           backend=dispatch.resolve_backend(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "bits", "mode", "dtype", "backend"))
+def _dequantize_jit(w, scales, biases, global_scale, *, group_size, bits, mode, dtype, backend):
+    qw = _from_mlx(w, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=None,
+                   global_scale=global_scale, w_name="w")
+    return _jq_dequantize(qw, dtype=dtype, backend=backend)
+
+
+# ---------------------------------------------------------------------------
+# Quantized matmuls (quantized_matmul, gather_qmm) go below this line; they
+# take MLX's signatures and are built on jq.qmm / jq.gather_qmm via from_mlx.
