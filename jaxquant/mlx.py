@@ -71,13 +71,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import dispatch, formats
+from jaxquant import ops as jq_ops
 from jaxquant.ops import dequantize as _jq_dequantize
 from jaxquant.quantize import check_float_dtype, ldexp
 from jaxquant.quantize import quantize as _jq_quantize
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
-__all__ = ["MLX_MODES", "NVFP4_GLOBAL_SCALE_FACTOR", "dequantize", "from_mlx", "quantize",
-           "to_mlx"]
+__all__ = ["MLX_MODES", "NVFP4_GLOBAL_SCALE_FACTOR", "dequantize", "from_mlx", "gather_qmm",
+           "quantize", "quantized_matmul", "to_mlx"]
 
 #: The modes MLX itself implements (its names).
 MLX_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
@@ -385,3 +386,72 @@ def _dequantize_jit(w, scales, biases, global_scale, *, group_size, bits, mode, 
 # ---------------------------------------------------------------------------
 # Quantized matmuls (quantized_matmul, gather_qmm) go below this line; they
 # take MLX's signatures and are built on jq.qmm / jq.gather_qmm via from_mlx.
+
+
+def _broadcast_quantized(qw: QuantizedArray, batch: tuple) -> QuantizedArray:
+    """qw with its leading (batch) axes broadcast to `batch`."""
+    grow = lambda a: None if a is None else jnp.broadcast_to(a, batch + a.shape[-2:])
+    gs = qw.global_scale
+    return QuantizedArray(grow(qw.data), grow(qw.scales), grow(qw.biases),
+                          gs if gs is None or jnp.ndim(gs) == 0 else jnp.broadcast_to(
+                              gs, batch[:len(batch) - (qw.ndim - 2) + jnp.ndim(gs)]),
+                          mode=qw.mode, bits=qw.bits, group_size=qw.group_size,
+                          dtype=qw.dtype)
+
+
+def quantized_matmul(x, w, scales, biases=None, transpose=True, group_size=None, bits=None,
+                     mode="affine", *, global_scale=None, stream=None, backend=None):
+    """``mx.quantized_matmul``: ``x @ dequantize(w).T`` (transpose) or ``x @ dequantize(w)``,
+    on `jq.qmm`. Batch axes of x and w broadcast against each other, as in MLX."""
+    del stream
+    x = jnp.asarray(_as_array(x, "x"))
+    qw = from_mlx(w, scales, biases, group_size=group_size, bits=bits, mode=mode,
+                  dtype=x.dtype, global_scale=global_scale)
+    if qw.ndim == 2:
+        return jq_ops.qmm(x, qw, transpose, backend=backend)
+    if x.ndim < 2:
+        raise ValueError(f"x must be [..., M, K] when w has batch axes; got shape {x.shape}")
+    batch = jnp.broadcast_shapes(x.shape[:-2], qw.shape[:-2])
+    x = jnp.broadcast_to(x, batch + x.shape[-2:])
+    return jq_ops.qmm(x, _broadcast_quantized(qw, batch), transpose, backend=backend)
+
+
+def gather_qmm(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, transpose=True,
+               group_size=None, bits=None, mode="affine", global_scale=None, *,
+               sorted_indices=False, stream=None, backend=None):
+    """``mx.gather_qmm``: ``out[i] = x[lhs[i]] @ dequantize(w[rhs[i]]).T`` where the indices
+    are flat indices into the batch axes of x [..., M, K] and w [..., N, K], broadcast
+    together; out has shape ``broadcast(lhs, rhs).shape + (M, N)``. Runs on
+    `jq.gather_qmm` with one row per (index, m); an out-of-range index gives NaN rows
+    (MLX leaves that undefined)."""
+    del stream, sorted_indices
+    x = jnp.asarray(_as_array(x, "x"))
+    qw = from_mlx(w, scales, biases, group_size=group_size, bits=bits, mode=mode,
+                  dtype=x.dtype, global_scale=global_scale)
+    if x.ndim < 2 or qw.ndim < 2:
+        raise ValueError(f"x and w must have at least 2 dimensions; got x {x.shape}, "
+                         f"w {qw.shape}")
+    m, k = x.shape[-2:]
+    x_batch, w_batch = x.shape[:-2], qw.shape[:-2]
+    default = lambda batch: jnp.arange(int(np.prod(batch)), dtype=jnp.int32).reshape(batch)
+    lhs = default(x_batch) if lhs_indices is None else jnp.asarray(lhs_indices)
+    rhs = default(w_batch) if rhs_indices is None else jnp.asarray(rhs_indices)
+    for name, idx in (("lhs_indices", lhs), ("rhs_indices", rhs)):
+        if not jnp.issubdtype(idx.dtype, jnp.integer):
+            raise TypeError(f"{name} must be integer; got {idx.dtype}")
+    out_batch = jnp.broadcast_shapes(lhs.shape, rhs.shape)
+    lhs = jnp.broadcast_to(lhs, out_batch).reshape(-1)
+    rhs = jnp.broadcast_to(rhs, out_batch).reshape(-1)
+    experts = int(np.prod(w_batch))
+    gs = qw.global_scale
+    if gs is not None and jnp.ndim(gs) > 0:  # one per leading index: one per expert
+        gs = jnp.broadcast_to(gs.reshape(gs.shape + (1,) * (len(w_batch) - gs.ndim)),
+                              w_batch).reshape(-1)
+    qw_flat = QuantizedArray(
+        *(None if a is None else a.reshape((experts,) + a.shape[-2:])
+          for a in (qw.data, qw.scales, qw.biases)), gs,
+        mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype)
+    rows = jnp.take(x.reshape(-1, m, k), lhs, axis=0, mode="fill", fill_value=jnp.nan)
+    y = jq_ops.gather_qmm(rows.reshape(-1, k), qw_flat, jnp.repeat(rhs, m)[:, None],
+                          transpose, backend=backend)
+    return y.reshape(out_batch + (m, y.shape[-1]))

@@ -503,3 +503,54 @@ def test_mlx_safetensors_interop(tmp_path):
     theirs = mx.dequantize(loaded["e.weight"], loaded["e.scales"], mode="mxfp4",
                            dtype=mx.float32)
     assert_bits_equal(np.asarray(jq.dequantize(q4, dtype=F32)), from_mx(theirs))
+
+
+# ---------------------------------------------------------------------------
+# quantized_matmul / gather_qmm: on jq.qmm / jq.gather_qmm, against float64 and MLX.
+
+
+def _deq64(w_q, scales, biases, mode):
+    qw = jqm.from_mlx(w_q, scales, biases, group_size=None, bits=None, mode=mode,
+                      dtype=jnp.float32)
+    return np.asarray(jq.dequantize(qw), np.float64)
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_quantized_matmul_and_gather_qmm(mode, transpose):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 64, 64)).astype(np.float32)
+    q = jqm.quantize(w, mode=mode)
+    biases = q[2] if mode == "affine" else None
+    w64 = _deq64(q[0], q[1], biases, mode)
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    w64t = w64 if transpose else np.swapaxes(w64, -1, -2)
+    # 2-D weight, and a batch of weights broadcast against x's batch axes.
+    y = jqm.quantized_matmul(x, q[0][1], q[1][1], None if biases is None else biases[1],
+                             transpose=transpose, mode=mode)
+    np.testing.assert_allclose(y, x @ w64t[1].T, rtol=1e-5, atol=1e-4)
+    yb = jqm.quantized_matmul(x[:1, None], q[0], q[1], biases, transpose=transpose, mode=mode)
+    assert yb.shape == (1, 3, 5, 64)
+    np.testing.assert_allclose(yb[0], x[0] @ np.swapaxes(w64t, -1, -2), rtol=1e-5, atol=1e-4)
+    lhs, rhs = np.array([[0, 1], [1, 0]]), np.array([[2, 0], [1, 5]])  # 5 is out of range
+    g = jqm.gather_qmm(x, q[0], q[1], biases, lhs_indices=lhs, rhs_indices=rhs,
+                       transpose=transpose, mode=mode)
+    assert g.shape == (2, 2, 5, 64)
+    for i in range(2):
+        for j in range(2):
+            if rhs[i, j] >= 3:
+                assert np.all(np.isnan(g[i, j]))
+            else:
+                np.testing.assert_allclose(g[i, j], x[lhs[i, j]] @ w64t[rhs[i, j]].T,
+                                           rtol=1e-5, atol=1e-4)
+    if mx is None:
+        return
+    ma = lambda a: None if a is None else mx.array(a)
+    ym = mx.quantized_matmul(ma(x), ma(q[0][1]), ma(q[1][1]),
+                             None if biases is None else ma(biases[1]), transpose=transpose,
+                             mode=mode)
+    np.testing.assert_allclose(y, np.array(ym), rtol=1e-5, atol=1e-4)
+    ok = rhs < 3
+    gm = mx.gather_qmm(ma(x), ma(q[0]), ma(q[1]), ma(biases), lhs_indices=ma(lhs[ok]),
+                       rhs_indices=ma(rhs[ok]), transpose=transpose, mode=mode)
+    np.testing.assert_allclose(np.asarray(g)[ok], np.array(gm), rtol=1e-5, atol=1e-4)
