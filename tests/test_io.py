@@ -108,25 +108,6 @@ def scale_bytes(shape, lo=2, hi=255):
     return s
 
 
-def _dequantize_makes_subnormals() -> bool:
-    """Whether jq.dequantize returns E8M0 0's 2**-127 exactly (DESIGN.md §3).
-    XLA on CPU flushes subnormal results to zero; see the report."""
-    data = np.full((2, 4), 0x22222222, np.uint32)  # E2M1 code 2 = 1.0 everywhere
-    qw = QuantizedArray(data, np.zeros((2, 1), np.uint8), mode="mxfp4", bits=4, group_size=32,
-                        dtype=jnp.float32)
-    return float(deq(qw)[0, 0]) == 2.0**-127
-
-
-SUBNORMALS_FLUSHED = pytest.mark.xfail(
-    condition=not _dequantize_makes_subnormals(), strict=True,
-    reason="jq.dequantize (quantize.py) flushes float32-subnormal results to zero on CPU; "
-           "DESIGN.md §3 says E8M0 0 (2**-127) is exact")
-
-
-# ---------------------------------------------------------------------------
-# Hugging Face gpt-oss
-
-
 def gpt_oss_reference(blocks, scales):
     """transformers' convert_moe_packed_tensors, before its final transpose:
     low nibble -> element 2j, high nibble -> 2j+1, ldexp by scale - 127."""
@@ -174,7 +155,6 @@ def test_gpt_oss_export_import_of_quantized():
     assert_bits_equal(gpt_oss_reference(blocks, scales), deq(qw))
 
 
-@SUBNORMALS_FLUSHED
 def test_gpt_oss_subnormal_scales_are_exact():
     blocks = RNG.integers(0, 256, (4, 2, 16), dtype=np.uint8)
     scales = np.array([[0, 1]] * 4, np.uint8)

@@ -332,21 +332,6 @@ needs_mlx = pytest.mark.skipif(
     mx is None, reason='needs MLX: pip install "mlx[cpu]==0.32.4" (CPU wheels for Linux and macOS)')
 
 
-def _jq_affine_scale_is_exact() -> bool:
-    """DESIGN.md §3: affine quantize is bit-exact with MLX. jq.quantize computes
-    (max - min) / n_bins, which XLA turns into (max - min) * (1 / n_bins): not
-    correctly rounded, so rint(edge / s) can fall on the other side of a tie.
-    This group has max - min = 5.84375, edge / s = 7.5000005 -> q0 = 8 in MLX."""
-    w = np.zeros((8, 64), BF16)
-    w[:, 0], w[:, 1] = 2.921875, -2.921875
-    return float(np.asarray(jq.quantize(w, bits=4, group_size=64).scales, F32)[0, 0]) \
-        == -0.365234375
-
-
-AFFINE_DIVISION_BUG = ("jq.quantize (quantize.py) divides by the constant n_bins; XLA multiplies "
-                       "by its reciprocal instead, so some bf16/fp16 groups differ from MLX")
-
-
 def to_mx(a):
     a = np.asarray(a)
     if a.dtype == BF16:
@@ -405,10 +390,6 @@ def test_quantize_matches_mlx(dtype, mode, kw):
         same = unpack(ours[0], 4) == unpack(from_mx(theirs[0]), 4)
         assert same.mean() > 0.995
         return
-    same = [np.array_equal(np.asarray(a).view(np.uint8), from_mx(b).view(np.uint8))
-            for a, b in zip(ours, theirs)]
-    if not all(same) and mode == "affine" and not _jq_affine_scale_is_exact():
-        pytest.xfail(AFFINE_DIVISION_BUG)  # enforced again once quantize.py is fixed
     for a, b in zip(ours, theirs):
         assert_bits_equal(a, from_mx(b))
 
