@@ -1,0 +1,360 @@
+// XLA FFI handlers of the ffi backend on the CPU platform.
+//
+// Each handler validates its call (include/jq/ffi_common.h) and returns
+// ffi::Error on a bad one; then it splits the work over a small thread pool
+// (JAXQUANT_FFI_THREADS, default: the machine's hardware threads) and runs
+// the kernels of the best ISA this CPU has (cpu_src/kernels_impl.inc).
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+#include "jq/codec.h"
+#include "jq/ffi_common.h"
+#include "kernels.h"
+
+namespace jq {
+namespace cpu {
+
+#if !defined(JQ_HAVE_AVX2_VARIANT)
+const Kernels* kernels_avx2() { return nullptr; }
+#endif
+
+static const Kernels* select_kernels() {
+  static const Kernels* k = [] {
+    const char* force = getenv("JAXQUANT_FFI_CPU_ISA");
+    if (force && strcmp(force, "baseline") == 0) return kernels_base();
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (kernels_avx2() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return kernels_avx2();
+#endif
+    return kernels_base();
+  }();
+  return k;
+}
+
+// Flush float32 subnormals like XLA's CPU code does, while a kernel runs.
+struct FlushDenormals {
+#if defined(__x86_64__)
+  unsigned saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+// ---------------------------------------------------------------------------
+// A small thread pool: one job at a time (a second concurrent caller runs
+// its job inline), chunks handed out through an atomic counter.
+
+class Pool {
+ public:
+  static Pool& get() {
+    static std::mutex mu;
+    static Pool* pool = nullptr;
+    std::lock_guard<std::mutex> lock(mu);
+    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool();  // new after fork
+    return *pool;
+  }
+
+  int threads() const { return (int)workers_.size() + 1; }
+
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+    if (n <= 0) return;
+    grain = std::max<int64_t>(grain, 1);
+    if (workers_.empty() || n <= grain || !run_mu_.try_lock()) {
+      FlushDenormals fd;
+      fn(0, n);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      n_ = n;
+      grain_ = grain;
+      next_.store(0);
+      pending_ = (int)workers_.size();
+      ++generation_;
+    }
+    cv_.notify_all();
+    work();
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_.wait(lock, [&] { return pending_ == 0; });
+      fn_ = nullptr;
+    }
+    run_mu_.unlock();
+  }
+
+ private:
+  Pool() : pid_(getpid()) {
+    int n = (int)std::thread::hardware_concurrency();
+    if (const char* env = getenv("JAXQUANT_FFI_THREADS")) n = atoi(env);
+    n = std::max(1, std::min(n, 256));
+    for (int i = 0; i + 1 < n; ++i) workers_.emplace_back([this] { loop(); });
+    for (auto& t : workers_) t.detach();  // lives as long as the process
+  }
+
+  void work() {
+    FlushDenormals fd;
+    for (;;) {
+      const int64_t i0 = next_.fetch_add(grain_);
+      if (i0 >= n_) break;
+      (*fn_)(i0, std::min(n_, i0 + grain_));
+    }
+  }
+
+  void loop() {
+    int64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+      }
+      work();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--pending_ == 0) done_.notify_all();
+      }
+    }
+  }
+
+  pid_t pid_;
+  std::vector<std::thread> workers_;
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_, done_;
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  std::atomic<int64_t> next_{0};
+  int64_t n_ = 0, grain_ = 1, generation_ = 0;
+  int pending_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Handlers.
+
+static ffi::Error dequantize_impl(ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                                  ffi::AnyBuffer biases, ffi::AnyBuffer gs,
+                                  ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t bits,
+                                  int64_t group_size) {
+  DequantProblem p;
+  if (auto e = make_dequant(data, scales, biases, gs, *out, fmt, bits, group_size, &p);
+      e.failure())
+    return e;
+  if (p.rows == 0 || p.k == 0) return ffi::Error::Success();
+  const Kernels* k = select_kernels();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
+  Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); });
+  return ffi::Error::Success();
+}
+
+static ffi::Error qmv_impl(ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                           ffi::AnyBuffer biases, ffi::AnyBuffer gs, ffi::AnyBuffer indices,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t fmt, int64_t bits,
+                           int64_t group_size) {
+  QmvProblem p;
+  if (auto e = make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &p);
+      e.failure())
+    return e;
+  if (p.S == 0 || p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    for (int64_t i = 0; i < p.S * p.M * p.N; ++i) store_float(p.y, i, p.x_dt, 0.0f);
+    // (invalid experts still give NaN rows)
+    if (p.indices)
+      for (int64_t s = 0; s < p.S; ++s)
+        if (p.indices[s] < 0 || p.indices[s] >= p.E)
+          for (int64_t i = 0; i < p.M * p.N; ++i) store_float(p.y, s * p.M * p.N + i, p.x_dt, quiet_nan());
+    return ffi::Error::Success();
+  }
+  const Kernels* k = select_kernels();
+  Pool& pool = Pool::get();
+  // Work items: (slot, block of rows). Blocks are a multiple of 8 rows and
+  // small enough to give every thread a few items.
+  const int64_t want = std::max<int64_t>(1, 4 * pool.threads() / std::max<int64_t>(p.S, 1));
+  int64_t nb = (p.N + want - 1) / want;
+  nb = std::max<int64_t>(16, std::min<int64_t>(512, (nb + 7) / 8 * 8));
+  const int64_t blocks = (p.N + nb - 1) / nb;
+  const int64_t scratch_n = qmv_scratch_floats(p);
+  pool.parallel_for(p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < scratch_n) scratch.resize(scratch_n);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / blocks, b = i % blocks;
+      k->qmv(p, s, b * nb, std::min(p.N, (b + 1) * nb), scratch.data());
+    }
+  });
+  return ffi::Error::Success();
+}
+
+static ffi::Error run_norm(const NormProblem& p) {
+  if (p.rows == 0 || p.d == 0) return ffi::Error::Success();
+  const Kernels* k = select_kernels();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(p.d, 1));
+  Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < 2 * p.d) scratch.resize(2 * p.d);
+    k->norm(p, r0, r1, scratch.data());
+  });
+  return ffi::Error::Success();
+}
+
+static ffi::Error rms_norm_impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                                float eps, float weight_offset) {
+  NormProblem p;
+  if (auto e = make_norm(kRmsNorm, x, nullptr, w, *y, nullptr, eps, weight_offset, 0, 1, 0, &p);
+      e.failure())
+    return e;
+  return run_norm(p);
+}
+
+static ffi::Error add_rms_norm_impl(ffi::AnyBuffer x, ffi::AnyBuffer r, ffi::AnyBuffer w,
+                                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
+                                    float eps, float weight_offset) {
+  NormProblem p;
+  ffi::AnyBuffer hb = *h;
+  if (auto e = make_norm(kAddRmsNorm, x, &r, w, *y, &hb, eps, weight_offset, 0, 1, 0, &p);
+      e.failure())
+    return e;
+  return run_norm(p);
+}
+
+static ffi::Error gated_rms_norm_impl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuffer w,
+                                      ffi::Result<ffi::AnyBuffer> y, float eps,
+                                      float weight_offset, int64_t activation,
+                                      int64_t norm_before_gate, int64_t group_size) {
+  NormProblem p;
+  if (auto e = make_norm(kGatedRmsNorm, x, &gate, w, *y, nullptr, eps, weight_offset, activation,
+                         norm_before_gate, group_size, &p);
+      e.failure())
+    return e;
+  return run_norm(p);
+}
+
+}  // namespace cpu
+}  // namespace jq
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_dequantize, jq::cpu::dequantize_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_qmv, jq::cpu::qmv_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_rms_norm, jq::cpu::rms_norm_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("weight_offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_add_rms_norm, jq::cpu::add_rms_norm_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("weight_offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_gated_rms_norm, jq::cpu::gated_rms_norm_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("weight_offset")
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("norm_before_gate")
+                                  .Attr<int64_t>("group_size"));
+
+// ---------------------------------------------------------------------------
+// Plain C entry points for the loader and the tests.
+
+extern "C" {
+
+__attribute__((visibility("default"))) int jq_abi_version() { return 1; }
+
+__attribute__((visibility("default"))) const char* jq_cpu_isa() {
+  return jq::cpu::select_kernels()->isa;
+}
+
+__attribute__((visibility("default"))) int jq_cpu_threads() {
+  return jq::cpu::Pool::get().threads();
+}
+
+// Format `fmt`: {element, bits_mask, group_mask, scale kind, has_biases, has_global_scale}.
+__attribute__((visibility("default"))) int jq_format_spec(int fmt, int32_t* out) {
+  if (fmt < 0 || fmt >= jq::kNumFormats) return -1;
+  const jq::FormatSpec& f = jq::kFormats[fmt];
+  out[0] = f.element;
+  out[1] = (int32_t)f.bits_mask;
+  out[2] = (int32_t)f.group_mask;
+  out[3] = f.scale;
+  out[4] = f.has_biases;
+  out[5] = f.has_global_scale;
+  return 0;
+}
+
+// Element `el`: {ebits, mbits, bias, special}.
+__attribute__((visibility("default"))) int jq_element_spec(int el, int32_t* out) {
+  if (el < 0 || el >= 5) return -1;
+  const jq::ElementSpec& e = jq::kElements[el];
+  out[0] = e.ebits;
+  out[1] = e.mbits;
+  out[2] = e.bias;
+  out[3] = e.special;
+  return 0;
+}
+
+// All 2**bits values of element `el`, decoded by the shared codec header.
+__attribute__((visibility("default"))) int jq_decode_element_all(int el, float* out) {
+  if (el < 0 || el >= 5) return -1;
+  const jq::ElementSpec& e = jq::kElements[el];
+  const int n = 1 << (1 + e.ebits + e.mbits);
+  for (int c = 0; c < n; ++c) out[c] = jq::decode_element(el, (uint32_t)c);
+  return n;
+}
+
+// f32 -> bf16 / f16 (round to nearest even) for the tests of the codec.
+__attribute__((visibility("default"))) void jq_round_f32(const float* in, int64_t n, int dt,
+                                                          uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = dt == jq::kBF16 ? jq::f32_to_bf16(in[i]) : jq::f32_to_f16(in[i]);
+}
+
+}  // extern "C"

@@ -1,0 +1,31 @@
+// CPU kernels of the ffi backend. kernels_impl.inc is compiled twice: with
+// AVX2+FMA+F16C (kernels_avx2.cc, chosen at run time when the CPU has them)
+// and for the baseline ISA (kernels_base.cc).
+#pragma once
+
+#include <stdint.h>
+
+#include "jq/problems.h"
+
+namespace jq {
+namespace cpu {
+
+struct Kernels {
+  const char* isa;
+  // Dequantize rows [r0, r1) of p (rows = all dims but K).
+  void (*dequant)(const DequantProblem& p, int64_t r0, int64_t r1);
+  // y[s, :, n0:n1] of a fused dequantize-GEMV; `scratch` holds qmv_scratch_floats(p).
+  void (*qmv)(const QmvProblem& p, int64_t s, int64_t n0, int64_t n1, float* scratch);
+  // Norm rows [r0, r1); `scratch` holds 2 * p.d floats.
+  void (*norm)(const NormProblem& p, int64_t r0, int64_t r1, float* scratch);
+};
+
+inline int64_t qmv_scratch_floats(const QmvProblem& p) {
+  return p.M * p.K + p.M * p.groups + 64;
+}
+
+const Kernels* kernels_avx2();  // nullptr where not compiled in
+const Kernels* kernels_base();
+
+}  // namespace cpu
+}  // namespace jq

@@ -1,0 +1,123 @@
+"""Finding, loading and registering the compiled libraries of the ffi backend.
+
+The libraries live in `jaxquant/ffi/lib/` (CMakeLists.txt installs them
+there). In an editable install (scikit-build-core's redirect mode) that
+folder sits in site-packages next to a package whose Python files stay in the
+source tree, so every entry of `jaxquant.ffi.__path__` is searched, then
+$JAXQUANT_FFI_LIB_DIR if set (searched first).
+
+A library that is missing or fails to load removes its platform from the
+backend and records why; nothing here raises at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import pathlib
+import sys
+
+import jax
+
+# platform (as JAX lowers: ctx.module_context.platforms) -> library stem, XLA platform name
+PLATFORMS = {
+    "cpu": ("jaxquant_cpu", "cpu"),
+    "cuda": ("jaxquant_cuda", "CUDA"),
+    "rocm": ("jaxquant_rocm", "ROCM"),
+}
+
+# FFI target name -> handler symbol stem (the CPU library prefixes jq_cpu_, the GPU ones jq_gpu_)
+TARGETS = {
+    "jaxquant_dequantize": "dequantize",
+    "jaxquant_qmv": "qmv",
+    "jaxquant_rms_norm": "rms_norm",
+    "jaxquant_add_rms_norm": "add_rms_norm",
+    "jaxquant_gated_rms_norm": "gated_rms_norm",
+}
+
+ABI_VERSION = 1
+
+
+@dataclasses.dataclass
+class Library:
+    platform: str
+    path: pathlib.Path | None = None
+    handle: ctypes.CDLL | None = None
+    error: str | None = None  # why it is not usable
+
+
+def _search_dirs() -> list[pathlib.Path]:
+    dirs = []
+    env = os.environ.get("JAXQUANT_FFI_LIB_DIR")
+    if env:
+        dirs.append(pathlib.Path(env))
+    pkg = sys.modules.get(__package__)  # jaxquant.ffi (being imported); __path__ may be several dirs
+    for p in getattr(pkg, "__path__", []):
+        dirs.append(pathlib.Path(p) / "lib")
+    dirs.append(pathlib.Path(__file__).resolve().parent / "lib")
+    seen, out = set(), []
+    for d in dirs:
+        key = str(d)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def _filename(stem: str) -> str:
+    return f"lib{stem}.so" if os.name != "nt" else f"{stem}.dll"
+
+
+def find(stem: str) -> tuple[pathlib.Path | None, list[pathlib.Path]]:
+    dirs = _search_dirs()
+    for d in dirs:
+        cand = d / _filename(stem)
+        if cand.is_file():
+            return cand, dirs
+    return None, dirs
+
+
+def load(platform: str) -> Library:
+    stem, _ = PLATFORMS[platform]
+    lib = Library(platform)
+    path, dirs = find(stem)
+    if path is None:
+        why = {"cpu": "no C++ compiler or CMake at build time, or jaxquant was not installed "
+                      "with `pip install -e .`",
+               "cuda": "nvcc was not found when jaxquant was built",
+               "rocm": "no HIP compiler (or CMake < 3.27) when jaxquant was built"}[platform]
+        lib.error = (f"{_filename(stem)} was not built ({why}); searched "
+                     f"{', '.join(str(d) for d in dirs)}")
+        return lib
+    lib.path = path
+    try:
+        handle = ctypes.CDLL(str(path))
+    except OSError as e:
+        lib.error = f"{path} failed to load: {e}"
+        return lib
+    try:
+        version = handle.jq_abi_version()
+    except AttributeError:
+        version = None
+    if version != ABI_VERSION:
+        lib.error = (f"{path} has ABI version {version}, this jaxquant needs {ABI_VERSION}: "
+                     "rebuild with `pip install -e .`")
+        return lib
+    lib.handle = handle
+    return lib
+
+
+def register(lib: Library) -> None:
+    """Register lib's handlers as the FFI targets of its platform."""
+    if lib.handle is None:
+        return
+    _, xla_platform = PLATFORMS[lib.platform]
+    prefix = "jq_cpu_" if lib.platform == "cpu" else "jq_gpu_"
+    try:
+        for target, stem in TARGETS.items():
+            fn = getattr(lib.handle, prefix + stem)
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=xla_platform)
+    except Exception as e:  # noqa: BLE001 - a broken library removes its platform only
+        lib.error = f"registering {lib.path}'s handlers failed: {type(e).__name__}: {e}"
+        lib.handle = None

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Compile checks of hip_src/ for the GPU targets this machine cannot run.
+
+  python scripts/native_compile_check.py rocm [--arch gfx942 ...]
+  python scripts/native_compile_check.py cuda [--arch 80 90]
+
+rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
+  compiles every hip_src/*.hip once per architecture, device code only
+  (-nogpulib: no ROCm device libraries; jq_hip.h supplies the few helpers the
+  HIP 5.2 headers call), plus the host side of the handlers once. Default
+  architectures: gfx90a gfx942 gfx950 gfx1100 gfx1201; one the compiler does
+  not know (gfx950 before clang 20) is reported as skipped, with the reason.
+cuda: nvcc compiles every hip_src/*.hip for sm_80 and sm_90 (what CMake does
+  when it builds libjaxquant_cuda.so).
+
+Jobs run in parallel (one per core). Exit status 0 when everything that was
+attempted compiled. The last line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "qmv_affine.hip", "qmv_float.hip", "norms.hip"]
+ROCM_ARCHS = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201"]
+CUDA_ARCHS = ["80", "90"]
+
+
+def ffi_include() -> str:
+    try:
+        import jax.ffi  # noqa: PLC0415
+        inc = jax.ffi.include_dir()
+        if (pathlib.Path(inc) / "xla/ffi/api/ffi.h").is_file():
+            return inc
+    except Exception:  # noqa: BLE001
+        pass
+    return str(ROOT / "cpu_src/third_party")
+
+
+def find_clang() -> str | None:
+    for cand in [os.environ.get("JQ_HIP_CLANG"), "clang++-20", "clang++-19", "clang++"]:
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def hip_headers_present() -> bool:
+    return pathlib.Path("/usr/include/hip/hip_runtime.h").is_file() or bool(
+        os.environ.get("ROCM_PATH"))
+
+
+def _run(cmd, timeout=600):
+    t = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return p.returncode, (p.stdout + p.stderr).strip(), time.time() - t
+
+
+def rocm_jobs(clang, archs, out_dir):
+    rocm_path = os.environ.get("ROCM_PATH", "/usr")
+    common = [clang, "-x", "hip", "-std=c++17", "-O2", "-nogpulib", f"--rocm-path={rocm_path}",
+              "-DJQ_HIP_NOGPULIB", "-DJQ_QMV_DEFAULT_CONFIGS_ONLY", "-Iinclude", "-Ihip_src",
+              "-isystem", ffi_include(), "-Wno-unused-command-line-argument"]
+    jobs = []
+    for arch in archs:
+        for f in HIP_FILES:
+            jobs.append((f"{arch}:{f}", common + [
+                f"--offload-arch={arch}", "--offload-device-only", "--no-gpu-bundle-output",
+                "-c", f"hip_src/{f}", "-o", str(out_dir / f"{arch}-{f}.o")]))
+    jobs.append(("host:gpu_ffi.hip", common + [
+        f"--offload-arch={archs[0] if archs else 'gfx942'}", "--offload-host-only", "-c",
+        "hip_src/gpu_ffi.hip", "-o", str(out_dir / "host-gpu_ffi.o")]))
+    return jobs
+
+
+def cuda_jobs(nvcc, archs, out_dir):
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    common = [nvcc, "-x", "cu", "-std=c++17", "-O3", "--expt-relaxed-constexpr", *gencode,
+              "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
+    return [(f"cuda:{f}", common + ["-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
+            for f in HIP_FILES]
+
+
+def probe_rocm_arch(clang, arch) -> str | None:
+    """None if clang knows `arch`, else why not."""
+    code, out, _ = _probe(clang, arch)
+    if code == 0:
+        return None
+    return out.splitlines()[0] if out else f"exit {code}"
+
+
+def _probe(clang, arch):
+    with tempfile.NamedTemporaryFile("w", suffix=".hip", delete=False) as f:
+        f.write("__attribute__((global)) void k() {}\n")
+        name = f.name
+    try:
+        return _run([clang, "-x", "hip", "-nogpuinc", "-nogpulib", f"--offload-arch={arch}",
+                     "--offload-device-only", "-S", "-emit-llvm", "-o", os.devnull, name],
+                    timeout=60)
+    finally:
+        os.unlink(name)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("target", choices=["rocm", "cuda"])
+    ap.add_argument("--arch", nargs="*", default=None)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args(argv)
+    summary = {"target": args.target, "ok": [], "failed": {}, "skipped": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = pathlib.Path(tmp)
+        if args.target == "rocm":
+            clang = find_clang()
+            if clang is None or not hip_headers_present():
+                summary["skipped"]["all"] = ("no clang++ with HIP headers (run "
+                                             "scripts/install_hip_toolchain.sh)")
+                print(json.dumps(summary))
+                return 0
+            archs = []
+            for arch in args.arch or ROCM_ARCHS:
+                why = probe_rocm_arch(clang, arch)
+                if why is None:
+                    archs.append(arch)
+                else:
+                    summary["skipped"][arch] = f"{pathlib.Path(clang).name} does not know {arch}: {why}"
+            jobs = rocm_jobs(clang, archs, out_dir)
+        else:
+            nvcc = shutil.which(os.environ.get("JQ_NVCC", "nvcc"))
+            if nvcc is None:
+                summary["skipped"]["all"] = "nvcc is not on PATH"
+                print(json.dumps(summary))
+                return 0
+            jobs = cuda_jobs(nvcc, args.arch or CUDA_ARCHS, out_dir)
+        t0 = time.time()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
+            futs = {ex.submit(_run, cmd): name for name, cmd in jobs}
+            for fut in concurrent.futures.as_completed(futs):
+                name = futs[fut]
+                code, out, dt = fut.result()
+                if code == 0:
+                    summary["ok"].append(name)
+                    print(f"ok     {name} ({dt:.1f}s)", flush=True)
+                else:
+                    summary["failed"][name] = out[-4000:]
+                    print(f"FAILED {name} ({dt:.1f}s)\n{out[-4000:]}", flush=True)
+        summary["seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(summary))
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

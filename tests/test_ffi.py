@@ -1,0 +1,700 @@
+"""The ffi backend on the CPU: every op x mode x dtype against the float64
+oracle (tests/oracle.py) and the reference, the shared codec header against
+jaxquant.formats, the gather_qmm == qmm invariant bit for bit, and every
+validation error of the handlers (called directly through jax.ffi.ffi_call)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxquant as jq
+import jaxquant.ffi as jf
+from jaxquant import dispatch, formats
+from jaxquant.ffi import _loader, _ops
+from jaxquant.quantize import dequantize_reference
+from tests import oracle
+
+CPU_LIB = jf.libraries()["cpu"]
+
+
+@contextlib.contextmanager
+def enable_x64():
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", old)
+
+MODES = [("affine", 2), ("affine", 3), ("affine", 4), ("affine", 5), ("affine", 6),
+         ("affine", 8), ("mxfp4", 4), ("mxfp6_e2m3", 6), ("mxfp6_e3m2", 6), ("mxfp8_e4m3", 8),
+         ("mxfp8_e5m2", 8), ("nvfp4", 4), ("fp4", 4)]
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
+       jnp.dtype(jnp.bfloat16): 2.0**-8}
+
+
+def rand(key, shape, dtype=jnp.float32, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
+
+
+def quantize_for(mode, bits, w, group_size=None):
+    return jq.quantize(w, mode=mode, bits=bits if mode == "affine" else None,
+                       group_size=group_size)
+
+
+def deq64(qw):
+    arr = lambda a: None if a is None else np.asarray(a)
+    return oracle.dequantize(qw.mode, qw.bits, qw.group_size, arr(qw.data), arr(qw.scales),
+                             arr(qw.biases), arr(qw.global_scale))
+
+
+def assert_matmul_close(y, x, w64, dtype, transpose=True):
+    """y vs float64 x @ w.T, bounded per element (float32 accumulation over K,
+    the weights at x's precision at worst, one rounding of the output)."""
+    x64 = np.asarray(x, np.float64)
+    w64 = w64 if transpose else np.swapaxes(w64, -1, -2)
+    want = x64 @ np.swapaxes(w64, -1, -2)
+    mag = np.abs(x64) @ np.swapaxes(np.abs(w64), -1, -2)
+    eps = EPS[jnp.dtype(dtype)]
+    k = x64.shape[-1]
+    bound = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(want) + 1e-30
+    got = np.asarray(y, np.float64)
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= bound), np.nanmax(np.abs(got - want) / bound)
+
+
+_JITS = {}
+
+
+def _jitted(fn, backend, kw):
+    key = (fn, backend, tuple(sorted(kw.items(), key=lambda i: i[0])))
+    if key not in _JITS:
+        _JITS[key] = jax.jit(lambda *a: fn(*a, backend=backend, **kw))
+    return _JITS[key]
+
+
+def ffi(fn, *a, **k):
+    return _jitted(fn, "ffi", k)(*a)
+
+
+def ref(fn, *a, **k):
+    return _jitted(fn, "reference", k)(*a)
+
+
+def test_cpu_library_loaded():
+    assert CPU_LIB.handle is not None, CPU_LIB.error
+    assert dispatch.unavailable_reason("ffi") is None
+    assert "ffi" in jq.available_backends()
+    assert CPU_LIB.handle.jq_cpu_threads() >= 1
+
+
+def test_missing_library_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(_loader, "_search_dirs", lambda: [tmp_path])
+    lib = _loader.load("cuda")
+    assert lib.handle is None and "libjaxquant_cuda.so was not built" in lib.error
+    assert str(tmp_path) in lib.error and "nvcc" in lib.error
+    (tmp_path / "libjaxquant_rocm.so").write_bytes(b"not a library")
+    lib = _loader.load("rocm")
+    assert lib.handle is None and "failed to load" in lib.error
+    assert "no library for platform" in jf.unavailable_reason("tpu")
+
+
+# ---------------------------------------------------------------------------
+# The shared codec header == jaxquant.formats
+
+
+def test_codec_table_matches_formats():
+    import ctypes
+    h = CPU_LIB.handle
+    names = ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"]
+    specials = {"none": 0, "fn": 1, "ieee": 2}
+    out = (ctypes.c_int32 * 6)()
+    for i, name in enumerate(names):
+        assert h.jq_element_spec(i, out) == 0
+        e = formats.ELEMENTS[name]
+        assert list(out[:4]) == [e.ebits, e.mbits, e.bias, specials[e.special]], name
+        vals = (ctypes.c_float * 256)()
+        n = h.jq_decode_element_all(i, vals)
+        assert n == 1 << e.bits
+        got = np.array(vals[:n], np.float32)
+        np.testing.assert_array_equal(got, formats.element_values(name))
+        np.testing.assert_array_equal(got.astype(np.float64), oracle.element_table(name))
+    scale_kinds = {"float": 0, "e8m0": 1, "e4m3": 2}
+    assert set(_ops.FORMAT_IDS) == set(formats.FORMATS)
+    for mode, fid in _ops.FORMAT_IDS.items():
+        f = formats.FORMATS[mode]
+        assert h.jq_format_spec(fid, out) == 0
+        element = -1 if f.element is None else names.index(f.element)
+        bits_mask = sum(1 << b for b in f.bits)
+        group_mask = sum(1 << int(np.log2(g)) for g in f.group_sizes)
+        assert list(out) == [element, bits_mask, group_mask, scale_kinds[f.scale],
+                             int(f.has_biases), int(f.has_global_scale)], mode
+    assert h.jq_format_spec(len(_ops.FORMAT_IDS), out) == -1
+
+
+@pytest.mark.parametrize("dt,mlt", [(2, ml_dtypes.bfloat16), (1, np.float16)])
+def test_codec_rounding(dt, mlt):
+    import ctypes
+    rng = np.random.default_rng(0)
+    x = np.concatenate([
+        rng.standard_normal(4000).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, 4000),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 1e-8, 6e-8,
+                  3e-8, 2.98e-8, 5.96e-8, 1e38, 3.4e38, 1.1754944e-38], np.float32)]
+    ).astype(np.float32)
+    out = np.zeros(x.shape, np.uint16)
+    CPU_LIB.handle.jq_round_f32(x.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size),
+                                ctypes.c_int(dt), out.ctypes.data_as(ctypes.c_void_p))
+    with np.errstate(over="ignore"):
+        want = x.astype(mlt)
+    got = out.view(mlt)
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+# ---------------------------------------------------------------------------
+# Every mode x dtype: dequantize, qmm (fused GEMV) and gather_qmm in one jit per
+# mode (compiles dominate this suite's time on a 2-core machine).
+
+GATHER_IDX = np.array([[0, 3], [2, -1], [4, 1]], np.int32)  # -1 and 4: NaN rows
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_mode_sweep(mode, bits):
+    e, n, k, t = 4, 24, 128, 3
+    w = rand(0, (e, n, k), jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32,
+             scale=3.0)
+    qw = quantize_for(mode, bits, w)
+    xs = {jnp.dtype(dt).name: rand(1, (t, k), dt) for dt in DTYPES}
+    idx = jnp.asarray(GATHER_IDX)
+
+    def run(qw, xs, idx):
+        out = {}
+        for name, x in xs.items():
+            dt = x.dtype
+            out[name] = dict(
+                deq=jq.dequantize(qw, dt, backend="ffi"),
+                deq_ref=jq.dequantize(qw, dt, backend="reference"),
+                qmm=jq.qmm(x, qw[1], backend="ffi"),
+                rows=[jq.qmm(x[i], qw[1], backend="ffi") for i in range(t)],
+                gather=jq.gather_qmm(x, qw, idx, backend="ffi"),
+                per_slot=[[jq.qmm(x[i], qw[int(j)], backend="ffi") if 0 <= j < e else None
+                           for j in GATHER_IDX[i]] for i in range(t)])
+        return out
+
+    out = jax.jit(run)(qw, xs, idx)
+    w64 = deq64(qw)
+    f32 = lambda a: np.asarray(a, np.float32)
+    for name, o in out.items():
+        dtype = jnp.dtype(name)
+        x = xs[name]
+        eps = EPS[dtype]
+        # dequantize: bit for bit the reference, and the oracle's values rounded once
+        assert o["deq"].dtype == dtype and o["deq"].shape == qw.shape
+        np.testing.assert_array_equal(f32(o["deq"]), f32(o["deq_ref"]), err_msg=name)
+        np.testing.assert_allclose(np.asarray(o["deq"], np.float64), w64, rtol=2 * eps,
+                                   atol=1e-30, err_msg=name)
+        # qmm (fused GEMV, M=3): against the oracle; each row == the M=1 call bit for bit
+        assert o["qmm"].dtype == dtype and o["qmm"].shape == (t, n)
+        assert_matmul_close(o["qmm"], x, w64[1], dtype)
+        for i in range(t):
+            np.testing.assert_array_equal(f32(o["rows"][i]), f32(o["qmm"][i]), err_msg=name)
+        # gather_qmm: slot (i, j) == qmm(x[i], qw[idx[i, j]]) bit for bit; NaN rows
+        assert o["gather"].dtype == dtype and o["gather"].shape == (t, 2, n)
+        for i in range(t):
+            for j, ej in enumerate(GATHER_IDX[i]):
+                got = f32(o["gather"][i, j])
+                if 0 <= ej < e:
+                    np.testing.assert_array_equal(got, f32(o["per_slot"][i][j]), err_msg=name)
+                    assert_matmul_close(o["gather"][i, j], x[i], w64[ej], dtype)
+                else:
+                    assert np.all(np.isnan(got)), name
+
+
+# ---------------------------------------------------------------------------
+# dequantize
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 64])
+def test_dequantize_fp4_groups(group_size):
+    qw = quantize_for("fp4", 4, rand(1, (5, 128)), group_size=group_size)
+    np.testing.assert_array_equal(ffi(jq.dequantize, qw), ref(jq.dequantize, qw))
+
+
+def test_dequantize_e8m0_extremes():
+    qw = quantize_for("mxfp4", 4, rand(2, (4, 128)))
+    scales = np.asarray(qw.scales).copy()
+    scales[0, 0], scales[0, 1], scales[1, 2], scales[2, 3] = 255, 0, 254, 1
+    qw = jq.QuantizedArray(qw.data, jnp.asarray(scales), mode="mxfp4", bits=4, group_size=32,
+                           dtype=jnp.float32)
+    y = np.asarray(ffi(jq.dequantize, qw))
+    r = np.asarray(ref(jq.dequantize, qw))
+    # float32 subnormal results may flush to zero (XLA's CPU code flushes some, not all)
+    sub = (np.abs(r) < 2.0**-126) & (r != 0)
+    np.testing.assert_array_equal(y[~sub], r[~sub])
+    assert np.all((y[sub] == 0) | (y[sub] == r[sub]))
+    assert np.all(np.isnan(y[0, :32]))
+    w64 = deq64(qw)
+    normal = np.abs(w64) >= 2.0**-126
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(y[normal], w64[normal].astype(np.float32))
+
+
+def test_dequantize_nvfp4_without_global_scale():
+    qw = quantize_for("nvfp4", 4, rand(3, (8, 64)))
+    qw = jq.QuantizedArray(qw.data, qw.scales, mode="nvfp4", bits=4, group_size=16,
+                           dtype=jnp.float32)
+    np.testing.assert_array_equal(ffi(jq.dequantize, qw), ref(jq.dequantize, qw))
+
+
+def test_dequantize_vmap_of_the_call():
+    qws = [quantize_for("nvfp4", 4, rand(i, (6, 64), scale=i + 1.0)) for i in range(3)]
+    stack = lambda f: jnp.stack([f(q) for q in qws])
+    data, scales, gs = stack(lambda q: q.data), stack(lambda q: q.scales), stack(
+        lambda q: q.global_scale)
+    def one(d, s, g):
+        q = jq.QuantizedArray(d, s, None, g, mode="nvfp4", bits=4, group_size=16,
+                              dtype=jnp.float32)
+        return jf.dequantize_call(q, jnp.float32)
+    y = jax.jit(jax.vmap(one))(data, scales, gs)
+    for i, q in enumerate(qws):
+        np.testing.assert_array_equal(y[i], ref(jq.dequantize, q))
+
+
+# ---------------------------------------------------------------------------
+# qmm
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("mxfp6_e3m2", 6),
+                                       ("nvfp4", 4), ("affine", 5)])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_qmm_large_m_and_transpose(mode, bits, transpose):
+    n, k = 64, 128
+    m = _ops.GEMV_MAX_M["cpu"] + 3
+    qws = {jnp.dtype(dt).name: quantize_for(mode, bits, rand(2, (n, k) if transpose else (k, n), dt))
+           for dt in DTYPES}
+    xs = {jnp.dtype(dt).name: rand(3, (m, k), dt) for dt in DTYPES}
+    f = lambda backend: jax.jit(lambda qws, xs: {
+        d: jq.qmm(xs[d], qws[d], transpose=transpose, backend=backend) for d in xs})
+    y, r = f("ffi")(qws, xs), f("reference")(qws, xs)
+    for d in xs:
+        assert y[d].dtype == jnp.dtype(d)
+        assert_matmul_close(y[d], xs[d], deq64(qws[d]), jnp.dtype(d), transpose)
+        # this path is ffi dequantize + the reference's dot: bit for bit the reference
+        np.testing.assert_array_equal(np.asarray(y[d], np.float32), np.asarray(r[d], np.float32))
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp8_e5m2", 8), ("fp4", 4)])
+def test_qmm_batched_weights(mode, bits):
+    qw = quantize_for(mode, bits, rand(4, (3, 32, 64)))
+    x = rand(5, (3, 2, 64))
+    y = ffi(jq.qmm, x, qw)
+    assert_matmul_close(y, x, deq64(qw), jnp.float32)
+    for b in range(3):
+        np.testing.assert_array_equal(y[b], ffi(jq.qmm, x[b], qw[b]))
+
+
+def test_qmm_group16_and_vmap():
+    qw = quantize_for("fp4", 4, rand(6, (48, 96)), group_size=16)
+    x = rand(7, (4, 2, 96))
+    y = jax.jit(jax.vmap(lambda x: jq.qmm(x, qw, backend="ffi")))(x)
+    assert_matmul_close(y, x, deq64(qw), jnp.float32)
+
+
+def test_qmm_nan_block_and_grad():
+    qw = quantize_for("mxfp4", 4, rand(8, (16, 64)))
+    scales = np.asarray(qw.scales).copy()
+    scales[3, 1] = 255
+    qw = jq.QuantizedArray(qw.data, jnp.asarray(scales), mode="mxfp4", bits=4, group_size=32,
+                           dtype=jnp.float32)
+    x = rand(9, (2, 64))
+    y = np.asarray(ffi(jq.qmm, x, qw))
+    assert np.all(np.isnan(y[:, 3])) and not np.any(np.isnan(np.delete(y, 3, axis=1)))
+    qw_ok = quantize_for("affine", 4, rand(10, (16, 64)))
+    g = jax.grad(lambda x: jq.qmm(x, qw_ok, backend="ffi").sum())(x)
+    np.testing.assert_allclose(g, np.broadcast_to(deq64(qw_ok).sum(0), (2, 64)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_float64_falls_back_to_reference():
+    with enable_x64():
+        qw = quantize_for("affine", 4, rand(11, (16, 64)))
+        x = rand(12, (2, 64)).astype(jnp.float64)
+        np.testing.assert_array_equal(ffi(jq.qmm, x, qw), ref(jq.qmm, x, qw))
+        np.testing.assert_array_equal(ffi(jq.dequantize, qw, dtype=jnp.float64),
+                                      ref(jq.dequantize, qw, dtype=jnp.float64))
+        x64 = rand(13, (3, 8)).astype(jnp.float64)
+        np.testing.assert_array_equal(ffi(jq.rms_norm, x64), ref(jq.rms_norm, x64))
+
+
+# ---------------------------------------------------------------------------
+# gather_qmm and ragged_qmm
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+def test_gather_qmm_per_slot_x_and_transpose(transpose):
+    e, n, k = 3, 64, 64
+    w = rand(22, (e, n, k) if transpose else (e, k, n))
+    qw = quantize_for("affine", 4, w)
+    x = rand(23, (5, 2, k))
+    idx = jnp.array([[0, 1], [2, 2], [1, 0], [7, 0], [-3, 2]], jnp.int32)
+    y = ffi(jq.gather_qmm, x, qw, idx, transpose=transpose)
+    r = ref(jq.gather_qmm, x, qw, idx, transpose=transpose)
+    np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5)
+    for ti in range(5):
+        for j in range(2):
+            ei = int(idx[ti, j])
+            if 0 <= ei < e:
+                np.testing.assert_array_equal(
+                    y[ti, j], ffi(jq.qmm, x[ti, j], qw[ei], transpose=transpose))
+            else:
+                assert np.all(np.isnan(y[ti, j]))
+
+
+def test_gather_qmm_int64_indices_do_not_wrap():
+    with enable_x64():
+        qw = quantize_for("mxfp4", 4, rand(24, (2, 16, 64)))
+        x = rand(25, (2, 64))
+        idx = jnp.array([[1, 2**32 + 1], [0, -(2**32)]], jnp.int64)
+        y = np.asarray(ffi(jq.gather_qmm, x, qw, idx))
+        assert np.all(np.isnan(y[0, 1])) and np.all(np.isnan(y[1, 1]))
+        assert not np.any(np.isnan(y[:, 0]))
+
+
+def test_gather_qmm_vmap_and_grad():
+    qw = quantize_for("nvfp4", 4, rand(26, (3, 16, 64)))
+    x = rand(27, (2, 4, 64))
+    idx = jnp.array([[[0, 2], [1, 1], [2, 0], [0, 0]], [[1, 2], [2, 2], [0, 1], [1, 0]]])
+    y = jax.jit(jax.vmap(lambda x, i: jq.gather_qmm(x, qw, i, backend="ffi")))(x, idx)
+    for b in range(2):
+        np.testing.assert_array_equal(y[b], ffi(jq.gather_qmm, x[b], qw, idx[b]))
+    g = jax.grad(lambda x: jq.gather_qmm(x, qw, idx[0], backend="ffi").sum())(x[0])
+    want = deq64(qw)[np.asarray(idx[0])].sum(axis=(1, 2))
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("mxfp8_e4m3", 8)])
+def test_ragged_qmm(mode, bits):
+    qw = quantize_for(mode, bits, rand(28, (3, 32, 64)))
+    x = rand(29, (10, 64))
+    gs = jnp.array([3, 0, 5], jnp.int32)
+    y = ffi(jq.ragged_qmm, x, qw, gs)
+    np.testing.assert_array_equal(y, ref(jq.ragged_qmm, x, qw, gs))
+
+
+# ---------------------------------------------------------------------------
+# Norms
+
+
+def rms64(x, w=None, eps=1e-6, off=0.0, group=None):
+    x = np.asarray(x, np.float64)
+    shape = x.shape
+    if group is not None:
+        x = x.reshape(*shape[:-1], shape[-1] // group, group)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    y = y.reshape(shape)
+    if w is not None:
+        y = y * (np.asarray(w, np.float64) + off)
+    return y
+
+
+def act64(g, activation):
+    g = np.asarray(g, np.float64)
+    s = 1 / (1 + np.exp(-g))
+    return g * s if activation == "silu" else s
+
+
+@pytest.mark.parametrize("d", [1, 7, 64, 128, 256, 5376])
+def test_rms_norm(d):
+    xs = {jnp.dtype(dt).name: rand(30, (3, 2, d), dt, scale=2.0) for dt in DTYPES}
+    ws = {name: rand(31, (d,), x.dtype) for name, x in xs.items()}
+    run = jax.jit(lambda xs, ws: {n: (jq.rms_norm(xs[n], ws[n], backend="ffi"),
+                                      jq.rms_norm(xs[n], eps=1e-3, backend="ffi"),
+                                      jq.rms_norm(xs[n], ws[n], weight_offset=1.0, backend="ffi"))
+                                  for n in xs})
+    out = run(xs, ws)
+    for name, x in xs.items():
+        eps = EPS[jnp.dtype(name)]
+        tol = dict(rtol=4 * eps + 1e-6, atol=4 * eps + 1e-6)
+        w = ws[name]
+        for y, want in zip(out[name], [rms64(x, w), rms64(x, eps=1e-3), rms64(x, w, off=1.0)]):
+            assert y.dtype == x.dtype and y.shape == x.shape
+            np.testing.assert_allclose(np.asarray(y, np.float64), want, err_msg=name, **tol)
+
+
+def test_add_rms_norm():
+    d = 320
+    cases = [(dt, xdt) for dt in DTYPES for xdt in (jnp.float32, jnp.bfloat16)]
+    args = [(rand(32, (4, d), xdt), rand(33, (4, d), dt), rand(34, (d,), jnp.float32))
+            for dt, xdt in cases]
+    y = jax.jit(lambda args: [jq.add_rms_norm(*a, backend="ffi") for a in args])(args)
+    r = jax.jit(lambda args: [jq.add_rms_norm(*a, backend="reference") for a in args])(args)
+    for (dt, _), (x, res, w), (yi, hi), (_, hr) in zip(cases, args, y, r):
+        assert yi.dtype == dt and hi.dtype == dt
+        np.testing.assert_array_equal(np.asarray(hi, np.float32), np.asarray(hr, np.float32))
+        eps = EPS[jnp.dtype(dt)]
+        np.testing.assert_allclose(np.asarray(yi, np.float64), rms64(hi, w), rtol=4 * eps + 1e-6,
+                                   atol=4 * eps + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm(dtype):
+    d = 256
+    x, gate, w = rand(35, (3, d), jnp.float32), rand(36, (3, d), dtype), rand(37, (d,), dtype)
+    combos = [(a, b, g) for a in ("silu", "sigmoid") for b in (True, False) for g in (None, 64)]
+    out = jax.jit(lambda x, gate, w: [
+        jq.gated_rms_norm(x, gate, w, activation=a, norm_before_gate=b, group_size=g,
+                          backend="ffi") for a, b, g in combos])(x, gate, w)
+    eps = EPS[jnp.dtype(dtype)]
+    for (activation, before, group), y in zip(combos, out):
+        assert y.dtype == dtype
+        g = act64(gate, activation)
+        want = (rms64(x, w, group=group) * g if before
+                else rms64(np.asarray(x, np.float64) * g, w, group=group))
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=8 * eps + 1e-5,
+                                   atol=8 * eps + 1e-5, err_msg=str((activation, before, group)))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_norms_per_head_rows(d):
+    x = rand(38, (5, 8, d), jnp.bfloat16)
+    w = rand(39, (d,), jnp.bfloat16)
+    y = ffi(jq.rms_norm, x, w)
+    np.testing.assert_allclose(np.asarray(y, np.float64), rms64(x, w), rtol=2**-6, atol=2**-6)
+
+
+def test_norms_vmap_of_the_call_and_batched_weights():
+    x, w = rand(40, (3, 4, 16)), rand(41, (3, 16))
+    y = jax.jit(jax.vmap(lambda x, w: jf.rms_norm_call(x, w, 1e-6, 0.0)))(x, w)
+    for b in range(3):
+        np.testing.assert_allclose(y[b], rms64(x[b], w[b]), rtol=1e-5, atol=1e-6)
+    y2 = jax.jit(jax.vmap(lambda x, w: jq.rms_norm(x, w, backend="ffi")))(x, w)
+    np.testing.assert_allclose(y2, y, rtol=1e-6, atol=1e-7)
+
+
+def test_auto_prefers_ffi_on_cpu():
+    qw = quantize_for("mxfp4", 4, rand(42, (16, 64)))
+    x = rand(43, (64,))
+    text = jax.jit(lambda x: jq.qmm(x, qw)).lower(x).as_text()
+    assert "jaxquant_qmv" in text
+    text = jax.jit(lambda x: jq.qmm(x, qw, backend="reference")).lower(x).as_text()
+    assert "jaxquant_" not in text
+
+
+def test_baseline_isa_matches():
+    """The kernels compiled for the baseline ISA give the same results."""
+    code = r"""
+import ctypes, jax, jax.numpy as jnp, numpy as np, jaxquant as jq, jaxquant.ffi as jf
+h = jf.libraries()["cpu"].handle
+h.jq_cpu_isa.restype = ctypes.c_char_p
+assert h.jq_cpu_isa() == b"baseline", h.jq_cpu_isa()
+out = {}
+for mode, bits in [("affine", 4), ("affine", 6), ("mxfp4", 4), ("mxfp8_e5m2", 8), ("nvfp4", 4)]:
+    qw = jq.quantize(jax.random.normal(jax.random.key(0), (24, 128)), mode=mode,
+                     bits=bits if mode == "affine" else None)
+    x = jax.random.normal(jax.random.key(1), (2, 128), jnp.bfloat16)
+    out[f"{mode}-{bits}-"] = [np.asarray(jax.jit(lambda q: jq.dequantize(q, jnp.bfloat16, backend="ffi"))(qw), np.float32),
+                             np.asarray(jax.jit(lambda x: jq.qmm(x, qw, backend="ffi"))(x), np.float32)]
+x = jax.random.normal(jax.random.key(2), (3, 200), jnp.float16)
+out["rms-0-"] = [np.asarray(jax.jit(lambda x: jq.rms_norm(x, backend="ffi"))(x), np.float32)]
+np.savez(OUT, **{k + str(i): a for k, v in out.items() for i, a in enumerate(v)})
+"""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, JAXQUANT_FFI_CPU_ISA="baseline", JAX_PLATFORMS="cpu")
+        path = os.path.join(d, "base.npz")
+        subprocess.run([sys.executable, "-c", f"OUT = {path!r}\n" + code], check=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+        base = np.load(path)
+        for key in base.files:
+            mode, bits, i = key.split("-")
+            bits, i = int(bits), int(i)
+            if mode == "rms":
+                x = jax.random.normal(jax.random.key(2), (3, 200), jnp.float16)
+                np.testing.assert_allclose(base[key], rms64(x), rtol=4e-3, atol=4e-3)
+                continue
+            qw = jq.quantize(jax.random.normal(jax.random.key(0), (24, 128)), mode=mode,
+                             bits=bits if mode == "affine" else None)
+            if i == 0:  # dequantize: bit for bit in either ISA
+                np.testing.assert_array_equal(
+                    base[key], np.asarray(ref(jq.dequantize, qw, dtype=jnp.bfloat16), np.float32))
+            else:
+                x = jax.random.normal(jax.random.key(1), (2, 128), jnp.bfloat16)
+                assert_matmul_close(base[key], x, deq64(qw), jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------
+# The handlers' validation: every error path, called directly.
+
+
+def _call(target, outs, *args, **attrs):
+    return jax.jit(lambda *a: jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
+        *a, **attrs))(*args)
+
+
+def _fmt(fmt=0, bits=4, group_size=64):
+    return dict(fmt=np.int64(fmt), bits=np.int64(bits), group_size=np.int64(group_size))
+
+
+E0 = np.zeros((0,), np.float32)
+SDS = jax.ShapeDtypeStruct
+
+
+def _affine(n=4, k=128, dt=np.float32):
+    return (np.zeros((n, k * 4 // 32), np.uint32), np.ones((n, k // 64), dt),
+            np.zeros((n, k // 64), dt))
+
+
+DEQ_BAD = {
+    "fmt": (lambda d, s, b: (d, s, b, E0), SDS((4, 128), np.float32), _fmt(fmt=9), "fmt=9"),
+    "fmt_negative": (lambda d, s, b: (d, s, b, E0), SDS((4, 128), np.float32), _fmt(fmt=-1),
+                     "not a format id"),
+    "bits": (lambda d, s, b: (d, s, b, E0), SDS((4, 128), np.float32), _fmt(bits=7), "bits=7"),
+    "group": (lambda d, s, b: (d, s, b, E0), SDS((4, 128), np.float32), _fmt(group_size=48),
+              "group_size=48"),
+    "data_dtype": (lambda d, s, b: (d.astype(np.int32), s, b, E0), SDS((4, 128), np.float32),
+                   _fmt(), "data must be uint32"),
+    "data_rank0": (lambda d, s, b: (np.uint32(0), np.float32(1), np.float32(0), E0),
+                   SDS((), np.float32), _fmt(), "rank >= 1"),
+    "words": (lambda d, s, b: (d[:, :6], s, b, E0), SDS((4, 48), np.float32), _fmt(),
+              "multiple of bits"),
+    "scales_rank": (lambda d, s, b: (d, s[None], b, E0), SDS((4, 128), np.float32), _fmt(),
+                    "scales must have data's rank"),
+    "scales_lead": (lambda d, s, b: (d, s[:3], b[:3], E0), SDS((4, 128), np.float32), _fmt(),
+                    "on all axes but the last"),
+    "scales_last": (lambda d, s, b: (d, s[:, :1], b[:, :1], E0), SDS((4, 128), np.float32),
+                    _fmt(), "K/group_size"),
+    "scales_dtype_affine": (lambda d, s, b: (d, s.astype(np.uint8), b.astype(np.uint8), E0),
+                            SDS((4, 128), np.float32), _fmt(), "scales must be float32"),
+    "scales_dtype_mx": (lambda d, s, b: (d, np.ones((4, 4), np.float32), E0, E0),
+                        SDS((4, 128), np.float32), _fmt(fmt=1, group_size=32),
+                        "scales must be uint8"),
+    "biases_missing": (lambda d, s, b: (d, s, E0, E0), SDS((4, 128), np.float32), _fmt(),
+                       "biases must match scales"),
+    "biases_shape": (lambda d, s, b: (d, s, np.zeros((4, 3), np.float32), E0),
+                     SDS((4, 128), np.float32), _fmt(), "biases must match scales"),
+    "biases_extra": (lambda d, s, b: (d, np.ones((4, 4), np.uint8), np.ones((4, 4), np.uint8), E0),
+                     SDS((4, 128), np.float32), _fmt(fmt=1, group_size=32), "has no biases"),
+    "gs_extra": (lambda d, s, b: (d, s, b, np.ones((1,), np.float32)), SDS((4, 128), np.float32),
+                 _fmt(), "has no global_scale"),
+    "gs_dtype": (lambda d, s, b: (d, np.ones((4, 8), np.uint8), E0, np.ones((1,), np.int32)),
+                 SDS((4, 128), np.float32), _fmt(fmt=6, group_size=16),
+                 "global_scale must be float32"),
+    "gs_count": (lambda d, s, b: (d, np.ones((4, 8), np.uint8), E0, np.ones((3,), np.float32)),
+                 SDS((4, 128), np.float32), _fmt(fmt=6, group_size=16), "global_scale must be"),
+    "out_dtype": (lambda d, s, b: (d, s, b, E0), SDS((4, 128), np.int32), _fmt(),
+                  "output must be float32"),
+    "out_shape": (lambda d, s, b: (d, s, b, E0), SDS((4, 127), np.float32), _fmt(),
+                  "output must have shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEQ_BAD))
+def test_dequantize_handler_rejects(case):
+    make, out, attrs, msg = DEQ_BAD[case]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=msg):
+        _call("jaxquant_dequantize", out, *make(*_affine()), **attrs)
+
+
+def _qmv_ok():
+    d, s, b = _affine(n=8, k=128)
+    return dict(x=np.ones((1, 2, 128), np.float32), d=d[None], s=s[None], b=b[None], gs=E0,
+                idx=np.zeros((0,), np.int32), out=SDS((1, 2, 8), np.float32))
+
+
+QMV_BAD = {
+    "data_rank": (dict(d=np.zeros((8, 16), np.uint32), s=np.ones((8, 2), np.float32),
+                       b=np.zeros((8, 2), np.float32)), "rank 3"),
+    "x_dtype": (dict(x=np.ones((1, 2, 128), np.int32)), "x must be float32"),
+    "x_rank": (dict(x=np.ones((2, 128), np.float32)), r"x must be \[Sx, M, K"),
+    "x_k": (dict(x=np.ones((1, 2, 64), np.float32)), "K=128"),
+    "y_dtype": (dict(out=SDS((1, 2, 8), np.float16)), "output must have x's dtype"),
+    "y_shape": (dict(out=SDS((1, 2, 9), np.float32)), "output must be"),
+    "slots": (dict(out=SDS((3, 2, 8), np.float32), idx=np.zeros((3,), np.int32),
+                   x=np.ones((2, 2, 128), np.float32)), "must divide"),
+    "indices_dtype": (dict(idx=np.zeros((1,), np.float32)), "indices must be int32"),
+    "indices_shape": (dict(idx=np.zeros((2,), np.int32)), "indices must be int32"),
+    "no_indices": (dict(out=SDS((2, 2, 8), np.float32), x=np.ones((2, 2, 128), np.float32)),
+                   "must equal E"),
+    "format": (dict(attrs=_fmt(bits=9)), "bits=9"),
+    "scales_last": (dict(s=np.ones((1, 8, 3), np.float32)), "K/group_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QMV_BAD))
+def test_qmv_handler_rejects(case):
+    change, msg = QMV_BAD[case]
+    a = _qmv_ok()
+    attrs = change.pop("attrs", _fmt())
+    a.update(change)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=msg):
+        _call("jaxquant_qmv", a["out"], a["x"], a["d"], a["s"], a["b"], a["gs"], a["idx"],
+              **attrs)
+
+
+def test_qmv_handler_ok_call():
+    a = _qmv_ok()
+    y = _call("jaxquant_qmv", a["out"], a["x"], a["d"], a["s"], a["b"], a["gs"], a["idx"],
+              **_fmt())
+    np.testing.assert_array_equal(y, np.zeros((1, 2, 8), np.float32))
+
+
+X = np.ones((3, 16), np.float32)
+NORM_ATTRS = dict(eps=np.float32(1e-6), weight_offset=np.float32(0))
+NORM_BAD = {
+    "x_dtype": ("jaxquant_rms_norm", SDS((3, 16), np.int32), (X.astype(np.int32), E0),
+                NORM_ATTRS, "x must be float32"),
+    "x_rank": ("jaxquant_rms_norm", SDS((), np.float32), (np.float32(1), E0), NORM_ATTRS,
+               "rank >= 1"),
+    "eps": ("jaxquant_rms_norm", SDS((3, 16), np.float32), (X, E0),
+            dict(NORM_ATTRS, eps=np.float32(-1)), "eps must be >= 0"),
+    "weight_shape": ("jaxquant_rms_norm", SDS((3, 16), np.float32), (X, np.ones((15,), np.float32)),
+                     NORM_ATTRS, "weight must be"),
+    "weight_lead": ("jaxquant_rms_norm", SDS((3, 16), np.float32),
+                    (X, np.ones((2, 16), np.float32)), NORM_ATTRS, "weight must be"),
+    "weight_dtype": ("jaxquant_rms_norm", SDS((3, 16), np.float32), (X, np.ones((16,), np.int32)),
+                     NORM_ATTRS, "weight must be float32"),
+    "out": ("jaxquant_rms_norm", SDS((3, 16), np.float16), (X, E0), NORM_ATTRS,
+            "output must have"),
+    "residual_shape": ("jaxquant_add_rms_norm", (SDS((3, 16), np.float32),) * 2,
+                       (X, X[:2], E0), NORM_ATTRS, "residual must have x's shape"),
+    "residual_dtype": ("jaxquant_add_rms_norm", (SDS((3, 16), np.float32),) * 2,
+                       (X, X.astype(np.int32), E0), NORM_ATTRS, "residual must be float32"),
+    "h_dtype": ("jaxquant_add_rms_norm", (SDS((3, 16), np.float32), SDS((3, 16), np.float16)),
+                (X, X, E0), NORM_ATTRS, "h must have"),
+    "gate_shape": ("jaxquant_gated_rms_norm", SDS((3, 16), np.float32), (X, X[:, :8], E0),
+                   dict(NORM_ATTRS, activation=np.int64(0), norm_before_gate=np.int64(1),
+                        group_size=np.int64(0)), "gate must have x's shape"),
+    "activation": ("jaxquant_gated_rms_norm", SDS((3, 16), np.float32), (X, X, E0),
+                   dict(NORM_ATTRS, activation=np.int64(5), norm_before_gate=np.int64(1),
+                        group_size=np.int64(0)), "activation=5"),
+    "group": ("jaxquant_gated_rms_norm", SDS((3, 16), np.float32), (X, X, E0),
+              dict(NORM_ATTRS, activation=np.int64(0), norm_before_gate=np.int64(1),
+                   group_size=np.int64(5)), "group_size=5"),
+    "gated_out_dtype": ("jaxquant_gated_rms_norm", SDS((3, 16), np.float16), (X, X, E0),
+                        dict(NORM_ATTRS, activation=np.int64(0), norm_before_gate=np.int64(1),
+                             group_size=np.int64(0)), "gate's"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NORM_BAD))
+def test_norm_handlers_reject(case):
+    target, out, args, attrs, msg = NORM_BAD[case]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=msg):
+        _call(target, out, *args, **attrs)
+
+
+def test_zero_sized_calls():
+    qw = quantize_for("affine", 4, rand(50, (0, 64)))
+    assert ffi(jq.dequantize, qw).shape == (0, 64)
+    x = rand(51, (2, 64))
+    assert ffi(jq.qmm, x, qw).shape == (2, 0)
+    assert ffi(jq.rms_norm, jnp.zeros((0, 8))).shape == (0, 8)
