@@ -1,0 +1,136 @@
+"""Block configurations of the Pallas qmm kernels: data, per platform and shape class.
+
+This is the one place where kernel choice (GEMV vs GEMM) and block sizes live
+(DESIGN.md §1). `select` maps (platform, transpose, M, N, K, format) to a
+`KernelConfig`; everything it reads is in the tables below.
+
+Shape classes (M = rows of x after flattening the leading axes):
+  "gemv"   M <= GEMV_MAX_M: CUDA-core kernel, one weight pass, f32 FMA.
+  "skinny" GEMV_MAX_M < M <= 64: tensor-core kernel with a 16..64-row M tile.
+  "gemm"   M > 64: tensor-core kernel with large tiles.
+
+Units: `block_n` rows of the weight (transpose=True) per program; `k_words`
+packed words of K per row per loop step (rounded to whole groups);
+transpose=False: `block_k` rows of K per step and `n_words` packed words of N
+per program. `split_k` > 1 splits the K loop over programs (partial sums in
+float32, added by XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    kernel: str                 # "gemv" | "gemm"
+    block_m: int = 16
+    block_n: int = 64
+    k_words: int = 16
+    block_k: int = 32
+    n_words: int = 16
+    split_k: int = 1
+    x_join: bool = True         # gemv, transpose=True: contract joined slot planes with x's
+                                # natural tile (else: one strided x load per slot)
+    permute_x: bool = False     # gemm, transpose=True: permute x by one XLA transpose
+    swap_ab: bool = False       # gemm, transpose=True: compute y^T = W x^T (W as the A operand)
+    interleave: bool = False    # gemm: dequantize a whole tile into K (N) order, one dot per
+                                # step (2/4/8-bit formats; others keep one dot per slot)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def replace(self, **kw) -> "KernelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+GEMV_MAX_M = {"cuda": 4, "rocm": 4, "interpret": 4}
+
+# GEMV (transpose=True): at least this many programs, so that every SM streams
+# weights (132 SMs on an H100/H200, 304 CUs on an MI300X); below it block_n
+# shrinks (tile words kept) and then the K loop is split.
+MIN_PROGRAMS = {"cuda": 4 * 132, "rocm": 2 * 304, "interpret": 1}
+MIN_BLOCK_N = 8
+
+# (platform, transpose, shape class) -> config. Hopper/Ampere numbers were tuned on an
+# H100 (benchmarks/RESULTS.md); ROCm numbers follow Triton's AMD guidance (one
+# stage: the AMD backend pipelines through registers; 64-wide wavefronts).
+TABLE: dict[tuple[str, bool, str], KernelConfig] = {
+    # --- CUDA -------------------------------------------------------------
+    ("cuda", True, "gemv"): KernelConfig("gemv", block_n=32, k_words=32, num_warps=4, num_stages=3),
+    ("cuda", True, "skinny"): KernelConfig("gemm", block_m=16, block_n=64, k_words=32,
+                                           swap_ab=True, num_warps=4, num_stages=3),
+    ("cuda", True, "gemm"): KernelConfig("gemm", block_m=256, block_n=128, k_words=16,
+                                         interleave=True, num_warps=8, num_stages=2),
+    ("cuda", False, "gemv"): KernelConfig("gemv", block_k=16, n_words=32, num_warps=4, num_stages=3),
+    ("cuda", False, "skinny"): KernelConfig("gemm", block_m=16, block_k=64, n_words=16,
+                                            num_warps=4, num_stages=3),
+    ("cuda", False, "gemm"): KernelConfig("gemm", block_m=128, block_k=64, n_words=16,
+                                          interleave=True, num_warps=8, num_stages=2),
+    # --- ROCm -------------------------------------------------------------
+    ("rocm", True, "gemv"): KernelConfig("gemv", block_n=32, k_words=32, num_warps=4, num_stages=1),
+    ("rocm", True, "skinny"): KernelConfig("gemm", block_m=16, block_n=64, k_words=32,
+                                           swap_ab=True, num_warps=4, num_stages=1),
+    ("rocm", True, "gemm"): KernelConfig("gemm", block_m=128, block_n=128, k_words=16,
+                                         interleave=True, num_warps=8, num_stages=1),
+    ("rocm", False, "gemv"): KernelConfig("gemv", block_k=16, n_words=32, num_warps=4, num_stages=1),
+    ("rocm", False, "skinny"): KernelConfig("gemm", block_m=16, block_k=64, n_words=16,
+                                            num_warps=4, num_stages=1),
+    ("rocm", False, "gemm"): KernelConfig("gemm", block_m=128, block_k=64, n_words=16,
+                                          interleave=True, num_warps=8, num_stages=1),
+    # --- interpret mode (CPU tests): small tiles so that masking is exercised ---
+    ("interpret", True, "gemv"): KernelConfig("gemv", block_n=16, k_words=16, num_warps=4, num_stages=1),
+    ("interpret", True, "skinny"): KernelConfig("gemm", block_m=16, block_n=16, k_words=16,
+                                                swap_ab=True,
+                                                num_warps=4, num_stages=1),
+    ("interpret", True, "gemm"): KernelConfig("gemm", block_m=32, block_n=16, k_words=16,
+                                              interleave=True, num_warps=4, num_stages=1),
+    ("interpret", False, "gemv"): KernelConfig("gemv", block_k=16, n_words=16, num_warps=4, num_stages=1),
+    ("interpret", False, "skinny"): KernelConfig("gemm", block_m=16, block_k=16, n_words=16,
+                                                 num_warps=4, num_stages=1),
+    ("interpret", False, "gemm"): KernelConfig("gemm", block_m=32, block_k=16, n_words=16,
+                                               interleave=True,
+                                               num_warps=4, num_stages=1),
+}
+
+
+def shape_class(platform: str, m: int) -> str:
+    if m <= GEMV_MAX_M[platform]:
+        return "gemv"
+    return "skinny" if m <= 64 else "gemm"
+
+
+def _spread_gemv(cfg: KernelConfig, min_programs: int, n: int, k_words: int) -> KernelConfig:
+    tile = cfg.block_n * cfg.k_words
+    bn = cfg.block_n
+    while bn > MIN_BLOCK_N and -(-n // bn) < min_programs:
+        bn //= 2
+    kw = max(1, tile // bn)
+    split = 1
+    while -(-n // bn) * split < min_programs and k_words >= 4 * kw * split:
+        split *= 2
+    return cfg.replace(block_n=bn, k_words=kw, split_k=max(split, cfg.split_k))
+
+
+# float32 activations double the staged x tiles: the large-tile class then uses
+# one dot per slot (no whole-tile interleave) and two stages, within the 227 KiB
+# of shared memory of a Hopper SM (and the compilers' limits elsewhere).
+F32_GEMM = dict(interleave=False, permute_x=True, block_m=64, block_n=128, k_words=16,
+                num_stages=2)
+
+
+def select(platform: str, transpose: bool, m: int, n: int, k: int, bits: int,
+           group_size: int, x_dtype=None) -> KernelConfig:
+    """The kernel and block sizes for one call (all arguments static)."""
+    cls = shape_class(platform, m)
+    cfg = TABLE[(platform, bool(transpose), cls)]
+    if cls == "gemm" and x_dtype is not None and str(x_dtype) == "float32":
+        cfg = cfg.replace(**F32_GEMM)
+    if cfg.kernel == "gemv" and transpose:
+        cfg = _spread_gemv(cfg, MIN_PROGRAMS[platform], n, k * bits // 32)
+    if cfg.kernel == "gemm" and cls == "skinny":
+        # The M tile: the smallest power of two >= M, at least 16 (tensor-core minimum).
+        bm = 16
+        while bm < m:
+            bm *= 2
+        cfg = cfg.replace(block_m=bm)
+    return cfg

@@ -1,0 +1,214 @@
+"""Pallas qmm kernels in interpret mode on the CPU (small shapes), against
+`dequantize_reference` + a float64 matmul: every mode x activation dtype x
+kernel path (GEMV, GEMM) for transpose=True, every mode x path for
+transpose=False, shapes that are not multiples of the block sizes."""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant.pallas import codecs, configs
+from jaxquant.pallas.qmm import qmm, supports
+from jaxquant.quantize import dequantize_reference
+
+# XLA:CPU compiles the interpreted kernels; its LLVM optimizations cost more
+# than they save on these small problems.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+# (mode, bits, group_size): every row of DESIGN.md §3, some group sizes twice.
+FORMATS = [
+    ("affine", 2, 32), ("affine", 3, 64), ("affine", 4, 64), ("affine", 5, 32),
+    ("affine", 6, 64), ("affine", 8, 128),
+    ("mxfp4", 4, 32), ("mxfp6_e2m3", 6, 32), ("mxfp6_e3m2", 6, 32),
+    ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32), ("nvfp4", 4, 16), ("fp4", 4, 32),
+]
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+# M per path under the interpret block table: GEMV for M <= 4, GEMM above.
+PATHS = {"gemv": 1, "gemm": 20}
+
+# Relative Frobenius error vs the float64 product of the exact dequantized
+# weight: float32 is exact arithmetic in interpret mode; f16/bf16 are rounded
+# at the output (and, on the GEMM path, at the dot inputs).
+TOL = {jnp.float32: 2e-5, jnp.float16: 3e-3, jnp.bfloat16: 1.5e-2}
+
+
+def _id(p):
+    return "-".join(str(v) for v in p) if isinstance(p, tuple) else getattr(p, "__name__", str(p))
+
+
+def _run(x, qw, **kw):
+    f = jax.jit(functools.partial(qmm, interpret=True, **kw))
+    return f.trace(x, qw).lower().compile(compiler_options=_FAST_COMPILE)(x, qw)
+
+
+def _pack(codes, bits):
+    """numpy: codes [R, C] -> uint32 words, DESIGN.md §3's little-endian bit stream."""
+    r, c = codes.shape
+    stream = (codes[:, :, None] >> np.arange(bits)) & 1          # [R, C, bits]
+    words = stream.reshape(r, c * bits // 32, 32).astype(np.uint64)
+    return (words << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+
+
+def _random_qw(mode, bits, group, rows, cols, dtype, rng):
+    """A random QuantizedArray built directly from codes and scales (every finite
+    element code appears; scales in a range that keeps values O(1))."""
+    fmt = jq.formats.FORMATS[mode]
+    codes = rng.integers(0, 1 << bits, (rows, cols)).astype(np.uint32)
+    if fmt.element is not None:
+        finite = np.isfinite(jq.formats.element_values(fmt.element))
+        codes = np.where(finite[codes], codes, 0).astype(np.uint32)
+    n_groups = cols // group
+    biases = global_scale = None
+    if fmt.scale == "e8m0":
+        emax = jq.formats.ELEMENTS[fmt.element].emax   # keep |values| <= ~8
+        scales = rng.integers(124 - emax, 131 - emax, (rows, n_groups)).astype(np.uint8)
+    elif fmt.scale == "e4m3":
+        scales = rng.integers(0x30, 0x48, (rows, n_groups)).astype(np.uint8)  # 2**-1 .. 2**2
+        global_scale = jnp.float32(0.375)
+    else:
+        scales = jnp.asarray(rng.uniform(0.02, 0.2, (rows, n_groups)), dtype)
+        if fmt.has_biases:
+            biases = jnp.asarray(rng.normal(0, 0.5, (rows, n_groups)), dtype)
+    return jq.QuantizedArray(jnp.asarray(_pack(codes, bits)), jnp.asarray(scales), biases,
+                             global_scale, mode=mode, bits=bits, group_size=group, dtype=dtype)
+
+
+_dequant = jax.jit(lambda qw: dequantize_reference(qw, jnp.float32))
+
+
+def _case(mode, bits, group, dtype, m, transpose, seed, n_out=40, k_in=None):
+    rng = np.random.default_rng(seed)
+    # K = 320 (or 3 groups of 128): group counts that leave masked tails in the
+    # interpret tiles; N = 40: not a multiple of 16.
+    k = k_in or (320 if 320 % group == 0 else 3 * group)
+    n = n_out
+    qw = _random_qw(mode, bits, group, *((n, k) if transpose else (k, n)), dtype, rng)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    return x, qw
+
+
+def _check(y, x, qw, transpose, dtype):
+    wd = np.asarray(_dequant(qw), np.float64)
+    ref = np.asarray(x, np.float64) @ (wd.T if transpose else wd)
+    assert y.dtype == x.dtype
+    assert y.shape == ref.shape
+    y = np.asarray(y, np.float64)
+    assert np.all(np.isfinite(y))
+    err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("fmt", FORMATS, ids=_id)
+def test_transpose_true(fmt, dtype, path):
+    mode, bits, group = fmt
+    x, qw = _case(mode, bits, group, dtype, PATHS[path], True, seed=zlib.crc32(repr((fmt, path, dtype.__name__)).encode()))
+    assert configs.select("interpret", True, x.shape[0], 40, x.shape[1], bits,
+                          group).kernel == path
+    _check(_run(x, qw, transpose=True), x, qw, True, dtype)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("fmt", FORMATS, ids=_id)
+def test_transpose_false(fmt, path):
+    mode, bits, group = fmt
+    dtype = DTYPES[(FORMATS.index(fmt) + len(path)) % 3]
+    # qw logical [K, N], groups along N: N = 320 (or 3 groups; masked group tails), K = 40.
+    x, qw = _case(mode, bits, group, dtype, PATHS[path], False, seed=7,
+                  n_out=320 if 320 % group == 0 else 3 * group, k_in=40)
+    _check(_run(x, qw, transpose=False), x, qw, False, dtype)
+
+
+def test_gemv_several_rows_split_k_and_leading_axes():
+    x, qw = _case("affine", 4, 64, jnp.float32, 2, True, seed=3)
+    x3 = x.reshape(2, 1, -1)
+    cfg = configs.TABLE[("interpret", True, "gemv")].replace(split_k=3)
+    y = _run(x3, qw, transpose=True, config=cfg)
+    assert y.shape == (2, 1, 40)
+    _check(y.reshape(2, 40), x, qw, True, jnp.float32)
+
+
+def test_nvfp4_without_global_scale_and_fp4_groups():
+    for mode, group in (("nvfp4", 16), ("fp4", 16), ("fp4", 64)):
+        x, qw = _case(mode, 4, group, jnp.float32, 1, True, seed=5)
+        if mode == "nvfp4":
+            assert qw.global_scale is not None
+            qw = jq.QuantizedArray(qw.data, qw.scales, None, None, mode="nvfp4", bits=4,
+                                   group_size=16, dtype=qw.dtype)
+        _check(_run(x, qw, transpose=True), x, qw, True, jnp.float32)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_nan_scale_poisons_its_rows(path):
+    x, qw = _case("mxfp4", 4, 32, jnp.float32, PATHS[path], True, seed=11)
+    scales = np.array(qw.scales)
+    scales[5, 1] = 255
+    qw = jq.QuantizedArray(qw.data, jnp.asarray(scales), mode="mxfp4", bits=4, group_size=32,
+                           dtype=qw.dtype)
+    y = np.asarray(_run(x, qw, transpose=True))
+    assert np.all(np.isnan(y[:, 5]))
+    assert np.all(np.isfinite(np.delete(y, 5, axis=1)))
+
+
+def test_float_decoders_both_variants_exact():
+    """The GPU decoder (float32 subnormal times a power of two) and the
+    interpret-mode decoder (integer rebias + select) give the same bits as
+    formats.decode_element for every code (checked in numpy, which does not
+    flush subnormals)."""
+    for name, elem in jq.formats.ELEMENTS.items():
+        codes = np.arange(1 << elem.bits, dtype=np.uint32)
+        top = codes << np.uint32(32 - elem.bits)
+        want = jq.formats.element_values(name)
+        got_select = np.asarray(jax.jit(
+            functools.partial(codecs.decode_float_top, element=name, hw_subnormals=False))(top))
+        np.testing.assert_array_equal(got_select, want)
+        # hw variant, replayed in numpy float32 (IEEE subnormals)
+        bits = (top.view(np.int32) >> (8 - elem.ebits)).view(np.uint32)
+        mag = ((1 << (elem.ebits + elem.mbits)) - 1) << (23 - elem.mbits)
+        bits = bits & np.uint32(0x80000000 | mag)
+        hw = bits.view(np.float32) * np.float32(2.0 ** (127 - elem.bias))
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(hw[finite], want[finite])
+
+
+def test_supports():
+    _, qw = _case("affine", 4, 64, jnp.float32, 1, True, seed=0)
+    assert supports((3, 320), jnp.bfloat16, qw, True)
+    assert supports((320,), jnp.float32, qw, True)
+    assert not supports((3, 320), jnp.float64, qw, True)
+    assert not supports((3, 40), jnp.float32, qw, True)
+    assert supports((3, 40), jnp.float32, qw, False)
+    assert not supports((3, 320), jnp.int8, qw, True)
+
+
+def test_rejects_bad_input():
+    x, qw = _case("affine", 4, 64, jnp.float32, 1, True, seed=0)
+    with pytest.raises(ValueError, match="K="):
+        qmm(x[:, :64], qw, interpret=True)
+    with pytest.raises(TypeError):
+        qmm(x.astype(jnp.int32), qw, interpret=True)
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("fmt", [("affine", 4, 64), ("mxfp4", 4, 32), ("mxfp6_e3m2", 6, 32)],
+                         ids=_id)
+def test_large_m_tiles(fmt, transpose):
+    """M > 64: the large-tile GEMM class (whole tiles dequantized and interleaved
+    into K order, one dot per step; 6-bit falls back to one dot per slot)."""
+    mode, bits, group = fmt
+    assert configs.shape_class("interpret", 70) == "gemm"
+    x, qw = _case(mode, bits, group, jnp.bfloat16, 70, transpose, seed=13,
+                  **({} if transpose else dict(n_out=320, k_in=40)))
+    _check(_run(x, qw, transpose=transpose), x, qw, transpose, jnp.bfloat16)
+
+
+def test_gemv_spreads_small_n_over_programs():
+    cfg = configs.select("cuda", True, 1, 4096, 14336, 4, 64)
+    assert cfg.kernel == "gemv" and cfg.block_n * cfg.k_words >= 1024
+    assert -(-4096 // cfg.block_n) * cfg.split_k >= configs.MIN_PROGRAMS["cuda"]
