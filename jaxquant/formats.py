@@ -252,9 +252,32 @@ def exact_div(x, d):
 
 
 def _floor_log2(a):
-    """floor(log2(a)) for finite a > 0 (float32), exact."""
+    """floor(log2(a)) for finite normal a > 0 (float32), exact."""
     _, e = jnp.frexp(a)
     return e - 1
+
+
+def abs_max(x, axis):
+    """max |x| along `axis` as float32: NaN if any element is NaN, subnormals kept.
+
+    Taken on the bit patterns (|x| orders like its bits, and NaN's bits are
+    above inf's): XLA's vectorized CPU max can drop NaNs and treats float32
+    subnormals as zero.
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32) & 0x7FFFFFFF
+    return lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
+
+
+def log2_parts(a):
+    """(floor(log2 a) int32, a / 2**floor(log2 a) float32 in [1, 2)) for finite
+    a > 0, exact, from the bits (so float32 subnormals work on every platform)."""
+    bits = lax.bitcast_convert_type(jnp.asarray(a, jnp.float32), jnp.int32) & 0x7FFFFFFF
+    biased, mant = bits >> 23, bits & 0x7FFFFF
+    top = 31 - lax.clz(mant)  # a subnormal is mant * 2**-149: its leading bit
+    floor_log2 = jnp.where(biased > 0, biased - 127, top - 149)
+    normal = lax.bitcast_convert_type(mant | 0x3F800000, jnp.float32)
+    subnormal = mant.astype(jnp.float32) * exp2i(-jnp.clip(top, 0, 22))
+    return floor_log2, jnp.where(biased > 0, normal, subnormal)
 
 
 # ---------------------------------------------------------------------------
@@ -348,26 +371,50 @@ def decode_e8m0(codes):
 
 def e8m0_exponent(amax, element: str, rule: str):
     """The shared exponent (int32, clamped to [-127, 127]) of a block whose
-    largest magnitude is `amax` (float32), per OCP MX rule `rule`."""
+    largest magnitude is `amax` (float32, finite), per OCP MX rule `rule`.
+
+    Integer arithmetic on amax = 2**fl * m (m in [1, 2)) and max_value =
+    2**emax * max_sig, exact for subnormal amax too (XLA flushes float32
+    subnormals in CPU arithmetic).
+    """
     f = ELEMENTS[element]
-    amax = jnp.asarray(amax, jnp.float32)
-    safe = jnp.where(amax > 0, amax, 1.0)
-    if rule == "floor":
-        e = _floor_log2(safe) - f.emax
-    elif rule == "rceil":
-        # Smallest e with amax <= max_value * 2**e (no element saturates).
-        e = _floor_log2(safe) - f.emax
-        e = jnp.where(safe > f.max_value * exp2i(jnp.clip(e, -149, 127)), e + 1, e)
-    elif rule == "round":
-        # MLX: round(log2(amax / max_value)), the quotient taken in float32.
-        r = exact_div(safe, np.float32(f.max_value))
-        mant, ex = jnp.frexp(r)  # r = mant * 2**ex, mant in [0.5, 1)
-        m2 = mant * 2.0
-        e = (ex - 1) + (m2 * m2 >= 2.0).astype(jnp.int32)
-    else:
+    if rule not in _MX_RULES:
         raise ValueError(f"scale_rule={rule!r} is not known; expected one of {list(_MX_RULES)}")
-    e = jnp.where(amax > 0, e, -127)
+    bits = lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32) & 0x7FFFFFFF
+    positive = bits > 0
+    fl, m = log2_parts(lax.bitcast_convert_type(jnp.where(positive, bits, 0x3F800000),
+                                                jnp.float32))
+    max_sig = np.float32(f.max_value / 2.0 ** f.emax)  # in [1, 2)
+    if rule == "floor":
+        e = fl - f.emax
+    elif rule == "rceil":  # the smallest e with amax <= max_value * 2**e
+        e = fl - f.emax + (m > max_sig).astype(jnp.int32)
+    else:
+        e = _round_log2_quotient(fl, m, f.emax, f.max_value)
+    e = jnp.where(positive, e, -127)
     return jnp.clip(e, -127, 127)
+
+
+def _round_log2_quotient(fl, m, emax, max_value):
+    """MLX's "round" rule: round(log2(r)) for r = amax / max_value rounded to
+    float32, amax = 2**fl * m.
+
+    Where r is a float32 normal, r = 2**(fl - emax) * q with q = m / max_sig
+    rounded alike. Where r is subnormal only e in {-126, -127} survives the
+    clamp: -126 iff r, rounded to a multiple of 2**-149, is >= 2**-126.5, that
+    is iff amax * 2**149 >= 5931641.5 * max_value (2**22.5 = 5931641.85; a tie
+    rounds to the even 5931642). That product needs 28 bits: it is compared as
+    a float32 pair hi + lo.
+    """
+    q = exact_div(m, np.float32(max_value / 2.0 ** emax))
+    q_fl, q_m = log2_parts(q)
+    e = fl - emax + q_fl + (q_m * q_m >= 2.0).astype(jnp.int32)
+    threshold = 5931641.5 * max_value  # exact in float64
+    hi = np.float32(threshold)
+    lo = np.float32(threshold - float(hi))
+    scaled = m * exp2i(jnp.minimum(fl + 149, 127))  # amax * 2**149, exact where it matters
+    e_sub = jnp.where(scaled - hi >= lo, -126, -127)
+    return jnp.where(fl - emax + q_fl < -126, e_sub, e)
 
 
 def encode_e8m0(amax, element: str, rule: str):

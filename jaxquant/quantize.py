@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxquant import formats
 from jaxquant.formats import Format
@@ -21,17 +22,30 @@ _FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
 
 
 def check_float_dtype(name: str, dtype) -> np.dtype:
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be a float dtype (float32, float16, bfloat16 or "
+                        f"float64); got {dtype!r}") from None
     if dtype not in [jnp.dtype(d) for d in _FLOATS]:
         raise TypeError(f"{name} must be float32, float16, bfloat16 or float64; got {dtype}")
     return dtype
 
 
 def ldexp(x, n):
-    """x * 2**n (n int32 in [-254, 254]) without forming a subnormal factor:
-    XLA flushes subnormal operands on CPU, and E8M0's 2**-127 is one."""
+    """x * 2**n (x float32, n int32 in [-254, 254]), exact wherever the result is
+    a float32 normal. XLA flushes float32 subnormals in CPU arithmetic, so
+    neither the factor (E8M0's 2**-127 is subnormal) nor a subnormal x may
+    enter a multiplication: the factor is split in two, and a subnormal x
+    (mant * 2**-149) is rebuilt from its bits."""
     half = n // 2
-    return x * formats.exp2i(half) * formats.exp2i(n - half)
+    scaled = x * formats.exp2i(half) * formats.exp2i(n - half)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    m = n - 149  # only n > 0 matters: a smaller result encodes as zero anyway
+    from_bits = ((bits & 0x7FFFFF).astype(jnp.float32) * formats.exp2i(m // 2)
+                 * formats.exp2i(m - m // 2))
+    from_bits = jnp.where(jnp.signbit(x), -from_bits, from_bits)
+    return jnp.where(((bits & 0x7F800000) == 0) & (n > 0), from_bits, scaled)
 
 
 # ---------------------------------------------------------------------------
@@ -103,7 +117,7 @@ def _quantize_affine(wg, bits, dtype):
 
 
 def _quantize_mx(wg, element, rule):
-    amax = jnp.max(jnp.abs(wg), axis=-1)
+    amax = formats.abs_max(wg, axis=-1)
     scales = formats.encode_e8m0(amax, element, rule)
     exponent = scales.astype(jnp.int32) - 127
     codes = formats.encode_element(ldexp(wg, -exponent[..., None]), element)
@@ -111,11 +125,10 @@ def _quantize_mx(wg, element, rule):
 
 
 def _quantize_nvfp4(wg):
-    a = jnp.abs(wg)
-    amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0))
+    amax = formats.abs_max(jnp.where(jnp.isfinite(wg), wg, 0), axis=None)
     encode = jnp.where(amax > 0, div(jnp.full_like(amax, 6 * 448), amax), np.float32(1))
     global_scale = div(jnp.ones_like(encode), encode)
-    block_amax = jnp.max(a, axis=-1)
+    block_amax = formats.abs_max(wg, axis=-1)
     scales = formats.encode_e4m3(div(block_amax, np.float32(6)) * encode)
     scales = jnp.where(jnp.isfinite(block_amax), scales, np.uint8(0x7F))
     divisor = (formats.decode_e4m3(scales) * global_scale)[..., None]
@@ -124,7 +137,7 @@ def _quantize_nvfp4(wg):
 
 
 def _quantize_fp4(wg, dtype):
-    scales = div(jnp.max(jnp.abs(wg), axis=-1), np.float32(6)).astype(dtype)
+    scales = div(formats.abs_max(wg, axis=-1), np.float32(6)).astype(dtype)
     divisor = scales.astype(jnp.float32)[..., None]
     codes = formats.encode_element(jnp.where(divisor != 0, div(wg, divisor), 0), "e2m1")
     return codes, scales

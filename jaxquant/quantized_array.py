@@ -38,7 +38,7 @@ class QuantizedArray:
         self.mode = formats.get_format(mode).mode
         self.bits = bits
         self.group_size = group_size
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = _logical_dtype(dtype)
         self.layout = layout
         _validate(self)
 
@@ -92,6 +92,9 @@ class QuantizedArray:
         if len(idx) > self.ndim - 1:
             raise IndexError(f"QuantizedArray of shape {self.shape} can be indexed on its "
                              f"{self.ndim - 1} leading axes (not K); got {len(idx)} indices")
+        if len(idx) == self.ndim - 1 and not isinstance(idx[-1], slice) and np.ndim(idx[-1]) == 0:
+            raise IndexError(f"an integer index on the N axis would leave a QuantizedArray "
+                             f"without its [N, K] matrix (shape {self.shape}); slice it instead")
         pick = lambda c: None if c is None else c[idx]
         gs = self.global_scale
         if gs is not None and np.ndim(gs):
@@ -102,6 +105,17 @@ class QuantizedArray:
     def __repr__(self):
         return (f"QuantizedArray(shape={self.shape}, dtype={self.dtype.name}, mode={self.mode!r}, "
                 f"bits={self.bits}, group_size={self.group_size}, layout={self.layout!r})")
+
+
+def _logical_dtype(dtype):
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype not in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64):
+        raise TypeError(f"dtype (the logical dtype) must be float32, float16, bfloat16 or "
+                        f"float64; got {dtype!r}")
+    return dtype
 
 
 def _validate(qw: QuantizedArray) -> None:
@@ -119,8 +133,8 @@ def _validate(qw: QuantizedArray) -> None:
     if (scales.dtype == jnp.uint8) != (fmt.scale != "float") or (
             fmt.scale == "float" and not jnp.issubdtype(scales.dtype, jnp.floating)):
         raise TypeError(f"scales for mode={fmt.mode!r} must be {want_scale}; got {scales.dtype}")
-    if data.ndim < 1 or scales.ndim != data.ndim:
-        raise ValueError(f"data and scales must have the same rank >= 1; got data "
+    if data.ndim < 2 or scales.ndim != data.ndim:
+        raise ValueError(f"data and scales must have the same rank >= 2 ([..., N, K]); got data "
                          f"{data.shape} and scales {scales.shape}")
     if data.shape[:-1] != scales.shape[:-1] or \
             data.shape[-1] * 32 != scales.shape[-1] * qw.group_size * qw.bits:
@@ -141,6 +155,9 @@ def _validate(qw: QuantizedArray) -> None:
     if qw.global_scale is not None:
         if not fmt.has_global_scale:
             raise ValueError(f"mode={fmt.mode!r} has no global_scale")
+        if not hasattr(qw.global_scale, "dtype") or qw.global_scale.dtype != jnp.float32:
+            raise TypeError(f"global_scale must be a float32 array; got "
+                            f"{getattr(qw.global_scale, 'dtype', type(qw.global_scale).__name__)}")
         gs = np.shape(qw.global_scale)
         if len(gs) > scales.ndim - 2 or gs != scales.shape[:len(gs)]:
             raise ValueError(f"global_scale must be a float32 scalar, or one per leading index "
