@@ -13,3 +13,25 @@ __all__ = [
     "formats", "gated_rms_norm", "io", "mlx", "gather_qmm", "qmm", "quantize", "ragged_qmm", "rms_norm",
 ]
 __version__ = "0.1.0"
+
+
+def _load_backends():
+    """Import the backend packages: each registers its kernels with
+    jaxquant.dispatch. One that cannot load only removes that backend;
+    `available_backends()` and `python -m jaxquant` say why."""
+    import importlib
+    import warnings
+
+    from jaxquant import dispatch
+
+    for name in ("pallas", "ffi"):
+        try:
+            importlib.import_module(f"jaxquant.{name}")
+        except Exception as e:  # noqa: BLE001 - a broken backend must not break import
+            reason = f"import of jaxquant.{name} failed: {type(e).__name__}: {e}"
+            dispatch.register_backend(name, lambda reason=reason: reason)
+            warnings.warn(f"jaxquant: the {name!r} backend is unavailable ({reason})",
+                          RuntimeWarning, stacklevel=2)
+
+
+_load_backends()

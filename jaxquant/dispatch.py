@@ -7,7 +7,9 @@ backends exist.
 
 Selection, at lowering time, for a primitive bound with `backend=b`:
 - b is None ("auto"): the highest-priority registered kernel for this
-  platform whose `applies` accepts the case, else the reference;
+  platform whose `applies` accepts the case and whose `auto` predicate
+  (where given: the cases where it was measured to beat the reference)
+  does too, else the reference;
 - b names a backend: its kernel for this platform if `applies` accepts the
   case, else the reference (a backend serves what it supports: float64,
   for one, always runs on the reference); a backend with no kernel for this
@@ -33,25 +35,51 @@ class Kernel:
     impl: Callable
     applies: Callable
     priority: int
+    auto: Callable | None = None
 
 
 # primitive name -> list of kernels
 _KERNELS: dict[str, list[Kernel]] = {}
 # backend name -> () -> str | None: why the backend cannot run here (None: it can)
 _AVAILABILITY: dict[str, Callable[[], str | None]] = {"reference": lambda: None}
+
+
+def _backend_state():
+    """The `with jq.backend(...)` choice as a JAX config state that is part of
+    jit's cache key, so a function traced under one choice is retraced under
+    another. This is a private JAX API (jax._src.config.State, stable from
+    0.10 to 0.12); where it is missing, a contextvar stands in and the choice
+    is fixed when a jitted function is first traced."""
+    try:
+        from jax._src import config as jax_config
+        return jax_config.State("jaxquant_backend", None, "jaxquant's backend choice",
+                                include_in_jit_key=True, include_in_trace_context=True)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_STATE = _backend_state()
 _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxquant_backend",
                                                                      default=None)
 
 
-def register(primitive: str, backend: str, platforms, impl, applies=None, priority: int = 0):
+def _current() -> str | None:
+    return _STATE.value if _STATE is not None else _CURRENT.get()
+
+
+def register(primitive: str, backend: str, platforms, impl, applies=None, priority: int = 0,
+             auto=None):
     """Register `impl` as `backend`'s kernel for `primitive` on `platforms`.
 
     impl(*args, **params) takes the op's structured arguments (QuantizedArray
     included) like the reference; applies(*args, **params) -> bool sees
-    ShapedArrays in place of arrays.
+    ShapedArrays in place of arrays and says what the kernel can compute;
+    auto(*args, **params) -> bool, if given, narrows what automatic choice
+    gives it (an explicit `backend=` still gets every case `applies` takes).
     """
     _check_name(backend)
-    kernel = Kernel(backend, tuple(platforms), impl, applies or (lambda *a, **k: True), priority)
+    kernel = Kernel(backend, tuple(platforms), impl, applies or (lambda *a, **k: True), priority,
+                    auto)
     _KERNELS.setdefault(primitive, []).append(kernel)
 
 
@@ -84,6 +112,10 @@ def backend(name: str | None):
     """`with jq.backend("pallas"):` makes `name` the default for ops traced inside."""
     if name is not None:
         _check_name(name)
+    if _STATE is not None:
+        with _STATE(name):
+            yield
+        return
     token = _CURRENT.set(name)
     try:
         yield
@@ -95,7 +127,7 @@ def resolve_backend(explicit: str | None) -> str | None:
     """The backend an op bound now should use: the argument, else `with
     jq.backend(...)`, else $JAXQUANT_BACKEND, else None (automatic).
     Raises if the chosen backend cannot run here."""
-    name = explicit if explicit is not None else _CURRENT.get()
+    name = explicit if explicit is not None else _current()
     if name is None:
         name = os.environ.get(ENV_VAR) or None
     if name is None or name == "auto":
@@ -118,6 +150,9 @@ def select(primitive: str, backend: str | None, platform: str, args, params):
         raise RuntimeError(f"backend={backend!r} has no kernel for {primitive} on platform "
                            f"{platform!r}")
     for k in sorted(candidates, key=lambda k: -k.priority):
-        if k.applies(*args, **params):
-            return k.impl
+        if not k.applies(*args, **params):
+            continue
+        if backend is None and k.auto is not None and not k.auto(*args, **params):
+            continue
+        return k.impl
     return None

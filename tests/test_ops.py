@@ -8,44 +8,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxquant as jq
-from tests import oracle
-
-MODES = [("affine", 2), ("affine", 3), ("affine", 4), ("affine", 5), ("affine", 6),
-         ("affine", 8), ("mxfp4", 4), ("mxfp6_e2m3", 6), ("mxfp6_e3m2", 6), ("mxfp8_e4m3", 8),
-         ("mxfp8_e5m2", 8), ("nvfp4", 4), ("fp4", 4)]
-DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
-EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
-       jnp.dtype(jnp.bfloat16): 2.0**-8}
+from tests.common import (DTYPES, EPS, MODES, assert_matmul_close, deq64, quantize_for,
+                          rand)
 
 
-def deq64(qw):
-    """The oracle's float64 values of a QuantizedArray."""
-    arr = lambda a: None if a is None else np.asarray(a)
-    return oracle.dequantize(qw.mode, qw.bits, qw.group_size, arr(qw.data), arr(qw.scales),
-                             arr(qw.biases), arr(qw.global_scale))
-
-
-def assert_matmul_close(y, x, w64, dtype, transpose=True):
-    """y (any dtype) vs float64 x @ w: the reference rounds w to x's dtype, then
-    accumulates in float32 and rounds the output: bound each step elementwise."""
-    x64 = np.asarray(x, np.float64)
-    w64 = w64 if transpose else np.swapaxes(w64, -1, -2)
-    want = x64 @ np.swapaxes(w64, -1, -2)
-    mag = np.abs(x64) @ np.swapaxes(np.abs(w64), -1, -2)
-    eps = EPS[jnp.dtype(dtype)]
-    k = x64.shape[-1]
-    bound = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(want) + 1e-30
-    got = np.asarray(y, np.float64)
-    assert got.shape == want.shape
-    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
-
-
-def rand(key, shape, dtype=jnp.float32, scale=1.0):
-    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
-
-
-def quantize_for(mode, bits, w):
-    return jq.quantize(w, mode=mode, bits=bits if mode == "affine" else None)
+@pytest.fixture(autouse=True)
+def _reference_backend():
+    """These tests define the ops: pin the reference (tests/test_ffi.py and
+    tests/test_pallas_*.py test the kernels against the same oracle)."""
+    with jq.backend("reference"):
+        yield
 
 
 # ---------------------------------------------------------------------------
@@ -167,6 +139,23 @@ def test_qmm_x64():
         y = jq.qmm(x, qw)
         assert y.dtype == jnp.float64
         np.testing.assert_allclose(y, np.asarray(x) @ deq64(qw).T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif("ffi" not in jq.available_backends(),
+                    reason="needs the ffi backend (its CPU library is not built)")
+def test_backend_choice_retraces_jitted_functions():
+    """The backend in force is part of jit's cache key: a function traced under
+    one choice is traced again under another."""
+    qw = jq.quantize(rand(0, (16, 64)), mode="mxfp4")
+    x = rand(1, (1, 64))
+    f = jax.jit(jq.qmm)
+    assert "jaxquant_qmv" not in f.lower(x, qw).as_text()  # pinned to the reference
+    with jq.backend("ffi"):
+        assert "jaxquant_qmv" in f.lower(x, qw).as_text()
+        np.testing.assert_allclose(f(x, qw), jq.qmm(x, qw, backend="reference"), rtol=2e-6,
+                                   atol=1e-6)
+    with jq.backend(None):  # automatic: on the CPU the ffi kernel wins
+        assert "jaxquant_qmv" in f.lower(x, qw).as_text()
 
 
 def test_qmm_honours_default_matmul_precision():

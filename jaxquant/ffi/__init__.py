@@ -49,11 +49,11 @@ __all__ = ["FORMAT_IDS", "GEMV_MAX_M", "PRIORITY", "add_rms_norm_call", "dequant
 
 # Priority against other backends' kernels under automatic choice (dispatch.select).
 # CPU: the ffi kernels beat the jnp reference on every case their `applies`
-# takes (M=1 GEMV 10-20x at 4096x4096 on 2 cores, jaxquant/ffi/bench.py), and no
+# takes (M=1 GEMV 8-25x at 4096x4096 on 2 cores, `python -m jaxquant bench qmm`), and no
 # other backend serves the CPU, so `auto` picks them. GPU: below the Pallas
 # kernels (priority 0) until a same-run comparison says otherwise: the fused GEMV
 # is 2-15x faster than the jnp reference on an H100 but reaches only ~25-40% of
-# the copy bandwidth (see bench.py); ops Pallas does not serve still get ffi.
+# the copy bandwidth (benchmarks/RESULTS.md); ops Pallas does not serve still get ffi.
 PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
 
 _LIBS: dict[str, _loader.Library] = {}
@@ -103,8 +103,10 @@ def _register_kernels():
         prio = PRIORITY[platform]
         for name, impl, applies in entries:
             dispatch.register(name, "ffi", (platform,), impl, applies, priority=prio)
+        # On GPUs only the fused GEMV has been measured against the reference.
+        auto = None if platform == "cpu" else _ops.make_qmm_gemv_case(platform)
         dispatch.register("qmm", "ffi", (platform,), _ops.make_qmm_impl(platform),
-                          _ops.qmm_applies, priority=prio)
+                          _ops.qmm_applies, priority=prio, auto=auto)
 
 
 _load_all()

@@ -159,6 +159,17 @@ def _flat_experts(qw: QuantizedArray, n_lead: int):
                           mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype)
 
 
+def make_qmm_gemv_case(platform: str):
+    """auto predicate: the cases qmm_impl runs as the fused GEMV (the ones measured
+    to beat the reference on GPUs; the rest is the ffi dequantize + XLA's dot)."""
+    max_m = GEMV_MAX_M[platform]
+
+    def is_gemv(x, qw, *, transpose, precision):
+        return transpose and 0 < math.prod(x.shape[qw.ndim - 2:-1]) <= max_m
+
+    return is_gemv
+
+
 def make_qmm_impl(platform: str):
     max_m = GEMV_MAX_M[platform]
 
