@@ -1,7 +1,8 @@
-"""Benchmarks: `python -m jaxquant bench qmm [options]` calls `main(["qmm", ...])`.
+"""Benchmarks: `python -m jaxquant bench {qmm,norm,moe} [options]`.
 
-qmm: the Pallas kernel vs the jnp reference (jax.jit of x @ dequantize_reference(qw).T)
-vs the bf16 dense x @ w.T, in one process, on the same inputs (DESIGN.md §7):
+qmm: the kernels (pallas on GPUs; ffi where its library is built for the
+platform) vs the jnp reference (jax.jit of x @ dequantize_reference(qw).T) vs
+the bf16 dense x @ w.T, in one process, on the same inputs (DESIGN.md §7):
   * every timed call does one product per weight copy, over >= 8 distinct
     copies (rotating through more bytes than the L2 holds; all products distinct,
     so XLA cannot merge any); `inner` calls are issued back to back and synced
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -76,11 +78,14 @@ def _timeit(fn, args, n_products, iters, inner):
     return statistics.median(times) / n_products
 
 
-def copy_bandwidth(nbytes=2 << 30, iters=10):
-    """Bytes/s of a device-to-device copy (read + write of `nbytes`), one XLA
-    elementwise kernel per call."""
+def copy_bandwidth(nbytes=None, iters=10):
+    """Bytes/s of a device-to-device copy (read + write of `nbytes`, default 2 GiB
+    on accelerators, 256 MiB on the CPU), one XLA elementwise kernel per call."""
     import jax
     import jax.numpy as jnp
+
+    if nbytes is None:
+        nbytes = (256 << 20) if jax.devices()[0].platform == "cpu" else (2 << 30)
 
     a = jnp.arange(nbytes // 4, dtype=jnp.uint32)
     f = jax.jit(lambda a: a ^ jnp.uint32(1))
@@ -119,6 +124,9 @@ def bench_qmm(shapes=DEFAULT_SHAPES, modes=DEFAULT_MODES, dtype="bfloat16", copi
 
     dev = jax.devices()[0]
     out(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}")
+    use_ffi = "ffi" in jq.available_backends()
+    if not use_ffi:
+        out(f"# ffi: {jq.dispatch.unavailable_reason('ffi')}")
     bw = copy_bandwidth()
     out(f"# copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
     dt = jnp.dtype(dtype)
@@ -149,11 +157,15 @@ def bench_qmm(shapes=DEFAULT_SHAPES, modes=DEFAULT_MODES, dtype="bfloat16", copi
             ref = many(lambda x, qw: x @ dequantize_reference(qw, dt).T)
             t_ref = _timeit(ref, (x, qws), n_products, iters, inner)
             rows.append(Row((m, k, n), mode, "jnp reference", t_ref * 1e6, qbytes))
-            impls = [("pallas", None)] + [(name, cfg) for name, cfg in variants
-                                          if _variant_fits(cfg, m)]
-            for name, cfg in impls:
-                fn = many(lambda x, qw, cfg=cfg: pallas_qmm(x, qw, config=cfg,
-                                                            interpret=interpret))
+            impls = []
+            if dev.platform != "cpu" or interpret:
+                impls += [(name, functools.partial(pallas_qmm, config=cfg, interpret=interpret))
+                          for name, cfg in [("pallas", None)] + list(variants)
+                          if cfg is None or _variant_fits(cfg, m)]
+            if use_ffi:
+                impls.append(("ffi", functools.partial(jq.qmm, backend="ffi")))
+            for name, kernel in impls:
+                fn = many(kernel)
                 err = None
                 try:
                     t = _timeit(fn, (x, qws), n_products, iters, inner)
@@ -162,8 +174,7 @@ def bench_qmm(shapes=DEFAULT_SHAPES, modes=DEFAULT_MODES, dtype="bfloat16", copi
                         f"{str(e)[:300]}")
                     continue
                 if check:
-                    y = jax.jit(lambda x, qw, cfg=cfg: pallas_qmm(
-                        x, qw, config=cfg, interpret=interpret))(x, qws[0])
+                    y = jax.jit(kernel)(x, qws[0])
                     yr = (x.astype(jnp.float32)
                           @ dequantize_reference(qws[0], jnp.float32).T)
                     err = float(jnp.linalg.norm(y.astype(jnp.float32) - yr)
@@ -197,7 +208,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m jaxquant bench")
     sub = parser.add_subparsers(dest="what", required=True)
-    q = sub.add_parser("qmm", help="Pallas qmm vs jnp reference vs bf16 dense")
+    q = sub.add_parser("qmm", help="pallas / ffi qmm vs jnp reference vs bf16 dense")
     q.add_argument("--shapes", type=_parse_shapes, default=DEFAULT_SHAPES,
                    help="'M,K,N;M,K,N;...' (default: the issue's seven shapes)")
     q.add_argument("--modes", default=",".join(DEFAULT_MODES),

@@ -44,8 +44,7 @@ fi
 
 if [ "${JQ_SKIP_BENCH:-0}" != 1 ]; then
   step "benchmark"
-  timeout 240 $PY -m jaxquant.ffi.bench --shapes 4096x14336,14336x4096 --modes affine4,mxfp4 \
-    --qmv-configs "${JQ_QMV_CONFIGS:-4,256;4,128;2,256;2,128}" --json "$OUT/bench.json" ${JQ_BENCH_ARGS:-} \
-    2>&1 | tee "$OUT/bench.log" | tail -n 30
+  timeout 240 $PY -m jaxquant bench qmm --shapes "1,4096,14336;1,14336,4096" \
+    --modes affine4,mxfp4 ${JQ_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 30
 fi
 step "done"
