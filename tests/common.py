@@ -1,0 +1,49 @@
+"""Helpers shared by the op tests of every backend: the modes and dtypes swept,
+random inputs, and the elementwise error bound of a matmul against the float64
+oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+from tests import oracle
+
+MODES = [("affine", 2), ("affine", 3), ("affine", 4), ("affine", 5), ("affine", 6),
+         ("affine", 8), ("mxfp4", 4), ("mxfp6_e2m3", 6), ("mxfp6_e3m2", 6), ("mxfp8_e4m3", 8),
+         ("mxfp8_e5m2", 8), ("nvfp4", 4), ("fp4", 4)]
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
+       jnp.dtype(jnp.bfloat16): 2.0**-8}
+
+
+def rand(key, shape, dtype=jnp.float32, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
+
+
+def quantize_for(mode, bits, w, group_size=None):
+    return jq.quantize(w, mode=mode, bits=bits if mode == "affine" else None,
+                       group_size=group_size)
+
+
+def deq64(qw):
+    """The oracle's float64 values of a QuantizedArray."""
+    arr = lambda a: None if a is None else np.asarray(a)
+    return oracle.dequantize(qw.mode, qw.bits, qw.group_size, arr(qw.data), arr(qw.scales),
+                             arr(qw.biases), arr(qw.global_scale))
+
+
+def assert_matmul_close(y, x, w64, dtype, transpose=True):
+    """y (any dtype) vs float64 x @ w.T (x @ w for transpose=False), bounded per
+    element: the weights rounded to x's dtype at worst, float32 accumulation
+    over K, one rounding of the output."""
+    x64 = np.asarray(x, np.float64)
+    w64 = w64 if transpose else np.swapaxes(w64, -1, -2)
+    want = x64 @ np.swapaxes(w64, -1, -2)
+    mag = np.abs(x64) @ np.swapaxes(np.abs(w64), -1, -2)
+    eps = EPS[jnp.dtype(dtype)]
+    k = x64.shape[-1]
+    bound = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(want) + 1e-30
+    got = np.asarray(y, np.float64)
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= bound), np.nanmax(np.abs(got - want) / bound)
