@@ -63,7 +63,7 @@ def quantize(w, mode: str = "affine", bits: int | None = None, group_size: int |
     fmt, bits, group_size = formats.resolve(mode, bits, group_size)
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
         w = np.asarray(w)
-    dtype = check_float_dtype("w", w.dtype)
+    check_float_dtype("w", w.dtype)
     if w.ndim < 2:
         raise ValueError(f"w must have at least 2 dimensions [..., N, K]; got shape {w.shape}")
     k = w.shape[-1]
