@@ -47,3 +47,17 @@ def assert_matmul_close(y, x, w64, dtype, transpose=True):
     got = np.asarray(y, np.float64)
     assert got.shape == want.shape
     assert np.all(np.abs(got - want) <= bound), np.nanmax(np.abs(got - want) / bound)
+
+
+def rms64(x, w=None, eps=1e-6, off=0.0, group=None):
+    """The float64 RMSNorm of DESIGN.md §4 (per group of `group` along the last axis)."""
+    x = np.asarray(x, np.float64)
+    xs = x.reshape(*x.shape[:-1], -1, group) if group else x
+    y = (xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps)).reshape(x.shape)
+    return y if w is None else y * (np.asarray(w, np.float64) + off)
+
+
+def act64(g, name):
+    g = np.asarray(g, np.float64)
+    s = 1 / (1 + np.exp(-g))
+    return g * s if name == "silu" else s

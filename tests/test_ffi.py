@@ -21,8 +21,8 @@ import jaxquant.ffi as jf
 from jaxquant import dispatch, formats
 from jaxquant.ffi import _loader, _ops
 from tests import oracle
-from tests.common import (DTYPES, EPS, MODES, assert_matmul_close, deq64, quantize_for,
-                          rand)
+from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
+                          rand, rms64)
 
 CPU_LIB = jf.libraries()["cpu"]
 
@@ -356,24 +356,6 @@ def test_ragged_qmm(mode, bits):
 
 # ---------------------------------------------------------------------------
 # Norms
-
-
-def rms64(x, w=None, eps=1e-6, off=0.0, group=None):
-    x = np.asarray(x, np.float64)
-    shape = x.shape
-    if group is not None:
-        x = x.reshape(*shape[:-1], shape[-1] // group, group)
-    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    y = y.reshape(shape)
-    if w is not None:
-        y = y * (np.asarray(w, np.float64) + off)
-    return y
-
-
-def act64(g, activation):
-    g = np.asarray(g, np.float64)
-    s = 1 / (1 + np.exp(-g))
-    return g * s if activation == "silu" else s
 
 
 @pytest.mark.parametrize("d", [1, 7, 64, 128, 256, 5376])

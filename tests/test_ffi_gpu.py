@@ -15,9 +15,9 @@ import pytest
 
 import jaxquant as jq
 import jaxquant.ffi as jf
-from tests import oracle
-from tests.test_ffi import (DTYPES, EPS, GATHER_IDX, MODES, act64, assert_matmul_close, deq64,
-                            quantize_for, rand, rms64)
+from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
+                          rand, rms64)
+from tests.test_ffi import GATHER_IDX
 
 
 def _gpu_platform():

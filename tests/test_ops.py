@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxquant as jq
-from tests.common import (DTYPES, EPS, MODES, assert_matmul_close, deq64, quantize_for,
-                          rand)
+from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
+                          rand, rms64)
 
 
 @pytest.fixture(autouse=True)
@@ -255,19 +255,6 @@ def test_ragged_qmm_vmap_over_x():
 
 # ---------------------------------------------------------------------------
 # norms (float64 numpy oracle written here from DESIGN.md §4)
-
-
-def rms64(x, w=None, eps=1e-6, off=0.0, group=None):
-    x = np.asarray(x, np.float64)
-    xs = x.reshape(*x.shape[:-1], -1, group) if group else x
-    y = (xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps)).reshape(x.shape)
-    return y if w is None else y * (np.asarray(w, np.float64) + off)
-
-
-def act64(g, name):
-    g = np.asarray(g, np.float64)
-    s = 1 / (1 + np.exp(-g))
-    return g * s if name == "silu" else s
 
 
 @pytest.mark.parametrize("width", [1, 7, 64, 128, 256, 1000, 5376])

@@ -1,0 +1,284 @@
+"""Pallas rms_norm / add_rms_norm / gated_rms_norm in interpret mode on the CPU.
+
+Against the float64 numpy oracle (tests/common.py's rms64/act64, written from DESIGN.md
+§4) and against the jnp reference (same float32 arithmetic: a few ulps of the
+output dtype). The interpret block table (tiny `max_block`/`chunk`/`tile`) sends
+small widths through every path: many rows per program (64..256), one pass with
+masked tails (1, 7, 1000 -> padded), two passes over column steps (> 256), groups
+batched per program and groups wider than a block; the CUDA table is run too
+(one pass up to 16 Ki columns, 4096-wide steps above). Small row counts keep the
+module fast (each case compiles one small XLA program).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import dispatch
+from jaxquant.ops.norms import (add_rms_norm_reference, gated_rms_norm_reference,
+                                rms_norm_reference)
+from jaxquant.pallas import norms as pn
+from tests import oracle
+from tests.common import act64, rms64
+
+# XLA:CPU compiles each interpreted kernel; its LLVM optimizations cost more
+# than they save on these small problems.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
+# Oracle tolerance, relative and absolute, per output dtype: 2 ulps for f16/bf16
+# (the output rounding plus float32 noise); float32 allows for float32 sums of up
+# to 20000 squares and the rsqrt.
+ORACLE_TOL = {jnp.dtype(F32): 2e-6, jnp.dtype(F16): 2.0**-9, jnp.dtype(BF16): 2.0**-6}
+
+
+def _jit(fn, *args, **kw):
+    f = jax.jit(functools.partial(fn, **kw))
+    return f.trace(*args).lower().compile(compiler_options=_FAST_COMPILE)(*args)
+
+
+def _run(fn, *args, **kw):
+    """The Pallas kernel, interpreted."""
+    return _jit(fn, *args, interpret=True, **kw)
+
+
+rms_norm_reference = functools.partial(_jit, rms_norm_reference)
+add_rms_norm_reference = functools.partial(_jit, add_rms_norm_reference)
+gated_rms_norm_reference = functools.partial(_jit, gated_rms_norm_reference)
+
+
+def _rand(seed, shape, dtype, scale=1.0, loc=0.0):
+    v = np.random.default_rng(seed).normal(loc, scale, shape)
+    return jnp.asarray(v.astype(jnp.dtype(dtype)))     # numpy (ml_dtypes) cast: no XLA op
+
+
+def _check_oracle(y, want, dtype):
+    assert y.dtype == jnp.dtype(dtype), (y.dtype, dtype)
+    tol = ORACLE_TOL[jnp.dtype(dtype)]
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol)
+
+
+def _check_ref(y, ref):
+    """Within a few ulps of the output dtype of the jnp reference: f16/bf16 differ
+    by at most one rounding; float32 by the order of the float32 sums (XLA's
+    reduction tree vs the kernel's per-lane then cross-lane sums)."""
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    ulps = 8 if ref.dtype == jnp.float32 else 2
+    got, want = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    bound = ulps * oracle.ulp(want, np.dtype(ref.dtype))
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+def _finite(*a):
+    return all(np.all(np.isfinite(np.asarray(v, np.float64))) for v in a)
+
+
+WIDTHS = [1, 7, 64, 128, 256, 1000, 4096, 5376, 20000]
+# Every width in float32 and bfloat16; float16 on a spread of them (same code path).
+RMS_CASES = [(w, d) for w in WIDTHS for d in (F32, BF16)] + [(w, F16) for w in (1, 7, 256, 5376)]
+
+
+def _rows(width):
+    return 2 if width >= 4096 else 5
+
+
+# ---------------------------------------------------------------------------
+# rms_norm
+
+
+@pytest.mark.parametrize("width,dtype", RMS_CASES,
+                         ids=[f"{w}-{jnp.dtype(d).name}" for w, d in RMS_CASES])
+def test_rms_norm(width, dtype):
+    x = _rand(width, (_rows(width), width), dtype, scale=3.0)
+    w = _rand(width + 1, (width,), dtype)
+    y = _run(pn.rms_norm, x, w, eps=1e-5, weight_offset=0.25)
+    assert _finite(y)
+    _check_oracle(y, rms64(x, w, eps=1e-5, off=0.25), dtype)
+    _check_ref(y, rms_norm_reference(x, w, eps=1e-5, weight_offset=0.25))
+
+
+@pytest.mark.parametrize("width", [7, 1000])
+def test_rms_norm_no_weight(width):
+    # weight None: weight_offset is ignored (the reference's rule).
+    x = _rand(1, (3, 4, width), BF16)          # leading axes fold into rows
+    y = _run(pn.rms_norm, x, None, eps=1e-3, weight_offset=1.0)
+    assert y.shape == x.shape
+    _check_oracle(y, rms64(x, eps=1e-3), BF16)
+    _check_ref(y, rms_norm_reference(x, None, eps=1e-3, weight_offset=1.0))
+
+
+@pytest.mark.parametrize("width", [1000, 5376, 20000])
+def test_rms_norm_cuda_table(width):
+    """The CUDA blocks (one pass up to 16384 columns, two above) in interpret mode."""
+    x, w = _rand(2, (2, width), BF16), _rand(3, (width,), F32)   # f32 weight, bf16 x
+    y = _run(pn.rms_norm, x, w, eps=1e-6, weight_offset=0.0, config=pn.CONFIGS["cuda"])
+    _check_oracle(y, rms64(x, w), BF16)
+    _check_ref(y, rms_norm_reference(x, w, eps=1e-6, weight_offset=0.0))
+
+
+def test_rms_norm_large_values_and_zeros():
+    # Rows of zeros give 0 (rsqrt(eps) * 0), large values do not overflow float32 sums.
+    x = jnp.asarray(np.concatenate([np.zeros((1, 300), np.float16),
+                                    np.asarray(_rand(4, (2, 300), F16, scale=2000.0))]))
+    y = _run(pn.rms_norm, x, None, eps=1e-6, weight_offset=0.0)
+    assert np.all(np.asarray(y[0], np.float64) == 0)
+    _check_oracle(y, rms64(x), F16)
+
+
+# ---------------------------------------------------------------------------
+# add_rms_norm
+
+
+@pytest.mark.parametrize("width", [7, 128, 1000])
+@pytest.mark.parametrize("dtypes", [(BF16, BF16), (F32, BF16), (F32, F32), (F16, F16),
+                                    (BF16, F32)], ids=lambda d: "-".join(jnp.dtype(t).name
+                                                                         for t in d))
+def test_add_rms_norm(dtypes, width):
+    xd, rd = dtypes
+    x, r, w = _rand(0, (5, width), xd), _rand(1, (5, width), rd), _rand(2, (width,), rd, 0.2, 1.0)
+    y, h = _run(pn.add_rms_norm, x, r, w, eps=1e-6, weight_offset=0.0)
+    yr, hr = add_rms_norm_reference(x, r, w, eps=1e-6, weight_offset=0.0)
+    assert h.dtype == rd and y.dtype == rd
+    np.testing.assert_array_equal(np.asarray(h, np.float64), np.asarray(hr, np.float64))
+    _check_oracle(y, rms64(hr, w), rd)
+    _check_ref(y, yr)
+
+
+def test_add_rms_norm_no_weight_offset():
+    x, r = _rand(0, (3, 2, 96), BF16), _rand(1, (3, 2, 96), BF16)
+    w = _rand(2, (96,), BF16, 0.1)
+    y, h = _run(pn.add_rms_norm, x, r, w, eps=1e-6, weight_offset=1.0)
+    yr, hr = add_rms_norm_reference(x, r, w, eps=1e-6, weight_offset=1.0)
+    np.testing.assert_array_equal(np.asarray(h, np.float64), np.asarray(hr, np.float64))
+    _check_ref(y, yr)
+    y, h = _run(pn.add_rms_norm, x, r, None, eps=1e-6, weight_offset=1.0)
+    _check_ref(y, add_rms_norm_reference(x, r, None, eps=1e-6, weight_offset=1.0)[0])
+
+
+# ---------------------------------------------------------------------------
+# gated_rms_norm
+
+
+def _gated_case(x, gate, w, *, activation, norm_before_gate, group_size, eps=1e-6, off=0.0,
+                config=None):
+    kw = dict(eps=eps, weight_offset=off, activation=activation,
+              norm_before_gate=norm_before_gate, group_size=group_size)
+    y = _run(pn.gated_rms_norm, x, gate, w, config=config, **kw)
+    a = act64(gate, activation)
+    x64 = np.asarray(x, np.float64)
+    if norm_before_gate:
+        want = rms64(x64, w, eps=eps, off=off, group=group_size) * a
+    else:
+        want = rms64(x64 * a, w, eps=eps, off=off, group=group_size)
+    _check_oracle(y, want, gate.dtype)
+    _check_ref(y, gated_rms_norm_reference(x, gate, w, **kw))
+
+
+@pytest.mark.parametrize("group_size", [None, 64])
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_gated_rms_norm(activation, norm_before_gate, group_size):
+    # float32 x with bfloat16 gate and weight (DESIGN.md §4): output bf16.
+    x = _rand(0, (5, 256), F32)
+    gate, w = _rand(1, (5, 256), BF16, 2.0), _rand(2, (256,), BF16)
+    _gated_case(x, gate, w, activation=activation, norm_before_gate=norm_before_gate,
+                group_size=group_size)
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_gated_groups_wider_than_a_block(norm_before_gate):
+    # group 640 > the interpret max_block (256): two passes per (row, group).
+    x, gate = _rand(3, (3, 1280), BF16), _rand(4, (3, 1280), BF16)
+    w = _rand(5, (1280,), BF16)
+    _gated_case(x, gate, w, activation="silu", norm_before_gate=norm_before_gate,
+                group_size=640, off=0.5)
+
+
+@pytest.mark.parametrize("width,group_size", [(1000, None), (5376, 128), (96, 1), (7, 7)])
+def test_gated_shapes(width, group_size):
+    # weight None, f16 everywhere; odd widths, group == width, groups of one element.
+    x, gate = _rand(6, (3, width), F16), _rand(7, (3, width), F16)
+    _gated_case(x, gate, None, activation="sigmoid", norm_before_gate=False,
+                group_size=group_size, eps=1e-5)
+
+
+def test_gated_cuda_table_grouped():
+    # CUDA table: 64 groups of 128 (32 per program) and f32 gate output.
+    x, gate = _rand(8, (2, 8192), BF16), _rand(9, (2, 8192), F32)
+    w = _rand(10, (8192,), BF16)
+    _gated_case(x, gate, w, activation="silu", norm_before_gate=True, group_size=128,
+                config=pn.CONFIGS["cuda"])
+
+
+# ---------------------------------------------------------------------------
+# Plans, supports, registration (no kernels run).
+
+
+def test_plans():
+    cuda = functools.partial(pn.plan, "cuda")
+    p = cuda(32768, 1, 128)                    # per-head rows: batched per program
+    assert (p.br, p.bs, p.two_pass) == (32, 128, False) and p.grid == (1024,)
+    p = cuda(4096, 1, 5376)                    # one pass, block 8192, masked tail
+    assert (p.br, p.bs, p.block_w, p.two_pass) == (1, 8192, 8192, False)
+    p = cuda(3, 1, 20000)                      # two passes, 4096-wide steps
+    assert (p.br, p.bs, p.block_w, p.two_pass) == (1, 4096, 32768, True)
+    p = cuda(2, 64, 128)                       # groups batched per program
+    assert (p.br, p.bg, p.bs) == (1, 32, 128) and p.grid == (2, 2)
+    for platform in ("cuda", "rocm", "interpret"):
+        for rows, groups, width in [(1, 1, 1), (7, 3, 5), (1, 1, 1 << 20), (1 << 20, 1, 64)]:
+            p = pn.plan(platform, rows, groups, width)
+            for v in (p.br, p.bg, p.bs, p.block_w, p.num_warps):
+                assert v & (v - 1) == 0                      # Triton: powers of two
+            assert 1 <= p.num_warps <= pn.CONFIGS[platform].max_warps
+            assert p.br * p.grid[0] >= rows and p.block_w >= width
+
+
+def test_supports():
+    assert pn.supports((4, 64), F32, BF16, None)
+    assert not pn.supports((4, 64), jnp.float64, None)          # float64 -> reference
+    assert not pn.supports((4, 64), F32, jnp.float64)
+    assert not pn.supports((0, 64), F32)
+    assert not pn.supports((4, 0), F32)
+    assert not pn.supports((4, 64), F32, group_size=48)
+    assert pn.supports((4, 64), F32, group_size=32)
+    with pytest.raises(TypeError):
+        pn.rms_norm(jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError):
+        pn.add_rms_norm(jnp.zeros((2, 3)), jnp.zeros((3, 3)))
+    with pytest.raises(ValueError):
+        pn.gated_rms_norm(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2,)))
+
+
+def test_registered_for_gpus_above_ffi():
+    import jaxquant.pallas  # noqa: F401 - registers the backend
+
+    for name in ("rms_norm", "add_rms_norm", "gated_rms_norm"):
+        ks = [k for k in dispatch._KERNELS.get(name, ()) if k.backend == "pallas"]
+        assert sorted(p for k in ks for p in k.platforms) == ["cuda", "rocm"], name
+        assert all(k.priority == pn.PRIORITY == 0 for k in ks)
+        ffi = [k for k in dispatch._KERNELS.get(name, ()) if k.backend == "ffi"
+               and set(k.platforms) & {"cuda", "rocm"}]
+        assert all(k.priority < pn.PRIORITY for k in ffi)
+    x = jax.ShapeDtypeStruct((4, 64), F32)            # applies reads shape and dtype only
+    x64 = jax.ShapeDtypeStruct((4, 64), jnp.float64)
+    select = functools.partial(dispatch.select, backend=None, platform="cuda")
+    assert select("rms_norm", args=(x, None), params=dict(eps=1e-6, weight_offset=0.0)).func \
+        is pn._rms_impl
+    impl = select("rms_norm", args=(x64, None), params=dict(eps=1e-6, weight_offset=0.0))
+    assert getattr(impl, "func", None) is not pn._rms_impl
+    gp = dict(eps=1e-6, weight_offset=0.0, activation="silu", norm_before_gate=True,
+              group_size=None)
+    assert select("gated_rms_norm", args=(x, x, None), params=gp).func is pn._gated_impl
+
+
+def test_through_the_primitive_on_cpu_is_unchanged():
+    # The pallas kernels register for cuda/rocm only: on the CPU the ops keep
+    # their reference/ffi lowering (no interpret-mode kernel sneaks in).
+    import jaxquant.pallas  # noqa: F401
+
+    x = _rand(0, (3, 64), F32)
+    np.testing.assert_allclose(jq.rms_norm(x), rms64(x), rtol=1e-5, atol=1e-5)
