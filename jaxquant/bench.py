@@ -204,9 +204,19 @@ def _print_block(rows, shape, bw, out):
             f"{vs_ref} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {tf:.1f} | {err} |")
 
 
+# Other benchmarks live in their own modules; each takes its own options.
+SUBCOMMANDS = {"norm": "jaxquant.bench_norm", "moe": "jaxquant.bench_moe"}
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m jaxquant bench")
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxquant bench",
+        epilog="also: 'norm' (rms_norm family) and 'moe' (gather_qmm / ragged_qmm); "
+               "see 'python -m jaxquant bench norm --help'")
     sub = parser.add_subparsers(dest="what", required=True)
     q = sub.add_parser("qmm", help="pallas / ffi qmm vs jnp reference vs bf16 dense")
     q.add_argument("--shapes", type=_parse_shapes, default=DEFAULT_SHAPES,

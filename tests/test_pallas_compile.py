@@ -92,3 +92,135 @@ def test_text_route_module_is_triton():
     (kernel,) = _kernels(("mxfp4", 4, 32), "gemv_t", "rocm")
     text = kernel.text()
     assert "tt.func" in text and "tt.load" in text
+
+
+# --- gather_qmm (routed MoE decode): the expert-indexed GEMV -----------------------
+
+
+def _gather_kernels(fmt, platform, transpose=True, per_slot=False, dtype=jnp.bfloat16,
+                    via_dispatch=False):
+    import jaxquant.pallas  # noqa: F401 - registers the Pallas lowerings
+    from jaxquant.pallas import moe
+
+    mode, bits, group = fmt
+    e, n, k, t, slots = 8, 1000, 2048, 2, 4          # N not a multiple of any block
+    shape = (e, n, k) if transpose else (e, k, n - n % group)
+    qw = jax.eval_shape(lambda w: jq.quantize(w, mode=mode, bits=bits, group_size=group),
+                        jax.ShapeDtypeStruct(shape, dtype))
+    x = jax.ShapeDtypeStruct((t, slots, k) if per_slot else (t, k), dtype)
+    idx = jax.ShapeDtypeStruct((t, slots), jnp.int32)
+    if via_dispatch:
+        fn = lambda x, qw, idx: jq.gather_qmm(x, qw, idx, transpose=transpose)
+    else:
+        fn = lambda x, qw, idx: moe.gather_qmm(x, qw, idx, transpose=transpose,
+                                               platform=platform)
+    kernels = cc.triton_kernels(fn, x, qw, idx, platform=platform)
+    assert len(kernels) == 1, kernels
+    assert kernels[0].name in ("kernel",) or "gather_qmm" in kernels[0].name, kernels[0].name
+    return kernels
+
+
+def test_rocm_gather_through_dispatch_every_target():
+    # jq.gather_qmm under automatic choice lowers to the Pallas kernel on ROCm.
+    _compile_all(_gather_kernels(("mxfp4", 4, 32), "rocm", via_dispatch=True), ROCM)
+
+
+@pytest.mark.parametrize("case", [(("affine", 4, 64), True, True), (("mxfp6_e3m2", 6, 32), True,
+                                                                     False),
+                                  (("nvfp4", 4, 16), False, False)],
+                         ids=lambda c: f"{_fid(c[0])}-{'t' if c[1] else 'n'}")
+def test_rocm_gather_formats(case):
+    fmt, transpose, per_slot = case
+    _compile_all(_gather_kernels(fmt, "rocm", transpose, per_slot), [("hip", "gfx942", 64),
+                                                                      ("hip", "gfx1100", 32)])
+
+
+@pytest.mark.parametrize("fmt", [("mxfp4", 4, 32), ("affine", 4, 64), ("mxfp8_e4m3", 8, 32)],
+                         ids=_fid)
+def test_cuda_gather_sm90(fmt):
+    _compile_all(_gather_kernels(fmt, "cuda", per_slot=fmt[0] == "affine"), CUDA)
+
+
+# ---------------------------------------------------------------------------
+# Norm kernels (jaxquant/pallas/norms.py): one representative case per kernel
+# shape (one pass with a masked tail, two passes over column steps, many narrow
+# rows per program, batched groups with mixed dtypes).
+
+def _norm_cases(platform):
+    from jaxquant.pallas import norms as pn
+
+    S = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    return {
+        "rms_onepass_5376": (lambda x, w: pn.rms_norm(x, w, platform=platform),
+                             (S((4096, 5376), bf), S((5376,), bf))),
+        "rms_twopass_20000": (lambda x, w: pn.rms_norm(x, w, platform=platform),
+                              (S((3, 20000), f32), S((20000,), bf))),
+        "add_heads_128": (lambda x, r, w: pn.add_rms_norm(x, r, w, platform=platform),
+                          (S((32768, 128), bf), S((32768, 128), bf), S((128,), bf))),
+        "gated_groups": (lambda x, g, w: pn.gated_rms_norm(
+            x, g, w, group_size=128, norm_before_gate=False, activation="sigmoid",
+            platform=platform), (S((64, 4096), f32), S((64, 4096), bf), S((4096,), bf))),
+    }
+
+
+NORM_CASES = sorted(_norm_cases("rocm"))
+NORM_ROCM = [t for t in cc.ROCM_TARGETS if t[1] in ("gfx90a", "gfx942", "gfx1100")]
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+def test_rocm_norm_kernels(case):
+    fn, args = _norm_cases("rocm")[case]
+    kernels = cc.triton_kernels(fn, *args, platform="rocm")
+    assert len(kernels) == 1, kernels
+    _compile_all(kernels, NORM_ROCM)
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+def test_cuda_norm_kernels(case):
+    fn, args = _norm_cases("cuda")[case]
+    kernels = cc.triton_kernels(fn, *args, platform="cuda")
+    assert len(kernels) == 1, kernels
+    _compile_all(kernels, CUDA)
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def test_norm_ops_dispatch_to_pallas_on_gpus(platform):
+    """`auto` lowers jq.rms_norm / add_rms_norm / gated_rms_norm to the Pallas kernels."""
+    import jaxquant.pallas  # noqa: F401 - registers the backend
+
+    x = jax.ShapeDtypeStruct((8, 1000), jnp.bfloat16)
+    for fn in (lambda x: jq.rms_norm(x, x[0]), lambda x: jq.add_rms_norm(x, x, x[0]),
+               lambda x: jq.gated_rms_norm(x, x, x[0], group_size=250)):
+        (kernel,) = cc.triton_kernels(fn, x, platform=platform)
+        assert "tt.func" in kernel.text()
+
+
+# --- ragged_qmm (routed MoE prefill): qmm's GEMM over a device-computed schedule -----
+
+
+def _ragged_kernels(fmt, platform, t, dtype=jnp.bfloat16):
+    from jaxquant.pallas import moe
+
+    mode, bits, group = fmt
+    e, n, k = 8, 1000, 2048
+    qw = jax.eval_shape(lambda w: jq.quantize(w, mode=mode, bits=bits, group_size=group),
+                        jax.ShapeDtypeStruct((e, n, k), dtype))
+    x = jax.ShapeDtypeStruct((t, k), dtype)
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+    kernels = cc.triton_kernels(lambda x, qw, g: moe.ragged_qmm(x, qw, g, platform=platform),
+                                x, qw, sizes, platform=platform)
+    assert len(kernels) == 1, kernels
+    assert kernels[0].name in ("kernel",) or "ragged_qmm" in kernels[0].name, kernels[0].name
+    return kernels
+
+
+@pytest.mark.parametrize("t", [256, 4096], ids=["skinny", "gemm"])
+def test_rocm_ragged(t):
+    _compile_all(_ragged_kernels(("mxfp4", 4, 32), "rocm", t), [("hip", "gfx942", 64),
+                                                                 ("hip", "gfx1100", 32)])
+
+
+@pytest.mark.parametrize("fmt", [("mxfp4", 4, 32), ("affine", 4, 64)], ids=_fid)
+def test_cuda_ragged_sm90(fmt):
+    _compile_all(_ragged_kernels(fmt, "cuda", 4096), CUDA)

@@ -25,6 +25,20 @@ def _applies(x_aval, qw, *, transpose=True, precision=None):
     return supports(x_aval.shape, x_aval.dtype, qw, transpose)
 
 
+# Automatic choice: the GEMV/skinny cases (M <= 16, x @ W.T), where the kernels
+# beat the jnp reference 2-7x on an H100; at M >= 512 the tiled GEMM is slower
+# than the reference (benchmarks/RESULTS.md), so `auto` leaves it to XLA.
+AUTO_MAX_M = 16
+
+
+def _auto(x_aval, qw, *, transpose=True, precision=None):
+    del precision
+    m = 1
+    for d in x_aval.shape[:-1]:
+        m *= d
+    return transpose and m <= AUTO_MAX_M
+
+
 def unavailable_reason() -> str | None:
     """None when a CUDA or ROCm GPU is visible to JAX, else why the backend cannot run."""
     try:
@@ -53,7 +67,12 @@ def register() -> bool:
     if register_backend is not None:
         register_backend("pallas", unavailable_reason)
     for platform in PLATFORMS:
-        reg("qmm", "pallas", (platform,), functools.partial(_impl, platform=platform), _applies)
+        reg("qmm", "pallas", (platform,), functools.partial(_impl, platform=platform), _applies,
+            auto=_auto)
+    from jaxquant.pallas import moe  # gather_qmm (routed MoE decode)
+    moe.register(reg, PLATFORMS)
+    from jaxquant.pallas import norms  # rms_norm, add_rms_norm, gated_rms_norm
+    norms.register(reg, PLATFORMS)
     return True
 
 

@@ -193,16 +193,16 @@ def qmm(x, qw: QuantizedArray, *, transpose: bool = True, precision=None,
 def _weight_operands(qw: QuantizedArray, geo: codecs.Geometry):
     """[rows, groups, cpg(, wpb)] view of the words, scales, and the optional
     biases / global scale, as (arrays, flags)."""
-    rows = qw.data.shape[0]
-    groups = qw.scales.shape[1]
+    groups = qw.scales.shape[-1]
+    rows = qw.scales.size // max(groups, 1)      # leading (expert) axes fold into rows
     shape = (rows, groups, geo.cpg) if geo.wpb == 1 else (rows, groups, geo.cpg, geo.wpb)
-    ops = [qw.data.reshape(shape), qw.scales]
+    ops = [qw.data.reshape(shape), qw.scales.reshape(rows, groups)]
     has_bias = qw.biases is not None
     if has_bias:
-        ops.append(qw.biases)
+        ops.append(qw.biases.reshape(rows, groups))
     has_gs = qw.global_scale is not None
     if has_gs:
-        ops.append(jnp.asarray(qw.global_scale, jnp.float32).reshape(1))
+        ops.append(jnp.asarray(qw.global_scale, jnp.float32).reshape(-1))  # 1 or one per expert
     return ops, has_bias, has_gs
 
 
@@ -288,7 +288,31 @@ def _pallas_fn(kernel_fn, kernel_kw, grid, out_shape, num_warps, num_stages, int
 
 
 def _finish_split(out, split, dtype):
-    return (out.sum(0) if split > 1 else out).astype(dtype)
+    # Left to right, elementwise: the same float ops for every output shape (a qmm
+    # row and a gather_qmm slot add their split-K partial sums identically).
+    if split > 1:
+        out = functools.reduce(lambda a, b: a + b, [out[i] for i in range(split)])
+    return out.astype(dtype)
+
+
+def _slots(refs, gather, rows):
+    """Program setup shared by qmm's GEMV kernels and their gather_qmm (expert-indexed)
+    form: (refs, first weight row, global-scale index, x row of mi, output row of mi).
+    gather=None: qmm. gather=(num_experts, x_div, gs_per_expert): refs[0] holds one
+    expert id per slot (program_id(2)); an id outside [0, E) addresses expert 0 (the
+    wrapper turns its rows into NaN: nothing is read out of bounds); the expert's rows
+    start at id * rows in the [E*rows, ...] operands; slot s reads x row s // x_div and
+    writes output row s."""
+    if gather is None:
+        return refs, 0, 0, _i, _i
+    num_experts, x_div, gs_per_expert = gather
+    s = pl.program_id(2)
+    raw = refs[0][s]
+    # (A select, not jnp.clip: with a provable range the AMD backend switches to buffer
+    # loads, which pip Triton 3.9's LLVM crashes on for gfx1100 in this kernel.)
+    e = jnp.where((raw >= 0) & (raw < num_experts), raw, 0)
+    return (refs[1:], e * rows, e if gs_per_expert else 0, (lambda mi: s // x_div + mi),
+            (lambda mi: s + mi))
 
 
 # ---------------------------------------------------------------------------
@@ -296,15 +320,17 @@ def _finish_split(out, split, dtype):
 
 
 def _gemv_t_kernel(*refs, fmt, geo, m_rows, n_rows, n_groups, bn, bg, steps, has_bias, has_gs,
-                   hw, split, x_join):
+                   hw, split, x_join, gather=None):
     # x_ref: x viewed [M, G, cpg, epb] (a free reshape). Each step loads x's
     # [bg, cpg, epb] tile contiguously and splits it into slots in registers.
+    refs, w_off, gs_i, xrow, orow = _slots(refs, gather, n_rows)
     x_ref, _, w_ref, s_ref, b_ref, gs_ref, o_ref = _unpack_refs(refs, False, has_bias, has_gs)
     cpg, epb = geo.cpg, geo.epb
     n0 = pl.program_id(0) * bn
+    r0 = n0 + w_off                     # first weight row (of the slot's expert)
     rmask = (n0 + _iota(bn)) < n_rows
     gbase = pl.program_id(1) * (steps * bg)
-    gs = gs_ref[0] if has_gs else None
+    gs = gs_ref[gs_i] if has_gs else None
     prefetch = _static_slots(geo)
 
     def masks(i):
@@ -316,10 +342,10 @@ def _gemv_t_kernel(*refs, fmt, geo, m_rows, n_rows, n_groups, bn, bg, steps, has
     def load_weights(i):
         """Words (one-word blocks only), scales and biases of step i."""
         g0, _, m2, m3 = masks(i)
-        planes = ([_load(w_ref.at[pl.ds(n0, bn), pl.ds(g0, bg), slice(None)], m3)]
+        planes = ([_load(w_ref.at[pl.ds(r0, bn), pl.ds(g0, bg), slice(None)], m3)]
                   if prefetch else None)
-        sc = _load(s_ref.at[pl.ds(n0, bn), pl.ds(g0, bg)], m2)
-        bi = _load(b_ref.at[pl.ds(n0, bn), pl.ds(g0, bg)], m2) if has_bias else None
+        sc = _load(s_ref.at[pl.ds(r0, bn), pl.ds(g0, bg)], m2)
+        bi = _load(b_ref.at[pl.ds(r0, bn), pl.ds(g0, bg)], m2) if has_bias else None
         return planes, sc, bi
 
     def body(i, carry):
@@ -332,13 +358,13 @@ def _gemv_t_kernel(*refs, fmt, geo, m_rows, n_rows, n_groups, bn, bg, steps, has
             planes, sc, bi = load_weights(i)
             nxt = loaded
         g0, gmask, _, m3 = masks(i)
-        tile = _Tile(w_ref, (pl.ds(n0, bn), pl.ds(g0, bg), slice(None)), m3, geo, fmt, hw,
+        tile = _Tile(w_ref, (pl.ds(r0, bn), pl.ds(g0, bg), slice(None)), m3, geo, fmt, hw,
                      planes)
         mul, add = codecs.group_multipliers(fmt, geo.bits, sc, bi, gs, hw)
         xmask = _bcast(gmask[:, None, None], (bg, cpg, epb))
         xmask2 = _bcast(gmask[:, None], (bg, cpg))
         need_tile = (_static_slots(geo) and x_join) or add is not None
-        xs = [_load(x_ref.at[_i(mi), pl.ds(g0, bg), slice(None), slice(None)],
+        xs = [_load(x_ref.at[xrow(mi), pl.ds(g0, bg), slice(None), slice(None)],
                     xmask).astype(jnp.float32) if need_tile else None for mi in range(m_rows)]
         if _static_slots(geo) and x_join:
             # Join the slot planes back into element order along a new innermost
@@ -351,7 +377,7 @@ def _gemv_t_kernel(*refs, fmt, geo, m_rows, n_rows, n_groups, bn, bg, steps, has
                 v = tile.slot(t)
                 return tuple(
                     _acc(None if tots is None else tots[mi],
-                         v * _load(x_ref.at[_i(mi), pl.ds(g0, bg), slice(None), _i(t)],
+                         v * _load(x_ref.at[xrow(mi), pl.ds(g0, bg), slice(None), _i(t)],
                                    xmask2).astype(jnp.float32)[None])
                     for mi in range(m_rows))
 
@@ -372,16 +398,19 @@ def _gemv_t_kernel(*refs, fmt, geo, m_rows, n_rows, n_groups, bn, bg, steps, has
     acc, _ = lax.fori_loop(0, steps, body, (acc, first))
     for mi in range(m_rows):
         out = jnp.sum(jnp.sum(acc[mi], axis=2), axis=1).astype(o_ref.dtype)
-        pre = (pl.program_id(1), _i(mi)) if split > 1 else (_i(mi),)
+        pre = (pl.program_id(1), orow(mi)) if split > 1 else (orow(mi),)
         plgpu.store(o_ref.at[pre + (pl.ds(n0, bn),)], out, mask=rmask)
 
 
-def _gemv_t(x2, qw, config, *, interpret, hw, precision):
+def _gemv_t(x2, qw, config, *, interpret, hw, precision, ids=None, x_div=1):
+    """qmm's GEMV; with `ids` (int32 [S], qw [E, N, K]) its gather_qmm form: slot s
+    multiplies x2[s // x_div] with expert ids[s] -> [S, N], with the same per-output
+    float ops as qmm(x2[s // x_div], qw[ids[s]])."""
     del precision  # float32 FMA throughout
     fmt = qw.format
     geo = codecs.geometry(qw.bits, qw.group_size)
     m, k = x2.shape
-    n = qw.shape[0]
+    n = qw.shape[-2]
     n_groups = k // qw.group_size
     xv = x2.reshape(m, n_groups, geo.cpg, geo.epb)
     ops, has_bias, has_gs = _weight_operands(qw, geo)
@@ -389,16 +418,22 @@ def _gemv_t(x2, qw, config, *, interpret, hw, precision):
     bg = min(_pow2_floor(max(1, config.k_words // geo.words_per_group)), _pow2_ceil(n_groups))
     split = max(1, min(config.split_k, _cdiv(n_groups, bg)))
     steps = _cdiv(_cdiv(n_groups, bg), split)
+    grid, gather, name, operands = (_cdiv(n, bn), split), None, "qmm", [xv, *ops]
+    if ids is not None:
+        gs_per_expert = has_gs and ops[-1].shape[0] > 1
+        grid, gather = grid + (ids.shape[0],), (qw.shape[0], x_div, gs_per_expert)
+        name = "gather_qmm"
+        operands, m = [ids, *operands], ids.shape[0]
     kernel = functools.partial(
-        _gemv_t_kernel, fmt=fmt, geo=geo, m_rows=m, n_rows=n, n_groups=n_groups, bn=bn, bg=bg,
-        steps=steps, has_bias=has_bias, has_gs=has_gs, hw=hw, split=split,
-        x_join=config.x_join)
+        _gemv_t_kernel, fmt=fmt, geo=geo, m_rows=1 if gather else m, n_rows=n,
+        n_groups=n_groups, bn=bn, bg=bg, steps=steps, has_bias=has_bias, has_gs=has_gs, hw=hw,
+        split=split, x_join=config.x_join, gather=gather)
     if split > 1:
         out_shape = jax.ShapeDtypeStruct((split, m, n), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct((m, n), x2.dtype)
-    out = _call(kernel, (_cdiv(n, bn), split), out_shape, [xv, *ops], config,
-                interpret, f"jq_qmm_gemv_t_{fmt.mode}{qw.bits}")
+    out = _call(kernel, grid, out_shape, operands, config,
+                interpret, f"jq_{name}_gemv_t_{fmt.mode}{qw.bits}")
     return _finish_split(out, split, x2.dtype)
 
 
@@ -407,14 +442,15 @@ def _gemv_t(x2, qw, config, *, interpret, hw, precision):
 
 
 def _gemv_n_kernel(*refs, fmt, geo, m_rows, k_rows, n_groups, bk, bg, steps, has_bias, has_gs,
-                   hw, split):
+                   hw, split, gather=None):
     # o_ref: y viewed [(split,) M, G, cpg, epb]; slot t is a strided store.
+    refs, w_off, gs_i, xrow, orow = _slots(refs, gather, k_rows)
     x_ref, _, w_ref, s_ref, b_ref, gs_ref, o_ref = _unpack_refs(refs, False, has_bias, has_gs)
     cpg = geo.cpg
     g0 = pl.program_id(0) * bg
     gmask = (g0 + _iota(bg)) < n_groups
     kbase = pl.program_id(1) * (steps * bk)
-    gs = gs_ref[0] if has_gs else None
+    gs = gs_ref[gs_i] if has_gs else None
     omask = _bcast(gmask[:, None], (bg, cpg))
 
     def run(slots):
@@ -424,15 +460,16 @@ def _gemv_n_kernel(*refs, fmt, geo, m_rows, k_rows, n_groups, bk, bg, steps, has
             k0 = kbase + i * bk
             kmask = (k0 + _iota(bk)) < k_rows
             m2 = kmask[:, None] & gmask[None, :]
-            tile = _Tile(w_ref, (pl.ds(k0, bk), pl.ds(g0, bg), slice(None)),
+            r0 = k0 + w_off             # first weight row (of the slot's expert)
+            tile = _Tile(w_ref, (pl.ds(r0, bk), pl.ds(g0, bg), slice(None)),
                          _bcast(m2[:, :, None], (bk, bg, cpg)), geo, fmt, hw)
-            sc = _load(s_ref.at[pl.ds(k0, bk), pl.ds(g0, bg)], m2)
-            bi = _load(b_ref.at[pl.ds(k0, bk), pl.ds(g0, bg)], m2) if has_bias else None
+            sc = _load(s_ref.at[pl.ds(r0, bk), pl.ds(g0, bg)], m2)
+            bi = _load(b_ref.at[pl.ds(r0, bk), pl.ds(g0, bg)], m2) if has_bias else None
             mul, add = codecs.group_multipliers(fmt, geo.bits, sc, bi, gs, hw)
             vs = [tile.slot(t) for t in slots]
             new_acc, new_accb = [], []
             for mi in range(m_rows):
-                xk = _load(x_ref.at[_i(mi), pl.ds(k0, bk)], kmask).astype(jnp.float32)
+                xk = _load(x_ref.at[xrow(mi), pl.ds(k0, bk)], kmask).astype(jnp.float32)
                 xm = (xk[:, None] * mul)[:, :, None]
                 new_acc.append(tuple(a + v * xm for a, v in zip(acc[mi], vs)))
                 if add is not None:
@@ -445,7 +482,7 @@ def _gemv_n_kernel(*refs, fmt, geo, m_rows, k_rows, n_groups, bk, bg, steps, has
         acc, accb = lax.fori_loop(0, steps, body, (acc, accb))
         for mi in range(m_rows):
             bsum = jnp.sum(accb[mi], axis=0)[:, None] if has_bias else None
-            pre = (pl.program_id(1), _i(mi)) if split > 1 else (_i(mi),)
+            pre = (pl.program_id(1), orow(mi)) if split > 1 else (orow(mi),)
             for t, a in zip(slots, acc[mi]):
                 out = jnp.sum(a, axis=0)
                 if bsum is not None:
@@ -463,28 +500,36 @@ def _gemv_n_kernel(*refs, fmt, geo, m_rows, k_rows, n_groups, bk, bg, steps, has
         lax.fori_loop(0, geo.epb, one, 0)
 
 
-def _gemv_n(x2, qw, config, *, interpret, hw, precision):
+def _gemv_n(x2, qw, config, *, interpret, hw, precision, ids=None, x_div=1):
+    """transpose=False GEMV; with `ids` its gather_qmm form (see `_gemv_t`)."""
     del precision
     fmt = qw.format
     geo = codecs.geometry(qw.bits, qw.group_size)
     m, k = x2.shape
-    n = qw.shape[1]
+    n = qw.shape[-1]
     n_groups = n // qw.group_size
     ops, has_bias, has_gs = _weight_operands(qw, geo)
     bk = min(_pow2_floor(config.block_k), _pow2_ceil(k))
     bg = min(_pow2_floor(max(1, config.n_words // geo.words_per_group)), _pow2_ceil(n_groups))
     split = max(1, min(config.split_k, _cdiv(k, bk)))
     steps = _cdiv(_cdiv(k, bk), split)
+    grid, gather, name, operands = (_cdiv(n_groups, bg), split), None, "qmm", [x2, *ops]
+    if ids is not None:
+        gs_per_expert = has_gs and ops[-1].shape[0] > 1
+        grid, gather = grid + (ids.shape[0],), (qw.shape[0], x_div, gs_per_expert)
+        name = "gather_qmm"
+        operands, m = [ids, *operands], ids.shape[0]
     kernel = functools.partial(
-        _gemv_n_kernel, fmt=fmt, geo=geo, m_rows=m, k_rows=k, n_groups=n_groups, bk=bk, bg=bg,
-        steps=steps, has_bias=has_bias, has_gs=has_gs, hw=hw, split=split)
+        _gemv_n_kernel, fmt=fmt, geo=geo, m_rows=1 if gather else m, k_rows=k,
+        n_groups=n_groups, bk=bk, bg=bg, steps=steps, has_bias=has_bias, has_gs=has_gs, hw=hw,
+        split=split, gather=gather)
     oshape = (m, n_groups, geo.cpg, geo.epb)   # a view of [M, N]: slot t is a strided store
     if split > 1:
         out_shape = jax.ShapeDtypeStruct((split, *oshape), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct(oshape, x2.dtype)
-    out = _call(kernel, (_cdiv(n_groups, bg), split), out_shape,
-                [x2, *ops], config, interpret, f"jq_qmm_gemv_n_{fmt.mode}{qw.bits}")
+    out = _call(kernel, grid, out_shape, operands, config, interpret,
+                f"jq_{name}_gemv_n_{fmt.mode}{qw.bits}")
     return _finish_split(out, split, x2.dtype).reshape(m, n)
 
 
@@ -554,28 +599,46 @@ def _dequant3(v, mul, add, cdt):
     return w.astype(cdt)
 
 
+def _ragged_tile(refs, ragged, bm, m_rows, n_rows):
+    """Row tile of a GEMM program: (refs, m0, row mask, first weight row, global-scale
+    index, K steps). qmm: tile program_id(0). ragged=(gs_per_expert,) (ragged_qmm):
+    refs[0] is the device-computed schedule int32 [4, W] (expert, tile start, first
+    and end row of the tile's group rows); work item program_id(0) multiplies rows
+    [lo, hi) of the tile at m0 with its expert; an empty item (lo == hi) does nothing."""
+    if ragged is None:
+        m0 = pl.program_id(0) * bm
+        return refs, m0, (m0 + _iota(bm)) < m_rows, 0, 0, None
+    (gs_per_expert,) = ragged
+    w = pl.program_id(0)
+    sched = refs[0]
+    e, m0, lo, hi = (sched[_i(j), w] for j in range(4))
+    rows = m0 + _iota(bm)
+    return (refs[1:], m0, (rows >= lo) & (rows < hi), e * n_rows, e if gs_per_expert else 0,
+            hi > lo)
+
+
 def _gemm_t_kernel(*refs, fmt, geo, m_rows, n_rows, n_groups, bm, bn, bg, steps, has_bias,
-                   has_gs, hw, precision, permuted, swap_ab, interleave):
+                   has_gs, hw, precision, permuted, swap_ab, interleave, ragged=None):
     # x_ref: [M, epb, blocks] (permuted by the wrapper), x viewed [M, blocks, epb],
     # or (interleave) x itself [M, K].
+    refs, m0, mmask, w_off, gs_i, busy = _ragged_tile(refs, ragged, bm, m_rows, n_rows)
     x_ref, _, w_ref, s_ref, b_ref, gs_ref, o_ref = _unpack_refs(refs, False, has_bias, has_gs)
     cpg = geo.cpg
     cdt = x_ref.dtype
-    m0 = pl.program_id(0) * bm
     n0 = pl.program_id(1) * bn
-    mmask = (m0 + _iota(bm)) < m_rows
+    r0 = n0 + w_off                     # first weight row (of the tile's expert)
     rmask = (n0 + _iota(bn)) < n_rows
-    gs = gs_ref[0] if has_gs else None
+    gs = gs_ref[gs_i] if has_gs else None
     bkw = bg * cpg
 
     def body(i, acc):
         g0 = i * bg
         gmask = (g0 + _iota(bg)) < n_groups
         m2 = rmask[:, None] & gmask[None, :]
-        tile = _Tile(w_ref, (pl.ds(n0, bn), pl.ds(g0, bg), slice(None)),
+        tile = _Tile(w_ref, (pl.ds(r0, bn), pl.ds(g0, bg), slice(None)),
                      _bcast(m2[:, :, None], (bn, bg, cpg)), geo, fmt, hw)
-        sc = _load(s_ref.at[pl.ds(n0, bn), pl.ds(g0, bg)], m2)
-        bi = _load(b_ref.at[pl.ds(n0, bn), pl.ds(g0, bg)], m2) if has_bias else None
+        sc = _load(s_ref.at[pl.ds(r0, bn), pl.ds(g0, bg)], m2)
+        bi = _load(b_ref.at[pl.ds(r0, bn), pl.ds(g0, bg)], m2) if has_bias else None
         mul, add = codecs.group_multipliers(fmt, geo.bits, sc, bi, gs, hw)
         if interleave:
             # Dequantize the whole K tile, interleave the slots back into K order,
@@ -605,19 +668,27 @@ def _gemm_t_kernel(*refs, fmt, geo, m_rows, n_rows, n_groups, bm, bn, bg, steps,
             return acc
         return lax.fori_loop(0, geo.epb, slot, acc)
 
-    shape = (bn, bm) if swap_ab else (bm, bn)
-    acc = lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
-    if swap_ab:
-        acc = acc.T
-    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype),
-                mask=mmask[:, None] & rmask[None, :])
+    def run():
+        shape = (bn, bm) if swap_ab else (bm, bn)
+        acc = lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
+        if swap_ab:
+            acc = acc.T
+        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype),
+                    mask=mmask[:, None] & rmask[None, :])
+
+    if busy is None:
+        run()
+    else:
+        pl.when(busy)(run)      # ragged: an empty work item does nothing
 
 
-def _gemm_t(x2, qw, config, *, interpret, hw, precision):
+def _gemm_t(x2, qw, config, *, interpret, hw, precision, schedule=None):
+    """qmm's GEMM; with `schedule` (int32 [4, W], see `_ragged_tile`; qw [E, N, K]) its
+    ragged_qmm form: work item w multiplies its rows of x2 with its expert."""
     fmt = qw.format
     geo = codecs.geometry(qw.bits, qw.group_size)
     m, k = x2.shape
-    n = qw.shape[0]
+    n = qw.shape[-2]
     n_groups = k // qw.group_size
     nblk = n_groups * geo.cpg
     # Slot-major activations: xp[m, t, j] = x[m, j*epb + t]: one XLA transpose (large M),
@@ -635,12 +706,23 @@ def _gemm_t(x2, qw, config, *, interpret, hw, precision):
         # elements of K per step, whatever the bit width (2-bit would double it).
         bg = max(1, min(bg, _INTERLEAVE_K // qw.group_size))
     steps = _cdiv(n_groups, bg)
+    grid, ragged, name, operands = (_cdiv(m, bm), _cdiv(n, bn)), None, "qmm", [xp, *ops]
+    if schedule is not None:
+        ragged = (has_gs and ops[-1].shape[0] > 1,)
+        grid, name = (schedule.shape[1], _cdiv(n, bn)), "ragged_qmm"
+        operands = [schedule, *operands]
     kernel = functools.partial(
         _gemm_t_kernel, fmt=fmt, geo=geo, m_rows=m, n_rows=n, n_groups=n_groups, bm=bm, bn=bn,
         bg=bg, steps=steps, has_bias=has_bias, has_gs=has_gs, hw=hw, precision=precision,
-        permuted=config.permute_x, swap_ab=config.swap_ab, interleave=interleave)
-    return _call(kernel, (_cdiv(m, bm), _cdiv(n, bn)), jax.ShapeDtypeStruct((m, n), x2.dtype),
-                 [xp, *ops], config, interpret, f"jq_qmm_gemm_t_{fmt.mode}{qw.bits}")
+        permuted=config.permute_x, swap_ab=config.swap_ab, interleave=interleave, ragged=ragged)
+    return _call(kernel, grid, jax.ShapeDtypeStruct((m, n), x2.dtype),
+                 operands, config, interpret, f"jq_{name}_gemm_t_{fmt.mode}{qw.bits}")
+
+
+def gemm_block_m(x_dtype, config) -> int:
+    """The M tile `_gemm_t` uses for `config` (ragged_qmm schedules its tiles with it)."""
+    del x_dtype
+    return max(16, _pow2_floor(config.block_m))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,267 @@
+"""Pallas gather_qmm (routed MoE decode) in interpret mode on the CPU, tiny shapes:
+against the float64 oracle, bit for bit against the Pallas qmm of the selected
+expert (DESIGN.md §4's invariant), NaN rows for bad ids with in-bounds reads, and
+a jitted top-k MoE layer that compiles to one XLA program with no host traffic."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant.pallas import configs, moe
+from jaxquant.pallas.qmm import qmm
+from tests import oracle
+
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+TOL = {jnp.float32: 2e-5, jnp.float16: 3e-3, jnp.bfloat16: 1.5e-2}
+# N = 40: three interpret-mode row blocks of 16 (the last one masked), so a block
+# whose first row is not row 0 exists; K = 320 (or 3 groups): masked group tails.
+E, N, T, SLOTS = 5, 40, 3, 2
+
+
+def _run(fn, *args):
+    return jax.jit(fn).trace(*args).lower().compile(compiler_options=_FAST_COMPILE)(*args)
+
+
+def _k(group):
+    return 320 if 320 % group == 0 else 3 * group
+
+
+def _case(mode, bits, dtype, seed, transpose=True, per_slot=False):
+    rng = np.random.default_rng(seed)
+    group = jq.FORMATS[mode].group_sizes[0] if mode != "affine" else 64
+    k = _k(group)
+    shape = (E, N, k) if transpose else (E, k, N - N % group or group)
+    w = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    qw = jq.quantize(w, mode=mode, bits=bits if mode == "affine" else None)
+    x = jnp.asarray(rng.standard_normal((T, SLOTS, k) if per_slot else (T, k)), dtype)
+    idx = jnp.asarray(rng.integers(0, E, (T, SLOTS)), jnp.int32)
+    return x, qw, idx
+
+
+def _deq64(qw):
+    arr = lambda a: None if a is None else np.asarray(a)
+    return oracle.dequantize(qw.mode, qw.bits, qw.group_size, arr(qw.data), arr(qw.scales),
+                             arr(qw.biases), arr(qw.global_scale))
+
+
+def _qmm_per_slot(x, qw, idx, transpose=True, config=None):
+    """[T, k, N]: the Pallas qmm of each (token, slot) on its expert (expert 0 for a bad
+    id, which is what the kernel addresses), in one jit."""
+    idx = np.asarray(idx)
+    idx = np.where((idx >= 0) & (idx < qw.shape[0]), idx, 0)
+
+    def f(x, qw):
+        rows = [[qmm(x[t, j] if x.ndim == 3 else x[t], qw[int(idx[t, j])], transpose=transpose,
+                     interpret=True, config=config) for j in range(idx.shape[1])]
+                for t in range(idx.shape[0])]
+        return jnp.stack([jnp.stack(r) for r in rows])
+    return _run(f, x, qw)
+
+
+CASES = [("affine", 4, jnp.bfloat16), ("affine", 4, jnp.float32), ("mxfp4", 4, jnp.bfloat16),
+         ("mxfp4", 4, jnp.float16), ("nvfp4", 4, jnp.float32), ("mxfp6_e3m2", 6, jnp.bfloat16),
+         ("mxfp8_e4m3", 8, jnp.float16), ("affine", 3, jnp.float32)]
+
+
+def _id(c):
+    return f"{c[0]}{c[1]}-{c[2].__name__}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_gather_matches_oracle_and_qmm_bitwise(case):
+    mode, bits, dtype = case
+    per_slot = CASES.index(case) % 2 == 1
+    x, qw, idx = _case(mode, bits, dtype, CASES.index(case), per_slot=per_slot)
+    y = _run(functools.partial(moe.gather_qmm, interpret=True), x, qw, idx)
+    assert y.dtype == x.dtype and y.shape == (T, SLOTS, N)
+    # float64 oracle
+    w64 = _deq64(qw)[np.asarray(idx)]                                      # [T, k, N, K]
+    x64 = np.asarray(x, np.float64)
+    x64 = x64 if per_slot else np.broadcast_to(x64[:, None], (T, SLOTS, x64.shape[-1]))
+    want = np.einsum("tjk,tjnk->tjn", x64, w64)
+    got = np.asarray(y, np.float64)
+    assert np.all(np.isfinite(got))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL[dtype]
+    # gather(x, qw, idx)[t, j] == qmm(x[t], qw[idx[t, j]]) bit for bit
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(_qmm_per_slot(x, qw, idx)))
+
+
+@pytest.mark.parametrize("case", [("mxfp4", 4, jnp.float32), ("affine", 4, jnp.bfloat16)],
+                         ids=_id)
+def test_gather_transpose_false(case):
+    mode, bits, dtype = case
+    x, qw, idx = _case(mode, bits, dtype, 7, transpose=False, per_slot=dtype == jnp.float32)
+    y = _run(functools.partial(moe.gather_qmm, transpose=False, interpret=True), x, qw, idx)
+    w64 = _deq64(qw)[np.asarray(idx)]                                      # [T, k, K, N]
+    x64 = np.asarray(x, np.float64)
+    x64 = x64 if x.ndim == 3 else np.broadcast_to(x64[:, None], (T, SLOTS, x64.shape[-1]))
+    want = np.einsum("tjk,tjkn->tjn", x64, w64)
+    got = np.asarray(y, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(y),
+                                  np.asarray(_qmm_per_slot(x, qw, idx, transpose=False)))
+
+
+def test_split_k_config_stays_bitwise():
+    x, qw, idx = _case("mxfp4", 4, jnp.float32, 3)
+    cfg = configs.TABLE[("interpret", True, "gemv")].replace(split_k=3)
+    y = _run(functools.partial(moe.gather_qmm, interpret=True, config=cfg), x, qw, idx)
+    np.testing.assert_array_equal(np.asarray(y),
+                                  np.asarray(_qmm_per_slot(x, qw, idx, config=cfg)))
+
+
+def test_nvfp4_one_global_scale_per_expert():
+    x, qw, idx = _case("nvfp4", 4, jnp.bfloat16, 4)
+    gs = jnp.asarray([0.25, 0.5, 1.0, 2.0, 4.0], jnp.float32) * qw.global_scale
+    qw = jq.QuantizedArray(qw.data, qw.scales, None, gs, mode="nvfp4", bits=4, group_size=16,
+                           dtype=qw.dtype)
+    y = _run(functools.partial(moe.gather_qmm, interpret=True), x, qw, idx)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(_qmm_per_slot(x, qw, idx)))
+    want = np.einsum("tk,tjnk->tjn", np.asarray(x, np.float64), _deq64(qw)[np.asarray(idx)])
+    got = np.asarray(y, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL[jnp.bfloat16]
+
+
+def test_bad_ids_nan_rows_and_in_bounds_reads():
+    """Ids -1, E, E+9 and -2**31: NaN rows, the other rows untouched. The kernel
+    addresses expert e's rows as e*N + n in an [E*N, ...] view, so a missing guard
+    would shift the row blocks that do not start at row 0 (interpret mode clamps
+    or pads an out-of-range window): the raw kernel rows of bad ids must equal the
+    qmm of expert 0 (what the guard addresses), block by block, bit for bit."""
+    x, qw, _ = _case("mxfp4", 4, jnp.float32, 5)
+    idx = jnp.asarray([[-1, 2], [E, 0], [E + 9, -2**31]], jnp.int32)
+    y = np.asarray(_run(functools.partial(moe.gather_qmm, interpret=True), x, qw, idx))
+    bad = ~((np.asarray(idx) >= 0) & (np.asarray(idx) < E))
+    assert np.all(np.isnan(y[bad])) and np.all(np.isfinite(y[~bad]))
+    per_slot = np.asarray(_qmm_per_slot(x, qw, idx))     # bad ids -> expert 0
+    np.testing.assert_array_equal(y[~bad], per_slot[~bad])
+    raw = _run(lambda x, qw, ids: moe.gather_raw(x, qw, ids, interpret=True), x, qw,
+               moe._slot_ids(idx, E))
+    np.testing.assert_array_equal(np.asarray(raw).reshape(T, SLOTS, N), per_slot)
+
+
+def test_ids_of_any_integer_dtype_do_not_wrap():
+    # Ids are clipped to [-1, E] before the int32 cast: a huge id stays bad.
+    ids = moe._slot_ids(jnp.asarray([[2**31 - 1, -2**31]], jnp.int32), E)
+    assert list(np.asarray(ids)) == [E, -1]
+    ids = moe._slot_ids(jnp.asarray([[0, 4, 255]], jnp.uint8), E)
+    assert list(np.asarray(ids)) == [0, 4, E]
+
+
+def test_supports_and_registration():
+    x, qw, idx = _case("mxfp4", 4, jnp.float32, 0)
+    assert moe.supports_gather(x.shape, x.dtype, qw, idx.shape, True)
+    assert moe.supports_gather((T, SLOTS, x.shape[1]), x.dtype, qw, idx.shape, True)
+    assert not moe.supports_gather(x.shape, jnp.float64, qw, idx.shape, True)
+    assert not moe.supports_gather(x.shape, x.dtype, qw[0], idx.shape, True)
+    assert not moe.supports_gather((T, 64), x.dtype, qw, idx.shape, True)
+    assert not moe.supports_gather((70000, x.shape[1]), x.dtype, qw, (70000, 1), True)
+    from jaxquant import dispatch
+    import jaxquant.pallas  # noqa: F401 - registers the kernels
+    kernels = [k for k in dispatch._KERNELS.get("gather_qmm", ()) if k.backend == "pallas"]
+    assert sorted(p for k in kernels for p in k.platforms) == ["cuda", "rocm"]
+
+
+# ---------------------------------------------------------------------------
+# A jitted top-k MoE layer is one XLA program: no host callbacks or transfers.
+
+_HOST_TARGET = re.compile(r"callback|host|py_func|send|recv|infeed|outfeed", re.I)
+_HOST_OPS = re.compile(r"=\s*[^=\n]*?\b(send|recv|send-done|recv-done|infeed|outfeed)\(")
+
+
+def _host_traffic(hlo_text):
+    targets = re.findall(r'custom_call_target="([^"]*)"', hlo_text)
+    return [t for t in targets if _HOST_TARGET.search(t)] + _HOST_OPS.findall(hlo_text)
+
+
+def moe_layer(x, router, q_gate, q_up, q_down, top_k):
+    logits = (x @ router).astype(jnp.float32)
+    weights, idx = jax.lax.top_k(logits, top_k)
+    weights = jax.nn.softmax(weights, axis=-1).astype(x.dtype)
+    a = jax.nn.silu(jq.gather_qmm(x, q_gate, idx)) * jq.gather_qmm(x, q_up, idx)
+    y = jq.gather_qmm(a, q_down, idx)                       # x per slot
+    return jnp.einsum("tk,tkn->tn", weights, y)
+
+
+@pytest.mark.parametrize("backend", ["reference", None], ids=["reference", "auto"])
+def test_moe_layer_is_one_program_without_host_sync(backend):
+    e, d, f, t, top_k = 8, 64, 96, 4, 2
+    key = jax.random.split(jax.random.key(0), 5)
+    router = jax.random.normal(key[0], (d, e), jnp.float32)
+    qs = [jq.quantize(0.1 * jax.random.normal(key[i + 1], s, jnp.float32), mode="mxfp4")
+          for i, s in enumerate([(e, f, d), (e, f, d), (e, d, f)])]
+    x = jax.random.normal(key[4], (t, d), jnp.float32)
+    fn = jax.jit(moe_layer, static_argnums=5)
+    with jq.backend(backend):
+        compiled = fn.lower(x, router, *qs, top_k).compile()
+        out = compiled(x, router, *qs)
+    text = compiled.as_text()
+    assert text.count("HloModule") == 1
+    assert _host_traffic(text) == [], _host_traffic(text)
+    assert np.all(np.isfinite(np.asarray(out)))
+    # The detector is not vacuous: a host callback is seen.
+    cb = jax.jit(lambda v: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(v.shape, v.dtype), v))
+    assert _host_traffic(cb.lower(x).compile().as_text())
+
+
+# ---------------------------------------------------------------------------
+# ragged_qmm (prefill): qmm's GEMM over a tile schedule computed on the device.
+
+
+_schedule = jax.jit(moe.ragged_schedule, static_argnums=(1, 2))
+
+
+def test_ragged_schedule_covers_each_row_once():
+    rng = np.random.default_rng(0)
+    for rows, bm, e in ((50, 16, 4), (300, 32, 7), (16, 16, 3)):
+        for _ in range(5):
+            sizes = rng.integers(0, 2 * rows // e + 2, e)
+            sizes[rng.integers(0, e)] = 0
+            sched = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), rows, bm))
+            assert sched.shape == (4, -(-rows // bm) + e - 1)
+            ends = np.minimum(np.cumsum(sizes), rows)
+            owner = np.full(rows, -1)
+            for ex, m0, lo, hi in sched.T:
+                assert m0 % bm == 0 and m0 <= lo <= hi <= m0 + bm
+                if hi > lo:
+                    assert np.all(owner[lo:hi] == -1)
+                    owner[lo:hi] = ex
+            want = np.searchsorted(ends, np.arange(rows), side="right")
+            want = np.where(np.arange(rows) < ends[-1], want, -1)
+            np.testing.assert_array_equal(owner, want)
+
+
+RAGGED = [("mxfp4", 4, jnp.bfloat16, 50, [7, 0, 30, 9]),        # skinny tiles, rows past sum
+          ("affine", 4, jnp.float32, 200, [0, 110, 90]),          # large tiles, f32 (permuted x)
+          ("mxfp4", 4, jnp.bfloat16, 140, [60, 75]),              # large tiles, interleaved
+          ("nvfp4", 4, jnp.float16, 40, [25, 0, 30])]             # sum > T: truncated
+
+
+@pytest.mark.parametrize("case", RAGGED, ids=lambda c: f"{c[0]}{c[1]}-{c[2].__name__}-T{c[3]}")
+def test_ragged_qmm_vs_oracle(case):
+    mode, bits, dtype, t, sizes = case
+    rng = np.random.default_rng(t)
+    e = len(sizes)
+    group = 64 if mode == "affine" else jq.FORMATS[mode].group_sizes[0]
+    k = _k(group)
+    w = jnp.asarray(rng.standard_normal((e, N, k)), jnp.float32).astype(dtype)
+    qw = jq.quantize(w, mode=mode, bits=bits if mode == "affine" else None)
+    x = jnp.asarray(rng.standard_normal((t, k)), dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    cfg = moe._ragged_config("interpret", t, N, k, qw, x.dtype)
+    assert cfg.block_m >= 32 if t > 64 * e else cfg.swap_ab          # the tile class meant
+    y = _run(lambda x, qw, gs: moe.ragged_qmm(x, qw, gs, interpret=True), x, qw, gs)
+    assert y.dtype == x.dtype and y.shape == (t, N)
+    ends = np.minimum(np.cumsum(sizes), t)
+    owner = np.searchsorted(ends, np.arange(t), side="right")
+    live = np.arange(t) < ends[-1]
+    w64 = _deq64(qw)[np.minimum(owner, e - 1)]                          # [T, N, K]
+    want = np.where(live[:, None], np.einsum("tk,tnk->tn", np.asarray(x, np.float64), w64), 0)
+    got = np.asarray(y, np.float64)
+    assert np.all(got[~live] == 0)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL[dtype]
