@@ -1,21 +1,46 @@
 #!/usr/bin/env bash
-# One device call: environment, GPU tests of the Pallas kernels, qmm benchmark.
-# Usage (on the GPU machine, repo root): bash scripts/gpu_check.sh [tests|bench|all] [bench args...]
-# Logs go to $OUT (or ./gpu_logs).
+# Every GPU check in one device call (repo root, GPU machine):
+#   bash scripts/gpu_check.sh [stage ...]
+# stages (default: all but pallas-qmm-tests and qmm-full, which take ~10 min more):
+#   ffi              build (CUDA sm_90 only), ffi GPU tests, compute-sanitizer
+#   norms            Pallas norm GPU tests + python -m jaxquant bench norm
+#   moe              Pallas gather_qmm GPU tests + python -m jaxquant bench moe
+#   qmm              python -m jaxquant bench qmm at the decode shapes (pallas and ffi)
+#   pallas-qmm-tests tests/test_pallas_gpu.py (every mode x path at realistic shapes)
+#   qmm-full         python -m jaxquant bench qmm at all seven shapes of issue 4
+# Logs under $OUT (default ./gpu_logs), one folder per stage.
 set -u
-what=${1:-all}; shift || true
+cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRITON_DEFAULT_FP_FUSION=1
 PY=${PY:-python3}
-{
-  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv 2>/dev/null || rocm-smi 2>/dev/null
-  $PY -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
-} 2>&1 | tee "$OUT/env.txt"
-if [[ $what == tests || $what == all ]]; then
-  timeout 300 $PY -m pytest tests/test_pallas_gpu.py -q -x -p no:cacheprovider -n ${NPROC:-8} \
-     --durations=5 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+stages=${*:-ffi norms moe qmm}
+has() { [[ " $stages " == *" $1 "* ]]; }
+SECONDS=0
+if has ffi; then
+  OUT=$OUT/ffi JQ_SKIP_BENCH=1 bash scripts/gpu_check_ffi.sh
+else  # the other stages still need the package (and its CUDA library) installed
+  CMAKE_ARGS="-DJAXQUANT_CUDA_ARCHS=90-real -DJAXQUANT_ENABLE_ROCM=OFF" \
+    $PY -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1
 fi
-if [[ $what == bench || $what == all ]]; then
-  $PY -m jaxquant bench qmm "$@" 2>&1 | tee "$OUT/bench.txt" | grep -v "^#.*failed" | tail -80
+echo "== after ffi/build: ${SECONDS}s"
+has norms && OUT=$OUT/norms bash scripts/gpu_check_norms.sh
+has moe && OUT=$OUT/moe bash scripts/gpu_check_moe.sh
+echo "== after norms/moe: ${SECONDS}s"
+if has qmm; then
+  mkdir -p "$OUT/qmm"
+  timeout 150 $PY -m jaxquant bench qmm --shapes "1,4096,14336;1,2880,5760;1,14336,4096" \
+    --iters 9 2>&1 | tee "$OUT/qmm/bench.txt" | grep -v "^#.*failed" | tail -40
 fi
+if has pallas-qmm-tests; then
+  mkdir -p "$OUT/qmm"
+  XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n ${NPROC:-8}"
+  timeout 300 $PY -m pytest tests/test_pallas_gpu.py -q -p no:cacheprovider $XDIST \
+    --durations=5 2>&1 | tee "$OUT/qmm/gpu_tests.txt" | tail -25
+fi
+if has qmm-full; then
+  mkdir -p "$OUT/qmm"
+  $PY -m jaxquant bench qmm 2>&1 | tee "$OUT/qmm/bench_full.txt" | grep -v "^#.*failed" | tail -80
+fi
+echo "== all done in ${SECONDS}s"
