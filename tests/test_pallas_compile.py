@@ -186,14 +186,15 @@ def test_cuda_norm_kernels(case):
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_norm_ops_dispatch_to_pallas_on_gpus(platform):
-    """`auto` lowers jq.rms_norm / add_rms_norm / gated_rms_norm to the Pallas kernels."""
-    import jaxquant.pallas  # noqa: F401 - registers the backend
-
-    x = jax.ShapeDtypeStruct((8, 1000), jnp.bfloat16)
+    """`auto` lowers jq.rms_norm / add_rms_norm / gated_rms_norm to the Pallas kernels on
+    GPUs from a million elements; smaller ones stay with XLA (pallas.norms.AUTO_MIN_ELEMENTS)."""
+    big = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     for fn in (lambda x: jq.rms_norm(x, x[0]), lambda x: jq.add_rms_norm(x, x, x[0]),
-               lambda x: jq.gated_rms_norm(x, x, x[0], group_size=250)):
-        (kernel,) = cc.triton_kernels(fn, x, platform=platform)
+               lambda x: jq.gated_rms_norm(x, x, x[0], group_size=256)):
+        (kernel,) = cc.triton_kernels(fn, big, platform=platform)
         assert "tt.func" in kernel.text()
+    small = jax.ShapeDtypeStruct((8, 1000), jnp.bfloat16)
+    assert not cc.triton_kernels(lambda x: jq.rms_norm(x, x[0]), small, platform=platform)
 
 
 # --- ragged_qmm (routed MoE prefill): qmm's GEMM over a device-computed schedule -----

@@ -263,16 +263,19 @@ def test_registered_for_gpus_above_ffi():
         ffi = [k for k in dispatch._KERNELS.get(name, ()) if k.backend == "ffi"
                and set(k.platforms) & {"cuda", "rocm"}]
         assert all(k.priority < pn.PRIORITY for k in ffi)
-    x = jax.ShapeDtypeStruct((4, 64), F32)            # applies reads shape and dtype only
-    x64 = jax.ShapeDtypeStruct((4, 64), jnp.float64)
-    select = functools.partial(dispatch.select, backend=None, platform="cuda")
-    assert select("rms_norm", args=(x, None), params=dict(eps=1e-6, weight_offset=0.0)).func \
-        is pn._rms_impl
-    impl = select("rms_norm", args=(x64, None), params=dict(eps=1e-6, weight_offset=0.0))
+    x = jax.ShapeDtypeStruct((4096, 4096), F32)       # applies reads shape and dtype only
+    x64 = jax.ShapeDtypeStruct((4096, 4096), jnp.float64)
+    small = jax.ShapeDtypeStruct((64, 4096), F32)     # below pn.AUTO_MIN_ELEMENTS
+    rp = dict(eps=1e-6, weight_offset=0.0)
+    select = functools.partial(dispatch.select, platform="cuda")
+    assert select("rms_norm", None, args=(x, None), params=rp).func is pn._rms_impl
+    impl = select("rms_norm", None, args=(x64, None), params=rp)
     assert getattr(impl, "func", None) is not pn._rms_impl
+    assert select("rms_norm", None, args=(small, None), params=rp) is None  # auto: XLA
+    assert select("rms_norm", "pallas", args=(small, None), params=rp).func is pn._rms_impl
     gp = dict(eps=1e-6, weight_offset=0.0, activation="silu", norm_before_gate=True,
               group_size=None)
-    assert select("gated_rms_norm", args=(x, x, None), params=gp).func is pn._gated_impl
+    assert select("gated_rms_norm", None, args=(x, x, None), params=gp).func is pn._gated_impl
 
 
 def test_through_the_primitive_on_cpu_is_unchanged():

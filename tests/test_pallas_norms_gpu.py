@@ -125,11 +125,12 @@ def test_gated_rms_norm(case):
 
 def test_auto_and_explicit_backend_use_the_kernels():
     platform = detect_platform()
-    x = jax.ShapeDtypeStruct((64, 4096), BF16)
+    shape = (pn.AUTO_MIN_ELEMENTS // 4096, 4096)   # the smallest `auto` gives the kernels
+    x = jax.ShapeDtypeStruct(shape, BF16)
     impl = dispatch.select("rms_norm", None, platform, (x, None),
                            dict(eps=1e-6, weight_offset=0.0))
     assert getattr(impl, "func", None) is pn._rms_impl
-    x, r, w = _rand(8, (64, 4096), BF16), _rand(9, (64, 4096), BF16), _rand(10, (4096,), BF16)
+    x, r, w = _rand(8, shape, BF16), _rand(9, shape, BF16), _rand(10, (4096,), BF16)
     for backend in (None, "pallas"):
         y, h = jax.jit(functools.partial(jq.add_rms_norm, backend=backend))(x, r, w)
         yr, hr = jq.add_rms_norm(x, r, w, backend="reference")

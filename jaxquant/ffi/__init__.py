@@ -51,9 +51,9 @@ __all__ = ["FORMAT_IDS", "GEMV_MAX_M", "PRIORITY", "add_rms_norm_call", "dequant
 # CPU: the ffi kernels beat the jnp reference on every case their `applies`
 # takes (M=1 GEMV 8-25x at 4096x4096 on 2 cores, `python -m jaxquant bench qmm`), and no
 # other backend serves the CPU, so `auto` picks them. GPU: below the Pallas
-# kernels (priority 0) until a same-run comparison says otherwise: the fused GEMV
-# is 2-15x faster than the jnp reference on an H100 but reaches only ~25-40% of
-# the copy bandwidth (benchmarks/RESULTS.md); ops Pallas does not serve still get ffi.
+# kernels (priority 0), which were faster in every same-run comparison on an H100:
+# the fused GEMV is 3-6x faster than the jnp reference but 1.2-1.5x slower than
+# Pallas (33-37% of the copy bandwidth; benchmarks/RESULTS.md).
 PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
 
 _LIBS: dict[str, _loader.Library] = {}
@@ -90,6 +90,21 @@ def unavailable_reason(platform: str | None = None) -> str | None:
     return lib.error if lib.handle is None else None
 
 
+def _never(*args, **params):
+    return False
+
+
+def _transposed(*args, transpose, **params):
+    return transpose
+
+
+# On GPUs `auto` gives ffi only its fused GEMVs (qmm's is `make_qmm_gemv_case`),
+# the ops measured to beat the reference there (H100, benchmarks/RESULTS.md); the
+# ffi norms run at 20-30% of the copy bandwidth, 0.2-0.5x XLA's fused reference,
+# and the ffi ragged_qmm (dequantize + XLA's ragged_dot) is no faster than it.
+_GPU_AUTO = {"gather_qmm": _transposed}
+
+
 def _register_kernels():
     entries = [
         ("dequantize", _ops.dequantize_impl, _ops.dequantize_applies),
@@ -102,7 +117,8 @@ def _register_kernels():
     for platform in loaded_platforms():
         prio = PRIORITY[platform]
         for name, impl, applies in entries:
-            dispatch.register(name, "ffi", (platform,), impl, applies, priority=prio)
+            auto = None if platform == "cpu" else _GPU_AUTO.get(name, _never)
+            dispatch.register(name, "ffi", (platform,), impl, applies, priority=prio, auto=auto)
         # On GPUs only the fused GEMV has been measured against the reference.
         auto = None if platform == "cpu" else _ops.make_qmm_gemv_case(platform)
         dispatch.register("qmm", "ffi", (platform,), _ops.make_qmm_impl(platform),
