@@ -5,6 +5,8 @@
 #   ffi              build (CUDA sm_90 only), ffi GPU tests, compute-sanitizer
 #   norms            Pallas norm GPU tests + python -m jaxquant bench norm
 #   moe              Pallas gather_qmm GPU tests + python -m jaxquant bench moe
+#   sanitizer-moe    compute-sanitizer memcheck over the bad-expert-id tests (Pallas and ffi
+#                    gather_qmm), XLA allocating each buffer on its own so overruns show
 #   qmm              python -m jaxquant bench qmm at the decode shapes (pallas and ffi)
 #   pallas-qmm-tests tests/test_pallas_gpu.py (every mode x path at realistic shapes)
 #   qmm-full         python -m jaxquant bench qmm at all seven shapes of issue 4
@@ -15,7 +17,7 @@ OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRITON_DEFAULT_FP_FUSION=1
 PY=${PY:-python3}
-stages=${*:-ffi norms moe qmm}
+stages=${*:-ffi norms moe sanitizer-moe qmm}
 has() { [[ " $stages " == *" $1 "* ]]; }
 SECONDS=0
 if has ffi; then
@@ -27,6 +29,15 @@ fi
 echo "== after ffi/build: ${SECONDS}s"
 has norms && OUT=$OUT/norms bash scripts/gpu_check_norms.sh
 has moe && OUT=$OUT/moe bash scripts/gpu_check_moe.sh
+if has sanitizer-moe; then
+  mkdir -p "$OUT/sanitizer"
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 300 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider \
+    tests/test_pallas_moe_gpu.py::test_bad_ids_are_nan_rows \
+    "tests/test_ffi_gpu.py::test_gpu_mode_sweep[mxfp4-4]" > "$OUT/sanitizer/moe_memcheck.txt" 2>&1
+  echo "compute-sanitizer (bad expert ids) rc=$?"
+  grep -E "passed|failed|ERROR SUMMARY" "$OUT/sanitizer/moe_memcheck.txt" | tail -n 3
+fi
 echo "== after norms/moe: ${SECONDS}s"
 if has qmm; then
   mkdir -p "$OUT/qmm"
