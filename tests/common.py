@@ -5,6 +5,7 @@ oracle."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxquant as jq
 from tests import oracle
@@ -15,6 +16,20 @@ MODES = [("affine", 2), ("affine", 3), ("affine", 4), ("affine", 5), ("affine", 
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
        jnp.dtype(jnp.bfloat16): 2.0**-8}
+
+
+def gpus():
+    """The CUDA/ROCm devices JAX sees."""
+    try:
+        return [d for d in jax.devices() if d.platform in ("gpu", "cuda", "rocm")]
+    except RuntimeError:
+        return []
+
+
+def skip_module_without_gpu(what: str):
+    """Skip the calling test module, saying why, where JAX sees no GPU."""
+    if not gpus():
+        pytest.skip(f"no CUDA/ROCm GPU visible to JAX: {what}", allow_module_level=True)
 
 
 def rand(key, shape, dtype=jnp.float32, scale=1.0):

@@ -15,19 +15,10 @@ import pytest
 import jaxquant as jq
 from jaxquant.pallas import moe
 from jaxquant.quantize import dequantize_reference
+from tests.common import skip_module_without_gpu
 
-
-def _gpus():
-    try:
-        return [d for d in jax.devices() if d.platform in ("gpu", "cuda", "rocm")]
-    except RuntimeError:
-        return []
-
-
-if not _gpus():
-    pytest.skip("no CUDA/ROCm GPU visible to JAX: the GPU tests of the Pallas MoE kernels are "
-                "skipped (tests/test_pallas_moe.py covers them in interpret mode)",
-                allow_module_level=True)
+skip_module_without_gpu("the Pallas MoE GPU tests "
+                        "(tests/test_pallas_moe.py runs the kernels in interpret mode)")
 
 pytestmark = pytest.mark.gpu
 

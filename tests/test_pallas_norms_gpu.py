@@ -12,18 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.common import skip_module_without_gpu
 
-def _gpus():
-    try:
-        return [d for d in jax.devices() if d.platform in ("gpu", "cuda", "rocm")]
-    except RuntimeError:
-        return []
-
-
-if not _gpus():
-    pytest.skip("no CUDA/ROCm GPU visible to JAX: the GPU tests of the Pallas norm kernels "
-                "are skipped (tests/test_pallas_norms.py covers them in interpret mode)",
-                allow_module_level=True)
+skip_module_without_gpu("the Pallas norm GPU tests "
+                        "(tests/test_pallas_norms.py runs the kernels in interpret mode)")
 
 import jaxquant as jq  # noqa: E402
 import jaxquant.pallas  # noqa: E402,F401 - registers the backend
