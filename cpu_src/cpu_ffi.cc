@@ -47,12 +47,18 @@ static const Kernels* select_kernels() {
   return k;
 }
 
-// Flush float32 subnormals like XLA's CPU code does, while a kernel runs.
+// While a kernel runs: flush float32 subnormals like XLA's CPU code does (flush),
+// or keep them (the MX dequantize, whose reference builds subnormal results
+// exactly from bits: every E8M0-scaled element is a float32 number).
 struct FlushDenormals {
 #if defined(__x86_64__)
   unsigned saved;
-  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  explicit FlushDenormals(bool flush) : saved(_mm_getcsr()) {
+    _mm_setcsr(flush ? (saved | 0x8040u) : (saved & ~0x8040u));  // FTZ | DAZ
+  }
   ~FlushDenormals() { _mm_setcsr(saved); }
+#else
+  explicit FlushDenormals(bool) {}
 #endif
 };
 
@@ -72,16 +78,18 @@ class Pool {
 
   int threads() const { return (int)workers_.size() + 1; }
 
-  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn,
+                    bool flush_denormals = true) {
     if (n <= 0) return;
     grain = std::max<int64_t>(grain, 1);
     if (workers_.empty() || n <= grain || !run_mu_.try_lock()) {
-      FlushDenormals fd;
+      FlushDenormals fd(flush_denormals);
       fn(0, n);
       return;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
+      flush_ = flush_denormals;
       fn_ = &fn;
       n_ = n;
       grain_ = grain;
@@ -109,7 +117,7 @@ class Pool {
   }
 
   void work() {
-    FlushDenormals fd;
+    FlushDenormals fd(flush_);
     for (;;) {
       const int64_t i0 = next_.fetch_add(grain_);
       if (i0 >= n_) break;
@@ -141,6 +149,7 @@ class Pool {
   std::atomic<int64_t> next_{0};
   int64_t n_ = 0, grain_ = 1, generation_ = 0;
   int pending_ = 0;
+  bool flush_ = true;
 };
 
 // ---------------------------------------------------------------------------
@@ -157,7 +166,9 @@ static ffi::Error dequantize_impl(ffi::AnyBuffer data, ffi::AnyBuffer scales,
   if (p.rows == 0 || p.k == 0) return ffi::Error::Success();
   const Kernels* k = select_kernels();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
-  Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); });
+  const bool mx = p.fmt >= kMxfp4 && p.fmt <= kMxfp8E5M2;
+  Pool::get().parallel_for(
+      p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); }, /*flush_denormals=*/!mx);
   return ffi::Error::Success();
 }
 
