@@ -216,7 +216,7 @@ static ffi::Error run_norm(const NormProblem& p) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(p.d, 1));
   Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<float> scratch;
-    if ((int64_t)scratch.size() < 2 * p.d) scratch.resize(2 * p.d);
+    if ((int64_t)scratch.size() < 3 * p.d) scratch.resize(3 * p.d);
     k->norm(p, r0, r1, scratch.data());
   });
   return ffi::Error::Success();

@@ -16,7 +16,7 @@ struct Kernels {
   void (*dequant)(const DequantProblem& p, int64_t r0, int64_t r1);
   // y[s, :, n0:n1] of a fused dequantize-GEMV; `scratch` holds qmv_scratch_floats(p).
   void (*qmv)(const QmvProblem& p, int64_t s, int64_t n0, int64_t n1, float* scratch);
-  // Norm rows [r0, r1); `scratch` holds 2 * p.d floats.
+  // Norm rows [r0, r1); `scratch` holds 3 * p.d floats.
   void (*norm)(const NormProblem& p, int64_t r0, int64_t r1, float* scratch);
 };
 

@@ -36,6 +36,8 @@ Numerics (DESIGN.md §4):
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from jaxquant import dispatch
@@ -48,12 +50,11 @@ __all__ = ["FORMAT_IDS", "GEMV_MAX_M", "PRIORITY", "add_rms_norm_call", "dequant
            "unavailable_reason"]
 
 # Priority against other backends' kernels under automatic choice (dispatch.select).
-# CPU: the ffi kernels beat the jnp reference on every case their `applies`
-# takes (M=1 GEMV 8-25x at 4096x4096 on 2 cores, `python -m jaxquant bench qmm`), and no
-# other backend serves the CPU, so `auto` picks them. GPU: below the Pallas
-# kernels (priority 0), which were faster in every same-run comparison on an H100:
-# the fused GEMV is 3-6x faster than the jnp reference but 1.2-1.5x slower than
-# Pallas (33-37% of the copy bandwidth; benchmarks/RESULTS.md).
+# CPU: no other backend serves it, so ffi ranks first there; `auto` (below) narrows
+# it to the cases measured faster than the reference. GPU: below the Pallas kernels
+# (priority 0), which were faster in every same-run comparison on an H100: the fused
+# GEMV is 3-6x faster than the jnp reference but 1.2-1.5x slower than Pallas (33-37%
+# of the copy bandwidth; benchmarks/RESULTS.md).
 PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
 
 _LIBS: dict[str, _loader.Library] = {}
@@ -98,11 +99,24 @@ def _transposed(*args, transpose, **params):
     return transpose
 
 
-# On GPUs `auto` gives ffi only its fused GEMVs (qmm's is `make_qmm_gemv_case`),
-# the ops measured to beat the reference there (H100, benchmarks/RESULTS.md); the
-# ffi norms run at 20-30% of the copy bandwidth, 0.2-0.5x XLA's fused reference,
-# and the ffi ragged_qmm (dequantize + XLA's ragged_dot) is no faster than it.
-_GPU_AUTO = {"gather_qmm": _transposed}
+def _norm_of_64k_elements(x, *args, **params):
+    return math.prod(x.shape) >= 1 << 16
+
+
+# Where `auto` takes the ffi kernels (absent: never), from same-run measurements
+# (benchmarks/RESULTS.md). qmm: the fused GEMV only (`_ops.make_qmm_gemv_case`);
+# above GEMV_MAX_M rows the ffi dequantize + XLA's dot is 0.5-0.7x the reference,
+# which XLA fuses. gather_qmm with x @ W.T: the fused GEMV per slot (CPU 13-25x,
+# H100 2-8x). CPU only: dequantize (0.9-6.4x: even to 1.3x for the 4-bit formats,
+# the MX6 unpack 6x), norms from 64 Ki elements (1.1-4.2x; smaller rows are a few
+# µs either way and XLA fuses them with their neighbours). Never: ragged_qmm
+# (dequantize + ragged_dot, 0.85x on the CPU), the GPU norms (20-30% of the copy
+# bandwidth, 0.2-0.5x XLA's fused reference on an H100).
+_AUTO = {
+    "cpu": {"gather_qmm": _transposed, "dequantize": None, "rms_norm": _norm_of_64k_elements,
+            "add_rms_norm": _norm_of_64k_elements, "gated_rms_norm": _norm_of_64k_elements},
+    "gpu": {"gather_qmm": _transposed},
+}
 
 
 def _register_kernels():
@@ -116,13 +130,12 @@ def _register_kernels():
     ]
     for platform in loaded_platforms():
         prio = PRIORITY[platform]
+        auto = _AUTO["cpu" if platform == "cpu" else "gpu"]
         for name, impl, applies in entries:
-            auto = None if platform == "cpu" else _GPU_AUTO.get(name, _never)
-            dispatch.register(name, "ffi", (platform,), impl, applies, priority=prio, auto=auto)
-        # On GPUs only the fused GEMV has been measured against the reference.
-        auto = None if platform == "cpu" else _ops.make_qmm_gemv_case(platform)
+            dispatch.register(name, "ffi", (platform,), impl, applies, priority=prio,
+                              auto=auto.get(name, _never))
         dispatch.register("qmm", "ffi", (platform,), _ops.make_qmm_impl(platform),
-                          _ops.qmm_applies, priority=prio, auto=auto)
+                          _ops.qmm_applies, priority=prio, auto=_ops.make_qmm_gemv_case(platform))
 
 
 _load_all()
