@@ -43,12 +43,13 @@ namespace gpu {
 // ("R,THREADS") overrides the rows per warp for M = 1 (benchmark sweeps); the
 // accumulation order does not depend on it.
 QmvConfig qmv_config(const QmvProblem& p) {
-  QmvConfig c{1, 4, 256};
+  // M = 1: 4 rows per warp in 128-thread blocks (H100, (4096, 14336): 26-27 µs against
+  // 29-32 µs for 256 threads; benchmarks/h100_ffi_gemv_sweep.txt).
+  QmvConfig c{1, 4, 128};
   if (p.M > 1) {
-    c.mt = 8;
-    c.r = 1;
+    c = QmvConfig{8, 1, 256};
   } else if (p.N < 4 * 1024) {
-    c.r = 2;  // small N: more warps
+    c = QmvConfig{1, 2, 256};  // small N: more warps
   }
   if (const char* env = getenv("JAXQUANT_FFI_GPU_QMV")) {
     int r = 0, t = 0;

@@ -25,7 +25,12 @@ namespace gpu {
 template <class C>
 __device__ __forceinline__ void apply_scale(float& acc, float q, float xsum, uint32_t sraw,
                                             uint32_t braw, int32_t sdt, float gsv) {
-  if constexpr (C::kFmt == kAffine) {
+  if constexpr (C::kFmt == kAffine && C::kBits == 4) {
+    // q = sum (1 + code/16) * x (see element<>): scale*code + bias = 16*scale*v + (bias - 16*scale)
+    const float s16 = 16.0f * raw_to_float(sraw, sdt);
+    acc = fmaf(q, s16, acc);
+    acc = fmaf(raw_to_float(braw, sdt) - s16, xsum, acc);
+  } else if constexpr (C::kFmt == kAffine) {
     acc = fmaf(q, raw_to_float(sraw, sdt), acc);
     acc = fmaf(raw_to_float(braw, sdt), xsum, acc);
   } else if constexpr (C::kScale == kScaleE8M0) {
@@ -53,7 +58,8 @@ __device__ __forceinline__ void apply_scale(float& acc, float q, float xsum, uin
 // Element E of a unit as a float: the codec's decode, except for E2M1 (MXFP4,
 // NVFP4, FP4), where the word's bits go straight into a float (magnitude to
 // bits 22..24, sign to 31: three integer ops) and one multiply by 2**126
-// rebases the exponent (exact: GPU code keeps float32 subnormals).
+// rebases the exponent (exact: GPU code keeps float32 subnormals), and for
+// 4-bit affine, where the element is v = 1 + code/16 (see apply_scale).
 template <class C, int E>
 __device__ __forceinline__ float element(const uint32_t* w) {
   if constexpr (C::kBits == 4 && C::kFmt != kAffine) {
@@ -63,9 +69,12 @@ __device__ __forceinline__ float element(const uint32_t* w) {
     const uint32_t sign = (x << (28 - 4 * i)) & 0x80000000u;
     return bits_to_f32(mag | sign) * 0x1p126f;
   } else if constexpr (C::kFmt == kAffine && C::kBits == 4) {
+    // v = 1 + code/16, exact: the code goes to the top mantissa bits of 1.0f (a shift and
+    // one LOP3; no integer-to-float conversion, no subtraction); apply_scale undoes the 1.
     constexpr int i = E % 8;
     const uint32_t x = w[E / 8];
-    return bits_to_f32(((x >> (4 * i)) & 0xfu) | 0x4b000000u) - 8388608.0f;
+    const uint32_t placed = i <= 4 ? x << (19 - 4 * i) : x >> (4 * i - 19);
+    return bits_to_f32((placed & 0x00780000u) | 0x3f800000u);
   } else {
     return C::decode(unit_code<C::kBits, E>(w));
   }
