@@ -535,3 +535,25 @@ def test_quantized_matmul_and_gather_qmm(mode, transpose):
     gm = mx.gather_qmm(ma(x), ma(q[0]), ma(q[1]), ma(biases), lhs_indices=ma(lhs[ok]),
                        rhs_indices=ma(rhs[ok]), transpose=transpose, mode=mode)
     np.testing.assert_allclose(np.asarray(g)[ok], np.array(gm), rtol=1e-5, atol=1e-4)
+
+
+@needs_mlx
+def test_mlx_tensors_round_trip_nvfp4():
+    """nvfp4 through the MLX safetensors importer/exporter (tests/test_io.py's
+    round trip covers affine, mxfp4 and mxfp8): MLX 0.32's own nvfp4 arrays."""
+    from jaxquant import io
+
+    w = RNG.standard_normal((2, 8, 64)).astype(F32)
+    w_q, scales = mx.quantize(to_mx(w), mode="nvfp4")  # MLX's layers: no global scale
+    tensors = {"experts.weight": from_mx(w_q), "experts.scales": from_mx(scales)}
+    qw = io.from_mlx_tensors(tensors, "experts", bits=4, group_size=16, mode="nvfp4")
+    assert (qw.mode, qw.bits, qw.group_size, qw.shape) == ("nvfp4", 4, 16, (2, 8, 64))
+    out = io.to_mlx_tensors(qw, "experts")
+    assert sorted(out) == ["experts.scales", "experts.weight"]
+    for key, v in out.items():
+        assert_bits_equal(v, tensors[key])
+    theirs = from_mx(mx.dequantize(w_q, scales, mode="nvfp4", dtype=mx.float32))
+    assert_bits_equal(np.asarray(jq.dequantize(qw, dtype=F32)), theirs)
+    # jaxquant's own nvfp4 carries a global scale, which MLX's layers cannot store.
+    with pytest.raises(ValueError, match="global_scale"):
+        io.to_mlx_tensors(jq.quantize(w, mode="nvfp4"), "experts")

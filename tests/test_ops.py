@@ -8,8 +8,28 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxquant as jq
+from jaxquant import dispatch
+from tests import oracle
 from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
                           rand, rms64)
+
+
+def nrand(seed, shape, dtype=jnp.float32, scale=1.0):
+    """Standard normal numpy values: unlike `rand`, and unlike slicing jax arrays
+    eagerly, nothing is compiled for a new shape."""
+    return (scale * np.random.default_rng(seed).standard_normal(shape, np.float32)).astype(dtype)
+
+
+def oracle_quantized(w, mode, bits=None, group_size=None):
+    """A QuantizedArray quantized by the numpy oracle (tests/oracle.py): the ops'
+    inputs without compiling jq.quantize for yet another shape and mode
+    (tests/test_quantize.py checks that both agree)."""
+    w = np.asarray(w)
+    mode, _, bits, group_size, _, _ = oracle._resolve(mode, bits, group_size, None)
+    d = oracle.quantize(w, mode, bits, group_size)
+    gs = None if d["global_scale"] is None else np.asarray(d["global_scale"], np.float32)
+    return jq.QuantizedArray(d["data"], d["scales"], d["biases"], gs, mode=mode, bits=bits,
+                             group_size=group_size, dtype=w.dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -132,6 +152,31 @@ def test_qmm_no_derivative_wrt_weights():
                                                        dtype=jnp.float32)).sum())(qw.scales)
 
 
+def _affine_with(qw, scales=None, biases=None):
+    """qw with its scales or biases replaced by (traced) arrays."""
+    return jq.QuantizedArray(qw.data, qw.scales if scales is None else scales,
+                             qw.biases if biases is None else biases, mode="affine", bits=qw.bits,
+                             group_size=qw.group_size, dtype=qw.dtype)
+
+
+def test_no_derivative_wrt_weights_of_gather_ragged_and_dequantize():
+    qw = oracle_quantized(nrand(0, (4, 16, 32)), "affine", 4, 32)
+    x = nrand(1, (3, 32))
+    idx = np.array([[0, 1], [2, 3], [1, 1]])
+    gs = np.array([1, 1, 1, 0])
+    cases = {
+        "gather_qmm": lambda s: jq.gather_qmm(x, _affine_with(qw, scales=s), idx).sum(),
+        "ragged_qmm": lambda s: jq.ragged_qmm(x, _affine_with(qw, scales=s), gs).sum(),
+        "dequantize": lambda s: jq.dequantize(_affine_with(qw, scales=s)).sum(),
+    }
+    for name, f in cases.items():
+        with pytest.raises(ValueError, match=f"jaxquant.{name} has no derivative with respect "
+                                             "to the quantized"):
+            jax.grad(f)(qw.scales)
+    with pytest.raises(ValueError, match="quantized"):  # biases are weights too
+        jax.grad(lambda b: jq.dequantize(_affine_with(qw, biases=b)).sum())(qw.biases)
+
+
 def test_qmm_x64():
     with jax.enable_x64(True):
         qw = jq.quantize(rand(0, (16, 64)).astype(jnp.float64), mode="affine", group_size=32)
@@ -139,6 +184,57 @@ def test_qmm_x64():
         y = jq.qmm(x, qw)
         assert y.dtype == jnp.float64
         np.testing.assert_allclose(y, np.asarray(x) @ deq64(qw).T, rtol=1e-12, atol=1e-12)
+
+
+# fp4 and nvfp4 are left out: their float64 dequantize multiplies element and
+# scale in float32 (one float32 rounding), unlike the float64 oracle.
+X64_MODES = [("mxfp6_e3m2", 6)]
+
+
+def test_gather_ragged_dequantize_x64():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((5, 64))
+        idx = np.array([[0, 2], [1, 1], [2, 0], [1, 0], [2, 2]])
+        gs = np.array([2, 0, 2])
+        for mode, bits in X64_MODES:
+            qw = quantize_for(mode, bits, rng.standard_normal((3, 16, 64)))
+            assert qw.dtype == jnp.float64
+            w64 = deq64(qw)
+            d = jq.dequantize(qw)
+            assert d.dtype == jnp.float64
+            np.testing.assert_array_equal(d, w64)
+            y = jax.jit(jq.gather_qmm)(x, qw, idx)
+            assert y.dtype == jnp.float64
+            want = np.einsum("tk,tjnk->tjn", x, w64[idx])
+            np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+            y = jax.jit(jq.ragged_qmm)(x, qw, gs)
+            assert y.dtype == jnp.float64
+            want = np.concatenate([x[:2] @ w64[0].T, x[2:4] @ w64[2].T, np.zeros((1, 16))])
+            np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+
+
+def test_norms_x64():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(1)
+        x, r, g = (rng.standard_normal((3, 96)) for _ in range(3))
+        w = rng.standard_normal(96)
+        tol = dict(rtol=1e-13, atol=1e-13)
+        y = jq.rms_norm(x, w, eps=1e-5, weight_offset=0.5)
+        assert y.dtype == jnp.float64
+        np.testing.assert_allclose(y, rms64(x, w, eps=1e-5, off=0.5), **tol)
+        y, h = jq.add_rms_norm(x, r, w)
+        assert y.dtype == h.dtype == jnp.float64
+        h64 = x + r
+        np.testing.assert_array_equal(h, h64)
+        np.testing.assert_allclose(y, rms64(h64, w), **tol)
+        for before, group in [(True, None), (False, 32)]:
+            y = jq.gated_rms_norm(x, g, w, norm_before_gate=before, group_size=group)
+            assert y.dtype == jnp.float64
+            a = act64(g, "silu")
+            want = (rms64(x, w, group=group) * a if before
+                    else rms64(x * a, w, group=group))
+            np.testing.assert_allclose(y, want, **tol)
 
 
 @pytest.mark.skipif("ffi" not in jq.available_backends(),
@@ -165,6 +261,18 @@ def test_qmm_honours_default_matmul_precision():
         text = jax.jit(jq.qmm).lower(x, qw).as_text()
     assert "HIGHEST" in text
     assert "HIGHEST" not in jax.jit(jq.qmm).lower(x, qw).as_text()
+
+
+def test_gather_and_ragged_qmm_honour_default_matmul_precision():
+    qw = jq.quantize(rand(0, (4, 16, 32)), mode="mxfp4")
+    x = rand(1, (3, 32))
+    idx = jnp.array([[0, 1], [2, 3], [1, 1]])
+    gs = jnp.array([1, 1, 1, 0])
+    for f, args in [(jq.gather_qmm, (x, qw, idx)), (jq.ragged_qmm, (x, qw, gs))]:
+        with jax.default_matmul_precision("highest"):
+            text = jax.jit(f).lower(*args).as_text()
+        assert "HIGHEST" in text, f.__name__
+        assert "HIGHEST" not in jax.jit(f).lower(*args).as_text(), f.__name__
 
 
 # ---------------------------------------------------------------------------
@@ -213,6 +321,51 @@ def test_gather_qmm_vmap_and_grad():
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
+def assert_gather_close(y, x, w64, idx, dtype):
+    """gather_qmm's y [T, k, N] against the float64 x [T, (k,) K] @ w64[idx].T, per element."""
+    x64 = np.asarray(x, np.float64)
+    idx = np.asarray(idx)
+    xs = np.broadcast_to(x64[:, None] if x64.ndim == 2 else x64, idx.shape + x64.shape[-1:])
+    assert_matmul_close(np.asarray(y, np.float64)[..., None, :], xs[..., None, :], w64[idx],
+                        dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_gather_qmm_float32_float16(dtype):
+    """test_gather_qmm_matches_oracle_and_qmm_bitwise covers bfloat16 x every mode."""
+    idx = np.array([[0, 2], [1, 1], [3, 0]])
+    x = nrand(1, (3, 32), dtype)
+    mode, bits = {jnp.float32: ("nvfp4", 4), jnp.float16: ("affine", 4)}[dtype]
+    qw = oracle_quantized(nrand(0, (4, 16, 32), dtype), mode, bits,
+                          group_size=32 if mode == "affine" else None)
+    y = jq.gather_qmm(x, qw, idx)
+    assert y.shape == (3, 2, 16) and y.dtype == dtype
+    assert_gather_close(y, x, deq64(qw), idx, dtype)
+    assert np.array_equal(np.asarray(jq.qmm(x[2], qw[3])), np.asarray(y)[2, 0])
+
+
+def test_gather_qmm_vmap_over_weights_and_over_indices():
+    qws = oracle_quantized(nrand(0, (2, 4, 16, 32)), "mxfp4")  # a batch of expert stacks
+    x = nrand(1, (2, 3, 32))
+    idx = np.array([[[0, 1], [2, 3], [1, 0]], [[2, 0], [0, 0], [3, 2]]])
+    w64 = deq64(qws)
+    q0, q1 = qws[0], qws[1]
+    want = {  # in_axes -> the unbatched calls, one per batch element
+        (None, 0, None): [jq.gather_qmm(x[0], q, idx[0]) for q in (q0, q1)],
+        (0, 0, 0): [jq.gather_qmm(x[0], q0, idx[0]), jq.gather_qmm(x[1], q1, idx[1])],
+        (None, None, 0): [jq.gather_qmm(x[0], q0, i) for i in (idx[0], idx[1])],
+    }
+    for in_axes, loop in want.items():
+        args = [a if d == 0 else a[0] for a, d in zip((x, qws, idx), in_axes)]
+        y = np.asarray(jax.jit(jax.vmap(jq.gather_qmm, in_axes=in_axes))(*args))
+        assert y.shape == (2, 3, 2, 16)
+        np.testing.assert_allclose(y, np.stack(loop), rtol=1e-6, atol=1e-6, err_msg=str(in_axes))
+        for b in range(2):
+            pick = lambda a, d: a[b if d == 0 else 0]
+            assert_gather_close(y[b], pick(x, in_axes[0]), pick(w64, in_axes[1]),
+                                pick(idx, in_axes[2]), jnp.float32)
+
+
 # ---------------------------------------------------------------------------
 # ragged_qmm
 
@@ -251,6 +404,46 @@ def test_ragged_qmm_vmap_over_x():
     y = jax.vmap(jq.ragged_qmm, in_axes=(0, None, 0))(x, qw, gss)
     for b in range(3):
         np.testing.assert_allclose(y[b], jq.ragged_qmm(x[b], qw, gss[b]), rtol=1e-6, atol=1e-6)
+
+
+RAGGED_MORE = [("affine", 2, jnp.float32), ("affine", 3, jnp.float32), ("affine", 5, jnp.float32),
+               ("affine", 6, jnp.float32), ("affine", 8, jnp.float32),
+               ("mxfp6_e2m3", 6, jnp.float32), ("mxfp8_e4m3", 8, jnp.float32),
+               ("affine", 4, jnp.bfloat16), ("mxfp4", 4, jnp.bfloat16)]
+
+
+def test_ragged_qmm_more_modes_and_bfloat16():
+    """The modes and dtype test_ragged_qmm_matches_oracle leaves out, all inside one jit."""
+    w, x = nrand(0, (3, 16, 64)), nrand(1, (6, 64))
+    gs = np.array([2, 0, 3], np.int32)
+    qws = [oracle_quantized(w.astype(dt), m, b, 32) for m, b, dt in RAGGED_MORE]
+    xs = [x.astype(dt) for _, _, dt in RAGGED_MORE]
+    ys = jax.jit(lambda xs, qws: [jq.ragged_qmm(x, q, gs) for x, q in zip(xs, qws)])(xs, qws)
+    for (mode, bits, dtype), qw, x, y in zip(RAGGED_MORE, qws, xs, ys):
+        assert (qw.mode, qw.bits) == (mode, bits) and y.shape == (6, 16) and y.dtype == dtype
+        y, w64 = np.asarray(y), deq64(qw)
+        assert_matmul_close(y[:2], x[:2], w64[0], dtype)
+        assert_matmul_close(y[2:5], x[2:5], w64[2], dtype)
+        assert np.all(y[5:].astype(np.float32) == 0)
+
+
+def test_ragged_qmm_vmap_over_weights():
+    qws = oracle_quantized(nrand(0, (2, 4, 16, 32)), "mxfp4")
+    gs = np.array([2, 0, 3, 0])
+    x = nrand(1, (6, 32))
+    y = np.asarray(jax.jit(jax.vmap(jq.ragged_qmm, in_axes=(None, 0, None)))(x, qws, gs))
+    w64 = deq64(qws)
+    qs = [qws[b] for b in range(2)]
+    np.testing.assert_allclose(y, np.stack([jq.ragged_qmm(x, q, gs) for q in qs]), rtol=1e-6,
+                               atol=1e-6)
+    assert_matmul_close(y[:, :2], x[:2], w64[:, 0], jnp.float32)
+    assert_matmul_close(y[:, 2:5], x[2:5], w64[:, 2], jnp.float32)
+    assert np.all(y[:, 5:] == 0)
+    # weights and x both batched
+    xs = nrand(2, (2, 6, 32))
+    y = jax.vmap(jq.ragged_qmm, in_axes=(0, 0, None))(xs, qws, gs)
+    loop = np.stack([jq.ragged_qmm(xs[b], qs[b], gs) for b in range(2)])
+    np.testing.assert_allclose(y, loop, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -328,6 +521,99 @@ def test_norms_vmap_and_grad():
     assert gg.shape == x.shape and np.all(np.isfinite(gg))
 
 
+def _rms_ref(h, w, eps, off, group=None):
+    """Plain float32 jnp RMSNorm (DESIGN.md §4), the gradients' reference."""
+    hs = h.reshape(*h.shape[:-1], -1, group) if group else h
+    y = (hs / jnp.sqrt(jnp.mean(hs * hs, -1, keepdims=True) + eps)).reshape(h.shape)
+    return y * (w + off)
+
+
+def test_add_rms_norm_grad_matches_jnp():
+    x, r, w = nrand(0, (3, 4, 64)), nrand(1, (3, 4, 64)), nrand(2, (64,))
+    cy, ch = nrand(3, (3, 4, 64)), nrand(4, (3, 4, 64))  # cotangents for y and h
+
+    def loss(fn):
+        def f(x, r, w):
+            y, h = fn(x, r, w)
+            return jnp.sum(jnp.sin(y) * cy) + jnp.sum(h * h * ch)
+        return f
+
+    def ref(x, r, w):
+        h = x + r
+        return _rms_ref(h, w, 1e-5, 1.0), h
+
+    ours = lambda x, r, w: jq.add_rms_norm(x, r, w, eps=1e-5, weight_offset=1.0)
+    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, r, w)
+    gr = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(x, r, w)
+    for a, b in zip(g, gr):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gated_rms_norm_grad_matches_jnp():
+    x, gate, w = nrand(0, (5, 64)), nrand(1, (5, 64)), nrand(2, (64,))
+    ct = nrand(3, (5, 64))
+    for activation, norm_before_gate, group_size in [("silu", True, None),
+                                                     ("sigmoid", False, 16)]:
+        act = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}[activation]
+
+        def ref(x, gate, w):
+            a = act(gate)
+            if norm_before_gate:
+                return _rms_ref(x, w, 1e-6, 0.0, group_size) * a
+            return _rms_ref(x * a, w, 1e-6, 0.0, group_size)
+
+        ours = lambda x, gate, w: jq.gated_rms_norm(x, gate, w, activation=activation,
+                                                    norm_before_gate=norm_before_gate,
+                                                    group_size=group_size)
+        grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.tanh(fn(*a)) * ct),
+                                           argnums=(0, 1, 2)))
+        for a, b in zip(grad(ours)(x, gate, w), grad(ref)(x, gate, w)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gated_rms_norm_vmap():
+    x, gate, w = nrand(0, (3, 4, 32)), nrand(1, (3, 4, 32)), nrand(2, (3, 32))
+    kw = dict(norm_before_gate=False, group_size=16)
+    f = lambda x, g, w: jq.gated_rms_norm(x, g, w, **kw)
+    y = np.asarray(jax.vmap(f, in_axes=(0, 0, None))(x, gate, w[0]))  # folds into the rows
+    y_w = np.asarray(jax.vmap(f)(x, gate, w))  # batched weight: vmap of the reference
+    for b in range(3):
+        np.testing.assert_allclose(y[b], f(x[b], gate[b], w[0]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(y_w[b], f(x[b], gate[b], w[b]), rtol=1e-6, atol=1e-6)
+    a = act64(gate, "silu")
+    np.testing.assert_allclose(y, rms64(x * a, w[0], group=16), rtol=1e-5, atol=1e-5)
+
+
+def test_scan_layer_loop_with_gather_qmm_and_norm():
+    """A decoder-like layer loop under lax.scan: norm, routed experts (a stack of
+    expert weights per layer), residual; against the unrolled loop and float64."""
+    layers, e, d, t = 3, 4, 32, 3
+    qws = oracle_quantized(nrand(0, (layers, e, d, d), scale=0.2), "mxfp4")
+    norm_w = 1 + nrand(1, (layers, d), scale=0.1)
+    idx = np.random.default_rng(2).integers(0, e, (layers, t, 2)).astype(np.int32)
+    x = nrand(3, (t, d))
+
+    def layer(h, qw, nw, ix):
+        y = jq.rms_norm(h, nw)
+        return h + jnp.tanh(jq.gather_qmm(y, qw, ix)).sum(axis=1)
+
+    scanned, _ = jax.jit(lambda x, xs: jax.lax.scan(
+        lambda h, l: (layer(h, *l), None), x, xs))(x, (qws, norm_w, idx))
+
+    @jax.jit
+    def unrolled(h, qws, norm_w, idx):
+        for i in range(layers):
+            h = layer(h, qws[i], norm_w[i], idx[i])
+        return h
+
+    np.testing.assert_allclose(scanned, unrolled(x, qws, norm_w, idx), rtol=1e-5, atol=1e-5)
+    h64, w64 = np.asarray(x, np.float64), deq64(qws)
+    for i in range(layers):
+        y = rms64(h64, norm_w[i])
+        h64 = h64 + np.tanh(np.einsum("tk,tjnk->tjn", y, w64[i][idx[i]])).sum(1)
+    np.testing.assert_allclose(scanned, h64, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------
 # Every public op is exactly one jaxquant primitive.
 
@@ -390,6 +676,105 @@ def test_op_bad_inputs():
         jq.rms_norm(x, eps=-1.0)
     with pytest.raises(TypeError, match="dtype"):
         jq.dequantize(qw, dtype=jnp.int8)
+
+
+def test_op_bad_inputs_more():
+    qw = oracle_quantized(nrand(0, (4, 16, 32)), "mxfp4")
+    x = nrand(1, (3, 32))
+    gs = np.array([1, 1, 1, 0])
+    with pytest.raises(ValueError, match=r"x must be \[T, K=32\]"):
+        jq.ragged_qmm(x[None], qw, gs)  # rank 3
+    with pytest.raises(ValueError, match=r"x must be \[T, K=32\]"):
+        jq.ragged_qmm(x[:, :16], qw, gs)  # wrong K
+    with pytest.raises(ValueError, match="K=16"):  # transpose=False: qw is [K, N] = [16, 32]
+        jq.qmm(x, qw[0], transpose=False)
+    for bad in ("1e-6", None, jnp.float32(1e-6)):
+        with pytest.raises(TypeError, match="eps"):
+            jq.rms_norm(x, eps=bad)
+    with pytest.raises(TypeError, match="weight_offset"):
+        jq.add_rms_norm(x, x, x[0], weight_offset="1")
+    with pytest.raises(TypeError, match="eps"):
+        jq.gated_rms_norm(x, x, eps=True)
+    with pytest.raises(TypeError, match="weight_offset"):
+        jq.gated_rms_norm(x, x, weight_offset=jnp.ones(()))
+    for gate in (x[:, :16], x[0], x[None]):
+        with pytest.raises(ValueError, match="gate must have x's shape"):
+            jq.gated_rms_norm(x, gate)
+    with pytest.raises(TypeError, match="gate"):
+        jq.gated_rms_norm(x, x.astype(np.int32))
+    with pytest.raises(TypeError, match="weight"):
+        jq.rms_norm(x, np.ones(32, np.int32))
+    with pytest.raises(TypeError, match="weight"):
+        jq.gated_rms_norm(x, x, np.ones(32, np.int8))
+    with pytest.raises(TypeError, match="residual"):
+        jq.add_rms_norm(x, x.astype(np.int32))
+
+
+# ---------------------------------------------------------------------------
+# Backend dispatch: argument, context, $JAXQUANT_BACKEND, unavailable and unknown names.
+
+
+def _bound_backend(fn, *args):
+    """The backend the op's primitive was bound with (None: automatic). A fresh
+    function each time: make_jaxpr caches traces, and the environment variable
+    (read when the op is traced) is not part of the cache key."""
+    (eqn,) = jax.make_jaxpr(lambda *a: fn(*a))(*args).eqns
+    return eqn.params["backend"]
+
+
+def test_backend_env_var(monkeypatch):
+    qw = oracle_quantized(nrand(0, (16, 32)), "mxfp4")
+    x = nrand(1, (3, 32))
+    qmm = lambda x: jq.qmm(x, qw)
+    with jq.backend(None):  # lift the module's reference pin: the variable decides
+        monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+        assert _bound_backend(qmm, x) is None
+        monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+        assert _bound_backend(qmm, x) == "reference"
+        assert _bound_backend(lambda x: jq.rms_norm(x), x) == "reference"
+        monkeypatch.setenv("JAXQUANT_BACKEND", "auto")
+        assert _bound_backend(qmm, x) is None
+        monkeypatch.setenv("JAXQUANT_BACKEND", "metal")
+        with pytest.raises(RuntimeError, match="backend='metal' cannot run here: the 'metal' "
+                                               "backend is not installed"):
+            jq.qmm(x, qw)
+        with pytest.raises(RuntimeError, match="'metal'"):
+            jq.rms_norm(x)
+        # The argument and the context manager take precedence over the variable.
+        assert _bound_backend(lambda x: jq.qmm(x, qw, backend="reference"), x) == "reference"
+        with jq.backend("reference"):
+            assert _bound_backend(qmm, x) == "reference"
+        monkeypatch.setenv("JAXQUANT_BACKEND", "bogus")
+        with pytest.raises(ValueError, match="'bogus' is not known"):
+            jq.qmm(x, qw)
+        for name, missing in [("pallas", "GPU"), ("ffi", "libjaxquant_cpu")]:
+            monkeypatch.setenv("JAXQUANT_BACKEND", name)
+            if name in jq.available_backends():
+                assert _bound_backend(qmm, x) == name
+            else:
+                with pytest.raises(RuntimeError, match=f"backend='{name}' cannot run here: "
+                                                       f".*{missing}"):
+                    jq.qmm(x, qw)
+
+
+def test_unknown_and_unavailable_backend_names():
+    qw = oracle_quantized(nrand(0, (16, 32)), "mxfp4")
+    x = nrand(1, (3, 32))
+    with pytest.raises(ValueError, match="'cuda' is not known"):
+        jq.qmm(x, qw, backend="cuda")
+    with pytest.raises(ValueError, match="'triton' is not known"):
+        with jq.backend("triton"):
+            pass
+    with pytest.raises(RuntimeError, match="'metal' backend is not installed"):
+        jq.rms_norm(x, backend="metal")
+    avail = jq.available_backends()
+    assert avail[0] == "reference" and "metal" not in avail
+    for name in dispatch.BACKENDS:
+        why = dispatch.unavailable_reason(name)
+        assert (why is None) == (name in avail)
+        if why is not None:
+            with pytest.raises(RuntimeError, match=f"backend={name!r} cannot run here"):
+                jq.dequantize(qw, backend=name)
 
 
 # ---------------------------------------------------------------------------
@@ -455,3 +840,61 @@ def test_moe_block():
     # One device program: no host callbacks, sends or receives.
     for word in ("callback", "stablehlo.send", "stablehlo.recv"):
         assert word not in hlo
+
+
+def mx_rounding_bound(w, element, block=32):
+    """Per-element bound on |w - dequantize(quantize(w))| for an MX format with the
+    OCP floor scale rule (DESIGN.md §3): scale = 2**(floor(log2 amax) - emax_elem);
+    an element rounds to the nearest grid value (at most half the gap it falls in)
+    or saturates to the largest (error = excess over it)."""
+    w64 = np.asarray(w, np.float64)
+    wb = w64.reshape(*w64.shape[:-1], -1, block)
+    amax = np.abs(wb).max(-1, keepdims=True)
+    scale = np.ldexp(1.0, oracle.mx_shared_exponent(amax, element, "floor"))
+    table = oracle.element_table(element)
+    grid = np.unique(np.abs(table[np.isfinite(table)]))
+    u = np.abs(wb) / scale
+    i = np.clip(np.searchsorted(grid, u, side="right") - 1, 0, len(grid) - 2)
+    err = np.where(u >= grid[-1], u - grid[-1], (grid[i + 1] - grid[i]) / 2) * scale
+    return err.reshape(w64.shape)
+
+
+def test_moe_block_against_dense_float_weights():
+    """The jitted MoE block on mxfp4 weights vs the float64 block on the original
+    float weights. Each weight's error is bounded by the format (checked exactly);
+    those bounds propagate through the block as a root-sum-square `sigma` (errors of
+    distinct weights independent; silu is 1.1-Lipschitz): every output within
+    4 sigma, the whole within 1 sigma in norm (a bound b on a weight's error
+    bounds its standard deviation by b/sqrt(3), so the expected norm is ~0.6 sigma)."""
+    e, d, f, t, top_k = 8, 64, 96, 6, 2  # the weights of test_moe_block
+    router = rand(0, (d, e))
+    ws = [rand(i + 1, shape, scale=0.1) for i, shape in enumerate([(e, f, d), (e, f, d),
+                                                                  (e, d, f)])]
+    qs = [jq.quantize(w, mode="mxfp4") for w in ws]
+    x = rand(9, (t, d))
+    out = np.asarray(jax.jit(moe_block, static_argnums=5)(x, router, *qs, top_k), np.float64)
+    w64 = [np.asarray(w, np.float64) for w in ws]
+    b = [mx_rounding_bound(w, "e2m1") for w in ws]
+    for w, q, bound in zip(w64, qs, b):
+        assert np.all(np.abs(deq64(q) - w) <= bound)
+    x64 = np.asarray(x, np.float64)
+    logits = np.asarray(x @ router, np.float64)  # the routing is not quantized
+    dense, var = np.zeros((t, d)), np.zeros((t, d))
+    for i in range(t):
+        top = np.argsort(-logits[i])[:top_k]
+        p = np.exp(logits[i, top] - logits[i, top].max())
+        p /= p.sum()
+        for j, ex in enumerate(top):
+            g, u = w64[0][ex] @ x64[i], w64[1][ex] @ x64[i]
+            s = g / (1 + np.exp(-g))
+            dense[i] += p[j] * (w64[2][ex] @ (s * u))
+            vg, vu = b[0][ex] ** 2 @ x64[i] ** 2, b[1][ex] ** 2 @ x64[i] ** 2
+            va = 1.1 ** 2 * vg * (u ** 2 + vu) + s ** 2 * vu
+            var[i] += p[j] ** 2 * (b[2][ex] ** 2 @ (s * u) ** 2 + w64[2][ex] ** 2 @ va)
+    sigma = np.sqrt(var)
+    err = np.abs(out - dense)
+    assert np.all(err <= 4 * sigma), np.max(err / sigma)
+    assert np.linalg.norm(err) <= np.linalg.norm(sigma), np.linalg.norm(err) / np.linalg.norm(
+        sigma)
+    # sigma is far below the outputs: a wrong block would not pass.
+    assert np.linalg.norm(sigma) < 0.6 * np.linalg.norm(dense)
