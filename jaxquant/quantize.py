@@ -157,8 +157,8 @@ def dequantize_reference(qw: QuantizedArray, dtype=None):
     *lead, n, k = qw.shape
     g = qw.group_size
     codes = formats.unpack_bits(qw.data, qw.bits).reshape(*lead, n, k // g, g)
+    compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
     if fmt.mode == "affine":
-        compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
         scales = qw.scales.astype(compute)[..., None]
         biases = qw.biases.astype(compute)[..., None]
         values = codes.astype(compute) * scales + biases
@@ -167,9 +167,10 @@ def dequantize_reference(qw: QuantizedArray, dtype=None):
         values = formats.decode_element_scaled(codes, fmt.element, e - 127)
         values = jnp.where(e == 255, jnp.nan, values)
     else:
-        values = formats.decode_element(codes, fmt.element)
-        values = values * formats.decode_scales(fmt, qw.scales)[..., None]
+        # (element and scale values are exact in float32; their products are not)
+        values = formats.decode_element(codes, fmt.element).astype(compute)
+        values = values * formats.decode_scales(fmt, qw.scales).astype(compute)[..., None]
         if qw.global_scale is not None:
-            gs = jnp.asarray(qw.global_scale, jnp.float32)
+            gs = jnp.asarray(qw.global_scale, jnp.float32).astype(compute)
             values = values * gs.reshape(gs.shape + (1,) * (values.ndim - gs.ndim))
     return values.reshape(*lead, n, k).astype(dtype)

@@ -186,9 +186,7 @@ def test_qmm_x64():
         np.testing.assert_allclose(y, np.asarray(x) @ deq64(qw).T, rtol=1e-12, atol=1e-12)
 
 
-# fp4 and nvfp4 are left out: their float64 dequantize multiplies element and
-# scale in float32 (one float32 rounding), unlike the float64 oracle.
-X64_MODES = [("mxfp6_e3m2", 6)]
+X64_MODES = [("mxfp6_e3m2", 6), ("fp4", 4), ("nvfp4", 4)]
 
 
 def test_gather_ragged_dequantize_x64():
