@@ -686,9 +686,12 @@ def test_op_bad_inputs_more():
         jq.ragged_qmm(x[:, :16], qw, gs)  # wrong K
     with pytest.raises(ValueError, match="K=16"):  # transpose=False: qw is [K, N] = [16, 32]
         jq.qmm(x, qw[0], transpose=False)
-    for bad in ("1e-6", None, jnp.float32(1e-6)):
+    for bad in ("1e-6", None, jnp.float32(1e-6), np.bool_(True)):
         with pytest.raises(TypeError, match="eps"):
             jq.rms_norm(x, eps=bad)
+    # NumPy real scalars are static values like Python floats
+    np.testing.assert_array_equal(jq.rms_norm(x, eps=np.float32(1e-3), weight_offset=np.int64(1)),
+                                  jq.rms_norm(x, eps=float(np.float32(1e-3)), weight_offset=1.0))
     with pytest.raises(TypeError, match="weight_offset"):
         jq.add_rms_norm(x, x, x[0], weight_offset="1")
     with pytest.raises(TypeError, match="eps"):

@@ -8,8 +8,11 @@ reference.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad
 
 from jaxquant.ops.common import check_x, compute_dtype, to_front_or_broadcast
@@ -71,8 +74,9 @@ def _check_common(x, weight, eps, weight_offset):
             raise ValueError(f"weight must have shape {x.shape[-1:]} (x's last axis); "
                              f"got {weight.shape}")
     for name, v in (("eps", eps), ("weight_offset", weight_offset)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name} must be a Python float; got {v!r}")
+        # static parameters: a Python or NumPy real scalar, never a (traced) array
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a real scalar (Python or NumPy, static); got {v!r}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0; got {eps}")
     return x, weight
