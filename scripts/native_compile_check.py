@@ -10,6 +10,11 @@ rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   HIP 5.2 headers call), plus the host side of the handlers once. Default
   architectures: gfx90a gfx942 gfx950 gfx1100 gfx1201; one the compiler does
   not know (gfx950 before clang 20) is reported as skipped, with the reason.
+  The GEMV files build their default kernel variants only
+  (-DJQ_QMV_DEFAULT_CONFIGS_ONLY), except for --all-qmv-configs (default
+  gfx942), which builds every variant launch_qmv can launch, as the real build
+  does; the summary lists the qmv_kernel variants found in each object
+  ("qmv_kernels") and those hip_src/qmv_impl.h launches ("qmv_launch_variants").
 cuda: nvcc compiles every hip_src/*.hip for sm_80 and sm_90 (what CMake does
   when it builds libjaxquant_cuda.so).
 
@@ -24,6 +29,7 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +40,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "qmv_affine.hip", "qmv_float.hip", "norms.hip"]
 ROCM_ARCHS = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201"]
 CUDA_ARCHS = ["80", "90"]
+# The GEMV files are built for these ROCm archs without -DJQ_QMV_DEFAULT_CONFIGS_ONLY:
+# every kernel variant that launch_qmv (hip_src/qmv_impl.h) can launch for the configs
+# qmv_config (hip_src/gpu_ffi.hip) chooses, as the real build does; the other archs
+# build the default variants only (all variants take about twice the defaults' time).
+ALL_QMV_CONFIG_ARCHS = ["gfx942"]
+QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
+# Relative compile cost of a job (longest first: the parallel jobs finish together).
+_COST = {"qmv_float.hip": 4, "qmv_affine.hip": 3, "gpu_ffi.hip": 1, "dequant.hip": 1,
+         "norms.hip": 0}
 
 
 def ffi_include() -> str:
@@ -65,21 +80,50 @@ def _run(cmd, timeout=600):
     return p.returncode, (p.stdout + p.stderr).strip(), time.time() - t
 
 
-def rocm_jobs(clang, archs, out_dir):
+def rocm_jobs(clang, archs, out_dir, all_qmv_configs=()):
     rocm_path = os.environ.get("ROCM_PATH", "/usr")
     common = [clang, "-x", "hip", "-std=c++17", "-O2", "-nogpulib", f"--rocm-path={rocm_path}",
-              "-DJQ_HIP_NOGPULIB", "-DJQ_QMV_DEFAULT_CONFIGS_ONLY", "-Iinclude", "-Ihip_src",
+              "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Ihip_src",
               "-isystem", ffi_include(), "-Wno-unused-command-line-argument"]
+    defaults_only = ["-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
     jobs = []
     for arch in archs:
         for f in HIP_FILES:
-            jobs.append((f"{arch}:{f}", common + [
+            every = arch in all_qmv_configs and f in QMV_FILES
+            jobs.append((f"{arch}:{f}", common + ([] if every else defaults_only) + [
                 f"--offload-arch={arch}", "--offload-device-only", "--no-gpu-bundle-output",
                 "-c", f"hip_src/{f}", "-o", str(out_dir / f"{arch}-{f}.o")]))
-    jobs.append(("host:gpu_ffi.hip", common + [
+    jobs.append(("host:gpu_ffi.hip", common + defaults_only + [
         f"--offload-arch={archs[0] if archs else 'gfx942'}", "--offload-host-only", "-c",
         "hip_src/gpu_ffi.hip", "-o", str(out_dir / "host-gpu_ffi.o")]))
     return jobs
+
+
+def _job_cost(job):
+    name, cmd = job
+    arch, f = name.split(":", 1)
+    every = f in QMV_FILES and "-DJQ_QMV_DEFAULT_CONFIGS_ONLY" not in cmd
+    return _COST.get(f, 1) * (2 if every else 1) + (2 if arch == "host" else 0)
+
+
+def qmv_launch_variants() -> list[str]:
+    """The (MT, R, U) template variants of qmv_kernel that launch_qmv can launch,
+    as "MT,R,U", read from hip_src/qmv_impl.h's JQ_QMV(...) launches."""
+    text = (ROOT / "hip_src" / "qmv_impl.h").read_text()
+    found = re.findall(r"\bJQ_QMV\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\)", text)
+    return sorted({",".join(v) for v in found})
+
+
+_QMV_SYMBOL = re.compile(rb"qmv_kernelI(NS_5CodecI\w*?EE)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
+
+
+def qmv_kernels_in(obj: pathlib.Path) -> dict[str, list[str]]:
+    """{codec (its mangled template arguments): ["MT,R,U", ...]}: the qmv_kernel variants
+    whose symbols a device object defines."""
+    out: dict[str, set[str]] = {}
+    for m in _QMV_SYMBOL.finditer(obj.read_bytes()):
+        out.setdefault(m.group(1).decode(), set()).add(b",".join(m.groups()[1:]).decode())
+    return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 def cuda_jobs(nvcc, archs, out_dir):
@@ -115,6 +159,9 @@ def main(argv=None):
     ap.add_argument("target", choices=["rocm", "cuda"])
     ap.add_argument("--arch", nargs="*", default=None)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--all-qmv-configs", nargs="*", default=ALL_QMV_CONFIG_ARCHS,
+                    help="ROCm archs whose GEMV files build every kernel variant "
+                         "(default: %(default)s)")
     args = ap.parse_args(argv)
     summary = {"target": args.target, "ok": [], "failed": {}, "skipped": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +180,11 @@ def main(argv=None):
                     archs.append(arch)
                 else:
                     summary["skipped"][arch] = f"{pathlib.Path(clang).name} does not know {arch}: {why}"
-            jobs = rocm_jobs(clang, archs, out_dir)
+            every = [a for a in args.all_qmv_configs if a in archs]
+            summary["all_qmv_configs"] = every
+            summary["qmv_launch_variants"] = qmv_launch_variants()
+            jobs = rocm_jobs(clang, archs, out_dir, every)
+            jobs.sort(key=_job_cost, reverse=True)
         else:
             nvcc = shutil.which(os.environ.get("JQ_NVCC", "nvcc"))
             if nvcc is None:
@@ -149,6 +200,11 @@ def main(argv=None):
                 code, out, dt = fut.result()
                 if code == 0:
                     summary["ok"].append(name)
+                    arch, f = name.split(":", 1)
+                    if args.target == "rocm" and f in QMV_FILES and arch != "host":
+                        kernels = qmv_kernels_in(out_dir / f"{arch}-{f}.o")
+                        summary.setdefault("qmv_kernels", {}).setdefault(arch, {}).update(
+                            kernels)
                     print(f"ok     {name} ({dt:.1f}s)", flush=True)
                 else:
                     summary["failed"][name] = out[-4000:]

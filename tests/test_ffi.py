@@ -131,12 +131,23 @@ def test_codec_rounding(dt, mlt):
 GATHER_IDX = np.array([[0, 3], [2, -1], [4, 1]], np.int32)  # -1 and 4: NaN rows
 
 
+_SWEEP_QW = {}
+
+
+def _sweep_qw(mode, bits):
+    """The [4, 24, 128] weights of a mode (quantizing op by op costs more than the ffi
+    calls: quantized once for the tests that share them)."""
+    if (mode, bits) not in _SWEEP_QW:
+        w = rand(0, (4, 24, 128), jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32,
+                 scale=3.0)
+        _SWEEP_QW[mode, bits] = quantize_for(mode, bits, w)
+    return _SWEEP_QW[mode, bits]
+
+
 @pytest.mark.parametrize("mode,bits", MODES)
 def test_mode_sweep(mode, bits):
     e, n, k, t = 4, 24, 128, 3
-    w = rand(0, (e, n, k), jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32,
-             scale=3.0)
-    qw = quantize_for(mode, bits, w)
+    qw = _sweep_qw(mode, bits)
     xs = {jnp.dtype(dt).name: rand(1, (t, k), dt) for dt in DTYPES}
     idx = jnp.asarray(GATHER_IDX)
 
@@ -344,13 +355,35 @@ def test_gather_qmm_vmap_and_grad():
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("mxfp8_e4m3", 8)])
+@pytest.mark.parametrize("mode,bits", MODES)
 def test_ragged_qmm(mode, bits):
-    qw = quantize_for(mode, bits, rand(28, (3, 32, 64)))
-    x = rand(29, (10, 64))
-    gs = jnp.array([3, 0, 5], jnp.int32)
-    y = ffi(jq.ragged_qmm, x, qw, gs)
-    np.testing.assert_array_equal(y, ref(jq.ragged_qmm, x, qw, gs))
+    """Every mode, one activation dtype each (float32, float16, bfloat16 in turn) and
+    transpose=True and False in turn (the sweep's [4, 24, 128] weights: N=24, K=128, or
+    K=24, N=128): bit for bit the reference (the ffi dequantize + the same ragged_dot),
+    each live row close to the oracle for its group's expert, rows past
+    sum(group_sizes) zero."""
+    qw = _sweep_qw(mode, bits)
+    i = MODES.index((mode, bits))
+    dt, tr = DTYPES[i % len(DTYPES)], i % 2 == 0
+    sizes = [3, 0, 4, 1]                     # 8 live rows of 10
+    t = 10
+    gs = jnp.array(sizes, jnp.int32)
+    xs = {(jnp.dtype(dt).name, tr): rand(29, (t, qw.shape[2] if tr else qw.shape[1]), dt)}
+    out = jax.jit(lambda xs, qw, gs: {
+        key: [jq.ragged_qmm(x, qw, gs, transpose=key[1], backend=b) for b in ("ffi", "reference")]
+        for key, x in xs.items()})(xs, qw, gs)
+    w64 = deq64(qw)
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    live = len(owner)
+    for (d, transpose), (y, r) in out.items():
+        x = np.asarray(xs[d, transpose], np.float32)
+        n = qw.shape[1] if transpose else qw.shape[2]
+        assert y.dtype == jnp.dtype(d) and y.shape == (t, n), d
+        y, r = np.asarray(y, np.float32), np.asarray(r, np.float32)
+        np.testing.assert_array_equal(y, r, err_msg=f"{d} transpose={transpose}")
+        assert np.all(y[live:] == 0), d
+        for i in range(live):
+            assert_matmul_close(y[i], x[i], w64[owner[i]], jnp.dtype(d), transpose)
 
 
 # ---------------------------------------------------------------------------
@@ -535,6 +568,10 @@ DEQ_BAD = {
                  "global_scale must be float32"),
     "gs_count": (lambda d, s, b: (d, np.ones((4, 8), np.uint8), E0, np.ones((3,), np.float32)),
                  SDS((4, 128), np.float32), _fmt(fmt=6, group_size=16), "global_scale must be"),
+    "k_group": (lambda d, s, b: (d[:, :12], s, b, E0), SDS((4, 96), np.float32), _fmt(),
+                r"K=96 must be a multiple of group_size=64"),
+    "biases_dtype": (lambda d, s, b: (d, s, b.astype(np.float16), E0), SDS((4, 128), np.float32),
+                     _fmt(), r"biases must match scales \(\(4, 2\), float32\)"),
     "out_dtype": (lambda d, s, b: (d, s, b, E0), SDS((4, 128), np.int32), _fmt(),
                   "output must be float32"),
     "out_shape": (lambda d, s, b: (d, s, b, E0), SDS((4, 127), np.float32), _fmt(),
@@ -571,6 +608,8 @@ QMV_BAD = {
                    "must equal E"),
     "format": (dict(attrs=_fmt(bits=9)), "bits=9"),
     "scales_last": (dict(s=np.ones((1, 8, 3), np.float32)), "K/group_size"),
+    "k_group": (dict(d=np.zeros((1, 8, 12), np.uint32), x=np.ones((1, 2, 96), np.float32)),
+                r"K=96 must be a multiple of group_size=64"),
 }
 
 
@@ -624,6 +663,12 @@ NORM_BAD = {
     "group": ("jaxquant_gated_rms_norm", SDS((3, 16), np.float32), (X, X, E0),
               dict(NORM_ATTRS, activation=np.int64(0), norm_before_gate=np.int64(1),
                    group_size=np.int64(5)), "group_size=5"),
+    "gate_dtype": ("jaxquant_gated_rms_norm", SDS((3, 16), np.float32),
+                   (X, X.astype(np.int32), E0),
+                   dict(NORM_ATTRS, activation=np.int64(0), norm_before_gate=np.int64(1),
+                        group_size=np.int64(0)), "gate must be float32"),
+    "add_out_dtype": ("jaxquant_add_rms_norm", (SDS((3, 16), np.float16), SDS((3, 16), np.float32)),
+                      (X, X, E0), NORM_ATTRS, "output must have .* residual's"),
     "gated_out_dtype": ("jaxquant_gated_rms_norm", SDS((3, 16), np.float16), (X, X, E0),
                         dict(NORM_ATTRS, activation=np.int64(0), norm_before_gate=np.int64(1),
                              group_size=np.int64(0)), "gate's"),

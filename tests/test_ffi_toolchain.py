@@ -42,6 +42,27 @@ def test_rocm_compile():
     assert {"gfx90a", "gfx942", "gfx1100", "gfx1201", "host"} <= archs, summary
     # gfx950 compiles where the compiler knows it (clang >= 20), else is skipped with the reason
     assert "gfx950" in archs or "does not know gfx950" in summary["skipped"].get("gfx950", "")
+    _check_qmv_variants(summary)
+
+
+def _check_qmv_variants(summary):
+    """Every GEMV kernel variant that qmv_config (hip_src/gpu_ffi.hip) can choose is
+    compiled for gfx942: M > 1 -> (MT, R) = (8, 1); M = 1 -> R = 4, R = 2 (N < 4096) and,
+    through $JAXQUANT_FFI_GPU_QMV, R = 1. The other archs build the defaults only."""
+    assert "gfx942" in summary["all_qmv_configs"], summary.get("all_qmv_configs")
+    launched = set(summary["qmv_launch_variants"])
+    assert {(1, 4), (1, 2), (1, 1), (8, 1)} <= {tuple(map(int, v.split(",")[:2]))
+                                                for v in launched}, launched
+    defaults = {v for v in launched if v.startswith(("1,4,", "8,1,"))}
+    assert len(defaults) == 2, launched
+    kernels = summary["qmv_kernels"]
+    assert set(kernels) == {name.split(":")[0] for name in summary["ok"]} - {"host"}, kernels
+    for arch, codecs in kernels.items():
+        # one codec per mode: affine 2, 3, 4, 5, 6, 8 bits and the 7 small-float formats
+        assert len(codecs) == 13, (arch, sorted(codecs))
+        for codec, variants in codecs.items():
+            want = launched if arch in summary["all_qmv_configs"] else defaults
+            assert set(variants) == want, (arch, codec, variants)
 
 
 NVCC = shutil.which("nvcc") or (shutil.which("/usr/local/bin/nvcc"))

@@ -135,6 +135,17 @@ def test_rocm_gather_formats(case):
                                                                       ("hip", "gfx1100", 32)])
 
 
+@pytest.mark.parametrize("case", [(("affine", 8, 128), True, True, "gfx942"),
+                                  (("mxfp6_e2m3", 6, 32), True, False, "gfx950"),
+                                  (("mxfp8_e5m2", 8, 32), False, True, "gfx942"),
+                                  (("fp4", 4, 32), True, False, "gfx1100")],
+                         ids=lambda c: f"{_fid(c[0])}-{'t' if c[1] else 'n'}-{c[3]}")
+def test_rocm_gather_more_formats(case):
+    fmt, transpose, per_slot, arch = case
+    target = next(t for t in ROCM if t[1] == arch)
+    _compile_all(_gather_kernels(fmt, "rocm", transpose, per_slot), [target])
+
+
 @pytest.mark.parametrize("fmt", [("mxfp4", 4, 32), ("affine", 4, 64), ("mxfp8_e4m3", 8, 32)],
                          ids=_fid)
 def test_cuda_gather_sm90(fmt):
@@ -161,11 +172,23 @@ def _norm_cases(platform):
         "gated_groups": (lambda x, g, w: pn.gated_rms_norm(
             x, g, w, group_size=128, norm_before_gate=False, activation="sigmoid",
             platform=platform), (S((64, 4096), f32), S((64, 4096), bf), S((4096,), bf))),
+        # gated_rms_norm's other combinations: silu with the norm before the gate (no
+        # groups), sigmoid with the gate before the norm on a masked-tail row, and silu
+        # before the gate over many narrow groups per program.
+        "gated_silu_before": (lambda x, g, w: pn.gated_rms_norm(
+            x, g, w, norm_before_gate=True, activation="silu", platform=platform),
+            (S((64, 4096), f32), S((64, 4096), bf), S((4096,), bf))),
+        "gated_sigmoid_after_5376": (lambda x, g, w: pn.gated_rms_norm(
+            x, g, w, norm_before_gate=False, activation="sigmoid", platform=platform),
+            (S((16, 5376), bf), S((16, 5376), bf), S((5376,), bf))),
+        "gated_silu_before_groups_64": (lambda x, g, w: pn.gated_rms_norm(
+            x, g, w, group_size=64, norm_before_gate=True, activation="silu",
+            platform=platform), (S((32, 2048), f32), S((32, 2048), bf), S((2048,), f32))),
     }
 
 
 NORM_CASES = sorted(_norm_cases("rocm"))
-NORM_ROCM = [t for t in cc.ROCM_TARGETS if t[1] in ("gfx90a", "gfx942", "gfx1100")]
+NORM_ROCM = list(cc.ROCM_TARGETS)      # gfx90a, gfx942, gfx950 (pip triton >= 3.9), gfx1100
 
 
 @pytest.mark.parametrize("case", NORM_CASES)
@@ -220,6 +243,17 @@ def _ragged_kernels(fmt, platform, t, dtype=jnp.bfloat16):
 def test_rocm_ragged(t):
     _compile_all(_ragged_kernels(("mxfp4", 4, 32), "rocm", t), [("hip", "gfx942", 64),
                                                                  ("hip", "gfx1100", 32)])
+
+
+@pytest.mark.parametrize("case", [(("affine", 4, 64), 4096, "gfx942"),
+                                  (("nvfp4", 4, 16), 256, "gfx950")],
+                         ids=lambda c: f"{_fid(c[0])}-T{c[1]}-{c[2]}")
+def test_rocm_ragged_formats(case):
+    # ragged_qmm beyond mxfp4: affine (scales and biases) and nvfp4 (E4M3 scales and
+    # a global scale per expert), one tile class and one target each.
+    fmt, t, arch = case
+    target = next(x for x in ROCM if x[1] == arch)
+    _compile_all(_ragged_kernels(fmt, "rocm", t), [target])
 
 
 @pytest.mark.parametrize("fmt", [("mxfp4", 4, 32), ("affine", 4, 64)], ids=_fid)

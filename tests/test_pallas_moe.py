@@ -1,7 +1,9 @@
 """Pallas gather_qmm (routed MoE decode) in interpret mode on the CPU, tiny shapes:
 against the float64 oracle, bit for bit against the Pallas qmm of the selected
 expert (DESIGN.md §4's invariant), NaN rows for bad ids with in-bounds reads, and
-a jitted top-k MoE layer that compiles to one XLA program with no host traffic."""
+a jitted top-k MoE layer that compiles to one XLA program with no host traffic (on
+the CPU, and lowered for CUDA and ROCm with the Pallas kernels); ragged_qmm against
+the oracle."""
 
 import functools
 import re
@@ -51,16 +53,17 @@ def _deq64(qw):
 
 def _qmm_per_slot(x, qw, idx, transpose=True, config=None):
     """[T, k, N]: the Pallas qmm of each (token, slot) on its expert (expert 0 for a bad
-    id, which is what the kernel addresses), in one jit."""
+    id, which is what the kernel addresses), in one jit: one qmm(x[t], qw[e]) call (M = 1)
+    inside a lax.map over the slots, so the interpret-mode kernel is lowered once."""
     idx = np.asarray(idx)
-    idx = np.where((idx >= 0) & (idx < qw.shape[0]), idx, 0)
+    t, slots = idx.shape
+    ids = jnp.asarray(np.where((idx >= 0) & (idx < qw.shape[0]), idx, 0).reshape(-1), jnp.int32)
 
-    def f(x, qw):
-        rows = [[qmm(x[t, j] if x.ndim == 3 else x[t], qw[int(idx[t, j])], transpose=transpose,
-                     interpret=True, config=config) for j in range(idx.shape[1])]
-                for t in range(idx.shape[0])]
-        return jnp.stack([jnp.stack(r) for r in rows])
-    return _run(f, x, qw)
+    def f(x, qw, ids):
+        xs = x.reshape(t * slots, -1) if x.ndim == 3 else jnp.repeat(x, slots, axis=0)
+        one = lambda a: qmm(a[0], qw[a[1]], transpose=transpose, interpret=True, config=config)
+        return jax.lax.map(one, (xs, ids)).reshape(t, slots, -1)
+    return _run(f, x, qw, ids)
 
 
 CASES = [("affine", 4, jnp.bfloat16), ("affine", 4, jnp.float32), ("mxfp4", 4, jnp.bfloat16),
@@ -72,11 +75,30 @@ def _id(c):
     return f"{c[0]}{c[1]}-{c[2].__name__}"
 
 
+# The modes CASES leaves out (every mode of §3 between the two lists).
+MORE_CASES = [("affine", 2, jnp.float32), ("affine", 5, jnp.bfloat16), ("affine", 6, jnp.float16),
+              ("affine", 8, jnp.bfloat16), ("mxfp6_e2m3", 6, jnp.float32),
+              ("mxfp8_e5m2", 8, jnp.bfloat16), ("fp4", 4, jnp.float16)]
+
+
+def test_gather_cases_cover_every_mode():
+    from tests.common import MODES
+    assert {c[:2] for c in CASES + MORE_CASES} == set(MODES)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_gather_matches_oracle_and_qmm_bitwise(case):
-    mode, bits, dtype = case
-    per_slot = CASES.index(case) % 2 == 1
-    x, qw, idx = _case(mode, bits, dtype, CASES.index(case), per_slot=per_slot)
+    _check_gather(*case, seed=CASES.index(case), per_slot=CASES.index(case) % 2 == 1)
+
+
+@pytest.mark.parametrize("case", MORE_CASES, ids=_id)
+def test_gather_more_modes(case):
+    i = MORE_CASES.index(case)
+    _check_gather(*case, seed=100 + i, per_slot=i % 2 == 0)
+
+
+def _check_gather(mode, bits, dtype, seed, per_slot):
+    x, qw, idx = _case(mode, bits, dtype, seed, per_slot=per_slot)
     y = _run(functools.partial(moe.gather_qmm, interpret=True), x, qw, idx)
     assert y.dtype == x.dtype and y.shape == (T, SLOTS, N)
     # float64 oracle
@@ -209,6 +231,104 @@ def test_moe_layer_is_one_program_without_host_sync(backend):
     assert _host_traffic(cb.lower(x).compile().as_text())
 
 
+# The same layer lowered for the GPUs with the Pallas kernels (on this CPU-only
+# machine: lowering_platforms, as jaxquant/pallas/compile_check.py does): its StableHLO
+# holds XLA ops and the three gather_qmm Triton kernels (jaxlib 0.10.2 emits each as a
+# `__gpu$xla.gpu.triton` custom call), and nothing that moves data to or from the host.
+
+_GPU_TRITON = "__gpu$xla.gpu.triton"
+_HOST_OPS_MLIR = {"stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed"}
+
+
+def _gpu_program_report(module):
+    """(op names, custom-call targets, Triton kernels launched from main (through the
+    calls), host-memory annotations) of a lowered StableHLO module."""
+    from jax._src.lib.mlir import ir
+
+    from jaxquant.pallas import compile_check as cc
+
+    funcs, names, targets = {}, set(), []
+
+    def walk(op, visit):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    visit(child)
+                    walk(child, visit)
+
+    def collect(op):
+        kind = op.operation.name        # (an OpView's .name can be its symbol)
+        names.add(kind)
+        if kind == "func.func":
+            funcs[ir.StringAttr(op.attributes["sym_name"]).value] = op
+        elif kind == "stablehlo.custom_call":
+            targets.append(ir.StringAttr(op.attributes["call_target_name"]).value)
+
+    walk(module.operation, collect)
+    launched = []
+
+    def launches(op):
+        kind = op.operation.name
+        if kind == "func.call":
+            walk(funcs[ir.FlatSymbolRefAttr(op.attributes["callee"]).value], launches)
+        elif (kind == "stablehlo.custom_call"
+              and ir.StringAttr(op.attributes["call_target_name"]).value == _GPU_TRITON):
+            launched.append(cc._from_custom_call(op).name)
+
+    walk(funcs["main"], launches)
+    text = str(module)
+    host = re.findall(r'memory_kind = "[^"]*host[^"]*"|_xla_buffer_placement = "[^"]*host', text)
+    return names, targets, launched, host
+
+
+def _assert_device_only(names, targets, host):
+    bad = sorted(n for n in names if n in _HOST_OPS_MLIR or not (
+        n.startswith(("stablehlo.", "chlo.", "sdy.")) or n in ("func.func", "func.call",
+                                                               "func.return")))
+    assert bad == [], bad
+    assert set(targets) <= {_GPU_TRITON}, sorted(set(targets))
+    assert host == [], host
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_moe_layer_pallas_gpu_lowering_has_no_host_traffic(platform, monkeypatch):
+    import jaxquant.pallas  # noqa: F401 - registers the Pallas lowerings
+    from jaxquant import dispatch
+
+    # The Pallas backend reports itself unavailable without a local GPU; lowering for a
+    # GPU platform needs none.
+    monkeypatch.setitem(dispatch._AVAILABILITY, "pallas", lambda: None)
+    e, d, f, t, top_k = 8, 64, 96, 4, 2
+    S = jax.ShapeDtypeStruct
+    qs = [jax.eval_shape(lambda w: jq.quantize(w, mode="mxfp4"), S(s, jnp.bfloat16))
+          for s in [(e, f, d), (e, f, d), (e, d, f)]]
+    args = (S((t, d), jnp.bfloat16), S((d, e), jnp.bfloat16), *qs)
+    with jq.backend("pallas"):
+        lowered = jax.jit(moe_layer, static_argnums=5).trace(*args, top_k).lower(
+            lowering_platforms=(platform,))
+    module = lowered.compiler_ir("stablehlo")
+    names, targets, launched, host = _gpu_program_report(module)
+    _assert_device_only(names, targets, host)
+    # One program: one public entry; the router's top_k is in it, on the device.
+    publics = [l for l in str(module).splitlines() if "func.func public" in l]
+    assert len(publics) == 1, publics
+    assert any("top_k" in n for n in names), sorted(names)
+    # gate, up and down: three Triton launches of the gather kernel, no other kernel.
+    assert len(launched) == 3, launched
+    assert all(n == "kernel" or "gather" in n for n in launched), launched
+    # The detector is not vacuous: a transfer to host memory is seen on this platform...
+    to_host = jax.jit(lambda v: jax.device_put(v, jax.memory.Space.Host)).trace(args[0]).lower(
+        lowering_platforms=(platform,))
+    _, targets, _, host = _gpu_program_report(to_host.compiler_ir("stablehlo"))
+    assert host and set(targets) - {_GPU_TRITON}
+    # ...and so is a host callback (lowered for the CPU: a GPU callback's lowering needs a GPU).
+    cb = jax.jit(lambda v: jax.pure_callback(np.sin, S(v.shape, v.dtype), v)).trace(
+        S((4,), jnp.float32)).lower(lowering_platforms=("cpu",))
+    names, targets, _, host = _gpu_program_report(cb.compiler_ir("stablehlo"))
+    with pytest.raises(AssertionError):
+        _assert_device_only(names, targets, host)
+
+
 # ---------------------------------------------------------------------------
 # ragged_qmm (prefill): qmm's GEMM over a tile schedule computed on the device.
 
@@ -239,7 +359,11 @@ def test_ragged_schedule_covers_each_row_once():
 RAGGED = [("mxfp4", 4, jnp.bfloat16, 50, [7, 0, 30, 9]),        # skinny tiles, rows past sum
           ("affine", 4, jnp.float32, 200, [0, 110, 90]),          # large tiles, f32 (permuted x)
           ("mxfp4", 4, jnp.bfloat16, 140, [60, 75]),              # large tiles, interleaved
-          ("nvfp4", 4, jnp.float16, 40, [25, 0, 30])]             # sum > T: truncated
+          ("nvfp4", 4, jnp.float16, 40, [25, 0, 30]),             # sum > T: truncated
+          ("mxfp6_e3m2", 6, jnp.bfloat16, 60, [20, 15, 25]),
+          ("mxfp8_e4m3", 8, jnp.float32, 48, [0, 30, 10, 8]),
+          ("affine", 8, jnp.float16, 200, [100, 0, 100]),        # large tiles
+          ("fp4", 4, jnp.bfloat16, 30, [10, 25])]                 # sum > T: truncated
 
 
 @pytest.mark.parametrize("case", RAGGED, ids=lambda c: f"{c[0]}{c[1]}-{c[2].__name__}-T{c[3]}")
