@@ -15,8 +15,8 @@ pip Triton here is close to it but not identical.
 from __future__ import annotations
 
 import argparse
-import importlib
 import collections
+import importlib
 import os
 import re
 import subprocess
@@ -86,7 +86,7 @@ def main():
     cfg = configs.select("cuda", True, a.m, a.n, a.k, qw.bits, qw.group_size, x.dtype)
     for item in filter(None, a.config.split(",")):
         key, val = item.split("=")
-        cfg = cfg.replace(**{key: type(getattr(cfg, key))(eval(val))})
+        cfg = cfg.replace(**{key: type(getattr(cfg, key))(int(val))})  # ints and bools
     print(cfg)
     fn = lambda x, qw: pallas_qmm.qmm(x, qw, platform="cuda", config=cfg)  # noqa: E731
     kernel = compile_check.triton_kernels(fn, x, qw, platform="cuda")[0]
