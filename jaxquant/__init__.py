@@ -3,6 +3,7 @@
 from jaxquant import formats, io, mlx
 from jaxquant.dispatch import available_backends, backend
 from jaxquant.formats import FORMATS
+from jaxquant.layouts import prepack, unpack_layout
 from jaxquant.ops import (add_rms_norm, dequantize, gated_rms_norm, gather_qmm, qmm, ragged_qmm,
                           rms_norm)
 from jaxquant.quantize import quantize
@@ -10,7 +11,8 @@ from jaxquant.quantized_array import QuantizedArray
 
 __all__ = [
     "FORMATS", "QuantizedArray", "add_rms_norm", "available_backends", "backend", "dequantize",
-    "formats", "gated_rms_norm", "io", "mlx", "gather_qmm", "qmm", "quantize", "ragged_qmm", "rms_norm",
+    "formats", "gated_rms_norm", "io", "mlx", "gather_qmm", "prepack", "qmm", "quantize",
+    "ragged_qmm", "rms_norm", "unpack_layout",
 ]
 __version__ = "0.1.0"
 

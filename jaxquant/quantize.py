@@ -15,6 +15,7 @@ from jax import lax
 
 from jaxquant import formats
 from jaxquant.formats import Format
+from jaxquant.layouts import unpack_layout
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 div = formats.exact_div  # IEEE division: XLA turns x / c into x * (1/c)
@@ -151,8 +152,8 @@ def dequantize_reference(qw: QuantizedArray, dtype=None):
     """The definition of dequantization: [..., N, K] values in `dtype`
     (default: qw.dtype), arithmetic in float32 (float64 for float64 output)."""
     dtype = check_float_dtype("dtype", qw.dtype if dtype is None else dtype)
-    if qw.layout != CANONICAL:
-        raise ValueError(f"dequantize_reference takes the canonical layout; got {qw.layout!r}")
+    if qw.layout != CANONICAL:  # a kernel layout: the definition reads the canonical bits
+        qw = unpack_layout(qw)
     fmt: Format = qw.format
     *lead, n, k = qw.shape
     g = qw.group_size

@@ -22,7 +22,8 @@ class QuantizedArray:
     Static: `mode`, `bits`, `group_size`, `dtype` (the logical dtype, that of the
     array that was quantized) and `layout` ("canonical" is DESIGN.md §3's).
 
-    The logical shape is derived from `scales`, so the same object is right
+    The logical shape is derived from `scales` (from `data` in a kernel layout,
+    which keeps data's shape: jaxquant/layouts), so the same object is right
     inside `vmap` (where children lose their batch axis) and after indexing.
     """
 
@@ -62,6 +63,9 @@ class QuantizedArray:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.layout != CANONICAL:
+            d = tuple(np.shape(self.data))
+            return d[:-1] + (d[-1] * 32 // self.bits,)
         s = tuple(np.shape(self.scales))
         return s[:-1] + (s[-1] * self.group_size,)
 
@@ -95,6 +99,10 @@ class QuantizedArray:
         if len(idx) == self.ndim - 1 and not isinstance(idx[-1], slice) and np.ndim(idx[-1]) == 0:
             raise IndexError(f"an integer index on the N axis would leave a QuantizedArray "
                              f"without its [N, K] matrix (shape {self.shape}); slice it instead")
+        if self.layout != CANONICAL and len(idx) == self.ndim - 1:
+            raise IndexError(f"a QuantizedArray in layout {self.layout!r} can be indexed on "
+                             f"its {self.ndim - 2} axes before N only (its tiles span N); "
+                             f"jq.unpack_layout it first")
         pick = lambda c: None if c is None else c[idx]
         gs = self.global_scale
         if gs is not None and np.ndim(gs):
