@@ -1,4 +1,4 @@
-"""MLX-compatible quantization API (DESIGN.md §2 `jq.mlx`).
+"""MLX-compatible quantization API: ``jq.mlx`` (docs/formats.md, "MLX").
 
 Functions here take MLX's signatures and return MLX's tuples, so code written
 against ``mlx.core`` ports by changing the import::
@@ -8,7 +8,7 @@ against ``mlx.core`` ports by changing the import::
     w2 = jq.mlx.dequantize(w_q, scales, biases, group_size=64, bits=4)
 
 The arrays are bit-compatible with MLX's: ``w_q`` is MLX's uint32 packing (a
-little-endian bit stream along K, DESIGN.md §3), scales are MLX's (the input
+little-endian bit stream along K, docs/formats.md), scales are MLX's (the input
 dtype for affine, uint8 E8M0 for mxfp4/mxfp8, uint8 E4M3 for nvfp4), so arrays
 move between MLX and JAX unchanged (``np.array(mlx_array)``; for bfloat16 MLX
 arrays use ``np.array(a.view(mx.uint16)).view(ml_dtypes.bfloat16)``, which
@@ -20,14 +20,14 @@ does, and therefore what these functions do:
 - Defaults per mode (MLX's table): affine group 64 / 4 bits, mxfp4 32 / 4,
   mxfp8 32 / 8, nvfp4 16 / 4. ``"mxfp8"`` is E4M3 (jaxquant's
   ``"mxfp8_e4m3"``).
-- affine: DESIGN.md §3's rule (``jq.quantize``), which is MLX's CPU rule.
+- affine: ``jq.quantize``'s rule (docs/formats.md), which is MLX's CPU rule.
 - mxfp4 / mxfp8: the shared exponent is the smallest one with no saturation
   (``scale_rule="rceil"``; MLX 0.32 no longer uses ``round(log2(amax/max))``),
   and an all-zero block gets scale 2**0 (code 127; OCP's floor rule gives 0).
   E4M3 elements round to nearest, ties to even.
 - E2M1 elements (mxfp4, nvfp4) round to nearest with ties toward zero
-  (0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3, 5 -> 4; DESIGN.md's ``jq.quantize``
-  rounds ties to even), and a value that rounds to zero is written as +0
+  (0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3, 5 -> 4; ``jq.quantize`` rounds ties
+  to even), and a value that rounds to zero is written as +0
   (code 0), never -0 (code 8). mxfp8 keeps the sign of zero (code 0x80).
 - nvfp4 without ``global_scale``: block scale ``e4m3(amax / 6)``, elements
   ``e2m1(w / scale)``; there is no tensor scale (unlike ``jq.quantize``, which
@@ -35,18 +35,29 @@ does, and therefore what these functions do:
   the tensor's absolute maximum, or any float32 > 0), block scale
   ``e4m3(amax / 6 * (2688 / g))`` and the dequantization multiplier is
   ``g / 2688`` (2688 = 6 * 448). The returned QuantizedArray stores that
-  multiplier as its ``global_scale`` (jaxquant's convention, DESIGN.md §3).
+  multiplier as its ``global_scale`` (jaxquant's convention, docs/formats.md).
 
-Dequantization is ``jq.dequantize`` (the op; DESIGN.md §3 defines its values).
+Dequantization is ``jq.dequantize`` (the op; docs/formats.md defines its values).
 It equals MLX's bit for bit for mxfp4, mxfp8 and nvfp4 without a global scale
-(every value is an exact product). Known, documented differences, all within
-one unit in the last place (jaxquant rounds once, MLX's CPU path twice):
+(every value is an exact product). Known, documented differences, each pinned
+by a test against real MLX:
 
-- affine: MLX computes ``T(T(scale * q) + bias)`` in the scale dtype ``T``;
-  jaxquant computes ``scale * q + bias`` in float32 (compiled by XLA, which
-  fuses it into one multiply-add on CPU) and rounds once to the output dtype.
+- affine: MLX's CPU path computes ``T(T(scale * q) + bias)`` in the scales'
+  dtype ``T`` (two roundings: the product is stored before the sum); jaxquant
+  computes ``scale * q + bias`` in float32 rounded once (a fused multiply-add)
+  and casts to the output dtype. They differ by at most half an ulp of the
+  product (in float32, at about half the elements). At a group's zero point MLX
+  gives exactly 0.0 where jaxquant gives the exact value of the stored scale
+  and bias, a residual such as 6e-8. Kept on purpose: one rounding is the more
+  accurate value, it is what MLX's own Metal kernel writes (``q * scale + bias``,
+  contracted), and copying the CPU rule would take jq.mlx off the op and its
+  kernels; in bfloat16 it also costs: 27.7 ms against 11.5 ms for a 4096x4096
+  dequantize on a 2-core CPU (float32: no measurable difference).
 - nvfp4 with a global scale: MLX computes ``e2m1 * (e4m3 * (g / 2688))``,
-  jaxquant ``(e2m1 * e4m3) * (g / 2688)``.
+  jaxquant ``(e2m1 * e4m3) * (g / 2688)`` (within one float32 ulp). MLX's CPU
+  path returns float32 whatever ``dtype`` is asked there (its float32 global
+  scale promotes the product); jaxquant returns the asked dtype, as MLX does
+  without a global scale.
 - Inputs MLX mishandles are not copied: non-finite blocks (jaxquant: scale
   0xFF = NaN, per OCP), blocks whose absolute maximum is a float32 subnormal,
   E8M0 255 (MLX decodes it as +inf, jaxquant as NaN), and MLX's 1-bit affine
@@ -54,6 +65,15 @@ one unit in the last place (jaxquant rounds once, MLX's CPU path twice):
 - nvfp4 with a global scale and float16/bfloat16 input: the block scales are
   MLX's, but MLX's half-precision element quotient is not reproduced; about
   0.1% of elements, next to rounding ties, land on the neighbouring code.
+
+Errors: where MLX raises ``ValueError`` (every error case of MLX's own
+quantization tests), so does jq.mlx. A wrong dtype (integer ``w`` or scales,
+an integer output ``dtype``, float indices) raises `DtypeError`, which is both
+a ``ValueError`` (MLX) and a ``TypeError`` (jaxquant's own API). Not copied:
+MLX's ``ValueError`` for a gradient with respect to MX scales (``jax.grad``
+raises JAX's own ``TypeError`` for uint8 inputs before jq.mlx runs), and MLX's
+leniency for integer ``x`` or for biases of another float dtype than the
+scales (refused here).
 
 Modes MLX lacks (``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e5m2``, ``fp4``) are
 accepted too, with jaxquant's own rules and defaults; they have no MLX twin.
@@ -77,8 +97,8 @@ from jaxquant.quantize import check_float_dtype, ldexp
 from jaxquant.quantize import quantize as _jq_quantize
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
-__all__ = ["MLX_MODES", "NVFP4_GLOBAL_SCALE_FACTOR", "dequantize", "from_mlx", "gather_qmm",
-           "quantize", "quantized_matmul", "to_mlx"]
+__all__ = ["MLX_MODES", "NVFP4_GLOBAL_SCALE_FACTOR", "DtypeError", "dequantize", "from_mlx",
+           "gather_qmm", "quantize", "quantized_matmul", "to_mlx"]
 
 #: The modes MLX itself implements (its names).
 MLX_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
@@ -87,8 +107,26 @@ MLX_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 NVFP4_GLOBAL_SCALE_FACTOR = 6 * 448
 
 
+
+class DtypeError(TypeError, ValueError):
+    """An array or dtype argument of the wrong dtype (an integer ``w`` to quantize,
+    integer scales, an integer output ``dtype``, float indices).
+
+    MLX raises ``ValueError`` for these and jaxquant's own API ``TypeError``; this
+    class is both, so ported code that catches MLX's ``ValueError`` keeps working.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Small helpers.
+
+
+def _check_float(name: str, dtype):
+    """check_float_dtype, raising DtypeError (MLX: ValueError) instead of TypeError."""
+    try:
+        return check_float_dtype(name, dtype)
+    except TypeError as e:
+        raise DtypeError(str(e)) from None
 
 
 def _exact_div(x, d):
@@ -199,7 +237,7 @@ def _from_mlx(w_q, scales, biases, *, group_size, bits, mode, dtype, global_scal
     if w_q is None or not hasattr(w_q, "dtype"):
         raise TypeError(f"{w} must be an array; got {type(w_q).__name__}")
     if w_q.dtype != np.uint32:
-        raise TypeError(f"{w} must be uint32 (MLX's packed weight); got {w_q.dtype}")
+        raise DtypeError(f"{w} must be uint32 (MLX's packed weight); got {w_q.dtype}")
     if w_q.ndim < 2:
         raise ValueError(f"{w} must have at least 2 dimensions [..., N, K*bits/32]; "
                          f"got shape {tuple(w_q.shape)}")
@@ -218,10 +256,10 @@ def _from_mlx(w_q, scales, biases, *, group_size, bits, mode, dtype, global_scal
                          f"{tuple(scales.shape)}")
     if fmt.scale == "float":
         if not jnp.issubdtype(scales.dtype, jnp.floating):
-            raise TypeError(f"scales for mode={fmt.mode!r} must be a float dtype; got "
+            raise DtypeError(f"scales for mode={fmt.mode!r} must be a float dtype; got "
                             f"{scales.dtype}")
     elif scales.dtype != np.uint8:
-        raise TypeError(f"scales for mode={fmt.mode!r} must be uint8 ({fmt.scale.upper()} "
+        raise DtypeError(f"scales for mode={fmt.mode!r} must be uint8 ({fmt.scale.upper()} "
                         f"codes); got {scales.dtype}")
     if fmt.has_biases:
         if biases is None:
@@ -237,7 +275,7 @@ def _from_mlx(w_q, scales, biases, *, group_size, bits, mode, dtype, global_scal
         raise ValueError(f"global_scale is only used by mode='nvfp4'; got mode={mode!r}")
     if dtype is None:
         dtype = scales.dtype if fmt.scale == "float" else jnp.bfloat16
-    dtype = check_float_dtype("dtype", _to_dtype(dtype))
+    dtype = _check_float("dtype", _to_dtype(dtype))
     return QuantizedArray(w_q, scales, biases, _global_scale_from_mlx(global_scale),
                           mode=fmt.mode, bits=bits, group_size=group_size, dtype=dtype)
 
@@ -286,6 +324,7 @@ def quantize(w, group_size=None, bits=None, mode="affine", *, global_scale=None,
     w = _as_array(w, "w")
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
         w = np.asarray(w)
+    _check_float("w", w.dtype)
     return _quantize_jit(w, global_scale, mode=fmt.mode, bits=bits, group_size=group_size)
 
 
@@ -371,7 +410,7 @@ def dequantize(w, scales, biases=None, group_size=None, bits=None, mode="affine"
                                          (global_scale, "global_scale"))]
     dtype = _to_dtype(dtype)
     if dtype is not None:
-        dtype = check_float_dtype("dtype", dtype)
+        dtype = _check_float("dtype", dtype)
     return _dequantize_jit(*args, group_size=group_size, bits=bits, mode=mode, dtype=dtype,
                            backend=dispatch.resolve_backend(backend))
 
@@ -405,6 +444,7 @@ def quantized_matmul(x, w, scales, biases=None, transpose=True, group_size=None,
     on `jq.qmm`. Batch axes of x and w broadcast against each other, as in MLX."""
     del stream
     x = jnp.asarray(_as_array(x, "x"))
+    _check_float("x", x.dtype)
     qw = from_mlx(w, scales, biases, group_size=group_size, bits=bits, mode=mode,
                   dtype=x.dtype, global_scale=global_scale)
     if qw.ndim == 2:
@@ -426,6 +466,7 @@ def gather_qmm(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, tr
     (MLX leaves that undefined)."""
     del stream, sorted_indices
     x = jnp.asarray(_as_array(x, "x"))
+    _check_float("x", x.dtype)
     qw = from_mlx(w, scales, biases, group_size=group_size, bits=bits, mode=mode,
                   dtype=x.dtype, global_scale=global_scale)
     if x.ndim < 2 or qw.ndim < 2:
@@ -438,7 +479,7 @@ def gather_qmm(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, tr
     rhs = default(w_batch) if rhs_indices is None else jnp.asarray(rhs_indices)
     for name, idx in (("lhs_indices", lhs), ("rhs_indices", rhs)):
         if not jnp.issubdtype(idx.dtype, jnp.integer):
-            raise TypeError(f"{name} must be integer; got {idx.dtype}")
+            raise DtypeError(f"{name} must be integer; got {idx.dtype}")
     out_batch = jnp.broadcast_shapes(lhs.shape, rhs.shape)
     lhs = jnp.broadcast_to(lhs, out_batch).reshape(-1)
     rhs = jnp.broadcast_to(rhs, out_batch).reshape(-1)

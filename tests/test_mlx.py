@@ -268,7 +268,7 @@ def test_jaxquant_only_modes_are_accepted():
 
 BAD = [
     (lambda: jqm.dequantize(np.zeros((2, 8), np.int32), np.zeros((2, 1), F32),
-                            np.zeros((2, 1), F32)), TypeError, "w must be uint32"),
+                            np.zeros((2, 1), F32)), jqm.DtypeError, "w must be uint32"),
     (lambda: jqm.dequantize(np.zeros(8, np.uint32), np.zeros(1, F32), np.zeros(1, F32)),
      ValueError, "w must have at least 2 dimensions"),
     (lambda: jqm.dequantize(np.zeros((2, 8), np.uint32), np.zeros((2, 2), F32),
@@ -280,9 +280,9 @@ BAD = [
     (lambda: jqm.dequantize(np.zeros((2, 4), np.uint32), np.zeros((2, 1), np.uint8),
                             np.zeros((2, 1), np.uint8), mode="mxfp4"), ValueError, "no biases"),
     (lambda: jqm.dequantize(np.zeros((2, 4), np.uint32), np.zeros((2, 1), F32), mode="mxfp4"),
-     TypeError, "scales for mode='mxfp4' must be uint8"),
+     jqm.DtypeError, "scales for mode='mxfp4' must be uint8"),
     (lambda: jqm.dequantize(np.zeros((2, 8), np.uint32), np.zeros((2, 1), np.uint8),
-                            np.zeros((2, 1), np.uint8)), TypeError, "float dtype"),
+                            np.zeros((2, 1), np.uint8)), jqm.DtypeError, "float dtype"),
     (lambda: jqm.dequantize(np.zeros((2, 4), np.uint32), np.zeros((2, 1), np.uint8), bits=3,
                             mode="mxfp4"), ValueError, "bits=3"),
     (lambda: jqm.dequantize(np.zeros((2, 4), np.uint32), np.zeros((2, 1), np.uint8),
@@ -292,7 +292,7 @@ BAD = [
     (lambda: jqm.dequantize(np.zeros((2, 4), np.uint32), np.zeros((2, 1), np.uint8),
                             mode="mxfp4", global_scale=1.0), ValueError, "global_scale"),
     (lambda: jqm.dequantize(np.zeros((2, 4), np.uint32), np.zeros((2, 1), np.uint8),
-                            mode="mxfp4", dtype=np.int32), TypeError, "dtype"),
+                            mode="mxfp4", dtype=np.int32), jqm.DtypeError, "dtype"),
     (lambda: jqm.quantize(np.ones((2, 64), F32), mode="int4"), ValueError, "mode='int4'"),
     (lambda: jqm.quantize(np.ones((2, 64), F32), mode=4), TypeError, "mode must be a str"),
     (lambda: jqm.quantize(np.ones((2, 64), F32), bits=1), ValueError, "bits=1"),
@@ -300,7 +300,7 @@ BAD = [
     (lambda: jqm.quantize(np.ones((2, 48), F32), mode="nvfp4", group_size=16, bits=4,
                           global_scale=np.ones(2, F32)), ValueError, "global_scale must be"),
     (lambda: jqm.quantize(np.ones(64, F32), mode="nvfp4"), ValueError, "at least 2 dimensions"),
-    (lambda: jqm.quantize(np.ones((2, 64), np.int32), mode="mxfp4"), TypeError, "w must be"),
+    (lambda: jqm.quantize(np.ones((2, 64), np.int32), mode="mxfp4"), jqm.DtypeError, "w must be"),
     (lambda: jqm.quantize(np.ones((2, 64), F32), mode="mxfp8", global_scale=1.0), ValueError,
      "global_scale"),
     (lambda: jqm.to_mlx(np.zeros((2, 4), np.uint32)), TypeError, "QuantizedArray"),
@@ -363,6 +363,99 @@ def mlx_test_weights(dtype, mode):
     return np.concatenate([w, special], axis=1).astype(dtype)
 
 
+# Every error case of MLX 0.32.4's python/tests/test_quantized.py (test_mode_error_cases,
+# test_mxfp4/mxfp8/nvfp4_quantize_dequantize, test_throw), plus the same checks on the
+# other entry points. MLX raises ValueError for all of them; jq.mlx raises ValueError or
+# jqm.DtypeError (a ValueError and a TypeError). Each case is a function of the module
+# (mlx.core or jaxquant.mlx) and of a converter from numpy to that module's arrays.
+_EW = RNG.standard_normal((256, 256)).astype(F32)
+_EX = RNG.standard_normal((1, 256)).astype(F32)
+_EWQ, _ES, _EB = (np.asarray(a) for a in jqm.quantize(_EW, 32, 4))
+_FP = {m: tuple(np.asarray(a) for a in jqm.quantize(_EW.astype(BF16), mode=m))
+       for m in ("mxfp4", "mxfp8", "nvfp4")}
+_I32 = lambda a: np.zeros(np.shape(a), np.int32)
+_int32 = lambda L: np.int32 if L is jqm else mx.int32
+MLX_ERROR_CASES = {
+    "quantize-mode-xyz": lambda L, c: L.quantize(c(_EW), mode="xyz"),
+    "dequantize-mode-xyz": lambda L, c: L.dequantize(c(_EWQ), c(_ES), c(_EB), bits=4,
+                                                     group_size=32, mode="xyz"),
+    "qmm-mode-xyz": lambda L, c: L.quantized_matmul(c(_EX), c(_EWQ), c(_ES), c(_EB), bits=4,
+                                                    group_size=32, mode="xyz"),
+    "gather-mode-xyz": lambda L, c: L.gather_qmm(c(_EX), c(_EWQ), c(_ES), c(_EB),
+                                                 rhs_indices=c(np.array(0)), bits=4,
+                                                 group_size=32, mode="xyz"),
+    "quantize-int32": lambda L, c: L.quantize(c(np.zeros((128, 128), np.int32))),
+    "quantize-int32-mxfp4": lambda L, c: L.quantize(c(np.zeros((128, 128), np.int32)),
+                                                    mode="mxfp4"),
+    "dequantize-no-biases": lambda L, c: L.dequantize(c(_EWQ), c(_ES), None, bits=4,
+                                                      group_size=32),
+    "qmm-no-biases": lambda L, c: L.quantized_matmul(c(_EX), c(_EWQ), c(_ES), None, bits=4,
+                                                     group_size=32),
+    "gather-no-biases": lambda L, c: L.gather_qmm(c(_EX), c(_EWQ), c(_ES), None,
+                                                  rhs_indices=c(np.array(0)), bits=4,
+                                                  group_size=32),
+    "dequantize-int-scales": lambda L, c: L.dequantize(c(_EWQ), c(_I32(_ES)), c(_I32(_EB)),
+                                                       bits=4, group_size=32),
+    "qmm-int-x-and-scales": lambda L, c: L.quantized_matmul(
+        c(np.zeros(256, np.int32)), c(_EWQ), c(_I32(_ES)), c(_I32(_EB)), bits=4, group_size=32),
+    "qmm-int-scales": lambda L, c: L.quantized_matmul(c(_EX), c(_EWQ), c(_I32(_ES)),
+                                                      c(_I32(_EB)), bits=4, group_size=32),
+    "gather-int-x-and-scales": lambda L, c: L.gather_qmm(
+        c(np.zeros(256, np.int32)), c(_EWQ), c(_I32(_ES)), c(_I32(_EB)),
+        rhs_indices=c(np.array(0)), bits=4, group_size=32),
+    "gather-float-indices": lambda L, c: L.gather_qmm(c(_EX), c(_EWQ[None]), c(_ES[None]),
+                                                      c(_EB[None]), rhs_indices=c(np.zeros(1, F32)),
+                                                      bits=4, group_size=32),
+    "dequantize-int-w": lambda L, c: L.dequantize(c(_EWQ.astype(np.int32)), c(_ES), c(_EB),
+                                                  bits=4, group_size=32),
+    "dequantize-int-dtype": lambda L, c: L.dequantize(c(_EWQ), c(_ES), c(_EB), bits=4,
+                                                      group_size=32, dtype=_int32(L)),
+    "qmm-w-transposed": lambda L, c: L.quantized_matmul(c(_EX), c(_EWQ.T), c(_ES), c(_EB),
+                                                        bits=4, group_size=32),
+    "qmm-transpose-false": lambda L, c: L.quantized_matmul(
+        c(RNG.standard_normal((1, 64)).astype(F32)), c(_EWQ[:, :8]), c(_ES[:, :2]),
+        c(_EB[:, :2]), False, bits=4, group_size=32),
+    "qmm-scales-transposed": lambda L, c: L.quantized_matmul(c(_EX), c(_EWQ), c(_ES.T),
+                                                             c(_EB.T), bits=4, group_size=32),
+    "quantize-1d": lambda L, c: L.quantize(c(_EW[0])),
+    "quantize-bits-7": lambda L, c: L.quantize(c(_EW), bits=7),
+    "mxfp8-global-scale": lambda L, c: L.quantize(c(_EW), mode="mxfp8",
+                                                  global_scale=c(np.float32(1))),
+}
+for _m, _bits, _gs in (("mxfp4", 4, 32), ("mxfp8", 8, 32), ("nvfp4", 4, 16)):
+    MLX_ERROR_CASES.update({
+        f"{_m}-quantize-bits-3": lambda L, c, m=_m: L.quantize(c(_EW.astype(BF16)), bits=3,
+                                                               mode=m),
+        f"{_m}-quantize-group-64": lambda L, c, m=_m: L.quantize(c(_EW.astype(BF16)),
+                                                                 group_size=64, mode=m),
+        f"{_m}-dequantize-bits": lambda L, c, m=_m, b=_bits: L.dequantize(
+            *map(c, _FP[m]), bits=12 - b, mode=m),
+        f"{_m}-dequantize-group": lambda L, c, m=_m, g=_gs: L.dequantize(
+            *map(c, _FP[m]), group_size=48 - g, mode=m),
+        f"{_m}-dequantize-int-dtype": lambda L, c, m=_m: L.dequantize(*map(c, _FP[m]), mode=m,
+                                                                      dtype=_int32(L)),
+        f"{_m}-dequantize-float-scales": lambda L, c, m=_m: L.dequantize(
+            c(_FP[m][0]), c(_FP[m][1].astype(F32)), mode=m),
+        f"{_m}-dequantize-biases": lambda L, c, m=_m: L.dequantize(
+            c(_FP[m][0]), c(_FP[m][1]), c(_FP[m][1]), mode=m),
+    })
+
+
+@pytest.mark.parametrize("case", list(MLX_ERROR_CASES))
+def test_errors_raise_mlx_exception_classes(case):
+    call = MLX_ERROR_CASES[case]
+    if mx is not None:  # MLX itself: the class this test expects is MLX's
+        with pytest.raises(Exception) as theirs:
+            call(mx, to_mx)
+        assert type(theirs.value) is ValueError, theirs.value
+    inputs = [lambda a: a] + ([to_mx] if mx is not None else [])  # numpy and MLX arrays
+    for convert in inputs:
+        with pytest.raises(ValueError) as ours:
+            call(jqm, convert)
+        if isinstance(ours.value, TypeError):  # jaxquant's own API says TypeError here
+            assert isinstance(ours.value, jqm.DtypeError), ours.value
+
+
 MLX_CASES = [("affine", {"group_size": 64, "bits": 4}), ("affine", {"group_size": 32, "bits": 3}),
              ("affine", {"group_size": 128, "bits": 6}), ("mxfp4", {}), ("mxfp8", {}),
              ("nvfp4", {}), ("nvfp4", {"global_scale": True})]
@@ -406,24 +499,71 @@ def test_dequantize_matches_mlx(dtype, mode):
         ours = np.asarray(jqm.dequantize(*[from_mx(a) for a in arrays], mode=mode, dtype=mdt))
         assert ours.dtype == theirs.dtype
         if mode == "affine":
-            # Documented: MLX computes T(T(scale * q) + bias) in the scales' dtype T,
-            # jaxquant scale * q + bias in float32 (rounded once or twice, as XLA
-            # compiles it), then casts.
+            # Documented: MLX's CPU path computes T(T(scale * q) + bias) in the scales'
+            # dtype T (two roundings); jq.mlx is jq.dequantize: scale * q + bias in
+            # float32 rounded once (a fused multiply-add), then cast to the output dtype.
             q = unpack(arrays[0], 4).reshape(2, 32, 4, 64).astype(np.float64)
             s, b = (from_mx(a).astype(np.float64)[..., None] for a in arrays[1:])
             t = MX_DTYPES[dtype]
-            out_t = theirs.dtype
-            mlx_rule = ((q * s).astype(t).astype(np.float64) + b).astype(t).astype(out_t)
-            assert_bits_equal(theirs, mlx_rule.reshape(theirs.shape))
-            once = (q * s + b).astype(F32).astype(out_t).reshape(ours.shape)
-            twice = ((q * s).astype(F32) + b.astype(F32)).astype(out_t).reshape(ours.shape)
-            assert (ours.view(np.uint8).reshape(*ours.shape, -1)
-                    == once.view(np.uint8).reshape(*ours.shape, -1)).all(-1).mean() > 0.5
-            one_of = [(ours.view(np.uint8).reshape(*ours.shape, -1)
-                       == c.view(np.uint8).reshape(*ours.shape, -1)).all(-1) for c in (once, twice)]
-            assert (one_of[0] | one_of[1]).all()
+            mlx_rule = ((q * s).astype(t).astype(np.float64) + b).astype(t)
+            assert_bits_equal(theirs, mlx_rule.astype(theirs.dtype).reshape(theirs.shape))
+            once = (q * s + b).astype(F32).astype(ours.dtype).reshape(ours.shape)
+            assert_bits_equal(ours, once)
         else:
             assert_bits_equal(ours, theirs)
+
+
+@needs_mlx
+@pytest.mark.parametrize("backend", ["reference", "ffi"])
+def test_affine_dequantize_rounds_once_where_mlx_rounds_twice(backend):
+    """The decision (jaxquant/mlx.py's docstring): jq.mlx keeps jq.dequantize's one
+    rounding of scale * q + bias rather than copying MLX's CPU path, which rounds the
+    product to the scales' dtype first. They differ by at most half an ulp of the
+    product (in float32: at about half the elements). At a group's zero point MLX's
+    product rounds to exactly -bias, so MLX gives 0.0 where jq.mlx gives the exact
+    value of the stored scale and bias, a residual such as 6e-8."""
+    if backend not in jq.available_backends():
+        pytest.skip(f"backend {backend!r} is not available here")
+    w = RNG.standard_normal((64, 256)).astype(F32)
+    w_q, scales, biases = (np.asarray(a) for a in jqm.quantize(w, 64, 4))
+    theirs = from_mx(mx.dequantize(*map(to_mx, (w_q, scales, biases)), 64, 4))
+    ours = np.asarray(jqm.dequantize(w_q, scales, biases, 64, 4, backend=backend))
+    q = unpack(w_q, 4).reshape(64, 4, 64).astype(np.float64)
+    s, b = scales[..., None].astype(np.float64), biases[..., None].astype(np.float64)
+    product = (q * s).astype(F32)  # exact in float64, rounded once to float32
+    assert_bits_equal(theirs, (product + biases[..., None]).reshape(64, 256))  # two roundings
+    assert_bits_equal(ours, (q * s + b).astype(F32).reshape(64, 256))  # one rounding
+    half_ulp = (np.spacing(np.abs(product)) / 2).reshape(64, 256)
+    assert (np.abs(ours.astype(np.float64) - theirs) <= half_ulp + np.spacing(np.abs(theirs))).all()
+    differ = ours != theirs
+    assert 0.2 < differ.mean() < 0.8, differ.mean()
+    zero_point = (theirs == 0) & (ours != 0)
+    assert zero_point.any()
+    assert (np.abs(ours[zero_point]) <= half_ulp[zero_point]).all()
+
+
+@needs_mlx
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_nvfp4_global_scale_dequantize_returns_the_asked_dtype(dtype):
+    """MLX 0.32's CPU nvfp4 dequantize with a global scale returns float32 whatever
+    dtype is asked (it multiplies by g / 2688 as a float32 array, which promotes);
+    jq.mlx returns the asked dtype, as MLX does without a global scale. The values
+    are the float32 result rounded once to that dtype. If MLX fixes this, the first
+    assertion fails: then compare bits here instead."""
+    w = RNG.standard_normal((16, 64)).astype(F32)
+    g = np.float32(np.abs(w).max())
+    w_q, scales = mx.quantize(to_mx(w), mode="nvfp4", global_scale=mx.array(g))
+    asked = getattr(mx, dtype)
+    theirs = mx.dequantize(w_q, scales, mode="nvfp4", global_scale=mx.array(g), dtype=asked)
+    assert theirs.dtype == mx.float32  # MLX's quirk
+    assert mx.dequantize(w_q, scales, mode="nvfp4", dtype=asked).dtype == asked  # no g: asked
+    args = (from_mx(w_q), from_mx(scales))
+    ours = np.asarray(jqm.dequantize(*args, mode="nvfp4", global_scale=g, dtype=dtype))
+    ours32 = np.asarray(jqm.dequantize(*args, mode="nvfp4", global_scale=g, dtype=F32))
+    assert ours.dtype == MX_DTYPES[dtype]
+    assert_bits_equal(ours, ours32.astype(ours.dtype))
+    # float32 values within an ulp of MLX's (e2m1 * (e4m3 * m) vs (e2m1 * e4m3) * m)
+    np.testing.assert_allclose(ours32, from_mx(theirs), rtol=2**-23, atol=0)
 
 
 @needs_mlx
