@@ -1,4 +1,4 @@
-"""quantize / dequantize in jnp, for every mode of DESIGN.md §3.
+"""quantize / dequantize in jnp, for every mode of docs/formats.md.
 
 `dequantize_reference` is the definition of dequantization that every kernel
 is tested against; `jaxquant.dequantize` (the primitive) lowers to it.
@@ -17,6 +17,7 @@ from jaxquant import formats
 from jaxquant.formats import Format
 from jaxquant.layouts import unpack_layout
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
+from jaxquant.static_args import require_static
 
 div = formats.exact_div  # IEEE division: XLA turns x / c into x * (1/c)
 _FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
@@ -55,12 +56,19 @@ def ldexp(x, n):
 
 def quantize(w, mode: str = "affine", bits: int | None = None, group_size: int | None = None,
              scale_rule: str | None = None) -> QuantizedArray:
-    """Quantize `w` [..., N, K] with groups along K (DESIGN.md §3).
+    """Quantize `w` [..., N, K] with groups along K.
 
     mode: one of `jaxquant.formats.FORMATS` (or the alias "mxfp8").
     bits, group_size: default to the format's (affine: 4 bits, group 64).
     scale_rule: MX modes only: "floor" (OCP, default), "rceil" or "round" (MLX).
+    mode, bits, group_size and scale_rule are static (Python values): under
+    ``jax.jit`` close over them or name them in ``static_argnames``, e.g.
+    ``jax.jit(jq.quantize, static_argnames=("mode", "bits", "group_size"))``.
+    Formats, rounding and the non-finite rule: docs/formats.md.
     """
+    for name, value in (("mode", mode), ("bits", bits), ("group_size", group_size),
+                        ("scale_rule", scale_rule)):
+        require_static(name, value, "quantize")
     fmt, bits, group_size = formats.resolve(mode, bits, group_size)
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
         w = np.asarray(w)
@@ -101,7 +109,7 @@ def _quantize(w, mode, bits, group_size, scale_rule):
 
 
 def _quantize_affine(wg, bits, dtype):
-    # MLX's CPU rule, step by step (DESIGN.md §3), in float32.
+    # MLX's CPU rule, step by step (docs/formats.md), in float32.
     n_bins = np.float32((1 << bits) - 1)
     w_min = jnp.min(wg, axis=-1, keepdims=True)
     w_max = jnp.max(wg, axis=-1, keepdims=True)
@@ -113,7 +121,14 @@ def _quantize_affine(wg, bits, dtype):
     scale = jnp.where(q0 != 0, div(edge, q0), scale)
     bias = jnp.where(q0 != 0, edge, np.float32(0))
     q = jnp.clip(jnp.rint(div(wg - bias, scale)), 0, n_bins)
-    q = jnp.where(jnp.isnan(q), 0, q)
+    # A group holding NaN or +-Inf dequantizes to NaN everywhere (docs/formats.md).
+    # Its min/max cannot carry that: XLA's vectorized CPU min/max drop NaNs, so
+    # whether a NaN reached the scale depended on the shape. The abs max taken
+    # on the bits sees every NaN and Inf.
+    nonfinite = ~jnp.isfinite(formats.abs_max(wg, axis=-1))[..., None]
+    scale = jnp.where(nonfinite, np.float32(np.nan), scale)
+    bias = jnp.where(nonfinite, np.float32(np.nan), bias)
+    q = jnp.where(nonfinite | jnp.isnan(q), 0, q)
     return q.astype(jnp.uint32), scale[..., 0].astype(dtype), bias[..., 0].astype(dtype)
 
 

@@ -13,14 +13,19 @@ CANONICAL = "canonical"
 
 @jax.tree_util.register_pytree_node_class
 class QuantizedArray:
-    """A quantized array of logical shape [..., N, K] (DESIGN.md §2, §3).
+    """A quantized array of logical shape [..., N, K] (docs/formats.md).
 
     Children (arrays): `data` uint32 [..., N, K*bits/32]; `scales` [..., N, K/group];
     `biases` like scales (affine only) or None; `global_scale` (nvfp4 only) float32,
     a scalar or one per leading index (its shape a prefix of the leading axes, as
     `vmap` of `quantize` makes), or None.
     Static: `mode`, `bits`, `group_size`, `dtype` (the logical dtype, that of the
-    array that was quantized) and `layout` ("canonical" is DESIGN.md §3's).
+    array that was quantized) and `layout` ("canonical" is docs/formats.md's bit
+    layout; others: docs/layouts.md).
+
+    It is not an array: ``np.asarray(qw)``, ``jnp.asarray(qw)`` and ``iter(qw)``
+    raise TypeError pointing at ``jq.dequantize``; ``len(qw)`` and ``qw[i]`` work
+    on the leading axes.
 
     The logical shape is derived from `scales` (from `data` in a kernel layout,
     which keeps data's shape: jaxquant/layouts), so the same object is right
@@ -86,6 +91,24 @@ class QuantizedArray:
 
     def __len__(self):
         return self.shape[0]
+
+    # -- not an array -----------------------------------------------------
+    # Without these, numpy and jnp would read the object as a sequence of its
+    # leading-axis slices (or as an empty array), silently.
+    def _not_an_array(self, what):
+        return TypeError(
+            f"{what} a QuantizedArray: it holds packed codes and scales, not values. "
+            f"Use jq.dequantize(qw) (optionally dtype=...) for its values, or pass it to a "
+            f"jaxquant op such as jq.qmm; qw[i] indexes its leading axes")
+
+    def __array__(self, dtype=None, copy=None):
+        raise self._not_an_array("numpy cannot convert")
+
+    def __jax_array__(self):
+        raise self._not_an_array("jax.numpy cannot convert")
+
+    def __iter__(self):
+        raise self._not_an_array("cannot iterate over")
 
     def __getitem__(self, index):
         """Index the leading axes (all but K): `qw[e]`, `qw[idx]`, `qw[:, 3:5]`."""

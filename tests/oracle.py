@@ -299,7 +299,12 @@ def _affine(wg, bits, dtype):
     assert scale.dtype == bias.dtype == np.float32
     q = np.rint((wg - bias[..., None]) / scale[..., None])
     q = np.clip(q, f32(0), n)
-    q = np.where(np.isnan(q), f32(0), q)  # NaN input: unspecified by the contract
+    # A group holding NaN or +-Inf: NaN scale and bias (the whole group dequantizes
+    # to NaN), codes 0.
+    bad = ~np.isfinite(wg).all(axis=-1)
+    scale = np.where(bad, f32(np.nan), scale)
+    bias = np.where(bad, f32(np.nan), bias)
+    q = np.where(np.isnan(q) | bad[..., None], f32(0), q)
     assert q.dtype == np.float32
     return q.astype(np.uint32), scale.astype(dtype), bias.astype(dtype)
 

@@ -876,6 +876,20 @@ def test_indexing_rejects_k_and_ellipsis():
                 qw[bad]
 
 
+@pytest.mark.parametrize("convert", [np.asarray, np.array, jnp.asarray, jnp.array, list, iter,
+                                     lambda qw: [row for row in qw], lambda qw: jnp.stack([qw]),
+                                     lambda qw: jax.jit(jnp.asarray)(qw)],
+                         ids=["np.asarray", "np.array", "jnp.asarray", "jnp.array", "list",
+                              "iter", "for", "jnp.stack", "jit-asarray"])
+def test_quantized_array_is_not_an_array(convert):
+    """np.asarray once gave array([], float64) and jnp.asarray shape (0,) although
+    len(qw) was 256: every conversion must point at jq.dequantize instead."""
+    qw = jq.quantize(np.ones((4, 256, 64), np.float32), "mxfp4")
+    assert len(qw) == 4
+    with pytest.raises(TypeError, match=r"jq\.dequantize"):
+        convert(qw)
+
+
 def _abstract(shape, dtype, **kw):
     return jax.eval_shape(functools.partial(jq.quantize, **kw), jax.ShapeDtypeStruct(shape, dtype))
 
@@ -905,3 +919,47 @@ def test_shape_dtype_nbytes_by_hand():
     # concrete arrays agree with the abstract ones
     real = jq.quantize(np.zeros((4, 64), np.float32), mode="mxfp4")
     assert real.nbytes == 136 and real.shape == (4, 64) and real.dtype == np.float32
+
+
+# ---------------------------------------------------------------------------
+# The non-finite rule (docs/formats.md), every mode and every shape: a group
+# holding NaN or +-Inf dequantizes to NaN in every element, other groups are
+# unaffected. XLA's vectorized CPU min/max drop NaNs depending on the shape, so
+# affine once lost a NaN at [0, 0] of a (64, 64) matrix but not of (16, 64).
+
+NONFINITE_MODES = ["affine", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
+                   "nvfp4", "fp4"]
+
+
+@pytest.mark.parametrize("mode", NONFINITE_MODES)
+@pytest.mark.parametrize("shape", [(16, 64), (64, 64), (64, 256), (2, 3, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_nonfinite_group_is_nan_and_only_it(mode, shape):
+    g = resolved(mode, None, None)[1]
+    rng = np.random.default_rng(zlib.crc32(f"{mode}{shape}".encode()))
+    clean = rng.standard_normal(shape).astype(np.float32)
+    groups = clean.reshape(-1, shape[-1] // g, g)
+    rows = groups.shape[0]
+    # (row, group, position in group, value): first, middle and last element of a
+    # group, NaN / +Inf / -Inf, in the first, a middle and the last row and group.
+    poison = []
+    for i, (pos, value) in enumerate(
+            [(p, v) for p in (0, g // 2, g - 1) for v in (np.nan, np.inf, -np.inf)]):
+        row = [0, rows // 2, rows - 1][i % 3]
+        poison.append((row, [0, groups.shape[1] // 2, groups.shape[1] - 1][i // 3], pos, value))
+    poison = list({(r, c): (r, c, p, v) for r, c, p, v in poison}.values())  # one per group
+    dirty = groups.copy()
+    for r, c, p, v in poison:
+        groups[r, c, p] = 0.0  # same finite values (NVFP4's tensor amax) as the dirty copy
+        dirty[r, c, p] = v
+    for dtype in ([np.float32, ml_dtypes.bfloat16] if mode in ("affine", "fp4")
+                  else [np.float32]):
+        ref = np.asarray(jq.dequantize(jq.quantize(groups.reshape(shape).astype(dtype), mode),
+                                       dtype=jnp.float32)).reshape(groups.shape)
+        got = np.asarray(jq.dequantize(jq.quantize(dirty.reshape(shape).astype(dtype), mode),
+                                       dtype=jnp.float32)).reshape(groups.shape)
+        expect_nan = np.zeros(groups.shape[:2], bool)
+        for r, c, _, _ in poison:
+            expect_nan[r, c] = True
+        assert np.isnan(got[expect_nan]).all(), (dtype, np.argwhere(~np.isnan(got) & expect_nan[..., None]))
+        np.testing.assert_array_equal(got[~expect_nan], ref[~expect_nan])

@@ -18,7 +18,10 @@ dequantize_op = Op("dequantize", _reference)
 
 
 def dequantize(qw, dtype=None, *, backend: str | None = None):
-    """The float values [..., N, K] of `qw`, in `dtype` (default: qw.dtype)."""
+    """The float values [..., N, K] of `qw`, in `dtype` (default: qw.dtype).
+
+    Static (Python values, not traced under jax.jit): dtype, backend. Values per
+    format: docs/formats.md."""
     require_quantized("qw", qw, min_ndim=1)
     dtype = check_float_dtype("dtype", qw.dtype if dtype is None else dtype)
     return dequantize_op.bind(qw, backend=backend, dtype=dtype)

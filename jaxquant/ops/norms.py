@@ -17,6 +17,7 @@ from jax.interpreters import ad
 
 from jaxquant.ops.common import check_x, compute_dtype, to_front_or_broadcast
 from jaxquant.primitive import Op
+from jaxquant.static_args import require_static
 
 ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
 
@@ -64,7 +65,7 @@ gated_rms_norm_op = Op("gated_rms_norm", gated_rms_norm_reference)
 # Public functions.
 
 
-def _check_common(x, weight, eps, weight_offset):
+def _check_common(x, weight, eps, weight_offset, fn):
     x = check_x(x)
     if x.ndim < 1:
         raise ValueError(f"x must have at least 1 dimension; got shape {x.shape}")
@@ -75,6 +76,7 @@ def _check_common(x, weight, eps, weight_offset):
                              f"got {weight.shape}")
     for name, v in (("eps", eps), ("weight_offset", weight_offset)):
         # static parameters: a Python or NumPy real scalar, never a (traced) array
+        require_static(name, v, fn)
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a real scalar (Python or NumPy, static); got {v!r}")
     if eps < 0:
@@ -84,16 +86,20 @@ def _check_common(x, weight, eps, weight_offset):
 
 def rms_norm(x, weight=None, eps: float = 1e-6, weight_offset: float = 0.0, *,
              backend: str | None = None):
-    """y = x * rsqrt(mean(x^2, -1) + eps) * (weight + weight_offset), in x.dtype."""
-    x, weight = _check_common(x, weight, eps, weight_offset)
+    """y = x * rsqrt(mean(x^2, -1) + eps) * (weight + weight_offset), in x.dtype.
+
+    Static (Python values, not traced under jax.jit): eps, weight_offset, backend."""
+    x, weight = _check_common(x, weight, eps, weight_offset, "rms_norm")
     return rms_norm_op.bind(x, weight, backend=backend, eps=float(eps),
                             weight_offset=float(weight_offset))
 
 
 def add_rms_norm(x, residual, weight=None, eps: float = 1e-6, weight_offset: float = 0.0, *,
                  backend: str | None = None):
-    """h = (x + residual) in residual.dtype; returns (rms_norm(h, weight), h)."""
-    x, weight = _check_common(x, weight, eps, weight_offset)
+    """h = (x + residual) in residual.dtype; returns (rms_norm(h, weight), h).
+
+    Static (Python values, not traced under jax.jit): eps, weight_offset, backend."""
+    x, weight = _check_common(x, weight, eps, weight_offset, "add_rms_norm")
     residual = check_x(residual, "residual")
     if residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {x.shape}; got {residual.shape}")
@@ -106,8 +112,13 @@ def gated_rms_norm(x, gate, weight=None, eps: float = 1e-6, weight_offset: float
                    activation: str = "silu", norm_before_gate: bool = True,
                    group_size: int | None = None, *, backend: str | None = None):
     """norm_before_gate: rms_norm(x, weight) * act(gate); else rms_norm(x * act(gate), weight).
-    group_size normalizes within groups of the last axis. Output in gate's dtype."""
-    x, weight = _check_common(x, weight, eps, weight_offset)
+    group_size normalizes within groups of the last axis. Output in gate's dtype.
+
+    Static (Python values, not traced under jax.jit): eps, weight_offset, activation,
+    norm_before_gate, group_size, backend."""
+    x, weight = _check_common(x, weight, eps, weight_offset, "gated_rms_norm")
+    require_static("norm_before_gate", norm_before_gate, "gated_rms_norm")
+    require_static("group_size", group_size, "gated_rms_norm")
     gate = check_x(gate, "gate")
     if gate.shape != x.shape:
         raise ValueError(f"gate must have x's shape {x.shape}; got {gate.shape}")

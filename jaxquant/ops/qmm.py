@@ -18,6 +18,7 @@ from jaxquant.ops.common import (batch_size, check_x, compute_dtype, default_pre
                                  to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.quantize import dequantize_reference
+from jaxquant.static_args import require_static
 
 
 # ---------------------------------------------------------------------------
@@ -74,7 +75,9 @@ def qmm(x, qw, transpose: bool = True, *, backend: str | None = None):
     or x @ dequantize(qw) (transpose=False, qw [K, N]), like MLX's quantized_matmul.
 
     qw may carry leading batch axes [*B, N, K]; x is then [*B, M, K].
+    Static (Python values, not traced under jax.jit): transpose, backend.
     """
+    require_static("transpose", transpose, "qmm")
     require_quantized("qw", qw, min_ndim=2)
     x = check_x(x)
     k = _k_axis(qw, transpose)
@@ -93,7 +96,9 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
 
     qw [E, N, K]; indices int [T, k]; x [T, K] or [T, k, K] -> [T, k, N].
     An index outside [0, E) gives a NaN row and reads nothing out of bounds.
+    Static (Python values, not traced under jax.jit): transpose, backend.
     """
+    require_static("transpose", transpose, "gather_qmm")
     require_quantized("qw", qw, ndim=3)
     x = check_x(x)
     indices = jnp.asarray(indices)
@@ -113,7 +118,9 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
 def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | None = None):
     """MoE prefill, like `lax.ragged_dot`: rows of x [T, K] are grouped by expert in
     order, group e has group_sizes[e] rows; rows past sum(group_sizes) are zero.
-    qw [E, N, K] -> [T, N]."""
+    qw [E, N, K] -> [T, N]. Static (Python values, not traced under jax.jit):
+    transpose, backend."""
+    require_static("transpose", transpose, "ragged_qmm")
     require_quantized("qw", qw, ndim=3)
     x = check_x(x)
     group_sizes = jnp.asarray(group_sizes)
