@@ -1,4 +1,4 @@
-"""jaxquant: low-bit quantized weights for JAX (DESIGN.md)."""
+"""jaxquant: low-bit quantized weights for JAX (docs/README.md)."""
 
 from jaxquant import formats, io, mlx
 from jaxquant.dispatch import available_backends, backend
@@ -14,7 +14,7 @@ __all__ = [
     "formats", "gated_rms_norm", "io", "mlx", "gather_qmm", "prepack", "qmm", "quantize",
     "ragged_qmm", "rms_norm", "unpack_layout",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _load_backends():
