@@ -1,6 +1,11 @@
 """The docs in the repo: every ```python block of README.md runs as written (on the
 CPU, each block on its own, as a reader pastes it), and no text points outside the
-repo (no ../shared links, no DESIGN.md: the design notes are docs/)."""
+repo (no ../shared links, no DESIGN.md: the design notes are docs/).
+
+Every ```python block must run as written on a CPU in a few seconds: make it
+self-contained (its own imports and small inputs). Shell commands go in ```bash
+blocks, and code that cannot run here (a GPU, a downloaded checkpoint) in a
+block fenced without a language."""
 
 import pathlib
 import re
