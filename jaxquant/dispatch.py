@@ -1,4 +1,4 @@
-"""Backend registry and selection (DESIGN.md §2, §5).
+"""Backend registry and selection (docs/ops.md, docs/backends.md).
 
 The backends, in preference order, are `BACKENDS`: "reference" (the jnp
 definitions in jaxquant.ops) and one package `jaxquant.<name>` per other

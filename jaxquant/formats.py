@@ -1,4 +1,4 @@
-"""The quantization formats of DESIGN.md §3: one table, and the codecs.
+"""The quantization formats of docs/formats.md: one table, and the codecs.
 
 Every backend reads `FORMATS` and `ELEMENTS`; nothing else in the code base
 re-derives a bit layout. The codecs here are jnp and jittable; they are the
@@ -82,7 +82,7 @@ ELEMENTS: dict[str, ElementFormat] = {
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """One row of DESIGN.md §3.
+    """One row of docs/formats.md.
 
     element: an ELEMENTS key, or None for affine (unsigned integers).
     scale:   "e8m0" | "e4m3" (stored as uint8 codes) | "float" (w's dtype).

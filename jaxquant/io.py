@@ -6,7 +6,7 @@ loop over blocks): ``export(import(x))`` gives back ``x`` bit for bit, and
 QuantizedArray whose children are numpy arrays (zero-copy views where the
 layouts agree); ``jax.device_put(qw)`` moves it to a device.
 
-jaxquant's side is DESIGN.md §3's exchange layout: ``data`` uint32
+jaxquant's side is docs/formats.md's exchange layout: ``data`` uint32
 [..., N, K*bits/32], a little-endian bit stream along K (element k at bits
 [k*bits, (k+1)*bits)), ``scales`` [..., N, K/group].
 

@@ -1,4 +1,4 @@
-"""One JAX primitive per op (DESIGN.md §1).
+"""One JAX primitive per op (docs/backends.md).
 
 `Op` wraps a `jax.extend.core.Primitive` around the op's jnp reference:
 - operands are the flattened pytree of the op's arguments (a QuantizedArray

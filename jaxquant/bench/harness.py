@@ -1,5 +1,5 @@
 """What every benchmark shares: timing, the copy-bandwidth yardstick, progress
-lines, argument parsing helpers, the result table and the plot (DESIGN.md §7).
+lines, argument parsing helpers, the result table and the plot (docs/measuring.md).
 
 Timing. A timed function does `n_products` distinct products (one per input
 copy: no two alike, so XLA can merge none, and together more bytes than a

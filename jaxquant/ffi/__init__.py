@@ -1,4 +1,4 @@
-"""The `ffi` backend: compiled kernels behind `jax.ffi` (DESIGN.md §5).
+"""The `ffi` backend: compiled kernels behind `jax.ffi` (docs/backends.md).
 
 Importing this package loads the libraries that were built (cpu_src/ always;
 hip_src/ for CUDA when nvcc was found, for ROCm when a HIP compiler was),
@@ -15,7 +15,7 @@ which returns an error instead of touching bad memory):
   jaxquant_add_rms_norm    x, residual, weight|[0] -> y, h
   jaxquant_gated_rms_norm  x, gate, weight|[0] -> y
 
-Numerics (DESIGN.md §4):
+Numerics (docs/ops.md):
 - dequantize is bit for bit the reference (float32 arithmetic, affine as
   fma(q, scale, bias) like XLA, E8M0 as an exact power of two).
 - qmm with transpose=True and at most GEMV_MAX_M rows of x per weight matrix,

@@ -1,4 +1,4 @@
-"""The ops: one primitive each (DESIGN.md §2, §4)."""
+"""The ops: one primitive each (docs/ops.md)."""
 
 from jaxquant.ops.dequantize import dequantize
 from jaxquant.ops.norms import add_rms_norm, gated_rms_norm, rms_norm

@@ -27,7 +27,7 @@ def check_x(x, name="x"):
 
 
 def compute_dtype(dtype):
-    """float32 accumulation, float64 for float64 inputs (DESIGN.md §4)."""
+    """float32 accumulation, float64 for float64 inputs (docs/ops.md)."""
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 

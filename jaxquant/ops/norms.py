@@ -1,4 +1,4 @@
-"""rms_norm, add_rms_norm, gated_rms_norm (DESIGN.md §4).
+"""rms_norm, add_rms_norm, gated_rms_norm (docs/ops.md).
 
 Statistics in float32 (float64 for float64 inputs). The norms differentiate
 through their reference definition: the primal comes from the primitive (and

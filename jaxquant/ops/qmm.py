@@ -1,4 +1,4 @@
-"""qmm, gather_qmm, ragged_qmm: quantized matmuls (DESIGN.md §2, §4).
+"""qmm, gather_qmm, ragged_qmm: quantized matmuls (docs/ops.md).
 
 All three are linear in x: their JVP is the op on the tangent, their
 transpose is the op with `transpose` flipped, so `jax.grad` flows to x

@@ -1,4 +1,4 @@
-"""Pallas backend: Triton-lowered kernels for CUDA and ROCm (DESIGN.md §5).
+"""Pallas backend: Triton-lowered kernels for CUDA and ROCm (docs/backends.md).
 
 Importing this package registers its kernels with `jaxquant.dispatch` for the
 platforms cuda and rocm; each kernel's public front takes the op's arguments

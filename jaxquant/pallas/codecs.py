@@ -6,7 +6,7 @@ arrays, so they run inside a Pallas Triton kernel, in interpret mode, and in
 plain XLA alike; they use only shifts, masks, bit casts, selects and
 multiplications by powers of two (no integer->float conversion, no LUT).
 
-Geometry. The packed stream of DESIGN.md §3 is cut into *blocks*: the smallest
+Geometry. The packed stream of docs/formats.md is cut into *blocks*: the smallest
 run of whole words that holds a whole number of elements at fixed bit offsets.
   bits in {2, 4, 8}: a block is 1 word holding 32/bits elements;
   bits in {3, 5, 6}: a block is `bits` words holding 32 elements.

@@ -1,7 +1,7 @@
 """Block configurations of the Pallas qmm kernels: data, per platform and shape class.
 
 This is the one place where kernel choice (GEMV vs GEMM) and block sizes live
-(DESIGN.md §1). `select` maps (platform, transpose, M, N, K, format) to a
+(docs/backends.md). `select` maps (platform, transpose, M, N, K, format) to a
 `KernelConfig`; everything it reads is in the tables below.
 
 Shape classes (M = rows of x after flattening the leading axes):

@@ -12,7 +12,7 @@ no scalar prefetch, so the id is one scalar load in the kernel), maps ids outsid
 no host sync, no gather of the weights in XLA. The block config is qmm's own for
 one row of x (configs.select with M=1) and the kernel body is the same code, so
 every output element goes through the same float ops as qmm(x[t], qw[indices[t, j]]):
-gather == qmm bit for bit on this backend (DESIGN.md §4). Rows of bad ids read
+gather == qmm bit for bit on this backend (docs/ops.md). Rows of bad ids read
 expert 0 (in bounds) and are then overwritten with NaN.
 
 ragged_qmm(x, qw, group_sizes) (transpose=True): qmm's tiled GEMM (`_gemm_t`) over

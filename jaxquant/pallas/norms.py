@@ -4,7 +4,7 @@ Entry points: `rms_norm`, `add_rms_norm`, `gated_rms_norm` (the reference's
 arguments plus `interpret`, `platform`, `config`) and `supports(...)`, registered by
 `jaxquant.pallas`.
 
-Semantics are the reference's (jaxquant/ops/norms.py, DESIGN.md §4): statistics
+Semantics are the reference's (jaxquant/ops/norms.py, docs/ops.md): statistics
 and arithmetic in float32, in the reference's order of operations; outputs in
 x's dtype (rms_norm), residual's (add_rms_norm: h and y) or gate's
 (gated_rms_norm). float64 anywhere -> `supports` says no and the reference runs.

@@ -155,7 +155,7 @@ def qmm(x, qw: QuantizedArray, *, transpose: bool = True, precision=None,
     if x.dtype not in _X_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16 for the pallas qmm; got {x.dtype}")
     if qw.layout != CANONICAL:
-        raise ValueError(f"the pallas qmm takes the canonical layout (DESIGN.md §3); got "
+        raise ValueError(f"the pallas qmm takes the canonical layout (docs/formats.md); got "
                          f"layout={qw.layout!r}")
     if len(qw.shape) != 2:
         raise ValueError(f"qw must be 2-D for qmm; got shape {qw.shape}")
