@@ -1,0 +1,296 @@
+"""The Metal backend's kernels (metal_src/*.metal) off macOS.
+
+- syntax: every .metal file through clang with the MSL shim header (tests/metal_shim/);
+- numerics: the same sources compiled as C++ against the MSL-on-CPU shim (threadgroups as
+  real threads with real barriers, simdgroup operations through shared slots), dispatched
+  with the bridge's own plans (metal_src/dispatch_plan.h), against the float64 oracle and
+  the reference, with the other backends' tolerances;
+- the shim itself: kernels that would deadlock or race on a GPU fail here.
+
+On macOS with the backend built, tests/test_metal_gpu.py (through the bridge) runs too.
+"""
+
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from tests.common import EPS, act64, assert_matmul_close, deq64, rand, rms64
+from tests.metal_shim import shim
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+FORMATS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("mxfp4", None, 32),
+           ("fp4", None, 16), ("fp4", None, 32), ("fp4", None, 64)]
+
+
+def _np(a, dtype=None):
+    return np.asarray(a) if dtype is None else np.asarray(a).astype(dtype)
+
+
+def _quantize(mode, bits, group, shape, key, dtype=np.float32):
+    """Scales in `dtype` (the kernels read float scales in x's dtype)."""
+    w = rand(key, shape).astype(dtype)
+    return jq.quantize(w, mode=mode, bits=bits, group_size=group)
+
+
+@pytest.fixture(scope="session")
+def metal(tmp_path_factory):
+    if shim.cxx() is None:
+        pytest.skip("no C++ compiler for the MSL-on-CPU shim")
+    return shim.MetalOnCpu(shim.build(tmp_path_factory.mktemp("metal_shim")))
+
+
+# ---------------------------------------------------------------------------
+# Syntax
+
+
+CLANG = shutil.which("clang++-19") or shutil.which("clang++")
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("src", shim.sources(), ids=lambda p: p.name)
+def test_metal_source_syntax(src):
+    if CLANG is None:
+        pytest.skip("clang++ not found (the MSL syntax check needs it)")
+    r = subprocess.run([CLANG, "-fsyntax-only", "-x", "c++", "-std=c++20", "-Wall", "-Wextra",
+                        "-Werror", "-Wno-unknown-attributes", "-Wno-unused-parameter",
+                        f"-I{shim.SHIM}", f"-I{shim.METAL_SRC}", str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_kernel_is_instantiated(metal):
+    names = set(metal.kernels())
+    for fmt in ("affine4", "mxfp4", "fp4"):
+        for dt in ("float32", "float16", "bfloat16"):
+            for op in ("qmv", "qmm", "qmm_nax", "dequantize"):
+                assert f"jq_{op}_{fmt}_{dt}" in names
+    for a in ("float32", "float16", "bfloat16"):
+        for kind in ("row4", "head", "wide"):
+            assert f"jq_rms_norm_{kind}_{a}" in names
+        for b in ("float32", "float16", "bfloat16"):
+            assert f"jq_add_rms_norm_{a}_{b}" in names and f"jq_gated_rms_norm_{a}_{b}" in names
+
+
+# ---------------------------------------------------------------------------
+# Quantized matmuls
+
+
+@pytest.mark.parametrize("mode,bits,group", FORMATS)
+def test_qmv_matches_oracle(metal, mode, bits, group):
+    """The GEMV (qmm with M <= 8): every format and dtype, M = 1, 3, 8, a row count that
+    leaves a threadgroup part empty, K longer than 32 lanes x 32 codes (lanes loop)."""
+    for i, (dtype, m, n, k) in enumerate([(np.float32, 1, 5, 1152), (np.float16, 3, 9, 256),
+                                          (ml_dtypes.bfloat16, 8, 4, 128)]):
+        qw = _quantize(mode, bits, group, (2, n, k), 10 + i, dtype)
+        x = _np(rand(20 + i, (2, m, k)), dtype)
+        y = metal.qmv(x, qw)
+        assert y.dtype == dtype and y.shape == (2, m, n)
+        w64 = deq64(qw)
+        for e in range(2):
+            assert_matmul_close(y[e], x[e], w64[e], jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("mode,bits,group", [("affine", 4, 64), ("mxfp4", None, 32),
+                                             ("fp4", None, 32)])
+def test_expert_gemv_reads_ids_and_nans_bad_ones(metal, mode, bits, group):
+    """gather_qmm's slots: the expert id comes from the ids buffer; ids outside [0, E)
+    (negative, E, huge) give NaN rows; slots share x (top-k = 3 per token)."""
+    e, n, k, tokens, top = 4, 6, 128, 2, 3
+    qw = _quantize(mode, bits, group, (e, n, k), 30)
+    x = _np(rand(31, (tokens, 1, k)))
+    ids = np.array([2, -1, 0, 3, 4, 2**31 - 1], np.int32)
+    y = metal.qmv(x, qw, ids)
+    assert y.shape == (tokens * top, 1, n)
+    w64 = deq64(qw)
+    for s, i in enumerate(ids):
+        if 0 <= i < e:
+            assert_matmul_close(y[s], x[s // top], w64[i], jnp.float32)
+        else:
+            assert np.isnan(y[s]).all(), s
+    # the same expert through the GEMV without ids gives the same bits (one inner routine)
+    direct = metal.qmv(x[:1], qw)
+    np.testing.assert_array_equal(y[0], direct[2])
+
+
+@pytest.mark.parametrize("nax", [False, True], ids=["simdgroup_matrix", "nax"])
+@pytest.mark.parametrize("mode,bits,group", [("fp4", None, 32), ("fp4", None, 16),
+                                             ("affine", 4, 64), ("mxfp4", None, 32)])
+def test_qmm_gemm_matches_oracle(metal, nax, mode, bits, group):
+    """The GEMM for M > 8: 32 x 32 tiles with masked edges (M, N not multiples of 32),
+    batched weights, every dtype."""
+    for i, (dtype, b, m, n, k) in enumerate([(np.float32, 1, 9, 40, 64),
+                                             (ml_dtypes.bfloat16, 2, 33, 7, 128),
+                                             (np.float16, 1, 40, 33, 64)]):
+        qw = _quantize(mode, bits, group, (b, n, k), 40 + i, dtype)
+        x = _np(rand(50 + i, (b, m, k)), dtype)
+        y, (kernel, grid, threads) = metal.qmm(x, qw, nax=nax)
+        assert threads == 128 and grid == (-(-n // 32), -(-m // 32), b)
+        assert ("nax" in kernel) == nax
+        w64 = deq64(qw)
+        for j in range(b):
+            assert_matmul_close(y[j], x[j], w64[j], jnp.dtype(dtype))
+
+
+def test_qmm_paths_agree_with_reference_qmm(metal):
+    """GEMV and GEMM against jq.qmm(backend='reference') on one problem."""
+    qw = _quantize("fp4", None, 32, (24, 256), 60)
+    for m in (4, 12):
+        x = _np(rand(61 + m, (m, 256)))
+        want = np.asarray(jq.qmm(x, qw, backend="reference"))
+        qw3 = jax.tree.map(lambda a: a[None], qw)  # a batch of one weight matrix
+        got = metal.qmv(x[None], qw3)[0] if m <= 8 else metal.qmm(x[None], qw3)[0][0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Dequantize
+
+
+def test_mxfp4_dequantize_is_exact_with_e8m0_edges(metal):
+    """E8M0 2^(e-127): e = 0 is the subnormal 2^-127 (exact, not flushed), e = 254 the
+    largest, e = 255 a NaN block; every E2M1 code; bit for bit the reference in float32."""
+    n, k = 6, 64
+    codes = np.arange(n * k, dtype=np.uint32) % 16
+    data = np.zeros((n, k // 8), np.uint32)
+    for j in range(8):
+        data |= codes.reshape(n, k // 8, 8)[..., j] << (4 * j)
+    scales = np.array([[0, 1], [126, 127], [128, 254], [255, 3], [150, 255], [100, 140]],
+                      np.uint8)
+    qw = jq.QuantizedArray(jnp.asarray(data), jnp.asarray(scales), None, None, mode="mxfp4",
+                           bits=4, group_size=32, dtype=jnp.float32)
+    want = np.asarray(jq.dequantize(qw, backend="reference"))
+    got = metal.dequantize(qw, np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)],
+                                  want.view(np.uint32)[~np.isnan(want)])
+    assert (np.isnan(got) == np.isnan(want)).all()
+    assert np.isnan(got[3, :32]).all() and np.isnan(got[4, 32:]).all()
+    tiny = got[0, :32][codes[:32] % 8 != 0]
+    assert (np.abs(tiny) > 0).all()  # subnormal results kept
+    with np.errstate(over="ignore"):  # 6 * 2^127 is inf in float32, as in the kernel
+        np.testing.assert_array_equal(got, deq64(qw).astype(np.float32))
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        low = metal.dequantize(qw, dtype)
+        np.testing.assert_array_equal(low.astype(np.float32),
+                                      np.asarray(jq.dequantize(qw, dtype=dtype,
+                                                               backend="reference"),
+                                                 np.float32))
+
+
+@pytest.mark.parametrize("mode,bits,group", FORMATS)
+def test_dequantize_matches_reference(metal, mode, bits, group):
+    for dtype in DTYPES:
+        qw = _quantize(mode, bits, group, (3, 5, 128), 70, dtype)
+        got = metal.dequantize(qw, dtype)
+        want = np.asarray(jq.dequantize(qw, dtype=dtype, backend="reference"))
+        assert got.dtype == dtype and got.shape == (3, 5, 128)
+        eps = EPS[jnp.dtype(dtype)]
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   rtol=eps, atol=1e-30)
+
+
+# ---------------------------------------------------------------------------
+# Norms
+
+
+@pytest.mark.parametrize("n,kernel", [(64, "head"), (128, "head"), (256, "head"),
+                                      (384, "row4"), (4096, "row4"), (100, "wide"),
+                                      (4224, "wide"), (8, "wide")])
+def test_rms_norm_geometries(metal, n, kernel):
+    for i, dtype in enumerate(DTYPES):
+        rows = 9 if kernel == "head" else 2  # 9 head rows: a partly empty threadgroup
+        x = _np(rand(80 + i, (rows, n), scale=2.0), dtype)
+        w = _np(rand(90 + i, (n,)), dtype)
+        eps = EPS[jnp.dtype(dtype)]
+        tol = dict(rtol=4 * eps + 1e-6, atol=4 * eps + 1e-6)
+        for args, want in [((w,), rms64(x, w)), ((None, 1e-3), rms64(x, eps=1e-3)),
+                           ((w, 1e-6, 1.0), rms64(x, w, off=1.0))]:
+            y, name = metal.rms_norm(x, *args)
+            assert name == f"jq_rms_norm_{kernel}_{shim.DTYPE_NAMES[np.dtype(dtype)]}"
+            np.testing.assert_allclose(y.astype(np.float64), want, err_msg=name, **tol)
+
+
+def test_add_rms_norm(metal):
+    n = 320
+    for i, (xdt, rdt) in enumerate([(a, b) for a in (np.float32, ml_dtypes.bfloat16)
+                                    for b in DTYPES]):
+        x, r = _np(rand(100 + i, (3, n)), xdt), _np(rand(110 + i, (3, n)), rdt)
+        w = _np(rand(120 + i, (n,)), rdt)
+        y, h = metal.add_rms_norm(x, r, w, off=0.5)
+        yr, hr = jq.add_rms_norm(x, r, w, weight_offset=0.5, backend="reference")
+        assert y.dtype == rdt and h.dtype == rdt
+        np.testing.assert_array_equal(h.astype(np.float32), np.asarray(hr, np.float32))
+        eps = EPS[jnp.dtype(rdt)]
+        np.testing.assert_allclose(y.astype(np.float64), rms64(h, w, off=0.5),
+                                   rtol=4 * eps + 1e-6, atol=4 * eps + 1e-6)
+    y, _ = metal.add_rms_norm(x, r)  # no weight
+    np.testing.assert_allclose(y.astype(np.float64), rms64(h), rtol=4 * eps + 1e-6,
+                               atol=4 * eps + 1e-6)
+
+
+@pytest.mark.parametrize("gdt", DTYPES)
+def test_gated_rms_norm(metal, gdt):
+    n = 256
+    x, gate = _np(rand(130, (3, n))), _np(rand(131, (3, n)), gdt)
+    w = _np(rand(132, (n,)), gdt)
+    eps = EPS[jnp.dtype(gdt)]
+    for activation in ("silu", "sigmoid"):
+        for before in (True, False):
+            for group in (None, 64):
+                y = metal.gated_rms_norm(x, gate, w, activation=activation,
+                                         norm_before_gate=before, group_size=group)
+                g = act64(gate, activation)
+                want = (rms64(x, w, group=group) * g if before
+                        else rms64(np.asarray(x, np.float64) * g, w, group=group))
+                assert y.dtype == gdt
+                np.testing.assert_allclose(y.astype(np.float64), want, rtol=8 * eps + 1e-5,
+                                           atol=8 * eps + 1e-5,
+                                           err_msg=str((activation, before, group)))
+    # x in bf16, no weight, weight_offset ignored without weight
+    xb = _np(x, ml_dtypes.bfloat16)
+    y = metal.gated_rms_norm(xb, gate, None, off=3.0)
+    np.testing.assert_allclose(y.astype(np.float64), rms64(xb) * act64(gate, "silu"),
+                               rtol=8 * eps + 1e-5, atol=8 * eps + 1e-5)
+
+
+# ---------------------------------------------------------------------------
+# The shim fails what a GPU would get wrong
+
+
+def _faulty(metal, kernel, threads=64, groups=1, flag=0, timeout_s=1.0):
+    out = shim._aligned(np.zeros(groups * threads, np.float32))
+    metal.dispatch(kernel, [out, np.array([flag], np.uint32)], (groups, 1, 1), threads,
+                   timeout_s=timeout_s)
+    return out
+
+
+def test_shim_fails_a_barrier_not_every_thread_reaches(metal):
+    with pytest.raises(shim.ShimError, match="only 32 of 64 threads arrived"):
+        _faulty(metal, "faulty_divergent_barrier")
+
+
+def test_shim_fails_a_simd_op_not_every_lane_reaches(metal):
+    with pytest.raises(shim.ShimError, match="simdgroup operation: only 16 of 32"):
+        _faulty(metal, "faulty_divergent_simd_sum")
+
+
+def test_shim_race_without_barrier_is_visible(metal):
+    """With the barrier, the reduction is exact in every threadgroup. Without it, some
+    thread reads a slot before its simdgroup wrote it in at least one of many runs."""
+    good = _faulty(metal, "faulty_racy_sum", threads=256, groups=8, flag=1)
+    assert (good == 256).all()
+    bad = [_faulty(metal, "faulty_racy_sum", threads=256, groups=8, flag=0) for _ in range(5)]
+    assert any((b != 256).any() for b in bad)
+
+
+def test_shim_rejects_wrong_buffer_count_and_partial_simdgroups(metal):
+    out = shim._aligned(np.zeros(64, np.float32))
+    with pytest.raises(shim.ShimError, match="takes 2 buffers"):
+        metal.dispatch("faulty_racy_sum", [out], (1, 1, 1), 64)
+    with pytest.raises(shim.ShimError, match="multiple of 32"):
+        metal.dispatch("faulty_racy_sum", [out, np.zeros(1, np.uint32)], (1, 1, 1), 48)
