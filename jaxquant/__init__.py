@@ -26,7 +26,7 @@ def _load_backends():
 
     from jaxquant import dispatch
 
-    for name in ("pallas", "ffi"):
+    for name in ("pallas", "ffi", "metal"):
         try:
             importlib.import_module(f"jaxquant.{name}")
         except Exception as e:  # noqa: BLE001 - a broken backend must not break import

@@ -12,6 +12,7 @@ On macOS with the backend built, tests/test_metal_gpu.py (through the bridge) ru
 
 import shutil
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -294,3 +295,56 @@ def test_shim_rejects_wrong_buffer_count_and_partial_simdgroups(metal):
         metal.dispatch("faulty_racy_sum", [out], (1, 1, 1), 64)
     with pytest.raises(shim.ShimError, match="multiple of 32"):
         metal.dispatch("faulty_racy_sum", [out, np.zeros(1, np.uint32)], (1, 1, 1), 48)
+
+
+# ---------------------------------------------------------------------------
+# The bridge and the Python side, off macOS
+
+
+@pytest.mark.toolchain
+def test_bridge_type_checks():
+    """metal_ffi.mm through clang as Objective-C++: its XLA FFI half against the real XLA
+    headers, its Metal calls against declarations transcribed from Apple's documentation
+    (tests/metal_shim/objc/). Only a Mac compiles and links it for real (macos.yml)."""
+    if CLANG is None:
+        pytest.skip("clang++ not found")
+    r = subprocess.run([CLANG, "-fsyntax-only", "-x", "objective-c++", "-fobjc-arc", "-fblocks",
+                        "-fobjc-runtime=macosx-14.0", "-std=c++17", "-Wall", "-Werror",
+                        f"-I{shim.SHIM / 'objc'}", f"-I{shim.METAL_SRC}", "-isystem",
+                        jax.ffi.include_dir(), str(shim.METAL_SRC / "metal_ffi.mm")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")
+def test_metal_is_not_listed_off_macos():
+    from jaxquant import dispatch
+    assert "metal" not in jq.available_backends()
+    assert "macOS only" in dispatch.not_built_backends()["metal"]
+    with pytest.raises(RuntimeError, match="backend='metal' cannot run here: not built"):
+        jq.rms_norm(jnp.ones((2, 8)), backend="metal")
+
+
+def test_metal_applies_takes_what_the_kernels_serve():
+    """What the lowering sends to the bridge (the rest goes to the reference)."""
+    from jaxquant.metal import _ops
+    sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+    x = sd((3, 64), jnp.bfloat16)
+    ok = _quantize("affine", 4, 64, (8, 64), 1, ml_dtypes.bfloat16)
+    three_bit = jq.quantize(rand(1, (8, 64)).astype(jnp.bfloat16), mode="affine", bits=3)
+    f32_scales = _quantize("fp4", None, 32, (8, 64), 1)
+    mx = _quantize("mxfp4", None, 32, (8, 64), 1)
+    nv = jq.quantize(rand(1, (8, 64)), mode="nvfp4")
+    qmm = lambda qw, transpose=True: _ops.qmm_applies(x, qw, transpose=transpose, precision=None)
+    assert qmm(ok) and qmm(mx)
+    assert not qmm(ok, transpose=False)  # x @ W: the reference
+    assert not qmm(three_bit) and not qmm(nv)
+    assert not qmm(f32_scales)  # float scales must be in x's dtype
+    assert _ops.dequantize_applies(mx, dtype=jnp.float16)
+    assert not _ops.dequantize_applies(mx, dtype=jnp.float64)
+    w = sd((64,), jnp.float32)
+    assert _ops.rms_norm_applies(sd((3, 64), jnp.float32), w, eps=1e-6, weight_offset=0.0)
+    assert not _ops.rms_norm_applies(x, w, eps=1e-6, weight_offset=0.0)  # weight dtype != x's
+    assert _ops.gated_rms_norm_applies(sd((3, 64), jnp.float32), x, None, eps=1e-6,
+                                       weight_offset=0.0, activation="silu",
+                                       norm_before_gate=True, group_size=None)
