@@ -164,6 +164,8 @@ def bench_qmm(shapes=DEFAULT_SHAPES, modes=DEFAULT_MODES, dtype="bfloat16", copi
                           if cfg is None or _variant_fits(cfg, m)]
             if use_ffi:
                 impls.append(("ffi", functools.partial(jq.qmm, backend="ffi")))
+            if "metal" in jq.available_backends():  # macOS: the Apple GPU through the bridge
+                impls.append(("metal", functools.partial(jq.qmm, backend="metal")))
             for name, kernel in impls:
                 fn = many(kernel)
                 err = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
+import hashlib
 import os
 import pathlib
 import shutil
@@ -62,6 +64,24 @@ def build(out_dir: pathlib.Path) -> pathlib.Path:
     if r.returncode:
         raise RuntimeError(f"linking the shim failed:\n{r.stderr[-4000:]}")
     return lib
+
+
+def build_cached(cache_root: pathlib.Path) -> pathlib.Path:
+    """build() once per source state: keyed by the sources' and the compiler's bytes, under
+    a lock, so pytest-xdist workers sharing `cache_root` compile it once between them."""
+    h = hashlib.sha256(cxx().encode())
+    for src in [*sources(), SHIM / "harness.cc", *sorted(SHIM.glob("metal_*")),
+                *sorted(METAL_SRC.glob("*.h")), *sorted((SHIM / "MetalPerformancePrimitives").glob("*"))]:
+        h.update(src.name.encode() + src.read_bytes())
+    out = cache_root / f"metal_shim_{h.hexdigest()[:16]}"
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with open(cache_root / "metal_shim.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lib = out / "libjq_metal_shim.so"
+        if not lib.is_file():
+            out.mkdir(exist_ok=True)
+            build(out)
+        return lib
 
 
 class ShimError(RuntimeError):
