@@ -242,8 +242,7 @@ def test_add_rms_norm(metal):
     """h = (x + residual) rounded once to residual's dtype (as the reference: checked
     against it for one pair, against that rule for the rest); y = rms_norm(h)."""
     n = 320
-    for i, (xdt, rdt) in enumerate([(a, b) for a in (np.float32, ml_dtypes.bfloat16)
-                                    for b in DTYPES]):
+    for i, (xdt, rdt) in enumerate([(a, b) for a in DTYPES for b in DTYPES]):
         x, r = _np(rand(100 + i, (3, n)), xdt), _np(rand(110 + i, (3, n)), rdt)
         w = _np(rand(120 + i, (n,)), rdt)
         y, h = metal.add_rms_norm(x, r, w, off=0.5)
@@ -278,11 +277,13 @@ def test_gated_rms_norm(metal, gdt):
                 np.testing.assert_allclose(y.astype(np.float64), want, rtol=8 * eps + 1e-5,
                                            atol=8 * eps + 1e-5,
                                            err_msg=str((activation, before, group)))
-    # x in bf16, no weight, weight_offset ignored without weight
-    xb = _np(x, ml_dtypes.bfloat16)
-    y = metal.gated_rms_norm(xb, gate, None, off=3.0)
-    np.testing.assert_allclose(y.astype(np.float64), rms64(xb) * act64(gate, "silu"),
-                               rtol=8 * eps + 1e-5, atol=8 * eps + 1e-5)
+    # x in float16 and bfloat16, no weight (weight_offset unused without a weight)
+    for xdt in (np.float16, ml_dtypes.bfloat16):
+        xl = _np(x, xdt)
+        y = metal.gated_rms_norm(xl, gate, None, off=3.0, group_size=128)
+        np.testing.assert_allclose(y.astype(np.float64),
+                                   rms64(xl, group=128) * act64(gate, "silu"),
+                                   rtol=8 * eps + 1e-5, atol=8 * eps + 1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -376,3 +377,143 @@ def test_metal_applies_takes_what_the_kernels_serve():
     assert _ops.gated_rms_norm_applies(sd((3, 64), jnp.float32), x, None, eps=1e-6,
                                        weight_offset=0.0, activation="silu",
                                        norm_before_gate=True, group_size=None)
+
+
+# ---------------------------------------------------------------------------
+# jq ops with backend="metal" end to end, the bridge's handlers (metal_src/handlers.h)
+# running the kernels on the shim: everything but metal_ffi.mm's Metal calls
+
+
+@pytest.fixture(scope="module")
+def metal_backend(metal):
+    if sys.platform == "darwin":
+        pytest.skip("macOS has the real backend (tests/test_metal_gpu.py)")
+    from jaxquant import dispatch
+    from jaxquant.metal import _loader, _ops
+    for target, symbol in _loader.TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(metal.lib, symbol)),
+                                    platform="cpu")
+    not_built = dispatch._NOT_BUILT.pop("metal", None)
+    dispatch.register_backend("metal", lambda: None)
+    _ops.register_kernels()
+    yield
+    for kernels in dispatch._KERNELS.values():
+        kernels[:] = [k for k in kernels if k.backend != "metal"]
+    dispatch._AVAILABILITY.pop("metal", None)
+    if not_built is not None:
+        dispatch._NOT_BUILT["metal"] = not_built
+
+
+def _on_metal(f, *args, **kw):
+    return jax.jit(lambda *a: f(*a, **kw, backend="metal"))(*args)
+
+
+@pytest.mark.parametrize("mode,group", [("affine", 64), ("mxfp4", 32), ("fp4", 16)])
+def test_jq_qmm_on_metal(metal_backend, mode, group):
+    for dtype, m in [(np.float32, 1), (ml_dtypes.bfloat16, 8), (np.float16, 9),
+                     (np.float32, 37)]:
+        qw = _quantize(mode, None, group, (2, 24, 96 if group != 64 else 128), 140 + m, dtype)
+        x = _np(rand(150 + m, (2, m, qw.shape[-1])), dtype)
+        text = jax.jit(lambda x: jq.qmm(x, qw, backend="metal")).lower(x).as_text()
+        assert ("jaxquant_metal_qmv" if m <= 8 else "jaxquant_metal_qmm") in text
+        y = np.asarray(_on_metal(jq.qmm, x, qw))
+        w64 = deq64(qw)
+        for b in range(2):
+            assert_matmul_close(y[b], x[b], w64[b], jnp.dtype(dtype))
+
+
+def test_jq_gather_qmm_on_metal(metal_backend):
+    """Expert ids read on the GPU; ids outside [0, E) give NaN rows; every slot equals
+    qmm on its expert bit for bit (DESIGN: one inner routine)."""
+    qw = _quantize("mxfp4", None, 32, (4, 16, 64), 160)
+    x = _np(rand(161, (3, 64)))
+    idx = jnp.array([[0, 3], [-1, 2], [4, 1]], jnp.int32)
+    y = np.asarray(_on_metal(jq.gather_qmm, x, qw, idx))
+    for t in range(3):
+        for j in range(2):
+            e = int(idx[t, j])
+            if 0 <= e < 4:
+                np.testing.assert_array_equal(y[t, j], np.asarray(_on_metal(jq.qmm, x[t], qw[e])))
+            else:
+                assert np.isnan(y[t, j]).all()
+    x3 = _np(rand(162, (3, 2, 64)))  # one x per slot
+    y3 = np.asarray(_on_metal(jq.gather_qmm, x3, qw, idx))
+    assert_matmul_close(y3[2, 1], x3[2, 1], deq64(qw)[1], jnp.float32)
+    assert np.isnan(y3[2, 0]).all()
+
+
+def test_jq_dequantize_and_norms_on_metal(metal_backend):
+    qw = _quantize("fp4", None, 32, (2, 8, 64), 170, ml_dtypes.bfloat16)
+    got = np.asarray(_on_metal(jq.dequantize, qw, dtype=jnp.bfloat16))
+    np.testing.assert_array_equal(got, np.asarray(jq.dequantize(qw, dtype=jnp.bfloat16,
+                                                                backend="reference")))
+    x, w = _np(rand(171, (2, 3, 128))), _np(rand(172, (128,)))
+    np.testing.assert_allclose(np.asarray(_on_metal(jq.rms_norm, x, w)), rms64(x, w),
+                               rtol=1e-5, atol=1e-6)
+    y = jax.jit(jax.vmap(lambda x: jq.rms_norm(x, w, backend="metal")))(x)
+    np.testing.assert_allclose(np.asarray(y), rms64(x, w), rtol=1e-5, atol=1e-6)
+    r = _np(rand(173, (2, 3, 128)), ml_dtypes.bfloat16)
+    _, h = _on_metal(jq.add_rms_norm, x, r)
+    np.testing.assert_array_equal(np.asarray(h), (x + r.astype(np.float32)).astype(r.dtype))
+    g = _np(rand(174, (2, 3, 128)))
+    y = _on_metal(jq.gated_rms_norm, x, g, w, activation="sigmoid", group_size=32)
+    np.testing.assert_allclose(np.asarray(y), rms64(x, w, group=32) * act64(g, "sigmoid"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_metal_serves_the_rest_on_the_reference(metal_backend):
+    """backend="metal" on what the kernels do not take (x @ W, 8-bit, ragged_qmm): the
+    reference's result, no error."""
+    qw8 = jq.quantize(jnp.asarray(rand(180, (16, 64))), mode="affine", bits=8)
+    x = _np(rand(181, (2, 64)))
+    np.testing.assert_array_equal(np.asarray(_on_metal(jq.qmm, x, qw8)),
+                                  np.asarray(jq.qmm(x, qw8, backend="reference")))
+    qw = _quantize("fp4", None, 32, (2, 16, 64), 182)
+    xr = _np(rand(183, (5, 64)))
+    sizes = jnp.array([2, 3], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(_on_metal(jq.ragged_qmm, xr, qw, sizes)),
+        np.asarray(jq.ragged_qmm(xr, qw, sizes, backend="reference")))
+
+
+def test_the_bridge_refuses_bad_calls(metal_backend):
+    """Calls the lowering never makes, straight through the FFI targets: an error naming
+    the problem, nothing read or written."""
+    from jaxquant.metal import _ops
+    qw = _quantize("fp4", None, 32, (1, 32, 128), 190)
+    x = _np(rand(191, (1, 2, 128)))
+    attrs = dict(fmt=np.int64(2), group_size=np.int64(32))
+    call = lambda name, out, *ops, **kw: jax.ffi.ffi_call(name, out)(*ops, **kw)
+    cases = [
+        ("the output must be x's dtype", lambda: call(
+            "jaxquant_metal_qmm", jax.ShapeDtypeStruct((1, 2, 31), jnp.float32), x, qw.data,
+            qw.scales, _ops._biases(qw), **attrs)),
+        ("group_size 48", lambda: call(
+            "jaxquant_metal_dequantize", jax.ShapeDtypeStruct((1, 32, 128), jnp.float32),
+            qw.data, qw.scales, _ops._biases(qw), fmt=np.int64(2), group_size=np.int64(48))),
+        ("fmt must be", lambda: call(
+            "jaxquant_metal_dequantize", jax.ShapeDtypeStruct((1, 32, 128), jnp.float32),
+            qw.data, qw.scales, _ops._biases(qw), fmt=np.int64(7), group_size=np.int64(32))),
+        ("ids must be int32", lambda: call(
+            "jaxquant_metal_qmv", jax.ShapeDtypeStruct((2, 2, 32), jnp.float32), x, qw.data,
+            qw.scales, _ops._biases(qw), jnp.zeros((2,), jnp.float32), **attrs)),
+        ("1 to 8 rows", lambda: call(
+            "jaxquant_metal_qmv", jax.ShapeDtypeStruct((1, 9, 32), jnp.float32),
+            _np(rand(192, (1, 9, 128))), qw.data, qw.scales, _ops._biases(qw),
+            jnp.zeros((0,), jnp.int32), **attrs)),
+        ("scales must have data's rank and dtype", lambda: call(
+            "jaxquant_metal_qmm", jax.ShapeDtypeStruct((1, 2, 32), jnp.float32), x, qw.data,
+            qw.scales.astype(jnp.float16), _ops._biases(qw), **attrs)),
+        ("weight must be", lambda: call(
+            "jaxquant_metal_rms_norm", jax.ShapeDtypeStruct((2, 64), jnp.float32),
+            jnp.ones((2, 64)), jnp.ones((63,)), eps=np.float32(1e-6),
+            weight_offset=np.float32(0))),
+        ("group_size must divide", lambda: call(
+            "jaxquant_metal_gated_rms_norm", jax.ShapeDtypeStruct((2, 64), jnp.float32),
+            jnp.ones((2, 64)), jnp.ones((2, 64)), jnp.zeros((0,)), eps=np.float32(1e-6),
+            weight_offset=np.float32(0), activation=np.int64(0), norm_before_gate=np.int64(1),
+            group_size=np.int64(48))),
+    ]
+    for match, f in cases:
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(f())

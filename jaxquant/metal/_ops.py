@@ -172,7 +172,11 @@ def qmm_impl(x, qw, *, transpose, precision):
 def gather_qmm_impl(x, qw, indices, *, transpose, precision):
     t, slots = indices.shape
     x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
-    y = qmv_call(x3, qw, indices.astype(jnp.int32).reshape(-1))  # bad ids: NaN rows (GPU)
+    # ids outside [0, E) become -1 before the int32 cast (an int64 id must not wrap into
+    # range); the kernel writes NaN rows for them
+    valid = (indices >= 0) & (indices < qw.shape[0])
+    ids = jnp.where(valid, indices, -1).astype(jnp.int32).reshape(-1)
+    y = qmv_call(x3, qw, ids)
     return y.reshape(t, slots, qw.shape[1])
 
 

@@ -45,8 +45,11 @@ def build(out_dir: pathlib.Path) -> pathlib.Path:
     compiler = cxx()
     flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-fno-strict-aliasing", "-w",
              f"-I{SHIM}", f"-I{METAL_SRC}"]
+    import jax.ffi  # the XLA FFI headers of the handlers (shim_ffi.cc)
+
     jobs = [(src, out_dir / (src.name + ".o"), ["-x", "c++"]) for src in sources()]
     jobs.append((SHIM / "harness.cc", out_dir / "harness.o", []))
+    jobs.append((SHIM / "shim_ffi.cc", out_dir / "shim_ffi.o", ["-isystem", jax.ffi.include_dir()]))
 
     def compile_one(job):
         src, obj, lang = job
@@ -70,7 +73,7 @@ def build_cached(cache_root: pathlib.Path) -> pathlib.Path:
     """build() once per source state: keyed by the sources' and the compiler's bytes, under
     a lock, so pytest-xdist workers sharing `cache_root` compile it once between them."""
     h = hashlib.sha256(cxx().encode())
-    for src in [*sources(), SHIM / "harness.cc", *sorted(SHIM.glob("metal_*")),
+    for src in [*sources(), SHIM / "harness.cc", SHIM / "shim_ffi.cc", *sorted(SHIM.glob("metal_*")),
                 *sorted(METAL_SRC.glob("*.h")), *sorted((SHIM / "MetalPerformancePrimitives").glob("*"))]:
         h.update(src.name.encode() + src.read_bytes())
     out = cache_root / f"metal_shim_{h.hexdigest()[:16]}"
