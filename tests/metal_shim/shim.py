@@ -69,6 +69,31 @@ def build(out_dir: pathlib.Path) -> pathlib.Path:
     return lib
 
 
+def build_tsan(out_dir: pathlib.Path) -> pathlib.Path:
+    """The ThreadSanitizer driver (tsan_main.cc) with every kernel and the harness."""
+    compiler = cxx()
+    flags = ["-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-fno-strict-aliasing",
+             "-w", f"-I{SHIM}", f"-I{METAL_SRC}"]
+
+    def compile_one(src):
+        obj = out_dir / (src.name + ".o")
+        lang = ["-x", "c++"] if src.suffix == ".metal" else []
+        r = subprocess.run([compiler, *flags, *lang, "-c", str(src), "-o", str(obj)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"compiling {src.name} failed:\n{r.stderr[-4000:]}")
+        return obj
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        objs = list(pool.map(compile_one, [*sources(), SHIM / "harness.cc", SHIM / "tsan_main.cc"]))
+    exe = out_dir / "tsan_main"
+    r = subprocess.run([compiler, *flags, *map(str, objs), "-o", str(exe)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        raise RuntimeError(f"linking the TSan driver failed:\n{r.stderr[-4000:]}")
+    return exe
+
+
 def build_cached(cache_root: pathlib.Path) -> pathlib.Path:
     """build() once per source state: keyed by the sources' and the compiler's bytes, under
     a lock, so pytest-xdist workers sharing `cache_root` compile it once between them."""
