@@ -6,6 +6,9 @@ float32/float16/bfloat16. qmm with x @ W.T: the GEMV up to GEMV_MAX_M rows of x 
 weight matrix, the GEMM above; gather_qmm with x @ W.T: the GEMV per slot, expert ids
 read on the GPU (ids outside [0, E) give NaN rows). dequantize. The three norms, the
 weight in the output's dtype.
+
+Every function takes the dispatcher's `platform`, always "cpu" here: the bridge's
+handlers are registered on JAX's CPU platform (the GPU work happens inside them).
 """
 
 from __future__ import annotations
@@ -72,13 +75,13 @@ def _norm_attrs(eps, weight_offset):
     return dict(eps=np.float32(eps), weight_offset=np.float32(weight_offset))
 
 
-def rms_norm_impl(x, weight, *, eps, weight_offset):
+def rms_norm_impl(x, weight, *, eps, weight_offset, platform="cpu"):
     w = weight if weight is not None else _empty(x.dtype)
     return jax.ffi.ffi_call("jaxquant_metal_rms_norm", jax.ShapeDtypeStruct(x.shape, x.dtype),
                             vmap_method="broadcast_all")(x, w, **_norm_attrs(eps, weight_offset))
 
 
-def add_rms_norm_impl(x, residual, weight, *, eps, weight_offset):
+def add_rms_norm_impl(x, residual, weight, *, eps, weight_offset, platform="cpu"):
     w = weight if weight is not None else _empty(residual.dtype)
     out = jax.ShapeDtypeStruct(x.shape, residual.dtype)
     y, h = jax.ffi.ffi_call("jaxquant_metal_add_rms_norm", (out, out),
@@ -88,7 +91,7 @@ def add_rms_norm_impl(x, residual, weight, *, eps, weight_offset):
 
 
 def gated_rms_norm_impl(x, gate, weight, *, eps, weight_offset, activation, norm_before_gate,
-                        group_size):
+                        group_size, platform="cpu"):
     w = weight if weight is not None else _empty(gate.dtype)
     return jax.ffi.ffi_call("jaxquant_metal_gated_rms_norm",
                             jax.ShapeDtypeStruct(x.shape, gate.dtype),
@@ -119,15 +122,15 @@ def _qw_ok(qw, value_dtype):
     return same(qw.scales) and same(qw.biases)
 
 
-def dequantize_applies(qw, *, dtype):
+def dequantize_applies(qw, *, dtype, platform="cpu"):
     return jnp.dtype(dtype) in _DTYPES and _qw_ok(qw, dtype)
 
 
-def qmm_applies(x, qw, *, transpose, precision):
+def qmm_applies(x, qw, *, transpose, precision, platform="cpu"):
     return transpose and _float(x) and _qw_ok(qw, x.dtype) and math.prod(x.shape) > 0
 
 
-def gather_qmm_applies(x, qw, indices, *, transpose, precision):
+def gather_qmm_applies(x, qw, indices, *, transpose, precision, platform="cpu"):
     return transpose and _float(x) and _qw_ok(qw, x.dtype) and math.prod(x.shape) > 0
 
 
@@ -135,16 +138,16 @@ def _weight_ok(weight, dtype):
     return weight is None or jnp.dtype(weight.dtype) == jnp.dtype(dtype)
 
 
-def rms_norm_applies(x, weight, *, eps, weight_offset):
+def rms_norm_applies(x, weight, *, eps, weight_offset, platform="cpu"):
     return _float(x) and _weight_ok(weight, x.dtype) and x.shape[-1] > 0
 
 
-def add_rms_norm_applies(x, residual, weight, *, eps, weight_offset):
+def add_rms_norm_applies(x, residual, weight, *, eps, weight_offset, platform="cpu"):
     return _float(x, residual) and _weight_ok(weight, residual.dtype) and x.shape[-1] > 0
 
 
 def gated_rms_norm_applies(x, gate, weight, *, eps, weight_offset, activation, norm_before_gate,
-                           group_size):
+                           group_size, platform="cpu"):
     return _float(x, gate) and _weight_ok(weight, gate.dtype) and x.shape[-1] > 0
 
 
@@ -159,7 +162,7 @@ def _flat(qw: QuantizedArray, n_lead: int) -> QuantizedArray:
                           bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype)
 
 
-def qmm_impl(x, qw, *, transpose, precision):
+def qmm_impl(x, qw, *, transpose, precision, platform="cpu"):
     nb = qw.ndim - 2
     k, n = x.shape[-1], qw.shape[-2]
     m = math.prod(x.shape[nb:-1])
@@ -169,7 +172,7 @@ def qmm_impl(x, qw, *, transpose, precision):
     return y.reshape(*x.shape[:-1], n)
 
 
-def gather_qmm_impl(x, qw, indices, *, transpose, precision):
+def gather_qmm_impl(x, qw, indices, *, transpose, precision, platform="cpu"):
     t, slots = indices.shape
     x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
     # ids outside [0, E) become -1 before the int32 cast (an int64 id must not wrap into
@@ -180,7 +183,7 @@ def gather_qmm_impl(x, qw, indices, *, transpose, precision):
     return y.reshape(t, slots, qw.shape[1])
 
 
-def dequantize_impl(qw, *, dtype):
+def dequantize_impl(qw, *, dtype, platform="cpu"):
     return dequantize_call(qw, dtype)
 
 
@@ -196,6 +199,6 @@ def register_kernels():
         ("rms_norm", rms_norm_impl, rms_norm_applies),
         ("add_rms_norm", add_rms_norm_impl, add_rms_norm_applies),
         ("gated_rms_norm", gated_rms_norm_impl, gated_rms_norm_applies),
-        ("ragged_qmm", None, _never),  # no kernel: backend="metal" gets the reference
+        ("ragged_qmm", _never, _never),  # no kernel: backend="metal" gets the reference
     ]:
         dispatch.register(name, "metal", ("cpu",), impl, applies, priority=PRIORITY, auto=_never)
