@@ -72,16 +72,45 @@ def metal(tmp_path_factory):
 CLANG = shutil.which("clang++-19") or shutil.which("clang++")
 
 
+def _clang_syntax(src, strict):
+    """clang -fsyntax-only on an MSL source: `strict` with the address-space shim
+    (tests/metal_shim/strict/: device/constant/threadgroup are clang address spaces, so
+    mixing them is an error as in MSL; ext_vector types), else the CPU shim it runs on."""
+    includes = ([f"-I{shim.SHIM / 'strict'}"] if strict else []) + [f"-I{shim.SHIM}",
+                                                                    f"-I{shim.METAL_SRC}"]
+    return subprocess.run([CLANG, "-fsyntax-only", "-x", "c++", "-std=c++20", "-Wall", "-Wextra",
+                           "-Werror", "-Wno-unknown-attributes", "-Wno-unused-parameter",
+                           *includes, str(src)], capture_output=True, text=True)
+
+
 @pytest.mark.toolchain
+@pytest.mark.parametrize("strict", [True, False], ids=["address_spaces", "cpu_shim"])
 @pytest.mark.parametrize("src", shim.sources(), ids=lambda p: p.name)
-def test_metal_source_syntax(src):
+def test_metal_source_syntax(src, strict):
     if CLANG is None:
         pytest.skip("clang++ not found (the MSL syntax check needs it)")
-    r = subprocess.run([CLANG, "-fsyntax-only", "-x", "c++", "-std=c++20", "-Wall", "-Wextra",
-                        "-Werror", "-Wno-unknown-attributes", "-Wno-unused-parameter",
-                        f"-I{shim.SHIM}", f"-I{shim.METAL_SRC}", str(src)],
-                       capture_output=True, text=True)
+    r = _clang_syntax(src, strict)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.toolchain
+def test_syntax_check_rejects_mixed_address_spaces(tmp_path):
+    if CLANG is None:
+        pytest.skip("clang++ not found (the MSL syntax check needs it)")
+    src = tmp_path / "bad.metal"
+    src.write_text('''#include "jq_metal.h"
+template <typename T>
+kernel void bad(device const T* x [[buffer(0)]], device T* out [[buffer(1)]],
+                constant uint& n [[buffer(2)]], JQ_THREAD_IDS) {
+  threadgroup float s[32];
+  device float* q = s;
+  out[tid] = x[tid] + q[0];
+}
+JQ_KERNEL("bad", bad<float>)
+''')
+    r = _clang_syntax(src, strict=True)
+    assert r.returncode != 0 and "address_space(3)" in r.stderr, r.stderr
+    assert _clang_syntax(src, strict=False).returncode == 0  # the CPU shim cannot tell
 
 
 def test_every_kernel_is_instantiated(metal):
