@@ -413,24 +413,33 @@ def test_metal_applies_takes_what_the_kernels_serve():
 # running the kernels on the shim: everything but metal_ffi.mm's Metal calls
 
 
-@pytest.fixture(scope="module")
+_TARGETS_REGISTERED = []
+
+
+@pytest.fixture
 def metal_backend(metal):
+    """backend="metal" served by the shim for one test (dispatch's state restored after,
+    so no other test in this process sees a metal backend off macOS)."""
     if sys.platform == "darwin":
         pytest.skip("macOS has the real backend (tests/test_metal_gpu.py)")
     from jaxquant import dispatch
     from jaxquant.metal import _loader, _ops
-    for target, symbol in _loader.TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(metal.lib, symbol)),
-                                    platform="cpu")
+    if not _TARGETS_REGISTERED:  # FFI targets can be registered once per process
+        for target, symbol in _loader.TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(metal.lib, symbol)),
+                                        platform="cpu")
+        _TARGETS_REGISTERED.append(True)
     not_built = dispatch._NOT_BUILT.pop("metal", None)
     dispatch.register_backend("metal", lambda: None)
     _ops.register_kernels()
-    yield
-    for kernels in dispatch._KERNELS.values():
-        kernels[:] = [k for k in kernels if k.backend != "metal"]
-    dispatch._AVAILABILITY.pop("metal", None)
-    if not_built is not None:
-        dispatch._NOT_BUILT["metal"] = not_built
+    try:
+        yield
+    finally:
+        for kernels in dispatch._KERNELS.values():
+            kernels[:] = [k for k in kernels if k.backend != "metal"]
+        dispatch._AVAILABILITY.pop("metal", None)
+        if not_built is not None:
+            dispatch._NOT_BUILT["metal"] = not_built
 
 
 def _on_metal(f, *args, **kw):
