@@ -59,15 +59,15 @@ kernel void qmm(device const uint* w [[buffer(0)]],
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint kk = 0; kk < kTile; kk += 8u) {
       simdgroup_float8x8 a[2], bt[2];
-      for (uint i = 0; i < 2; ++i) simdgroup_load(a[i], xs, kStride, ulong2(kk, sm * 16u + 8u * i));
-      for (uint j = 0; j < 2; ++j) simdgroup_load(bt[j], ws, kStride, ulong2(kk, sn * 16u + 8u * j), true);
+      for (uint i = 0; i < 2; ++i) simdgroup_load(a[i], xs, kStride, ulong2(ulong(kk), ulong(sm * 16u + 8u * i)));
+      for (uint j = 0; j < 2; ++j) simdgroup_load(bt[j], ws, kStride, ulong2(ulong(kk), ulong(sn * 16u + 8u * j)), true);
       for (uint i = 0; i < 2; ++i)
         for (uint j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], bt[j], acc[i][j]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // xs/ws are rewritten next block
   }
   for (uint i = 0; i < 2; ++i)
-    for (uint j = 0; j < 2; ++j) simdgroup_store(acc[i][j], os + simd * 256u, 16, ulong2(8u * j, 8u * i));
+    for (uint j = 0; j < 2; ++j) simdgroup_store(acc[i][j], os + simd * 256u, 16, ulong2(ulong(8u * j), ulong(8u * i)));
   simdgroup_barrier(mem_flags::mem_threadgroup);  // each simdgroup reads back only its own tile
   const uint o_row = lane / 2u, o_col = (lane & 1u) * 8u;
   const uint m = m0 + sm * 16u + o_row;
