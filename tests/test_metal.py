@@ -260,8 +260,10 @@ def test_rms_norm_geometries(metal, n, kernel):
         w = _np(rand(90 + i, (n,)), dtype)
         eps = EPS[jnp.dtype(dtype)]
         tol = dict(rtol=4 * eps + 1e-6, atol=4 * eps + 1e-6)
-        for args, want in [((w,), rms64(x, w)), ((None, 1e-3), rms64(x, eps=1e-3)),
-                           ((w, 1e-6, 1.0), rms64(x, w, off=1.0))]:
+        cases = [((w,), rms64(x, w)), ((None, 1e-3), rms64(x, eps=1e-3)),
+                 ((w, 1e-6, 1.0), rms64(x, w, off=1.0))]
+        # 1024-thread groups cost ~1024 OS threads per dispatch: the weight variants once
+        for args, want in cases if n <= 1024 else cases[i:i + 1]:
             y, name = metal.rms_norm(x, *args)
             assert name == f"jq_rms_norm_{kernel}_{shim.DTYPE_NAMES[np.dtype(dtype)]}"
             np.testing.assert_allclose(y.astype(np.float64), want, err_msg=name, **tol)
