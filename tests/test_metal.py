@@ -167,6 +167,26 @@ def test_expert_gemv_reads_ids_and_nans_bad_ones(metal, mode, bits, group):
     np.testing.assert_array_equal(y[0], direct[2])
 
 
+def test_mxfp4_gemv_e8m0_edges(metal):
+    """E8M0 in the GEMV: 255 in any block makes the row NaN; 254 (2^127) and 0 (2^-127,
+    subnormal) are applied exactly, once per block of 32."""
+    n, k = 4, 128
+    rng = np.random.default_rng(200)
+    data = jnp.asarray(rng.integers(0, 2**32, (1, n, k // 8), dtype=np.uint32))
+    scales = np.array([[0, 0, 0, 0], [127, 255, 127, 127], [254, 254, 254, 254],
+                       [1, 127, 200, 60]], np.uint8)[None]
+    qw = jq.QuantizedArray(data, jnp.asarray(scales), None, None, mode="mxfp4", bits=4,
+                           group_size=32, dtype=jnp.float32)
+    x = rand(201, (1, 1, k), scale=1e-3)  # keeps 2^127 * (x . w) inside float32
+    y = metal.qmv(x, qw)[0, 0]
+    assert np.isnan(y[1]) and not np.isnan(y[[0, 2, 3]]).any()
+    w64 = deq64(qw)[0]
+    want = x[0, 0].astype(np.float64) @ w64.T
+    np.testing.assert_allclose(y[2], want[2], rtol=1e-5)
+    np.testing.assert_allclose(y[3], want[3], rtol=1e-5)
+    assert y[0] != 0 and abs(y[0] - want[0]) <= 2.0**-149 * 4  # subnormal, not flushed
+
+
 @pytest.mark.parametrize("nax", [False, True], ids=["simdgroup_matrix", "nax"])
 @pytest.mark.parametrize("mode,bits,group", [("fp4", None, 32), ("fp4", None, 16),
                                              ("affine", 4, 64), ("mxfp4", None, 32)])
