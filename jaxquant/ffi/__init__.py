@@ -60,10 +60,24 @@ PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
 _LIBS: dict[str, _loader.Library] = {}
 
 
+def _refuse_if_renumbered(lib: _loader.Library) -> bool:
+    """Unload `lib` if it numbers the formats unlike the libraries loaded before it
+    (libraries built from different sources); True if it did."""
+    if lib.handle is None or not FORMAT_IDS or lib.format_ids == FORMAT_IDS:
+        return False
+    lib.error = (f"{lib.path} numbers the formats {lib.format_ids}, another loaded library "
+                 f"{FORMAT_IDS}: rebuild with `pip install -e .`")
+    lib.handle = None
+    return True
+
+
 def _load_all():
     for platform in _loader.PLATFORMS:
         lib = _loader.load(platform)
+        _refuse_if_renumbered(lib)
         _loader.register(lib)
+        if lib.handle is not None and not FORMAT_IDS:
+            FORMAT_IDS.update(lib.format_ids)
         _LIBS[platform] = lib
 
 
