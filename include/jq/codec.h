@@ -1,11 +1,19 @@
-// jaxquant codec: the bit layouts of DESIGN.md §3 for native code.
+// jaxquant codec: the bit layouts of the quantized formats for native code.
 //
 // One header for cpu_src/ (g++), hip_src/ (nvcc for CUDA, clang/hipcc for
-// ROCm). It mirrors jaxquant/formats.py: the format ids, the element table
-// (ebits, mbits, bias, specials) and the scale kinds below are checked
-// against formats.FORMATS / formats.ELEMENTS by tests/test_ffi.py through
-// jq_codec_describe() in the CPU library, and every element code is decoded
-// here and compared with formats.element_values.
+// ROCm). It mirrors jaxquant/formats.py with one element list and one format
+// list (JQ_ELEMENT_LIST, JQ_FORMAT_LIST); tests/test_ffi.py checks them against
+// formats.ELEMENTS / formats.FORMATS through the CPU library (jq_element_spec,
+// jq_format_spec), decodes every element code here and compares it with
+// formats.element_values, and checks the GPU decoders against the exact ones
+// (tests/native/codec_check.cc).
+//
+// How kernels use it:
+//   dispatch_format(fmt, bits, [&](auto codec) { kernel<decltype(codec)>(...); })
+//     the one runtime switch on formats: a Codec<FMT, BITS> per (format, bits) of
+//     the table (a mask of format ids narrows what a translation unit builds);
+//   Codec<FMT, BITS>: kScale, kElement and the element's parameters, decode(c),
+//     unit_element<E>(w); dequant_value<Codec>(...) the reference's dequantize.
 //
 // Packing: data is uint32 [..., N, K*bits/32], a little-endian bit stream
 // along K: element k occupies bits [k*bits, (k+1)*bits). 32 elements ("a
@@ -27,7 +35,7 @@
 namespace jq {
 
 // ---------------------------------------------------------------------------
-// The table (docs: DESIGN.md §3): ONE list of elements and ONE list of formats.
+// The table: ONE list of elements and ONE list of formats.
 // Everything else is derived from them: the ids (their order; the ffi package
 // reads the names through jq_format_name, so the Python side never keeps its
 // own copy), the spec tables, every Codec<FMT, BITS> and dispatch_format below.
