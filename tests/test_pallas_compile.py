@@ -210,7 +210,7 @@ def test_cuda_norm_kernels(case):
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_norm_ops_dispatch_to_pallas_on_gpus(platform):
     """`auto` lowers jq.rms_norm / add_rms_norm / gated_rms_norm to the Pallas kernels on
-    GPUs from a million elements; smaller ones stay with XLA (pallas.norms.AUTO_MIN_ELEMENTS)."""
+    GPUs from a million elements; smaller ones stay with XLA (pallas.configs.AUTO_NORM_MIN_ELEMENTS)."""
     big = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     for fn in (lambda x: jq.rms_norm(x, x[0]), lambda x: jq.add_rms_norm(x, x, x[0]),
                lambda x: jq.gated_rms_norm(x, x, x[0], group_size=256)):

@@ -177,12 +177,14 @@ def test_ids_of_any_integer_dtype_do_not_wrap():
 
 def test_supports_and_registration():
     x, qw, idx = _case("mxfp4", 4, jnp.float32, 0)
-    assert moe.supports_gather(x.shape, x.dtype, qw, idx.shape, True)
-    assert moe.supports_gather((T, SLOTS, x.shape[1]), x.dtype, qw, idx.shape, True)
-    assert not moe.supports_gather(x.shape, jnp.float64, qw, idx.shape, True)
-    assert not moe.supports_gather(x.shape, x.dtype, qw[0], idx.shape, True)
-    assert not moe.supports_gather((T, 64), x.dtype, qw, idx.shape, True)
-    assert not moe.supports_gather((70000, x.shape[1]), x.dtype, qw, (70000, 1), True)
+    sd = jax.ShapeDtypeStruct
+    assert moe.supports_gather(x, qw, idx, transpose=True, platform="cuda")
+    assert moe.supports_gather(sd((T, SLOTS, x.shape[1]), x.dtype), qw, idx, transpose=True)
+    assert not moe.supports_gather(sd(x.shape, jnp.float64), qw, idx, transpose=True)
+    assert not moe.supports_gather(x, qw[0], idx, transpose=True)
+    assert not moe.supports_gather(sd((T, 64), x.dtype), qw, idx, transpose=True)
+    assert not moe.supports_gather(sd((70000, x.shape[1]), x.dtype), qw,
+                                   sd((70000, 1), jnp.int32), transpose=True)
     from jaxquant import dispatch
     import jaxquant.pallas  # noqa: F401 - registers the kernels
     kernels = [k for k in dispatch._KERNELS.get("gather_qmm", ()) if k.backend == "pallas"]
