@@ -12,10 +12,11 @@
 // accumulator, so the weight is read once and x's split costs MFMA issue
 // slots only (the instruction is far from the bound on a memory-bound GEMV).
 //
-// Work: a wave owns 32 rows of N (two 16-row MFMA tiles: one preshuffled scale
-// block) and one 16-row tile of M, and walks K in steps of 256 (two MFMA K
-// steps: one 32-bit scale word per lane holds its 2 tiles x 2 steps of weight
-// scales, op_sel picks the byte). Every address comes from
+// Work: a workgroup owns 32 rows of N (two 16-row MFMA tiles: one preshuffled
+// scale block) and one 16-row tile of M; its W waves (waves_per_pair) split K
+// in steps of 256 (two MFMA K steps: one 32-bit scale word per lane holds its
+// 2 tiles x 2 steps of weight scales, op_sel picks the byte) and add their
+// partial sums through LDS in wave order. Every address comes from
 // include/jq/cdna4_layout.h, which tests/test_cdna4_kernel.py checks on the CPU
 // against the Python layout.
 //
@@ -37,7 +38,6 @@ namespace ffi = xla::ffi;
 namespace jq {
 namespace cdna4 {
 
-constexpr int kWavesPerBlock = 4;
 constexpr int kMaxTerms = 3;
 
 #if defined(__HIP_DEVICE_COMPILE__) && defined(__gfx950__)
@@ -109,15 +109,16 @@ __device__ __forceinline__ uint16_t f32_to_bf16_rne(float f) {
 // w uint8 [B, N, K/2] (cdna4 bytes), ws uint8 [B, Np, K/32] (cdna4 scales),
 // y [B, M, N] (bfloat16 when OUT_BF16, else float16).
 template <int TERMS, bool OUT_BF16>
-__global__ __launch_bounds__(kWave* kWavesPerBlock) void qmm_kernel(
+__global__ __launch_bounds__(kWave* kMaxWavesPerPair) void qmm_kernel(
     const uint8_t* __restrict__ xq, const uint8_t* __restrict__ xs,
     const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws, uint16_t* __restrict__ y,
     int64_t M, int64_t Mp, int64_t N, int64_t K) {
 #if defined(JQ_CDNA4_KERNEL_BODY)
+  __shared__ float partial[kMaxWavesPerPair][2][4][kWave];
+  __shared__ int partial_flags[kMaxWavesPerPair][kWave];
   const int lane = (int)(threadIdx.x & (kWave - 1));
-  const int64_t n_pair = (int64_t)blockIdx.x * kWavesPerBlock + (threadIdx.x / kWave);
-  if (n_pair * kScaleBlockRows >= N) return;  // whole waves only: no barrier below
-  const int64_t m_tile = blockIdx.y, b = blockIdx.z;
+  const int wave = (int)(threadIdx.x / kWave), waves = (int)(blockDim.x / kWave);
+  const int64_t n_pair = blockIdx.x, m_tile = blockIdx.y, b = blockIdx.z;
   const int64_t k_bytes = K / 2, k_scales = K / 32;
   const int64_t n_padded = (N + kScaleBlockRows - 1) / kScaleBlockRows * kScaleBlockRows;
   const uint8_t* wb = w + b * N * k_bytes;
@@ -131,7 +132,7 @@ __global__ __launch_bounds__(kWave* kWavesPerBlock) void qmm_kernel(
   v4f acc0 = {0.f, 0.f, 0.f, 0.f}, acc1 = {0.f, 0.f, 0.f, 0.f};
   bool nan0 = false, nan1 = false;
   const uint4 zero = {0u, 0u, 0u, 0u};
-  for (int64_t kp = 0; kp < K / kPairK; ++kp) {
+  for (int64_t kp = wave; kp < K / kPairK; kp += waves) {
     const uint32_t wscale =
         *reinterpret_cast<const uint32_t*>(wsb + scale_lane_offset(n_pair, kp, lane, k_scales));
     const uint4 w00 = load16(wb + b_lane_offset(t0, 2 * kp, lane, k_bytes));
@@ -143,21 +144,31 @@ __global__ __launch_bounds__(kWave* kWavesPerBlock) void qmm_kernel(
     k_step<0, TERMS>(acc0, acc1, xt, xsb, m_tile, kp, lane, Mp, K, k_scales, w00, w10, wscale);
     k_step<1, TERMS>(acc0, acc1, xt, xsb, m_tile, kp, lane, Mp, K, k_scales, w01, w11, wscale);
   }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    partial[wave][0][r][lane] = acc0[r];
+    partial[wave][1][r][lane] = acc1[r];
+  }
+  partial_flags[wave][lane] = (nan0 ? 1 : 0) | (nan1 ? 2 : 0);
+  __syncthreads();
+  if (wave != 0) return;
   // A NaN scale anywhere in a row of w: that column is NaN. The 4 lanes of a
   // column (same lane_row) each saw a quarter of its scales.
-  int flags = (nan0 ? 1 : 0) | (nan1 ? 2 : 0);
+  int flags = 0;
+  for (int v = 0; v < waves; ++v) flags |= partial_flags[v][lane];
   flags |= jq_shfl_xor(flags, 16);
   flags |= jq_shfl_xor(flags, 32);
   const float qnan = __builtin_nanf("");
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int64_t row = out_row(m_tile, lane, r);
-    if (row >= M) continue;
+  for (int t = 0; t < 2; ++t) {
+    const int64_t col = out_col(t == 0 ? t0 : t1, lane);
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int64_t col = out_col(t == 0 ? t0 : t1, lane);
-      if (col >= N) continue;
-      const float v = (flags >> t) & 1 ? qnan : (t == 0 ? acc0[r] : acc1[r]);
+    for (int r = 0; r < 4; ++r) {
+      const int64_t row = out_row(m_tile, lane, r);
+      if (row >= M || col >= N) continue;
+      float v = partial[0][t][r][lane];
+      for (int u = 1; u < waves; ++u) v += partial[u][t][r][lane];
+      if ((flags >> t) & 1) v = qnan;
       y[(b * M + row) * N + col] = OUT_BF16 ? f32_to_bf16_rne(v)
                                             : __builtin_bit_cast(uint16_t, (_Float16)v);
     }
@@ -202,10 +213,9 @@ hipError_t launch(const uint8_t* xq, const uint8_t* xs, const uint8_t* w, const 
                   uint16_t* y, int64_t B, int64_t M, int64_t Mp, int64_t N, int64_t K,
                   hipStream_t stream) {
   const int64_t pairs = (N + kScaleBlockRows - 1) / kScaleBlockRows;
-  const dim3 grid((unsigned)((pairs + kWavesPerBlock - 1) / kWavesPerBlock),
-                  (unsigned)(Mp / kTileRows), (unsigned)B);
-  qmm_kernel<TERMS, BF16><<<grid, dim3(kWave * kWavesPerBlock), 0, stream>>>(xq, xs, w, ws, y, M,
-                                                                             Mp, N, K);
+  const dim3 grid((unsigned)pairs, (unsigned)(Mp / kTileRows), (unsigned)B);
+  qmm_kernel<TERMS, BF16><<<grid, dim3(kWave * waves_per_pair(K)), 0, stream>>>(xq, xs, w, ws,
+                                                                                y, M, Mp, N, K);
   return hipGetLastError();
 }
 
@@ -240,8 +250,8 @@ ffi::Error qmm_impl(hipStream_t stream, ffi::AnyBuffer xq, ffi::AnyBuffer xs, ff
     return bad("y must be bfloat16/float16 [B, M, N] with Mp = M rounded up to 16; got " +
                dims(yd) + " for Mp=" + std::to_string(Mp) + ", N=" + std::to_string(N));
   const int64_t M = yd[1];
-  if (B > 65535 || Mp / kTileRows > 65535)
-    return bad("more than 65535 matrices or 16-row tiles of x");
+  if (B > 65535 || Mp / kTileRows > 65535 || (N + 31) / 32 > INT32_MAX)
+    return bad("more than 65535 matrices or 16-row tiles of x, or 2^31 pairs of rows of w");
   if (B == 0 || M == 0 || N == 0) return ffi::Error::Success();
   std::string arch;
   if (!device_is_gfx950(&arch))

@@ -10,7 +10,8 @@
 //     byte must be read exactly once. Likewise the x terms' and x scales'
 //     offsets, and the result's (row, column) coverage.
 //   cdna4_walk emulate B M N K T xq xs w ws y
-//     Runs the kernel's loop on the CPU with the same header, an emulated
+//     Runs the kernel's loop (its split of K over waves included) on the CPU
+//     with the same header, an emulated
 //     MFMA (the operand semantics above, products and block sums in double,
 //     one float32 rounding per instruction) and the kernel's NaN-scale rule;
 //     writes y float32 [B, M, N].
@@ -241,37 +242,42 @@ int emulate(int64_t Bn, int64_t M, int64_t N, int64_t K, int T, const char* xq_p
         const uint8_t* xt = xq.data() + b * T * Mp * K;
         const uint8_t* xsb = xs.data() + b * Mp * KS;
         const bool second = n_pair * 32 + 16 < N;
-        float acc[2][kWave][4] = {};
+        const int waves = waves_per_pair(K);  // the kernel's split of K over its waves
+        static float acc[kMaxWavesPerPair][2][kWave][4];
+        memset(acc, 0, sizeof(acc));
         bool nan[2][kWave] = {};
-        for (int64_t kp = 0; kp < K / kPairK; ++kp)
-          for (int s = 0; s < 2; ++s) {
-            const int64_t step = 2 * kp + s;
-            for (int term = 0; term < T; ++term)
-              for (int t = 0; t < 2; ++t) {
-                for (int lane = 0; lane < kWave; ++lane) {
-                  memcpy(&R.sb[lane], wsb + scale_lane_offset(n_pair, kp, lane, KS), 4);
-                  if (scale_is_nan(R.sb[lane], scale_byte(t, 0)) ||
-                      scale_is_nan(R.sb[lane], scale_byte(t, 1)))
-                    nan[t][lane] = true;
-                  if (t == 0 || second)
-                    memcpy(R.b[lane], wb + b_lane_offset(2 * n_pair + t, step, lane, KB), 16);
-                  else
-                    memset(R.b[lane], 0, 16);
-                  for (int c = 0; c < 4; ++c)
-                    memcpy(&R.a[lane][8 * c], xt + x_lane_offset(term, mt, step, lane, c, Mp, K),
-                           8);
-                  R.sa[lane] = xsb[x_scale_offset(mt, step, lane, KS)];
+        for (int wave = 0; wave < waves; ++wave)
+          for (int64_t kp = wave; kp < K / kPairK; kp += waves)
+            for (int s = 0; s < 2; ++s) {
+              const int64_t step = 2 * kp + s;
+              for (int term = 0; term < T; ++term)
+                for (int t = 0; t < 2; ++t) {
+                  for (int lane = 0; lane < kWave; ++lane) {
+                    memcpy(&R.sb[lane], wsb + scale_lane_offset(n_pair, kp, lane, KS), 4);
+                    if (scale_is_nan(R.sb[lane], scale_byte(t, 0)) ||
+                        scale_is_nan(R.sb[lane], scale_byte(t, 1)))
+                      nan[t][lane] = true;
+                    if (t == 0 || second)
+                      memcpy(R.b[lane], wb + b_lane_offset(2 * n_pair + t, step, lane, KB), 16);
+                    else
+                      memset(R.b[lane], 0, 16);
+                    for (int c = 0; c < 4; ++c)
+                      memcpy(&R.a[lane][8 * c],
+                             xt + x_lane_offset(term, mt, step, lane, c, Mp, K), 8);
+                    R.sa[lane] = xsb[x_scale_offset(mt, step, lane, KS)];
+                  }
+                  mfma_emulated(R, 0, scale_byte(t, s), acc[wave][t]);
                 }
-                mfma_emulated(R, 0, scale_byte(t, s), acc[t]);
-              }
-          }
+            }
         for (int lane = 0; lane < kWave; ++lane)
           for (int t = 0; t < 2; ++t) {
             bool flag = false;  // the kernel's shuffles over lanes with the same row
             for (int g = 0; g < 4; ++g) flag |= nan[t][(lane & 15) + 16 * g];
             for (int r = 0; r < 4; ++r) {
               const int64_t row = out_row(mt, lane, r), col = out_col(2 * n_pair + t, lane);
-              if (row < M && col < N) y[(b * M + row) * N + col] = flag ? NAN : acc[t][lane][r];
+              float v = acc[0][t][lane][r];
+              for (int u = 1; u < waves; ++u) v += acc[u][t][lane][r];  // wave order
+              if (row < M && col < N) y[(b * M + row) * N + col] = flag ? NAN : v;
             }
           }
       }

@@ -110,6 +110,8 @@ def _emulate(walker, tmp_path, x3, packed):
     (jnp.bfloat16, 2, 5, 32, 256),
     (jnp.float16, 1, 17, 16, 768),
     (jnp.float16, 2, 3, 80, 256),
+    (jnp.bfloat16, 1, 2, 16, 2048),  # 8 waves split K
+    (jnp.float16, 1, 1, 32, 1024),   # 4 waves
 ])
 def test_emulated_kernel_matches_the_oracle(walker, tmp_path, dtype, B, M, N, K):
     w = rand(B + N, (B, N, K), scale=2.0)

@@ -42,6 +42,16 @@ constexpr int kScaleBlockK = 8;        // scales per row of one scale block (2 K
 constexpr int kScaleBlockBytes = 256;
 constexpr int kPairK = 256;        // K elements of one scale block: the kernel's K loop step
 
+// Kernel choice (one place, as data): the waves of a workgroup share one 32-row
+// pair of N and split its K pairs round-robin (wave w takes K pairs w, w + W, ...),
+// then add their partial sums in wave order. More waves keep more loads in flight
+// per pair, which a GEMV (few pairs, long K) needs; at most 8 (512 threads).
+constexpr int kMaxWavesPerPair = 8;
+JQ_CDNA4_HD int waves_per_pair(int64_t k) {
+  const int64_t pairs = k / kPairK;
+  return pairs >= 8 ? 8 : pairs >= 4 ? 4 : pairs >= 2 ? 2 : 1;
+}
+
 JQ_CDNA4_HD int lane_row(int lane) { return lane & 15; }   // r16
 JQ_CDNA4_HD int lane_group(int lane) { return lane >> 4; } // g
 
