@@ -196,3 +196,34 @@ def test_gfx950_compile_has_the_scaled_mfma():
     assert summary["weight_scale_bytes"] == [0, 1, 2, 3], summary
     assert "unexpected_formats" not in summary, summary
     assert summary["code_object_is_gfx950"], summary
+
+
+def _lower_for_rocm(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("rocm",)).as_text()
+
+
+def test_rocm_lowering_calls_the_kernel_for_cdna4_weights(monkeypatch):
+    """The wiring without a GPU: registered as jaxquant.ffi does when the ROCm library
+    loads, on a (pretended) gfx950 qmm lowers to the kernel's custom call behind the
+    non-finite fallback; other dtypes, layouts and transpose=False do not."""
+    import jaxquant.ffi as jf  # noqa: PLC0415
+    from jaxquant import dispatch  # noqa: PLC0415
+    monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: True)
+    kernels = dispatch._KERNELS.setdefault("qmm", [])
+    before = len(kernels)
+    jf._register_cdna4()
+    try:
+        qw = jq.quantize(rand(0, (2, 48, 512)), mode="mxfp4")
+        packed = jq.prepack(qw, layout="cdna4")
+        S = jax.ShapeDtypeStruct
+        hlo = _lower_for_rocm(lambda x, w: jq.qmm(x, w), S((2, 3, 512), jnp.bfloat16), packed)
+        assert hlo.count("@jaxquant_cdna4_qmm") == 1 and "stablehlo.case" in hlo, hlo[:2000]
+        assert "jaxquant_cdna4_qmm" in _lower_for_rocm(lambda x, w: jq.qmm(x, w[1]),
+                                                       S((1, 512), jnp.float16), packed)
+        for x, w, t in ((S((3, 512), jnp.float32), packed[0], True),
+                        (S((3, 512), jnp.bfloat16), qw[0], True),
+                        (S((3, 48), jnp.bfloat16), packed[0], False)):
+            hlo = _lower_for_rocm(lambda x, w, t=t: jq.qmm(x, w, transpose=t), x, w)
+            assert "jaxquant_cdna4_qmm" not in hlo
+    finally:
+        del kernels[before:]

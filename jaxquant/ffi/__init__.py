@@ -14,6 +14,8 @@ which returns an error instead of touching bad memory):
   jaxquant_rms_norm        x, weight|[0] -> y
   jaxquant_add_rms_norm    x, residual, weight|[0] -> y, h
   jaxquant_gated_rms_norm  x, gate, weight|[0] -> y
+  jaxquant_cdna4_qmm       (ROCm) x terms [B,T,Mp,K], x scales, data, scales -> [B,M,N]:
+                           gfx950 MXFP4 qmm on the cdna4 layout (_cdna4.py, docs/cdna4.md)
 
 Numerics (DESIGN.md §4):
 - dequantize is bit for bit the reference (float32 arithmetic, affine as
@@ -31,7 +33,10 @@ Numerics (DESIGN.md §4):
   transpose=False: the ffi dequantize into x's dtype, then the reference's
   own XLA contraction (so the precision setting is honoured).
 - float64 anywhere, non-canonical layouts, K not a multiple of 32: `applies`
-  says no and the reference runs.
+  says no and the reference runs. Except: on a gfx950, qmm (x @ W.T) with
+  bfloat16/float16 x on an mxfp4 weight in the `cdna4` layout runs the
+  scaled-MFMA kernel of hip_src/cdna4_qmm.hip, x split into E4M3 terms
+  (jaxquant/ffi/_cdna4.py; docs/cdna4.md gives its numerics).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import math
 import jax
 
 from jaxquant import dispatch
-from jaxquant.ffi import _loader, _ops
+from jaxquant.ffi import _cdna4, _loader, _ops
 from jaxquant.ffi._ops import (FORMAT_IDS, GEMV_MAX_M, add_rms_norm_call, dequantize_call,
                                gated_rms_norm_call, qmv_call, rms_norm_call)
 
@@ -56,6 +61,9 @@ __all__ = ["FORMAT_IDS", "GEMV_MAX_M", "PRIORITY", "add_rms_norm_call", "dequant
 # GEMV is 3-6x faster than the jnp reference but 1.2-1.5x slower than Pallas (33-37%
 # of the copy bandwidth; benchmarks/RESULTS.md).
 PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
+# The cdna4-layout qmm (gfx950): above every kernel for the canonical layout (none of
+# which takes this layout, so the order only matters for clarity).
+CDNA4_PRIORITY = 10
 
 _LIBS: dict[str, _loader.Library] = {}
 
@@ -136,6 +144,17 @@ def _register_kernels():
                               auto=auto.get(name, _never))
         dispatch.register("qmm", "ffi", (platform,), _ops.make_qmm_impl(platform),
                           _ops.qmm_applies, priority=prio, auto=_ops.make_qmm_gemv_case(platform))
+    if "rocm" in loaded_platforms():
+        _register_cdna4()
+
+
+def _register_cdna4():
+    """The gfx950 qmm on cdna4-layout weights. No `auto` narrowing: a weight is in
+    this layout because its user chose gfx950's kernel (no other kernel reads it;
+    the alternative is the reference, which unpacks per call). Unmeasured: there
+    was no gfx950 to time it on (docs/cdna4.md)."""
+    dispatch.register("qmm", "ffi", ("rocm",), _cdna4.qmm_impl, _cdna4.qmm_applies,
+                      priority=CDNA4_PRIORITY)
 
 
 _load_all()

@@ -36,6 +36,10 @@ TARGETS = {
     "jaxquant_gated_rms_norm": "gated_rms_norm",
 }
 
+# Targets only one platform's library has: platform -> {FFI target: handler symbol stem}.
+# hip_src/cdna4_qmm.hip (gfx950 MXFP4 qmm on the cdna4 layout) is built for ROCm only.
+PLATFORM_TARGETS = {"rocm": {"jaxquant_cdna4_qmm": "cdna4_qmm"}}
+
 ABI_VERSION = 1
 
 
@@ -115,7 +119,7 @@ def register(lib: Library) -> None:
     _, xla_platform = PLATFORMS[lib.platform]
     prefix = "jq_cpu_" if lib.platform == "cpu" else "jq_gpu_"
     try:
-        for target, stem in TARGETS.items():
+        for target, stem in {**TARGETS, **PLATFORM_TARGETS.get(lib.platform, {})}.items():
             fn = getattr(lib.handle, prefix + stem)
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=xla_platform)
     except Exception as e:  # noqa: BLE001 - a broken library removes its platform only
