@@ -50,25 +50,32 @@ def _ffi_include() -> str:
     return str(ROOT / "cpu_src/third_party")
 
 
-def find_toolchain() -> tuple[list[str] | None, dict[str, str], str]:
-    """(clang command, extra environment, why not) for a gfx950-capable clang."""
+def find_toolchain() -> tuple[list[str] | None, str]:
+    """(clang command, why not) for a gfx950-capable clang."""
     env_clang = os.environ.get("JQ_GFX950_CLANG")
     if env_clang:
         path = shutil.which(env_clang)
-        return ([path], {}, "") if path else (None, {}, f"$JQ_GFX950_CLANG={env_clang} not found")
+        return ([path], "") if path else (None, f"$JQ_GFX950_CLANG={env_clang} not found")
     try:
         import ziglang  # noqa: PLC0415
     except ImportError:
-        return None, {}, "no gfx950 clang: run scripts/install_gfx950_toolchain.sh (ziglang)"
+        return None, "no gfx950 clang: run scripts/install_gfx950_toolchain.sh (ziglang)"
     zig = pathlib.Path(ziglang.__file__).parent / "zig"
     if not zig.is_file():
-        return None, {}, f"the ziglang package has no zig binary at {zig}"
-    # clang's HIP link step runs `lld -flavor gnu ...`; zig ships it as `zig ld.lld`.
-    bindir = pathlib.Path(tempfile.mkdtemp(prefix="jq_zig_lld_"))
-    shim = bindir / "lld"
-    shim.write_text(f'#!/bin/sh\n[ "$1" = "-flavor" ] && shift 2\nexec "{zig}" ld.lld "$@"\n')
+        return None, f"the ziglang package has no zig binary at {zig}"
+    return [str(zig), "clang"], ""
+
+
+def lld_shim(clang: list[str], folder: pathlib.Path) -> dict[str, str]:
+    """clang's HIP link step runs `lld -flavor gnu ...`; zig ships lld as `zig ld.lld`:
+    a `lld` script in `folder`, and the PATH that finds it (zig's clang only)."""
+    if len(clang) != 2:
+        return {}
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "lld"
+    shim.write_text(f'#!/bin/sh\n[ "$1" = "-flavor" ] && shift 2\nexec "{clang[0]}" ld.lld "$@"\n')
     shim.chmod(0o755)
-    return [str(zig), "clang"], {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}, ""
+    return {"PATH": f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def resource_dir() -> str | None:
@@ -104,7 +111,7 @@ def elf_mach(path: pathlib.Path) -> int | None:
 
 def check(keep: str | None = None) -> tuple[int, dict]:
     summary: dict = {"source": SOURCE, "arch": "gfx950"}
-    clang, env, why = find_toolchain()
+    clang, why = find_toolchain()
     if clang is None:
         summary["skipped"] = why
         return 3, summary
@@ -117,9 +124,13 @@ def check(keep: str | None = None) -> tuple[int, dict]:
         return 3, summary
     version = subprocess.run(clang + ["--version"], capture_output=True, text=True).stdout
     summary["clang"] = version.splitlines()[0] if version else "?"
-    out_dir = pathlib.Path(keep or tempfile.mkdtemp(prefix="jq_cdna4_"))
+    with tempfile.TemporaryDirectory(prefix="jq_cdna4_") as tmp:
+        return _compile(clang, res_dir, pathlib.Path(keep or tmp), summary)
+
+
+def _compile(clang, res_dir, out_dir: pathlib.Path, summary: dict) -> tuple[int, dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **env}
+    full_env = {**os.environ, **lld_shim(clang, out_dir / "bin")}
     t0 = time.time()
     for mode, name in (("-S", "cdna4_qmm.s"), ("-c", "cdna4_qmm.hsaco")):
         p = subprocess.run(compile_cmd(clang, res_dir, out_dir / name, mode), cwd=ROOT,
@@ -132,14 +143,18 @@ def check(keep: str | None = None) -> tuple[int, dict]:
     lines = _MFMA_LINE.findall(asm)
     summary["mfma_scale_count"] = len(lines)
     # op_sel_b picks the weight scale's byte: (lo, hi) bits of op_sel / op_sel_hi's 2nd entry.
-    bytes_used = set()
+    bytes_used, x_bytes = set(), set()
     for operands in lines:
+        a_lo = re.search(r"\bop_sel:\[(\d),\d,\d\]", operands)
+        a_hi = re.search(r"\bop_sel_hi:\[(\d),\d,\d\]", operands)
+        x_bytes.add(int(a_lo.group(1) if a_lo else 0) + 2 * int(a_hi.group(1) if a_hi else 0))
         lo = re.search(r"\bop_sel:\[\d,(\d),\d\]", operands)
         hi = re.search(r"\bop_sel_hi:\[\d,(\d),\d\]", operands)
         bytes_used.add(int(lo.group(1) if lo else 0) + 2 * int(hi.group(1) if hi else 0))
         if "blgp:4" not in operands or "cbsz:" in operands:
             summary.setdefault("unexpected_formats", []).append(operands)
     summary["weight_scale_bytes"] = sorted(bytes_used)
+    summary["x_scale_bytes"] = sorted(x_bytes)
     summary["kernels"] = sorted(set(re.findall(r"^(_ZN\S*qmm_kernel\S*):", asm, re.M)))
     summary["code_object_mach"] = elf_mach(out_dir / "cdna4_qmm.hsaco")
     summary["code_object_is_gfx950"] = summary["code_object_mach"] == EF_AMDGPU_MACH_GFX950

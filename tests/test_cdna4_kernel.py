@@ -181,7 +181,7 @@ def test_applies_only_to_the_cdna4_layout_on_gfx950():
 def test_gfx950_compile_has_the_scaled_mfma():
     sys.path.insert(0, str(ROOT / "scripts"))
     import cdna4_compile_check as ccc  # noqa: PLC0415
-    clang, _, why = ccc.find_toolchain()
+    clang, why = ccc.find_toolchain()
     if clang is None:
         pytest.skip(why)
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "cdna4_compile_check.py")],
@@ -194,6 +194,7 @@ def test_gfx950_compile_has_the_scaled_mfma():
     assert len(summary["kernels"]) == 6, summary
     assert summary["mfma_scale_count"] == 4 * (1 + 2 + 3) * 2, summary
     assert summary["weight_scale_bytes"] == [0, 1, 2, 3], summary
+    assert summary["x_scale_bytes"] == [0], summary
     assert "unexpected_formats" not in summary, summary
     assert summary["code_object_is_gfx950"], summary
 
