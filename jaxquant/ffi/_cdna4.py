@@ -88,8 +88,9 @@ def qmm_call(x3, qw3: QuantizedArray):
 
 
 def _is_gfx950() -> bool:
-    """Whether JAX's default device is a gfx950 (best effort: the device's
-    compute capability or kind). Elsewhere the reference runs."""
+    """Whether JAX's default device is a gfx950 (best effort, from the device's
+    compute capability or kind: "gfx950", "MI350", "MI355"). Elsewhere the
+    reference runs; the handler checks the device again and refuses others."""
     try:
         d = jax.devices()[0]
     except RuntimeError:
@@ -99,8 +100,8 @@ def _is_gfx950() -> bool:
 
 
 def qmm_applies(x, qw, *, transpose, precision):
-    return (isinstance(qw, QuantizedArray) and qw.layout == LAYOUT and transpose
-            and jnp.dtype(x.dtype) in TERMS and _is_gfx950())
+    return (isinstance(qw, QuantizedArray) and qw.layout == LAYOUT and qw.mode == "mxfp4"
+            and transpose and jnp.dtype(x.dtype) in TERMS and _is_gfx950())
 
 
 def qmm_impl(x, qw, *, transpose, precision):
@@ -108,8 +109,8 @@ def qmm_impl(x, qw, *, transpose, precision):
     nb = qw.ndim - 2
     k = x.shape[-1]
     n = qw.shape[-2]
-    b = math.prod(qw.shape[:nb])
-    x3 = x.reshape(b, -1, k)
+    b, m = math.prod(qw.shape[:nb]), math.prod(x.shape[nb:-1])
+    x3 = x.reshape(b, m, k)
     flat = lambda a: a.reshape(b, *a.shape[nb:])
     qw3 = QuantizedArray(flat(qw.data), flat(qw.scales), None, None, mode=qw.mode, bits=qw.bits,
                          group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout)
