@@ -221,6 +221,14 @@ def test_rocm_lowering_calls_the_kernel_for_cdna4_weights(monkeypatch):
         assert hlo.count("@jaxquant_cdna4_qmm") == 1 and "stablehlo.case" in hlo, hlo[:2000]
         assert "jaxquant_cdna4_qmm" in _lower_for_rocm(lambda x, w: jq.qmm(x, w[1]),
                                                        S((1, 512), jnp.float16), packed)
+        # automatic choice: up to AUTO_MAX_M rows; backend="ffi" takes any M
+        big = S((_cdna4.AUTO_MAX_M + 1, 512), jnp.bfloat16)
+        assert "jaxquant_cdna4_qmm" not in _lower_for_rocm(lambda x, w: jq.qmm(x, w), big,
+                                                           packed[0])
+        with jq.backend("ffi"):
+            monkeypatch.setitem(dispatch._AVAILABILITY, "ffi", lambda: None)
+            assert "jaxquant_cdna4_qmm" in _lower_for_rocm(lambda x, w: jq.qmm(x, w), big,
+                                                           packed[0])
         for x, w, t in ((S((3, 512), jnp.float32), packed[0], True),
                         (S((3, 512), jnp.bfloat16), qw[0], True),
                         (S((3, 48), jnp.bfloat16), packed[0], False)):

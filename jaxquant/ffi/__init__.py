@@ -149,12 +149,11 @@ def _register_kernels():
 
 
 def _register_cdna4():
-    """The gfx950 qmm on cdna4-layout weights. No `auto` narrowing: a weight is in
-    this layout because its user chose gfx950's kernel (no other kernel reads it;
-    the alternative is the reference, which unpacks per call). Unmeasured: there
-    was no gfx950 to time it on (docs/cdna4.md)."""
+    """The gfx950 qmm on cdna4-layout weights; automatic choice up to
+    _cdna4.AUTO_MAX_M rows of x (reasoned, unmeasured: there was no gfx950 to
+    time it on; docs/cdna4.md)."""
     dispatch.register("qmm", "ffi", ("rocm",), _cdna4.qmm_impl, _cdna4.qmm_applies,
-                      priority=CDNA4_PRIORITY)
+                      priority=CDNA4_PRIORITY, auto=_cdna4.qmm_auto)
 
 
 _load_all()

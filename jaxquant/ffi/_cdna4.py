@@ -104,6 +104,19 @@ def qmm_applies(x, qw, *, transpose, precision):
             and transpose and jnp.dtype(x.dtype) in TERMS and _is_gfx950())
 
 
+# Automatic choice takes the kernel up to this many rows of x per weight matrix.
+# Reasoned, not measured (no gfx950 was available): the kernel reads the weight
+# once per 16-row tile of x, so up to 4 tiles it stays near one pass over the
+# weight, while the reference unpacks and dequantizes the whole weight to x's
+# dtype (4x its bytes) every call; past that the reference's tuned dot wins on
+# compute. backend="ffi" still takes every M.
+AUTO_MAX_M = 64
+
+
+def qmm_auto(x, qw, *, transpose, precision):
+    return 0 < math.prod(x.shape[qw.ndim - 2:-1]) <= AUTO_MAX_M
+
+
 def qmm_impl(x, qw, *, transpose, precision):
     from jaxquant.ops.qmm import qmm_reference  # noqa: PLC0415
     nb = qw.ndim - 2
