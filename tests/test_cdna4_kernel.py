@@ -167,14 +167,19 @@ def test_split_x_is_exact_where_documented(dtype, terms, exact_within):
     assert not np.any((np.asarray(xq) & 0x7F) == 0x7F) and np.all(np.asarray(xs) < 255)
 
 
-def test_applies_only_to_the_cdna4_layout_on_gfx950():
+def test_applies_only_to_the_cdna4_layout_on_gfx950(monkeypatch):
     qw = jq.quantize(rand(0, (32, 256)), mode="mxfp4")
     x = jax.ShapeDtypeStruct((1, 256), jnp.bfloat16)
     packed = jq.prepack(qw, layout="cdna4")
     kw = dict(transpose=True, precision=None)
+    monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: True)
+    assert _cdna4.qmm_applies(x, packed, **kw)
+    assert _cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float16), packed, **kw)
     assert not _cdna4.qmm_applies(x, qw, **kw)  # canonical: the other kernels
-    assert not _cdna4.qmm_applies(x, packed, **kw)  # this CPU is no gfx950
     assert not _cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float32), packed, **kw)
+    assert not _cdna4.qmm_applies(x, packed, transpose=False, precision=None)
+    monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: False)
+    assert not _cdna4.qmm_applies(x, packed, **kw)  # another GPU: the reference
 
 
 @pytest.mark.toolchain
