@@ -221,6 +221,7 @@ hipError_t launch(const uint8_t* xq, const uint8_t* xs, const uint8_t* w, const 
 
 }  // namespace
 
+// jaxquant_cdna4_qmm (bound in hip_src/gpu_ffi.hip).
 ffi::Error qmm_impl(hipStream_t stream, ffi::AnyBuffer xq, ffi::AnyBuffer xs, ffi::AnyBuffer w,
                     ffi::AnyBuffer ws, ffi::Result<ffi::AnyBuffer> y) {
   using DT = ffi::DataType;
@@ -288,11 +289,5 @@ ffi::Error qmm_impl(hipStream_t stream, ffi::AnyBuffer xq, ffi::AnyBuffer xs, ff
 }  // namespace cdna4
 }  // namespace jq
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_cdna4_qmm, jq::cdna4::qmm_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+// The handler symbol jq_gpu_cdna4_qmm is defined with the ROCm library's other targets
+// (hip_src/gpu_ffi.hip: RocmHandlers, JQ_GPU_TARGETS).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -104,6 +105,36 @@ def test_codec_table_matches_formats():
         assert list(out) == [element, bits_mask, group_mask, scale_kinds[f.scale],
                              int(f.has_biases), int(f.has_global_scale)], mode
     assert h.jq_format_spec(len(_ops.FORMAT_IDS), out) == -1
+
+
+def test_library_describes_itself():
+    """FORMAT_IDS and the registered targets come from the library (jq_format_name,
+    jq_ffi_targets), in the order of codec.h's format list; a library that numbers
+    the formats differently from another loaded one is refused, naming both."""
+    assert CPU_LIB.format_ids == _ops.FORMAT_IDS == {m: i for i, m in enumerate(formats.FORMATS)}
+    assert CPU_LIB.targets == ("dequantize", "qmv", "rms_norm", "add_rms_norm", "gated_rms_norm")
+    import ctypes
+    renumbered = {m: len(_ops.FORMAT_IDS) - 1 - i for m, i in _ops.FORMAT_IDS.items()}
+    lib = _loader.Library("cpu", CPU_LIB.path, ctypes.CDLL(str(CPU_LIB.path)),
+                          format_ids=renumbered)
+    assert jf._refuse_if_renumbered(lib) and lib.handle is None
+    assert "numbers the formats" in lib.error and "rebuild" in lib.error
+
+
+def test_gpu_decoders_on_host(tmp_path):
+    """codec.h's GPU decoders (E2M1 and every other element decoded in place in its
+    packed word) equal the exact ones bit for bit, for every (format, bits) of the
+    table: tests/native/codec_check.cc, built with the host compiler."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    exe = str(tmp_path / "codec_check")
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Iinclude", "-DJQ_GPU_DECODE=1",
+                    "tests/native/codec_check.cc", "-o", exe], check=True, cwd=root)
+    p = subprocess.run([exe], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert "13 (format, bits) checked, 0 failing" in p.stdout
 
 
 @pytest.mark.parametrize("dt,mlt", [(2, ml_dtypes.bfloat16), (1, np.float16)])

@@ -234,7 +234,7 @@ def test_moe_layer_is_one_program_without_host_sync(backend):
 
 
 # The same layer lowered for the GPUs with the Pallas kernels (on this CPU-only
-# machine: lowering_platforms, as jaxquant/pallas/compile_check.py does): its StableHLO
+# machine: lowering_platforms, as jaxquant/tools/compile_check.py does): its StableHLO
 # holds XLA ops and the three gather_qmm Triton kernels (jaxlib 0.10.2 emits each as a
 # `__gpu$xla.gpu.triton` custom call), and nothing that moves data to or from the host.
 
@@ -247,7 +247,7 @@ def _gpu_program_report(module):
     calls), host-memory annotations) of a lowered StableHLO module."""
     from jax._src.lib.mlir import ir
 
-    from jaxquant.pallas import compile_check as cc
+    from jaxquant.tools import compile_check as cc
 
     funcs, names, targets = {}, set(), []
 

@@ -68,10 +68,24 @@ CDNA4_PRIORITY = 10
 _LIBS: dict[str, _loader.Library] = {}
 
 
+def _refuse_if_renumbered(lib: _loader.Library) -> bool:
+    """Unload `lib` if it numbers the formats unlike the libraries loaded before it
+    (libraries built from different sources); True if it did."""
+    if lib.handle is None or not FORMAT_IDS or lib.format_ids == FORMAT_IDS:
+        return False
+    lib.error = (f"{lib.path} numbers the formats {lib.format_ids}, another loaded library "
+                 f"{FORMAT_IDS}: rebuild with `pip install -e .`")
+    lib.handle = None
+    return True
+
+
 def _load_all():
     for platform in _loader.PLATFORMS:
         lib = _loader.load(platform)
+        _refuse_if_renumbered(lib)
         _loader.register(lib)
+        if lib.handle is not None and not FORMAT_IDS:
+            FORMAT_IDS.update(lib.format_ids)
         _LIBS[platform] = lib
 
 
@@ -144,7 +158,8 @@ def _register_kernels():
                               auto=auto.get(name, _never))
         dispatch.register("qmm", "ffi", (platform,), _ops.make_qmm_impl(platform),
                           _ops.qmm_applies, priority=prio, auto=_ops.make_qmm_gemv_case(platform))
-    if "rocm" in loaded_platforms():
+    rocm = _LIBS.get("rocm")
+    if rocm is not None and rocm.handle is not None and "cdna4_qmm" in rocm.targets:
         _register_cdna4()
 
 

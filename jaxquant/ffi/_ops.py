@@ -17,9 +17,10 @@ from jax import lax
 
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
-# Format ids of include/jq/codec.h (checked against the library by the tests).
-FORMAT_IDS = {"affine": 0, "mxfp4": 1, "mxfp6_e2m3": 2, "mxfp6_e3m2": 3, "mxfp8_e4m3": 4,
-              "mxfp8_e5m2": 5, "nvfp4": 6, "fp4": 7}
+# mode -> format id, as the loaded libraries describe themselves (jq_format_name:
+# the order of include/jq/codec.h's format list); filled in when the package loads
+# them (jaxquant/ffi/__init__.py). Empty when no library loaded.
+FORMAT_IDS: dict[str, int] = {}
 
 # The largest number of x rows per weight matrix that the fused GEMV takes, per
 # platform; past it, qmm is ffi dequantize + XLA's dot (which wins once the
