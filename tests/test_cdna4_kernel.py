@@ -171,13 +171,13 @@ def test_applies_only_to_the_cdna4_layout_on_gfx950(monkeypatch):
     qw = jq.quantize(rand(0, (32, 256)), mode="mxfp4")
     x = jax.ShapeDtypeStruct((1, 256), jnp.bfloat16)
     packed = jq.prepack(qw, layout="cdna4")
-    kw = dict(transpose=True, precision=None)
+    kw = dict(platform="rocm", transpose=True, precision=None)
     monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: True)
     assert _cdna4.qmm_applies(x, packed, **kw)
     assert _cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float16), packed, **kw)
     assert not _cdna4.qmm_applies(x, qw, **kw)  # canonical: the other kernels
     assert not _cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float32), packed, **kw)
-    assert not _cdna4.qmm_applies(x, packed, transpose=False, precision=None)
+    assert not _cdna4.qmm_applies(x, packed, platform="rocm", transpose=False, precision=None)
     monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: False)
     assert not _cdna4.qmm_applies(x, packed, **kw)  # another GPU: the reference
 
@@ -212,12 +212,11 @@ def test_rocm_lowering_calls_the_kernel_for_cdna4_weights(monkeypatch):
     """The wiring without a GPU: registered as jaxquant.ffi does when the ROCm library
     loads, on a (pretended) gfx950 qmm lowers to the kernel's custom call behind the
     non-finite fallback; other dtypes, layouts and transpose=False do not."""
-    import jaxquant.ffi as jf  # noqa: PLC0415
     from jaxquant import dispatch  # noqa: PLC0415
     monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: True)
     kernels = dispatch._KERNELS.setdefault("qmm", [])
     before = len(kernels)
-    jf._register_cdna4()
+    _cdna4.register()
     try:
         qw = jq.quantize(rand(0, (2, 48, 512)), mode="mxfp4")
         packed = jq.prepack(qw, layout="cdna4")

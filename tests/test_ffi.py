@@ -283,7 +283,7 @@ def test_dequantize_vmap_of_the_call():
 @pytest.mark.parametrize("transpose", [True, False])
 def test_qmm_large_m_and_transpose(mode, bits, transpose):
     n, k = 64, 128
-    m = _ops.GEMV_MAX_M["cpu"] + 3
+    m = jf.configs.GEMV_MAX_M["cpu"] + 3
     qws = {jnp.dtype(dt).name: quantize_for(mode, bits, rand(2, (n, k) if transpose else (k, n), dt))
            for dt in DTYPES}
     xs = {jnp.dtype(dt).name: rand(3, (m, k), dt) for dt in DTYPES}
@@ -496,6 +496,34 @@ def test_auto_prefers_ffi_on_cpu():
     assert "jaxquant_qmv" in text
     text = jax.jit(lambda x: jq.qmm(x, qw, backend="reference")).lower(x).as_text()
     assert "jaxquant_" not in text
+
+
+def test_kernel_choice_table():
+    """configs holds the choice for every platform: what auto takes (GPU: the GEMVs only;
+    CPU: also dequantize and large norms), and every kernel is registered for the loaded
+    platform with its priority and `platform` passed by the dispatcher."""
+    from jaxquant.ffi import configs
+    sa = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)
+    qw = jax.eval_shape(lambda w: quantize_for("mxfp4", 4, w), sa((64, 128)))
+    for platform, max_m in configs.GEMV_MAX_M.items():
+        assert configs.auto_qmm(sa((max_m, 128)), qw, transpose=True, precision=None,
+                                platform=platform)
+        assert not configs.auto_qmm(sa((max_m + 1, 128)), qw, transpose=True, precision=None,
+                                    platform=platform)
+        assert not configs.auto_qmm(sa((1, 64)), qw, transpose=False, precision=None,
+                                    platform=platform)
+        assert configs.auto_dequantize(qw, dtype=jnp.float32, platform=platform) == (
+            platform == "cpu")
+        big, small = sa((1 << 16,)), sa((8, 128))
+        assert configs.auto_norm(big, None, eps=1e-6, weight_offset=0.0, platform=platform) == (
+            platform == "cpu")
+        assert not configs.auto_norm(small, None, eps=1e-6, weight_offset=0.0, platform=platform)
+        assert not configs.never(sa((4, 128)), qw, sa((1,), jnp.int32), platform=platform)
+    ffi_kernels = {name: [k for k in ks if k.backend == "ffi"] for name, ks in dispatch._KERNELS.items()}
+    assert set(ffi_kernels) == {name for name, *_ in jf.KERNELS}
+    for name, ks in ffi_kernels.items():
+        assert [k.platforms for k in ks] == [(p,) for p in jf.loaded_platforms()], name
+        assert all(k.priority == configs.PRIORITY[k.platforms[0]] for k in ks), name
 
 
 def test_baseline_isa_matches():

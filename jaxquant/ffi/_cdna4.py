@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxquant import dispatch
 from jaxquant.quantized_array import QuantizedArray
 
 TARGET = "jaxquant_cdna4_qmm"
@@ -99,11 +100,14 @@ def _is_gfx950() -> bool:
     return "gfx950" in text or "mi350" in text or "mi355" in text
 
 
-def qmm_applies(x, qw, *, transpose, precision):
+def qmm_applies(x, qw, *, platform, transpose, precision):
     return (isinstance(qw, QuantizedArray) and qw.layout == LAYOUT and qw.mode == "mxfp4"
             and transpose and jnp.dtype(x.dtype) in TERMS and _is_gfx950())
 
 
+# Above every kernel for the canonical layout (none of which takes this layout, so
+# the order only matters for clarity).
+PRIORITY = 10
 # Automatic choice takes the kernel up to this many rows of x per weight matrix.
 # Reasoned, not measured (no gfx950 was available): the kernel reads the weight
 # once per 16-row tile of x, so up to 4 tiles it stays near one pass over the
@@ -113,11 +117,11 @@ def qmm_applies(x, qw, *, transpose, precision):
 AUTO_MAX_M = 64
 
 
-def qmm_auto(x, qw, *, transpose, precision):
+def qmm_auto(x, qw, *, platform, transpose, precision):
     return 0 < math.prod(x.shape[qw.ndim - 2:-1]) <= AUTO_MAX_M
 
 
-def qmm_impl(x, qw, *, transpose, precision):
+def qmm_impl(x, qw, *, platform, transpose, precision):
     from jaxquant.ops.qmm import qmm_reference  # noqa: PLC0415
     nb = qw.ndim - 2
     k = x.shape[-1]
@@ -135,3 +139,10 @@ def qmm_impl(x, qw, *, transpose, precision):
         return qmm_reference(x, qw, transpose=transpose, precision=precision)
 
     return lax.cond(jnp.all(jnp.isfinite(x3)), kernel, reference, x3)
+
+
+def register():
+    """Register the kernel as the ffi backend's qmm on ROCm (jaxquant.ffi does,
+    when the ROCm library lists the jaxquant_cdna4_qmm target)."""
+    dispatch.register("qmm", "ffi", ("rocm",), qmm_impl, qmm_applies, priority=PRIORITY,
+                      auto=qmm_auto)
