@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxquant import dispatch
+from jaxquant.ops.qmm import qmm_reference
 from jaxquant.quantized_array import QuantizedArray
 
 TARGET = "jaxquant_cdna4_qmm"
@@ -122,7 +123,6 @@ def qmm_auto(x, qw, *, platform, transpose, precision):
 
 
 def qmm_impl(x, qw, *, platform, transpose, precision):
-    from jaxquant.ops.qmm import qmm_reference  # noqa: PLC0415
     nb = qw.ndim - 2
     k = x.shape[-1]
     n = qw.shape[-2]
