@@ -71,6 +71,9 @@ class Kernel:
 _KERNELS: dict[str, list[Kernel]] = {}
 # backend name -> () -> str | None: why the backend cannot run here (None: it can)
 _AVAILABILITY: dict[str, Callable[[], str | None]] = {"reference": lambda: None}
+# backend name -> why it is not part of this build at all (e.g. metal off macOS): such a
+# backend is neither available nor listed as if it were (`python -m jaxquant`).
+_NOT_BUILT: dict[str, str] = {}
 
 
 def _backend_state():
@@ -115,6 +118,19 @@ def register_backend(backend: str, unavailable_reason: Callable[[], str | None])
     _AVAILABILITY[backend] = unavailable_reason
 
 
+def declare_not_built(backend: str, why: str):
+    """`backend` does not exist in this build (e.g. "metal" off macOS): an op asking
+    for it gets an error saying `why`, and listings keep it apart from real backends."""
+    _check_name(backend)
+    _NOT_BUILT[backend] = why
+    _AVAILABILITY.pop(backend, None)
+
+
+def not_built_backends() -> dict[str, str]:
+    """The known backends that this build of jaxquant does not have, with why."""
+    return dict(_NOT_BUILT)
+
+
 def _check_name(backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; expected one of {list(BACKENDS)}")
@@ -122,6 +138,8 @@ def _check_name(backend):
 
 def unavailable_reason(backend: str) -> str | None:
     _check_name(backend)
+    if backend in _NOT_BUILT:
+        return f"not built: {_NOT_BUILT[backend]}"
     probe = _AVAILABILITY.get(backend)
     if probe is None:
         return f"the {backend!r} backend is not installed in this build of jaxquant"
@@ -129,7 +147,8 @@ def unavailable_reason(backend: str) -> str | None:
 
 
 def available_backends() -> list[str]:
-    """The backends that can run here, in preference order."""
+    """The backends that can run here, in preference order (never one this build does
+    not have, such as metal off macOS)."""
     return [b for b in BACKENDS if unavailable_reason(b) is None]
 
 
