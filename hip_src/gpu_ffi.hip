@@ -89,8 +89,34 @@ using GpuHandlers = Handlers<GpuPlatform, ffi::PlatformStream<hipStream_t>>;
 }  // namespace gpu
 }  // namespace jq
 
+#if defined(JQ_PLATFORM_ROCM)
+namespace jq {
+namespace cdna4 {
+// hip_src/cdna4_qmm.hip (in the ROCm library only): the gfx950 MXFP4 qmm on the
+// cdna4 layout; it validates its own operands.
+ffi::Error qmm_impl(hipStream_t stream, ffi::AnyBuffer xq, ffi::AnyBuffer xs, ffi::AnyBuffer w,
+                    ffi::AnyBuffer ws, ffi::Result<ffi::AnyBuffer> y);
+}  // namespace cdna4
+namespace gpu {
+// The ROCm library's handlers: the GPU ones plus
+// jaxquant_cdna4_qmm: x terms [B,T,Mp,K], x scales, data, scales -> y [B,M,N].
+struct RocmHandlers : GpuHandlers {
+  static ffi::Error cdna4_qmm(hipStream_t stream, Buf xq, Buf xs, Buf w, Buf ws, Out y) {
+    return cdna4::qmm_impl(stream, xq, xs, w, ws, y);
+  }
+  static auto bind_cdna4_qmm() { return ffi_rets<1>(ffi_args<4>(bind())); }
+};
+}  // namespace gpu
+}  // namespace jq
+
+// The targets of the ROCm library: every platform's, plus the gfx950 qmm.
+#define JQ_GPU_TARGETS(X, ...) JQ_FFI_TARGETS(X, __VA_ARGS__) X(cdna4_qmm, __VA_ARGS__)
+// jq_gpu_<target> for every target, jq_abi_version, jq_ffi_targets, jq_format_name.
+JQ_FFI_DEFINE_LIBRARY(jq_gpu_, jq::gpu::RocmHandlers, JQ_GPU_TARGETS)
+#else
 // The targets of the GPU libraries: every platform's (a GPU-only target is added here).
 #define JQ_GPU_TARGETS(X, ...) JQ_FFI_TARGETS(X, __VA_ARGS__)
 
 // jq_gpu_<target> for every target, jq_abi_version, jq_ffi_targets, jq_format_name.
 JQ_FFI_DEFINE_LIBRARY(jq_gpu_, jq::gpu::GpuHandlers, JQ_GPU_TARGETS)
+#endif

@@ -16,6 +16,8 @@ include/jq/ffi_common.h):
   jaxquant_rms_norm        x, weight|[0] -> y
   jaxquant_add_rms_norm    x, residual, weight|[0] -> y, h
   jaxquant_gated_rms_norm  x, gate, weight|[0] -> y
+  jaxquant_cdna4_qmm       (ROCm library only) x terms [B,T,Mp,K], x scales, data, scales
+                           -> [B,M,N]: gfx950 MXFP4 qmm on the cdna4 layout (_cdna4.py)
 
 Numerics (DESIGN.md §4):
 - dequantize is bit for bit the reference (float32 arithmetic, affine as
@@ -33,7 +35,10 @@ Numerics (DESIGN.md §4):
   transpose=False: the op's reference with the ffi dequantize into x's dtype
   (so the reference's own XLA contraction, and its precision setting).
 - float64 anywhere, non-canonical layouts, K not a multiple of 32: the
-  `supports_*` functions say no and the reference runs.
+  `supports_*` functions say no and the reference runs. Except: on a gfx950,
+  qmm (x @ W.T) with bfloat16/float16 x on an mxfp4 weight in the `cdna4`
+  layout runs the scaled-MFMA kernel of hip_src/cdna4_qmm.hip, x split into
+  E4M3 terms (jaxquant/ffi/_cdna4.py; docs/cdna4.md gives its numerics).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from __future__ import annotations
 import jax
 
 from jaxquant import dispatch
-from jaxquant.ffi import _loader, _ops, configs
+from jaxquant.ffi import _cdna4, _loader, _ops, configs
 from jaxquant.ffi._ops import (FORMAT_IDS, add_rms_norm_call, dequantize_call,
                                gated_rms_norm_call, qmv_call, rms_norm_call)
 
@@ -114,4 +119,8 @@ for _platform in loaded_platforms():
     for _name, _impl, _supports, _auto in KERNELS:
         dispatch.register(_name, "ffi", (_platform,), _impl, _supports,
                           priority=configs.PRIORITY[_platform], auto=_auto)
+# The ROCm library's gfx950 qmm on cdna4-layout weights (no canonical-layout kernel
+# takes that layout): its choice and priority live with it in _cdna4.py.
+if "rocm" in loaded_platforms() and "cdna4_qmm" in _LIBS["rocm"].targets:
+    _cdna4.register()
 dispatch.register_backend("ffi", unavailable_reason)
