@@ -42,6 +42,7 @@ import jax
 
 from jaxquant import dispatch
 from jaxquant.ffi import _loader, _ops
+from jaxquant.layouts import cuda_mma
 from jaxquant.ffi._ops import (FORMAT_IDS, GEMV_MAX_M, add_rms_norm_call, dequantize_call,
                                gated_rms_norm_call, qmv_call, rms_norm_call)
 
@@ -136,6 +137,14 @@ def _register_kernels():
                               auto=auto.get(name, _never))
         dispatch.register("qmm", "ffi", (platform,), _ops.make_qmm_impl(platform),
                           _ops.qmm_applies, priority=prio, auto=_ops.make_qmm_gemv_case(platform))
+    if "cuda" in loaded_platforms():
+        # the tensor-core decode GEMV on the cuda_mma layout (jq.prepack's default on CUDA)
+        from jaxquant.ffi import _mma
+        dispatch.register("qmm", "ffi", ("cuda",), _mma.qmm_impl, _mma.qmm_applies,
+                          priority=_mma.PRIORITY)
+        dispatch.register("gather_qmm", "ffi", ("cuda",), _mma.gather_qmm_impl,
+                          _mma.gather_qmm_applies, priority=_mma.PRIORITY)
+        cuda_mma.make_default_on("cuda")
 
 
 _load_all()

@@ -36,6 +36,9 @@ TARGETS = {
     "jaxquant_gated_rms_norm": "gated_rms_norm",
 }
 
+# Targets only one platform's library has: platform -> {target: stem}.
+PLATFORM_TARGETS = {"cuda": {"jaxquant_qmv_mma": "qmv_mma"}}  # tensor cores (hip_src/qmv_mma.hip)
+
 ABI_VERSION = 1
 
 
@@ -115,7 +118,7 @@ def register(lib: Library) -> None:
     _, xla_platform = PLATFORMS[lib.platform]
     prefix = "jq_cpu_" if lib.platform == "cpu" else "jq_gpu_"
     try:
-        for target, stem in TARGETS.items():
+        for target, stem in {**TARGETS, **PLATFORM_TARGETS.get(lib.platform, {})}.items():
             fn = getattr(lib.handle, prefix + stem)
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=xla_platform)
     except Exception as e:  # noqa: BLE001 - a broken library removes its platform only
