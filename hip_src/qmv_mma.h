@@ -111,26 +111,35 @@ __device__ __forceinline__ uint32_t shl(uint32_t x) {
   else return x >> (-SHIFT);
 }
 
-// The magic number added to affine codes by the fast 4-bit decode (0: none).
-template <class C, bool F16>
+// The magic number left in affine codes by the fast 4-bit decode (0: none).
+// bf16 x: 128 + c, the 128 folded into the bias (y = s*sum((128+c)x) + (b-128s)*sum(x);
+// costs ~4 of float32's 24 bits, far below bf16's 8). float32 and half x: subtracted
+// exactly in the A registers instead (the fold would cost 4 or 10 bits of the sum).
+template <class C, int XDT>
 struct AffineMagic {
   static constexpr float value = 0.0f;
 };
-template <bool F16>
-struct AffineMagic<Codec<kAffine, 4>, F16> {
-  // bf16: 128 + c, the 128 folded into the bias (fp32 keeps the product exact);
-  // half: 1024 + c would cost 10 bits of the sum, so it is subtracted (HSUB2) instead
-  static constexpr float value = F16 ? 0.0f : 128.0f;
+template <>
+struct AffineMagic<Codec<kAffine, 4>, kBF16> {
+  static constexpr float value = 128.0f;
 };
+
+__device__ __forceinline__ uint32_t hsub2_bf16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  // a * 1 - b (fma: sm_80 has no bf16x2 sub)
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3f803f80u), "r"(b ^ 0x80008000u));
+  return d;
+}
 
 // The four A registers of k-step S from the lane's unit `w` (BITS words):
 // register j holds codes S*8 + j (low half) and S*8 + 4 + j (high half).
-template <class C, bool F16, int S, int J>
+template <class C, bool F16, bool FOLD, int S, int J>
 __device__ __forceinline__ uint32_t a_reg(const uint32_t* w) {
   constexpr int BITS = C::kBits;
   if constexpr (C::kFmt == kAffine && BITS == 4) {
     const uint32_t v = (shl<-4 * J>(w[S]) & 0x000f000fu) | (F16 ? 0x64006400u : 0x43004300u);
     if constexpr (F16) return hsub2_f16(v, 0x64006400u);  // exact: c
+    if constexpr (!FOLD) return hsub2_bf16(v, 0x43004300u);
     return v;
   } else if constexpr (BITS == 4 && C::kFmt != kAffine) {  // E2M1
     const uint32_t x = w[S];
@@ -148,12 +157,12 @@ __device__ __forceinline__ uint32_t a_reg(const uint32_t* w) {
   }
 }
 
-template <class C, bool F16, int S>
+template <class C, bool F16, bool FOLD, int S>
 __device__ __forceinline__ void a_regs(const uint32_t* w, uint32_t* a) {
-  a[0] = a_reg<C, F16, S, 0>(w);
-  a[1] = a_reg<C, F16, S, 1>(w);
-  a[2] = a_reg<C, F16, S, 2>(w);
-  a[3] = a_reg<C, F16, S, 3>(w);
+  a[0] = a_reg<C, F16, FOLD, S, 0>(w);
+  a[1] = a_reg<C, F16, FOLD, S, 1>(w);
+  a[2] = a_reg<C, F16, FOLD, S, 2>(w);
+  a[3] = a_reg<C, F16, FOLD, S, 3>(w);
 }
 
 // The lane's unit of a chunk of the partial last tile, which stays canonical
@@ -231,14 +240,137 @@ __device__ __forceinline__ void load_b(const void* xrow, int64_t k0, uint32_t* b
   }
 }
 
-template <class C, int XDT, int NT, int P, int U>
-__global__ void __launch_bounds__(256) qmv_mma_kernel(Problem pr) {
+// The warp's share of one tile: acc[nt][i] (C fragment layout) over its chunks.
+// TAIL: the partial last tile, read from its canonical rows (kept out of the
+// hot loop's code).
+template <class C, int XDT, int NT, int P, int U, bool TAIL>
+__device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
+                                                int mcount, const int64_t* xrow_s,
+                                                float (&acc)[NT][4]) {
   constexpr int BITS = C::kBits;
   constexpr bool F16 = XDT == kF16;
-  constexpr int NB = XDT == kF32 ? 4 : 2;  // B registers per k-step per n8 tile
-  constexpr int CAP = 8 * NT;              // rows of x per segment
-  constexpr float MAGIC = AffineMagic<C, F16>::value;
+  constexpr int NB = XDT == kF32 ? 4 : 2;
+  constexpr float MAGIC = AffineMagic<C, XDT>::value;
+  constexpr bool FOLD = MAGIC != 0.0f;
   constexpr uint32_t ONES = F16 ? 0x3c003c00u : 0x3f803f80u;
+  const QmvProblem& p = pr.q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int esz = XDT == kF32 ? 4 : 2;
+  const char* xcol[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int m = g + 8 * nt;
+    xcol[nt] = m < mcount ? static_cast<const char*>(p.x) + xrow_s[m] * p.K * esz : nullptr;
+  }
+  const uint32_t* wexp = p.data + e * p.N * p.words;
+  const uint32_t* wtile = wexp + tile * kTileRows * p.words;
+  const int valid_rows = (int)(p.N - tile * kTileRows);
+  const int ssz = p.scale_dt == kU8 ? 1 : (p.scale_dt == kF32 ? 4 : 2);
+  const char* sexp = static_cast<const char*>(p.scales) + e * p.N * p.groups * ssz;
+  const char* bexp = p.biases ? static_cast<const char*>(p.biases) + e * p.N * p.groups * ssz
+                              : nullptr;
+  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
+  constexpr int steps_per_piece = 4 / P;  // P groups per chunk (1 for group >= 64)
+
+  for (int64_t c0 = warp; c0 < pr.chunks; c0 += (int64_t)warps * U) {
+    uint32_t w[U][BITS];
+    uint32_t b[U][4][NT][NB];
+    uint32_t sc[U][P][2][2];  // [chunk][group piece][scale, bias][row g, row g + 8]
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + (int64_t)u * warps;
+#pragma unroll
+      for (int pc = 0; pc < P; ++pc)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[u][pc][i >> 1][i & 1] = 0u;
+      if (c < pr.chunks) {
+#pragma unroll
+        for (int pc = 0; pc < P; ++pc) {
+          const int64_t gi = (c * kChunkK + pc * steps_per_piece * 16) / p.group;
+          if constexpr (!TAIL) {
+            const int64_t pair = (tile * p.groups + gi) * 8 + g;
+            load_scale_pair(sexp, pair, p.scale_dt, sc[u][pc][0]);
+            if constexpr (C::kFmt == kAffine) load_scale_pair(bexp, pair, p.scale_dt, sc[u][pc][1]);
+          } else {
+            const int64_t row0 = tile * kTileRows;  // canonical [N, G] rows
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = g + 8 * h;
+              if (r < valid_rows) {
+                sc[u][pc][0][h] = load_raw(sexp, (row0 + r) * p.groups + gi, p.scale_dt);
+                if constexpr (C::kFmt == kAffine)
+                  sc[u][pc][1][h] = load_raw(bexp, (row0 + r) * p.groups + gi, p.scale_dt);
+              }
+            }
+          }
+        }
+        if constexpr (!TAIL) {
+          load_unit<BITS>(wtile + (c * 32 + lane) * BITS, w[u]);
+        } else {
+          tail_unit<BITS>(wtile, p.words, valid_rows, c, lane, w[u]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < BITS; ++i) w[u][i] = 0u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + (int64_t)u * warps;
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (c < pr.chunks && xcol[nt] != nullptr) {
+            load_b<XDT>(xcol[nt], c * kChunkK + 16 * st + 4 * t, b[u][st][nt]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < NB; ++i) b[u][st][nt][i] = 0u;
+          }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + (int64_t)u * warps;
+      if (c >= pr.chunks) break;
+      uint32_t a[4][4];
+      a_regs<C, F16, FOLD, 0>(w[u], a[0]);
+      a_regs<C, F16, FOLD, 1>(w[u], a[1]);
+      a_regs<C, F16, FOLD, 2>(w[u], a[2]);
+      a_regs<C, F16, FOLD, 3>(w[u], a[3]);
+#pragma unroll
+      for (int pc = 0; pc < P; ++pc) {
+        const uint32_t* sraw = sc[u][pc][0];
+        const uint32_t* braw = sc[u][pc][1];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          float q[4] = {0.0f, 0.0f, 0.0f, 0.0f}, xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int st = 0; st < 4; ++st) {
+            if (st / steps_per_piece != pc) continue;
+            mma16816<F16>(q, a[st], b[u][st][nt][0], b[u][st][nt][1]);
+            if constexpr (XDT == kF32) mma16816<F16>(q, a[st], b[u][st][nt][2], b[u][st][nt][3]);
+            if constexpr (C::kFmt == kAffine) {
+              const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
+              mma16816<F16>(xs, ones, b[u][st][nt][0], b[u][st][nt][1]);
+              if constexpr (XDT == kF32)
+                mma16816<F16>(xs, ones, b[u][st][nt][2], b[u][st][nt][3]);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            scale_into<C>(acc[nt][i], q[i], xs[i], sraw[i >> 1], braw[i >> 1], p.scale_dt, gsv,
+                          MAGIC);
+        }
+      }
+    }
+  }
+}
+
+template <class C, int XDT, int NT, int P, int U>
+__global__ void __launch_bounds__(256) qmv_mma_kernel(Problem pr) {
+  constexpr int CAP = 8 * NT;  // rows of x per segment
   const QmvProblem& p = pr.q;
 
   __shared__ int64_t xrow_s[16], yrow_s[16];
@@ -304,108 +436,10 @@ __global__ void __launch_bounds__(256) qmv_mma_kernel(Problem pr) {
     for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
 
   if (valid) {
-    const int esz = XDT == kF32 ? 4 : 2;
-    const char* xcol[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int m = g + 8 * nt;
-      xcol[nt] = m < mcount ? static_cast<const char*>(p.x) + xrow_s[m] * p.K * esz : nullptr;
-    }
-    const uint32_t* wexp = p.data + e * p.N * p.words;
-    const bool full = tile < pr.full_tiles;
-    const uint32_t* wtile = wexp + tile * kTileRows * p.words;
-    const int valid_rows = (int)(p.N - tile * kTileRows);
-    const int ssz = p.scale_dt == kU8 ? 1 : (p.scale_dt == kF32 ? 4 : 2);
-    const char* sexp = static_cast<const char*>(p.scales) + e * p.N * p.groups * ssz;
-    const char* bexp = p.biases ? static_cast<const char*>(p.biases) + e * p.N * p.groups * ssz
-                                : nullptr;
-    const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
-    constexpr int steps_per_piece = 4 / P;  // P groups per chunk (1 for group >= 64)
-
-    for (int64_t c0 = warp; c0 < pr.chunks; c0 += (int64_t)warps * U) {
-      uint32_t w[U][BITS];
-      uint32_t b[U][4][NT][NB];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t c = c0 + (int64_t)u * warps;
-        if (c < pr.chunks) {
-          if (full) {
-            load_unit<BITS>(wtile + (c * 32 + lane) * BITS, w[u]);
-          } else {
-            tail_unit<BITS>(wtile, p.words, valid_rows, c, lane, w[u]);
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < BITS; ++i) w[u][i] = 0u;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t c = c0 + (int64_t)u * warps;
-#pragma unroll
-        for (int st = 0; st < 4; ++st)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            if (c < pr.chunks && xcol[nt] != nullptr) {
-              load_b<XDT>(xcol[nt], c * kChunkK + 16 * st + 4 * t, b[u][st][nt]);
-            } else {
-#pragma unroll
-              for (int i = 0; i < NB; ++i) b[u][st][nt][i] = 0u;
-            }
-          }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t c = c0 + (int64_t)u * warps;
-        if (c >= pr.chunks) break;
-        uint32_t a[4][4];
-        a_regs<C, F16, 0>(w[u], a[0]);
-        a_regs<C, F16, 1>(w[u], a[1]);
-        a_regs<C, F16, 2>(w[u], a[2]);
-        a_regs<C, F16, 3>(w[u], a[3]);
-#pragma unroll
-        for (int pc = 0; pc < P; ++pc) {
-          const int64_t gi = (c * kChunkK + pc * steps_per_piece * 16) / p.group;
-          uint32_t sraw[2] = {0u, 0u}, braw[2] = {0u, 0u};
-          if (full) {
-            const int64_t pair = (tile * p.groups + gi) * 8 + g;
-            load_scale_pair(sexp, pair, p.scale_dt, sraw);
-            if constexpr (C::kFmt == kAffine) load_scale_pair(bexp, pair, p.scale_dt, braw);
-          } else {
-            const int64_t row0 = tile * kTileRows;  // canonical [N, G] rows
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = g + 8 * h;
-              if (r < valid_rows) {
-                sraw[h] = load_raw(sexp, (row0 + r) * p.groups + gi, p.scale_dt);
-                if constexpr (C::kFmt == kAffine)
-                  braw[h] = load_raw(bexp, (row0 + r) * p.groups + gi, p.scale_dt);
-              }
-            }
-          }
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            float q[4] = {0.0f, 0.0f, 0.0f, 0.0f}, xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int st = 0; st < 4; ++st) {
-              if (st / steps_per_piece != pc) continue;
-              mma16816<F16>(q, a[st], b[u][st][nt][0], b[u][st][nt][1]);
-              if constexpr (XDT == kF32) mma16816<F16>(q, a[st], b[u][st][nt][2], b[u][st][nt][3]);
-              if constexpr (C::kFmt == kAffine) {
-                const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
-                mma16816<F16>(xs, ones, b[u][st][nt][0], b[u][st][nt][1]);
-                if constexpr (XDT == kF32)
-                  mma16816<F16>(xs, ones, b[u][st][nt][2], b[u][st][nt][3]);
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-              scale_into<C>(acc[nt][i], q[i], xs[i], sraw[i >> 1], braw[i >> 1], p.scale_dt, gsv,
-                            MAGIC);
-          }
-        }
-      }
-    }
+    if (tile < pr.full_tiles)
+      accumulate_tile<C, XDT, NT, P, U, false>(pr, e, tile, mcount, xrow_s, acc);
+    else
+      accumulate_tile<C, XDT, NT, P, U, true>(pr, e, tile, mcount, xrow_s, acc);
   }
 
   // --- the warps' partial sums meet in shared memory ------------------------

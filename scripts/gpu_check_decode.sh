@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The tensor-core decode GEMV (issue 11) on the GPU machine, in one call: build
+# (sm_90 only), GPU tests, compute-sanitizer memcheck of the new kernel (bad ids
+# included), benchmarks (copy bandwidth, torch peers), a short table last.
+#   bash scripts/gpu_check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
+# JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/jq_gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PYTHON:-python3}
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "device"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+
+step "build (sm_90)"
+if [ "${JQ_SKIP_BUILD:-0}" != 1 ]; then
+  export CMAKE_ARGS="-DJAXQUANT_CUDA_ARCHS=90-real -DJAXQUANT_ENABLE_ROCM=OFF ${CMAKE_ARGS:-}"
+  SECONDS=0
+  $PY -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1
+  echo "pip rc=$? in ${SECONDS}s"; grep -iE "error|warning: .*qmv_mma" "$OUT/build.log" | head -20
+fi
+$PY -c "import jaxquant.ffi as jf; print('loaded', jf.loaded_platforms()); [print(' ', p, l.path, l.error) for p, l in jf.libraries().items()]"
+LIBDIR=$($PY -c "import jaxquant.ffi as jf; print(jf.libraries()['cuda'].path.parent)")
+if command -v cuobjdump > /dev/null; then
+  cuobjdump -sass "$LIBDIR/libjaxquant_cuda.so" -fun '_ZN2jq3gpu3mma14qmv_mma_kernelINS_5CodecILi0ELi4EEELi2ELi1ELi1ELi4EEEvNS1_7ProblemE' \
+    > "$OUT/sass_affine4_bf16_m8.txt" 2>&1
+  echo "SASS affine4/bf16/M<=8:"; grep -oE "LDG\.E\.[0-9A-Z.]+|HMMA\.[0-9A-Z.]+|LOP3\.LUT|PRMT|I2F[A-Z0-9.]*" "$OUT/sass_affine4_bf16_m8.txt" | sort | uniq -c
+fi
+
+if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
+  step "GPU tests"
+  timeout 420 $PY -m pytest -q -p no:cacheprovider -rs -x tests/test_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+fi
+
+if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
+  step "compute-sanitizer memcheck on qmv_mma_kernel (scripts/decode_sanitize_case.py)"
+  timeout 300 compute-sanitizer --tool memcheck --kernel-name kns=qmv_mma_kernel --error-exitcode 9 \
+    $PY scripts/decode_sanitize_case.py > "$OUT/sanitizer_memcheck.log" 2>&1
+  echo "compute-sanitizer rc=$?"; grep -E "ERROR SUMMARY|ALL OK|FAILED|MISMATCH|rror" "$OUT/sanitizer_memcheck.log" | tail -n 8
+fi
+
+step "benchmarks"
+timeout ${JQ_BENCH_TIMEOUT:-420} $PY -m jaxquant.bench_decode --only "${JQ_BENCH_ONLY:-qmm,peers,moe,step}" \
+  ${JQ_BENCH_MODES:+--modes $JQ_BENCH_MODES} 2>&1 | tee "$OUT/bench.log" | grep -v "^WARNING" | tail -n 80
+step "done"
