@@ -11,11 +11,13 @@
 // One warp owns one 16-row tile and every W-th chunk of 64 k of it (W warps
 // per block split K; their partial sums meet in shared memory). In the layout
 // a lane's part of a chunk (32 codes: rows g and g+8, 16 k) is one `bits`-word
-// unit at (chunk * 32 + lane) * bits: 16-byte loads for 4 and 8 bits, U
-// chunks in flight before any is used. Codes become bf16x2 / half2 A
-// registers without int->float conversions:
+// unit at (chunk * 32 + lane) * bits, copied to shared memory with 16-byte
+// cp.async (4 and 8 bits) kStages - 1 chunks ahead of its use, so the bytes in
+// flight cost no registers. Codes become bf16x2 / half2 A registers without
+// int->float conversions:
 //   affine 4-bit: (w >> 4j) & 0x000f000f | magic (128 + c in bf16, 1024 + c in
-//     half); the magic is folded into the bias: y = s*sum((M+c)x) + (b - M*s)*sum(x);
+//     half); bf16 folds the 128 into the bias (y = s*sum((128+c)x) + (b-128s)*sum(x)),
+//     half and float32 x subtract it exactly (HSUB2);
 //   E2M1 (mxfp4, nvfp4, fp4): magnitude and sign bits moved into place with
 //     shifts/LOP3, one HMUL2 by 2^126 (bf16) / 2^14 (half) rebases the exponent;
 //   other formats: the codec's exact float decode and one F2FP pack per pair.
@@ -30,6 +32,8 @@
 // computes it, the others return at once. An id outside [0, E) gives a NaN
 // row and no weight read.
 #pragma once
+
+#include <stdlib.h>
 
 #include "gpu_common.h"
 
@@ -240,142 +244,269 @@ __device__ __forceinline__ void load_b(const void* xrow, int64_t k0, uint32_t* b
   }
 }
 
-// The warp's share of one tile: acc[nt][i] (C fragment layout) over its chunks.
-// TAIL: the partial last tile, read from its canonical rows (kept out of the
-// hot loop's code).
-template <class C, int XDT, int NT, int P, int U, bool TAIL>
-__device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
-                                                int mcount, const int64_t* xrow_s,
-                                                float (&acc)[NT][4]) {
-  constexpr int BITS = C::kBits;
+// Where a warp's loads of one tile come from (32-bit offsets, set once per tile).
+struct TileCursor {
+  const uint32_t* w;     // the lane's unit of chunk 0 (tail: the tile's first canonical row)
+  const char* x[2];      // the lane's x column (n8 tile 0 / 1) at k = 4t, or nullptr
+  const char* s;         // scales of the lane's pair of rows (tail: of the tile's first row)
+  const char* b;         // biases, likewise
+  int valid_rows;        // rows of the tile inside N
+};
+
+// The U chunks c, c + warps, ... of the lane: loads first (weights, scales, x),
+// then the decode, the MMAs and the scales. Every chunk is inside K.
+// A scale code of at most 16 bits (uint8 E8M0/E4M3 codes, half, bfloat16).
+__device__ __forceinline__ uint32_t load_raw16(const void* base, int64_t i, int32_t dt) {
+  return dt == kU8 ? (uint32_t)JQ_LDG(static_cast<const uint8_t*>(base) + i)
+                   : (uint32_t)JQ_LDG(static_cast<const uint16_t*>(base) + i);
+}
+
+// Scales (and biases) of one chunk for the lane's rows g and g + 8: P group
+// pieces. WIDE: float32 scales, two registers per pair of rows; else the pair's
+// two codes share one register (row g low half, row g + 8 high half).
+template <class C, int P, bool TAIL, bool WIDE>
+struct ChunkScales {
+  static constexpr int SW = WIDE ? 2 : 1;
+  uint32_t r[P][2][SW];  // [group piece][scale, bias][row g, row g + 8 | packed]
+
+  __device__ __forceinline__ void load(const QmvProblem& p, const TileCursor& cur, int c,
+                                       int gshift, int g) {
+#pragma unroll
+    for (int pc = 0; pc < P; ++pc) {
+      const int gi = ((c << 6) + pc * (64 / P)) >> gshift;
+      uint32_t v[2][2] = {{0u, 0u}, {0u, 0u}};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int64_t i = gi * 16 + h;  // the layout: [tile, group, g, row half]
+        bool in = true;
+        if constexpr (TAIL) {  // canonical [N, G] rows
+          i = (int64_t)(g + 8 * h) * p.groups + gi;
+          in = g + 8 * h < cur.valid_rows;
+        }
+        if (in) {
+          if constexpr (WIDE) {
+            v[0][h] = JQ_LDG(reinterpret_cast<const uint32_t*>(cur.s) + i);
+            if constexpr (C::kFmt == kAffine)
+              v[1][h] = JQ_LDG(reinterpret_cast<const uint32_t*>(cur.b) + i);
+          } else {
+            v[0][h] = load_raw16(cur.s, i, p.scale_dt);
+            if constexpr (C::kFmt == kAffine) v[1][h] = load_raw16(cur.b, i, p.scale_dt);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        if constexpr (WIDE) {
+          r[pc][k][0] = v[k][0];
+          r[pc][k][1 % SW] = v[k][1];
+        } else {
+          r[pc][k][0] = v[k][0] | (v[k][1] << 16);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ uint32_t get(int pc, int k, int h) const {
+    if constexpr (WIDE) return r[pc][k][h % SW];
+    else return (r[pc][k][0] >> (16 * h)) & 0xffffu;
+  }
+};
+
+// One chunk: x (B) loads, the decode of the lane's unit `w` into A registers, the
+// MMAs per group piece and the scales into acc.
+template <class C, int XDT, int NT, int P, bool TAIL, bool WIDE>
+__device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCursor& cur, int c,
+                                              const uint32_t* w,
+                                              const ChunkScales<C, P, TAIL, WIDE>& sc, float gsv,
+                                              float (&acc)[NT][4]) {
   constexpr bool F16 = XDT == kF16;
   constexpr int NB = XDT == kF32 ? 4 : 2;
+  constexpr int ESZ = XDT == kF32 ? 4 : 2;
   constexpr float MAGIC = AffineMagic<C, XDT>::value;
   constexpr bool FOLD = MAGIC != 0.0f;
   constexpr uint32_t ONES = F16 ? 0x3c003c00u : 0x3f803f80u;
-  const QmvProblem& p = pr.q;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int esz = XDT == kF32 ? 4 : 2;
-  const char* xcol[NT];
+  constexpr int SPP = 4 / P;  // k-steps per group piece (P groups per chunk)
+  uint32_t b[4][NT][NB];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int m = g + 8 * nt;
-    xcol[nt] = m < mcount ? static_cast<const char*>(p.x) + xrow_s[m] * p.K * esz : nullptr;
-  }
-  const uint32_t* wexp = p.data + e * p.N * p.words;
-  const uint32_t* wtile = wexp + tile * kTileRows * p.words;
-  const int valid_rows = (int)(p.N - tile * kTileRows);
-  const int ssz = p.scale_dt == kU8 ? 1 : (p.scale_dt == kF32 ? 4 : 2);
-  const char* sexp = static_cast<const char*>(p.scales) + e * p.N * p.groups * ssz;
-  const char* bexp = p.biases ? static_cast<const char*>(p.biases) + e * p.N * p.groups * ssz
-                              : nullptr;
-  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
-  constexpr int steps_per_piece = 4 / P;  // P groups per chunk (1 for group >= 64)
-
-  for (int64_t c0 = warp; c0 < pr.chunks; c0 += (int64_t)warps * U) {
-    uint32_t w[U][BITS];
-    uint32_t b[U][4][NT][NB];
-    uint32_t sc[U][P][2][2];  // [chunk][group piece][scale, bias][row g, row g + 8]
+  for (int st = 0; st < 4; ++st)
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + (int64_t)u * warps;
-#pragma unroll
-      for (int pc = 0; pc < P; ++pc)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sc[u][pc][i >> 1][i & 1] = 0u;
-      if (c < pr.chunks) {
-#pragma unroll
-        for (int pc = 0; pc < P; ++pc) {
-          const int64_t gi = (c * kChunkK + pc * steps_per_piece * 16) / p.group;
-          if constexpr (!TAIL) {
-            const int64_t pair = (tile * p.groups + gi) * 8 + g;
-            load_scale_pair(sexp, pair, p.scale_dt, sc[u][pc][0]);
-            if constexpr (C::kFmt == kAffine) load_scale_pair(bexp, pair, p.scale_dt, sc[u][pc][1]);
-          } else {
-            const int64_t row0 = tile * kTileRows;  // canonical [N, G] rows
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = g + 8 * h;
-              if (r < valid_rows) {
-                sc[u][pc][0][h] = load_raw(sexp, (row0 + r) * p.groups + gi, p.scale_dt);
-                if constexpr (C::kFmt == kAffine)
-                  sc[u][pc][1][h] = load_raw(bexp, (row0 + r) * p.groups + gi, p.scale_dt);
-              }
-            }
-          }
-        }
-        if constexpr (!TAIL) {
-          load_unit<BITS>(wtile + (c * 32 + lane) * BITS, w[u]);
-        } else {
-          tail_unit<BITS>(wtile, p.words, valid_rows, c, lane, w[u]);
-        }
+    for (int nt = 0; nt < NT; ++nt) {
+      if (cur.x[nt] != nullptr) {
+        load_b<XDT>(cur.x[nt] + (c * kChunkK + 16 * st) * ESZ, 0, b[st][nt]);
       } else {
 #pragma unroll
-        for (int i = 0; i < BITS; ++i) w[u][i] = 0u;
+        for (int i = 0; i < NB; ++i) b[st][nt][i] = 0u;
       }
     }
+  uint32_t a[4][4];
+  a_regs<C, F16, FOLD, 0>(w, a[0]);
+  a_regs<C, F16, FOLD, 1>(w, a[1]);
+  a_regs<C, F16, FOLD, 2>(w, a[2]);
+  a_regs<C, F16, FOLD, 3>(w, a[3]);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + (int64_t)u * warps;
+  for (int pc = 0; pc < P; ++pc) {
 #pragma unroll
-      for (int st = 0; st < 4; ++st)
+    for (int nt = 0; nt < NT; ++nt) {
+      float q[4] = {0.0f, 0.0f, 0.0f, 0.0f}, xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (c < pr.chunks && xcol[nt] != nullptr) {
-            load_b<XDT>(xcol[nt], c * kChunkK + 16 * st + 4 * t, b[u][st][nt]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < NB; ++i) b[u][st][nt][i] = 0u;
-          }
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + (int64_t)u * warps;
-      if (c >= pr.chunks) break;
-      uint32_t a[4][4];
-      a_regs<C, F16, FOLD, 0>(w[u], a[0]);
-      a_regs<C, F16, FOLD, 1>(w[u], a[1]);
-      a_regs<C, F16, FOLD, 2>(w[u], a[2]);
-      a_regs<C, F16, FOLD, 3>(w[u], a[3]);
-#pragma unroll
-      for (int pc = 0; pc < P; ++pc) {
-        const uint32_t* sraw = sc[u][pc][0];
-        const uint32_t* braw = sc[u][pc][1];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float q[4] = {0.0f, 0.0f, 0.0f, 0.0f}, xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-          for (int st = 0; st < 4; ++st) {
-            if (st / steps_per_piece != pc) continue;
-            mma16816<F16>(q, a[st], b[u][st][nt][0], b[u][st][nt][1]);
-            if constexpr (XDT == kF32) mma16816<F16>(q, a[st], b[u][st][nt][2], b[u][st][nt][3]);
-            if constexpr (C::kFmt == kAffine) {
-              const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
-              mma16816<F16>(xs, ones, b[u][st][nt][0], b[u][st][nt][1]);
-              if constexpr (XDT == kF32)
-                mma16816<F16>(xs, ones, b[u][st][nt][2], b[u][st][nt][3]);
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            scale_into<C>(acc[nt][i], q[i], xs[i], sraw[i >> 1], braw[i >> 1], p.scale_dt, gsv,
-                          MAGIC);
+      for (int st = pc * SPP; st < (pc + 1) * SPP; ++st) {
+        mma16816<F16>(q, a[st], b[st][nt][0], b[st][nt][1]);
+        if constexpr (XDT == kF32) mma16816<F16>(q, a[st], b[st][nt][2], b[st][nt][3]);
+        if constexpr (C::kFmt == kAffine) {
+          const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
+          mma16816<F16>(xs, ones, b[st][nt][0], b[st][nt][1]);
+          if constexpr (XDT == kF32) mma16816<F16>(xs, ones, b[st][nt][2], b[st][nt][3]);
         }
       }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        scale_into<C>(acc[nt][i], q[i], xs[i], sc.get(pc, 0, i >> 1), sc.get(pc, 1, i >> 1),
+                      p.scale_dt, gsv, MAGIC);
     }
   }
 }
 
-template <class C, int XDT, int NT, int P, int U>
-__global__ void __launch_bounds__(256) qmv_mma_kernel(Problem pr) {
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int bytes) {
+  if (bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else if (bytes == 8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The lane's unit of a chunk, global -> shared, with the widest copies its
+// alignment allows (the unit is `BITS` words at a multiple of BITS words).
+template <int BITS>
+__device__ __forceinline__ void unit_to_shared(uint32_t dst, const uint32_t* src) {
+  constexpr int kBytes = BITS % 4 == 0 ? 16 : (BITS % 2 == 0 ? 8 : 4);
+#pragma unroll
+  for (int i = 0; i < BITS * 4 / kBytes; ++i) cp_async(dst + i * kBytes, src + i * kBytes / 4, kBytes);
+}
+
+template <int BITS>
+__device__ __forceinline__ void unit_from_shared(const uint32_t* src, uint32_t* w) {
+  if constexpr (BITS % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < BITS / 4; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+      w[4 * i] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (BITS % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < BITS / 2; ++i) {
+      const uint2 v = reinterpret_cast<const uint2*>(src)[i];
+      w[2 * i] = v.x;
+      w[2 * i + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) w[i] = src[i];
+  }
+}
+
+// Chunks in flight per warp: the lane's units go global -> shared with cp.async
+// (no registers held while in flight) STAGES - 1 chunks ahead of the one used.
+// Each lane reads back only what it copied itself, so the warps never sync.
+constexpr int kStages = 4;
+
+// The warp's share of one tile: acc[nt][i] (C fragment layout) over its chunks
+// warp, warp + W, ... TAIL: the partial last tile, read from its canonical rows.
+template <class C, int XDT, int NT, int P, bool TAIL, bool WIDE>
+__device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
+                                                int mcount, const int64_t* xrow_s,
+                                                uint32_t* stage_smem, float (&acc)[NT][4]) {
+  constexpr int BITS = C::kBits;
+  constexpr int ESZ = XDT == kF32 ? 4 : 2;
+  const QmvProblem& p = pr.q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int ssz = p.scale_dt == kU8 ? 1 : (p.scale_dt == kF32 ? 4 : 2);
+  TileCursor cur;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int m = g + 8 * nt;
+    cur.x[nt] = nt < NT && m < mcount
+                    ? static_cast<const char*>(p.x) + (xrow_s[m] * p.K + 4 * t) * ESZ
+                    : nullptr;
+  }
+  const int64_t row0 = e * p.N + tile * kTileRows;  // the tile's first row in [E * N]
+  cur.valid_rows = (int)(p.N - tile * kTileRows);
+  if constexpr (!TAIL) {
+    cur.w = p.data + row0 * p.words + lane * BITS;
+    const int64_t pair0 = (row0 * p.groups) + 2 * g;  // element index of (row g, group 0)
+    cur.s = static_cast<const char*>(p.scales) + pair0 * ssz;
+    cur.b = p.biases ? static_cast<const char*>(p.biases) + pair0 * ssz : nullptr;
+  } else {
+    cur.w = p.data + row0 * p.words;
+    cur.s = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
+    cur.b = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : nullptr;
+  }
+  int gshift = 0;  // group sizes are powers of two
+  while ((1 << gshift) < p.group) ++gshift;
+  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
+  const int chunks = (int)pr.chunks;
+  // the warp's chunks: warp + i * warps, i < mine
+  const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
+
+  if constexpr (TAIL) {
+    for (int i = 0; i < mine; ++i) {
+      const int c = warp + i * warps;
+      uint32_t w[BITS];
+      tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
+      ChunkScales<C, P, TAIL, WIDE> sc;
+      sc.load(p, cur, c, gshift, g);
+      compute_chunk<C, XDT, NT, P, TAIL, WIDE>(p, cur, c, w, sc, gsv, acc);
+    }
+  } else {
+    // this lane's stage slots: [stage][BITS words], private to the lane
+    uint32_t* slots = stage_smem + ((warp * kStages) * 32 + lane) * BITS;
+    const uint32_t slots_s = (uint32_t)__cvta_generic_to_shared(slots);
+    constexpr int kSlotStride = 32 * BITS;  // words between a lane's stages
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+      if (i < mine)
+        unit_to_shared<BITS>(slots_s + i * kSlotStride * 4, cur.w + (warp + i * warps) * (32 * BITS));
+      cp_async_commit();
+    }
+    ChunkScales<C, P, TAIL, WIDE> sc;
+    if (mine > 0) sc.load(p, cur, warp, gshift, g);
+    for (int i = 0; i < mine; ++i) {
+      const int c = warp + i * warps;
+      const int ahead = i + kStages - 1;
+      if (ahead < mine)
+        unit_to_shared<BITS>(slots_s + (ahead % kStages) * kSlotStride * 4,
+                             cur.w + (warp + ahead * warps) * (32 * BITS));
+      cp_async_commit();
+      ChunkScales<C, P, TAIL, WIDE> sc_next = sc;  // the next chunk's scales, one ahead
+      if (i + 1 < mine) sc_next.load(p, cur, c + warps, gshift, g);
+      cp_async_wait<kStages - 1>();
+      uint32_t w[BITS];
+      unit_from_shared<BITS>(slots + (i % kStages) * kSlotStride, w);
+      compute_chunk<C, XDT, NT, P, TAIL, WIDE>(p, cur, c, w, sc, gsv, acc);
+      sc = sc_next;
+    }
+    cp_async_wait<0>();
+  }
+}
+
+template <class C, int XDT, int NT, int P>
+__global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   constexpr int CAP = 8 * NT;  // rows of x per segment
   const QmvProblem& p = pr.q;
 
   __shared__ int64_t xrow_s[16], yrow_s[16];
   __shared__ int mcount_s;
   __shared__ float red[kMaxWarps][kTileRows][16];
+  __shared__ __align__(16) uint32_t stage_smem[kMaxWarps * kStages * 32 * C::kBits];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -436,10 +567,20 @@ __global__ void __launch_bounds__(256) qmv_mma_kernel(Problem pr) {
     for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
 
   if (valid) {
-    if (tile < pr.full_tiles)
-      accumulate_tile<C, XDT, NT, P, U, false>(pr, e, tile, mcount, xrow_s, acc);
-    else
-      accumulate_tile<C, XDT, NT, P, U, true>(pr, e, tile, mcount, xrow_s, acc);
+    // float32 scales only exist for the float-scale formats (affine, fp4)
+    constexpr bool kMayBeWide = C::kScale == kScaleFloat;
+    const bool wide = kMayBeWide && p.scale_dt == kF32;
+    if (tile < pr.full_tiles) {
+      if (kMayBeWide && wide)
+        accumulate_tile<C, XDT, NT, P, false, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+      else
+        accumulate_tile<C, XDT, NT, P, false, false>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+    } else {
+      if (kMayBeWide && wide)
+        accumulate_tile<C, XDT, NT, P, true, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+      else
+        accumulate_tile<C, XDT, NT, P, true, false>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+    }
   }
 
   // --- the warps' partial sums meet in shared memory ------------------------
@@ -461,7 +602,14 @@ __global__ void __launch_bounds__(256) qmv_mma_kernel(Problem pr) {
 // Warps per block (split K): a function of K only, so that one output
 // element's float ops do not depend on M, the slot or N (gather_qmm == qmm
 // bit for bit on this kernel too).
+// $JAXQUANT_MMA_WARPS (1, 2, 4 or 8) overrides it for benchmark sweeps.
 inline int warps_for(int64_t chunks) {
+  static const int forced = [] {
+    const char* env = getenv("JAXQUANT_MMA_WARPS");
+    const int w = env ? atoi(env) : 0;
+    return (w == 1 || w == 2 || w == 4 || w == 8) ? w : 0;
+  }();
+  if (forced) return forced;
   if (chunks >= 128) return 8;
   if (chunks >= 16) return 4;
   return chunks >= 4 ? 2 : 1;
@@ -469,11 +617,9 @@ inline int warps_for(int64_t chunks) {
 
 template <class C, int XDT, int NT, int P>
 static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
-  constexpr int BITS = C::kBits;
-  constexpr int U = (XDT == kF32 || NT == 2) ? 2 : (BITS <= 4 ? 4 : 2);
   const int warps = warps_for(pr.chunks);
   dim3 grid((unsigned)pr.tiles, (unsigned)pr.q.S, 1), block((unsigned)(32 * warps));
-  qmv_mma_kernel<C, XDT, NT, P, U><<<grid, block, 0, stream>>>(pr);
+  qmv_mma_kernel<C, XDT, NT, P><<<grid, block, 0, stream>>>(pr);
   return hipGetLastError();
 }
 

@@ -272,6 +272,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jaxquant.bench_decode")
     ap.add_argument("--only", default="qmm,peers,moe,step")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--ms", default="1,8,16", help="rows of x for the qmm part")
     a = ap.parse_args(argv)
     out = sys.stdout
     dev = jax.devices()[0]
@@ -280,7 +281,7 @@ def main(argv=None):
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", file=out, flush=True)
     parts = a.only.split(",")
     if "qmm" in parts:
-        bench_qmm(bw, out, a.modes.split(","))
+        bench_qmm(bw, out, a.modes.split(","), ms=tuple(int(m) for m in a.ms.split(",")))
     if "peers" in parts:
         bench_torch_peers(bw, out)
     if "moe" in parts:

@@ -24,6 +24,8 @@ def main():
                 y = jq.qmm(x, packed[2], backend="ffi").astype(jnp.float32)
                 r = jq.qmm(x, qw[2], backend="reference").astype(jnp.float32)
                 err = float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r))
+                if not err < 2e-2:
+                    print("qmm mismatch", mode, bits, jnp.dtype(dt).name, m, err, flush=True)
                 ok &= err < 2e-2
             idx = jnp.asarray([[0, 4, -1], [4, 5, 0], [0, 2, 1], [1, 4, 99]], jnp.int32)
             x = jax.random.normal(jax.random.key(3), (4, 128), dt)
@@ -31,7 +33,10 @@ def main():
             r = np.asarray(jq.gather_qmm(x, qw, idx, backend="reference").astype(jnp.float32))
             bad = (np.asarray(idx) < 0) | (np.asarray(idx) >= 5)
             ok &= bool(np.all(np.isnan(y[bad])) and np.all(np.isfinite(y[~bad])))
-            ok &= bool(np.allclose(y[~bad], r[~bad], rtol=3e-2, atol=3e-2 * np.abs(r).max()))
+            good = bool(np.allclose(y[~bad], r[~bad], rtol=3e-2, atol=3e-2 * np.abs(r[~bad]).max()))
+            if not good:
+                print("gather mismatch", mode, bits, jnp.dtype(dt).name, flush=True)
+            ok &= good
         print(mode, bits, "ok" if ok else "MISMATCH", flush=True)
     print("ALL OK" if ok else "FAILED")
 

@@ -32,7 +32,7 @@ fi
 
 if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
   step "GPU tests"
-  timeout 420 $PY -m pytest -q -p no:cacheprovider -rs -x tests/test_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+  timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs -x tests/test_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
@@ -40,6 +40,14 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
   timeout 300 compute-sanitizer --tool memcheck --kernel-name kns=qmv_mma_kernel --error-exitcode 9 \
     $PY scripts/decode_sanitize_case.py > "$OUT/sanitizer_memcheck.log" 2>&1
   echo "compute-sanitizer rc=$?"; grep -E "ERROR SUMMARY|ALL OK|FAILED|MISMATCH|rror" "$OUT/sanitizer_memcheck.log" | tail -n 8
+fi
+
+if [ -n "${JQ_WARPS_SWEEP:-}" ]; then
+  step "sweep: warps per block (JAXQUANT_MMA_WARPS), M=1 affine4/mxfp4"
+  for w in $JQ_WARPS_SWEEP; do
+    echo "--- JAXQUANT_MMA_WARPS=$w"
+    JAXQUANT_MMA_WARPS=$w timeout 120 $PY -m jaxquant.bench_decode --only qmm --modes affine4,mxfp4 --ms 1 2>&1 | grep "ffi mma"
+  done
 fi
 
 step "benchmarks"
