@@ -25,7 +25,7 @@ fi
 $PY -c "import jaxquant.ffi as jf; print('loaded', jf.loaded_platforms()); [print(' ', p, l.path, l.error) for p, l in jf.libraries().items()]"
 LIBDIR=$($PY -c "import jaxquant.ffi as jf; print(jf.libraries()['cuda'].path.parent)")
 if command -v cuobjdump > /dev/null; then
-  cuobjdump -sass "$LIBDIR/libjaxquant_cuda.so" -fun '_ZN2jq3gpu3mma14qmv_mma_kernelINS_5CodecILi0ELi4EEELi2ELi1ELi1ELi4EEEvNS1_7ProblemE' \
+  cuobjdump -sass "$LIBDIR/libjaxquant_cuda.so" -fun '_ZN2jq3gpu3mma14qmv_mma_kernelINS_5CodecILi0ELi4EEELi2ELi1ELi1EEEvNS1_7ProblemE' \
     > "$OUT/sass_affine4_bf16_m8.txt" 2>&1
   echo "SASS affine4/bf16/M<=8:"; grep -oE "LDG\.E\.[0-9A-Z.]+|HMMA\.[0-9A-Z.]+|LOP3\.LUT|PRMT|I2F[A-Z0-9.]*" "$OUT/sass_affine4_bf16_m8.txt" | sort | uniq -c
 fi
