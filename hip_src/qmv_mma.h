@@ -413,17 +413,52 @@ __device__ __forceinline__ void unit_from_shared(const uint32_t* src, uint32_t* 
   }
 }
 
-// Chunks in flight per warp: the lane's units go global -> shared with cp.async
-// (no registers held while in flight) STAGES - 1 chunks ahead of the one used.
-// Each lane reads back only what it copied itself, so the warps never sync.
-constexpr int kStages = 4;
+// Chunks in flight per warp: the lane's units (and the warp's scales) go global
+// -> shared with cp.async (no registers held while in flight) kStages - 1 chunks
+// ahead of the one used: DRAM latency under load is ~1000+ cycles, several
+// chunks' work. Weights: each lane reads back only what it copied itself;
+// scales: copied by a few lanes, read by all after a __syncwarp.
+template <int BITS>
+struct Stages {
+  static constexpr int value = BITS > 4 ? 3 : 4;  // keeps static shared memory < 48 KB
+};
+template <int P>
+struct ScaleStage {
+  static constexpr int bytes = 64 * P;  // 16 rows x P groups x at most 4 bytes
+};
+
+// The scales (and biases) of chunk c, [group piece][g][row half], to shared memory.
+template <class C, int P>
+__device__ __forceinline__ void scales_to_shared(uint32_t dst, const char* s_tile,
+                                                 const char* b_tile, int c, int gshift, int ssz,
+                                                 bool aligned16, int lane) {
+  const int gi0 = (c << 6) >> gshift;
+  const int bytes = 16 * P * ssz;
+#pragma unroll
+  for (int k = 0; k < (C::kFmt == kAffine ? 2 : 1); ++k) {
+    const char* src = (k ? b_tile : s_tile) + (int64_t)gi0 * 16 * ssz;
+    const uint32_t d = dst + k * ScaleStage<P>::bytes;
+    if (aligned16) {
+      for (int i = lane; i < bytes / 16; i += 32) cp_async(d + 16 * i, src + 16 * i, 16);
+    } else {
+      for (int i = lane; i < bytes / 4; i += 32) cp_async(d + 4 * i, src + 4 * i, 4);
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_raw(const uint8_t* base, int i, int32_t dt) {
+  if (dt == kU8) return base[i];
+  if (dt == kF32) return reinterpret_cast<const uint32_t*>(base)[i];
+  return reinterpret_cast<const uint16_t*>(base)[i];
+}
 
 // The warp's share of one tile: acc[nt][i] (C fragment layout) over its chunks
 // warp, warp + W, ... TAIL: the partial last tile, read from its canonical rows.
 template <class C, int XDT, int NT, int P, bool TAIL, bool WIDE>
 __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
                                                 int mcount, const int64_t* xrow_s,
-                                                uint32_t* stage_smem, float (&acc)[NT][4]) {
+                                                uint32_t* stage_smem, uint8_t* scale_smem,
+                                                float (&acc)[NT][4]) {
   constexpr int BITS = C::kBits;
   constexpr int ESZ = XDT == kF32 ? 4 : 2;
   const QmvProblem& p = pr.q;
@@ -467,30 +502,65 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
       compute_chunk<C, XDT, NT, P, TAIL, WIDE>(p, cur, c, w, sc, gsv, acc);
     }
   } else {
+    constexpr int S = Stages<BITS>::value;
     // this lane's stage slots: [stage][BITS words], private to the lane
-    uint32_t* slots = stage_smem + ((warp * kStages) * 32 + lane) * BITS;
+    uint32_t* slots = stage_smem + ((warp * S) * 32 + lane) * BITS;
     const uint32_t slots_s = (uint32_t)__cvta_generic_to_shared(slots);
     constexpr int kSlotStride = 32 * BITS;  // words between a lane's stages
+    // the warp's scale stages: [stage][scale, bias][ScaleStage bytes]
+    constexpr int kSB = ScaleStage<P>::bytes;
+    uint8_t* sstage = scale_smem + warp * S * 2 * kSB;
+    const uint32_t sstage_s = (uint32_t)__cvta_generic_to_shared(sstage);
+    const char* s_tile = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
+    const char* b_tile =
+        p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : s_tile;
+    const uintptr_t align = reinterpret_cast<uintptr_t>(s_tile) | reinterpret_cast<uintptr_t>(b_tile);
+    // scales through the pipeline when 4-byte copies can reach them (expert bases
+    // of odd N x groups x bytes are not); else loaded one chunk ahead
+    const bool async_scales = (align & 3) == 0;
+    const bool aligned16 = (align & 15) == 0;
+    auto issue = [&](int i) {
+      const int cc = warp + i * warps;
+      unit_to_shared<BITS>(slots_s + (i % S) * kSlotStride * 4, cur.w + cc * (32 * BITS));
+      if (async_scales)
+        scales_to_shared<C, P>(sstage_s + (i % S) * 2 * kSB, s_tile, b_tile, cc, gshift, ssz,
+                               aligned16, lane);
+    };
 #pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) {
-      if (i < mine)
-        unit_to_shared<BITS>(slots_s + i * kSlotStride * 4, cur.w + (warp + i * warps) * (32 * BITS));
+    for (int i = 0; i < S - 1; ++i) {
+      if (i < mine) issue(i);
       cp_async_commit();
     }
     ChunkScales<C, P, TAIL, WIDE> sc;
-    if (mine > 0) sc.load(p, cur, warp, gshift, g);
+    if (!async_scales && mine > 0) sc.load(p, cur, warp, gshift, g);
     for (int i = 0; i < mine; ++i) {
       const int c = warp + i * warps;
-      const int ahead = i + kStages - 1;
-      if (ahead < mine)
-        unit_to_shared<BITS>(slots_s + (ahead % kStages) * kSlotStride * 4,
-                             cur.w + (warp + ahead * warps) * (32 * BITS));
+      if (i + S - 1 < mine) issue(i + S - 1);
       cp_async_commit();
-      ChunkScales<C, P, TAIL, WIDE> sc_next = sc;  // the next chunk's scales, one ahead
-      if (i + 1 < mine) sc_next.load(p, cur, c + warps, gshift, g);
-      cp_async_wait<kStages - 1>();
+      ChunkScales<C, P, TAIL, WIDE> sc_next = sc;  // fallback: the next chunk's, one ahead
+      if (!async_scales && i + 1 < mine) sc_next.load(p, cur, c + warps, gshift, g);
+      cp_async_wait<S - 1>();
+      __syncwarp();
+      if (async_scales) {
+        const uint8_t* st = sstage + (i % S) * 2 * kSB;
+#pragma unroll
+        for (int pc = 0; pc < P; ++pc)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            if (k == 1 && C::kFmt != kAffine) break;
+            const uint32_t lo = smem_raw(st + k * kSB, pc * 16 + 2 * g, p.scale_dt);
+            const uint32_t hi = smem_raw(st + k * kSB, pc * 16 + 2 * g + 1, p.scale_dt);
+            if constexpr (WIDE) {
+              sc.r[pc][k][0] = lo;
+              sc.r[pc][k][1 % ChunkScales<C, P, TAIL, WIDE>::SW] = hi;
+            } else {
+              sc.r[pc][k][0] = lo | (hi << 16);
+            }
+          }
+      }
       uint32_t w[BITS];
-      unit_from_shared<BITS>(slots + (i % kStages) * kSlotStride, w);
+      unit_from_shared<BITS>(slots + (i % S) * kSlotStride, w);
+      __syncwarp();  // every lane has read stage i % S before it is refilled
       compute_chunk<C, XDT, NT, P, TAIL, WIDE>(p, cur, c, w, sc, gsv, acc);
       sc = sc_next;
     }
@@ -506,7 +576,9 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   __shared__ int64_t xrow_s[16], yrow_s[16];
   __shared__ int mcount_s;
   __shared__ float red[kMaxWarps][kTileRows][16];
-  __shared__ __align__(16) uint32_t stage_smem[kMaxWarps * kStages * 32 * C::kBits];
+  __shared__ __align__(16) uint32_t stage_smem[kMaxWarps * Stages<C::kBits>::value * 32 * C::kBits];
+  __shared__ __align__(16) uint8_t scale_smem[kMaxWarps * Stages<C::kBits>::value * 2 *
+                                              ScaleStage<P>::bytes];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -572,14 +644,14 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
     const bool wide = kMayBeWide && p.scale_dt == kF32;
     if (tile < pr.full_tiles) {
       if (kMayBeWide && wide)
-        accumulate_tile<C, XDT, NT, P, false, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+        accumulate_tile<C, XDT, NT, P, false, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
       else
-        accumulate_tile<C, XDT, NT, P, false, false>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+        accumulate_tile<C, XDT, NT, P, false, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
     } else {
       if (kMayBeWide && wide)
-        accumulate_tile<C, XDT, NT, P, true, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+        accumulate_tile<C, XDT, NT, P, true, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
       else
-        accumulate_tile<C, XDT, NT, P, true, false>(pr, e, tile, mcount, xrow_s, stage_smem, acc);
+        accumulate_tile<C, XDT, NT, P, true, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
     }
   }
 

@@ -36,10 +36,24 @@ if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
-  step "compute-sanitizer memcheck on qmv_mma_kernel (scripts/decode_sanitize_case.py)"
-  timeout 300 compute-sanitizer --tool memcheck --kernel-name kns=qmv_mma_kernel --error-exitcode 9 \
-    $PY scripts/decode_sanitize_case.py > "$OUT/sanitizer_memcheck.log" 2>&1
-  echo "compute-sanitizer rc=$?"; grep -E "ERROR SUMMARY|ALL OK|FAILED|MISMATCH|rror" "$OUT/sanitizer_memcheck.log" | tail -n 8
+  step "compute-sanitizer memcheck on qmv_mma_kernel (hip_src/sanitize_mma_driver.hip, no JAX)"
+  nvcc -x cu -std=c++17 -O2 --expt-relaxed-constexpr -gencode=arch=compute_90,code=sm_90 \
+    -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
+    -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
+    "$OUT/sanitize_mma_driver" | tail -n 4
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$OUT/sanitize_mma_driver" \
+      > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "compute-sanitizer --tool memcheck rc=$?"; grep -E "ERROR SUMMARY|ALL OK|FAILED" "$OUT/sanitizer_memcheck.log" | tail -n 3
+    rm -f "$OUT/sanitize_mma_driver"
+  }
+fi
+
+if [ -n "${JQ_NCU:-}" ] && command -v ncu > /dev/null; then
+  step "ncu: the first qmv_mma launch at M=1 (4096 -> 14336, affine4)"
+  timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section LaunchStats --section MemoryWorkloadAnalysis -k regex:qmv_mma_kernel -c 1 \
+    $PY -m jaxquant.bench_decode --only qmm --modes affine4 --ms 1 > "$OUT/ncu_qmv_mma_affine4.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Issued Warp|Theoretical Occ|Waves Per SM" "$OUT/ncu_qmv_mma_affine4.txt" | head -30
 fi
 
 if [ -n "${JQ_WARPS_SWEEP:-}" ]; then
