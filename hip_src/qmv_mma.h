@@ -47,6 +47,9 @@ namespace mma {
 constexpr int kChunkK = 64;      // k per chunk (4 MMA k-steps)
 constexpr int kTileRows = 16;    // weight rows per MMA tile
 constexpr int kMaxWarps = 8;
+// x staged in shared memory up to this many bytes per block (M = 1 up to K = 16 Ki
+// in bf16); more would cost blocks per SM.
+constexpr int kMaxXSharedBytes = 36 * 1024;
 
 struct Problem {
   QmvProblem q;
@@ -54,6 +57,8 @@ struct Problem {
   int64_t full_tiles;  // N / 16: tiles in the MMA layout; a last partial one is canonical
   int64_t chunks;    // K / 64
   int dedupe;        // gather: slots that share an expert form one segment
+  int x_stride;      // > 0: the block stages its rows of x in shared memory, this many
+                     // bytes apart (K * x bytes + 16, against bank conflicts); 0: from L1/L2
 };
 
 __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -227,6 +232,23 @@ __device__ __forceinline__ void scale_into(float& acc, float q, float xs, uint32
 }
 
 // B registers (x) of one k-step for column m of the lane: k = k0 .. k0 + 3.
+// The same from x staged in shared memory.
+template <int XDT>
+__device__ __forceinline__ void load_b_shared(const char* src, uint32_t* b) {
+  if constexpr (XDT == kF32) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    const uint32_t h0 = pack_bf16x2(v.x, v.y), h1 = pack_bf16x2(v.z, v.w);
+    b[0] = h0;
+    b[1] = h1;
+    b[2] = pack_bf16x2(v.x - bits_to_f32(h0 << 16), v.y - bits_to_f32(h0 & 0xffff0000u));
+    b[3] = pack_bf16x2(v.z - bits_to_f32(h1 << 16), v.w - bits_to_f32(h1 & 0xffff0000u));
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    b[0] = v.x;
+    b[1] = v.y;
+  }
+}
+
 template <int XDT>
 __device__ __forceinline__ void load_b(const void* xrow, int64_t k0, uint32_t* b) {
   if constexpr (XDT == kF32) {
@@ -248,6 +270,7 @@ __device__ __forceinline__ void load_b(const void* xrow, int64_t k0, uint32_t* b
 struct TileCursor {
   const uint32_t* w;     // the lane's unit of chunk 0 (tail: the tile's first canonical row)
   const char* x[2];      // the lane's x column (n8 tile 0 / 1) at k = 4t, or nullptr
+  bool x_shared;         // x[] point into shared memory
   const char* s;         // scales of the lane's pair of rows (tail: of the tile's first row)
   const char* b;         // biases, likewise
   int valid_rows;        // rows of the tile inside N
@@ -332,7 +355,9 @@ __device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCur
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if (cur.x[nt] != nullptr) {
-        load_b<XDT>(cur.x[nt] + (c * kChunkK + 16 * st) * ESZ, 0, b[st][nt]);
+        const char* src = cur.x[nt] + (c * kChunkK + 16 * st) * ESZ;
+        if (cur.x_shared) load_b_shared<XDT>(src, b[st][nt]);
+        else load_b<XDT>(src, 0, b[st][nt]);
       } else {
 #pragma unroll
         for (int i = 0; i < NB; ++i) b[st][nt][i] = 0u;
@@ -458,7 +483,7 @@ template <class C, int XDT, int NT, int P, bool TAIL, bool WIDE>
 __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
                                                 int mcount, const int64_t* xrow_s,
                                                 uint32_t* stage_smem, uint8_t* scale_smem,
-                                                float (&acc)[NT][4]) {
+                                                const char* x_smem, float (&acc)[NT][4]) {
   constexpr int BITS = C::kBits;
   constexpr int ESZ = XDT == kF32 ? 4 : 2;
   const QmvProblem& p = pr.q;
@@ -466,11 +491,13 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   const int g = lane >> 2, t = lane & 3;
   const int ssz = p.scale_dt == kU8 ? 1 : (p.scale_dt == kF32 ? 4 : 2);
   TileCursor cur;
+  cur.x_shared = x_smem != nullptr;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int m = g + 8 * nt;
     cur.x[nt] = nt < NT && m < mcount
-                    ? static_cast<const char*>(p.x) + (xrow_s[m] * p.K + 4 * t) * ESZ
+                    ? (x_smem ? x_smem + (int64_t)m * pr.x_stride + 4 * t * ESZ
+                              : static_cast<const char*>(p.x) + (xrow_s[m] * p.K + 4 * t) * ESZ)
                     : nullptr;
   }
   const int64_t row0 = e * p.N + tile * kTileRows;  // the tile's first row in [E * N]
@@ -638,20 +665,35 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
 
+  // the segment's rows of x, once per block (every warp reads all of K)
+  extern __shared__ __align__(16) uint8_t x_dyn[];
+  const char* x_smem = nullptr;
+  if (valid && pr.x_stride > 0) {
+    const int esz = p.x_dt == kF32 ? 4 : 2;
+    const int row_vecs = (int)(p.K * esz / 16);
+    for (int i = threadIdx.x; i < mcount * row_vecs; i += blockDim.x) {
+      const int m = i / row_vecs, v = i - m * row_vecs;
+      const uint4 val = JQ_LDG(reinterpret_cast<const uint4*>(
+                                   static_cast<const char*>(p.x) + xrow_s[m] * p.K * esz) + v);
+      *reinterpret_cast<uint4*>(x_dyn + (int64_t)m * pr.x_stride + 16 * v) = val;
+    }
+    __syncthreads();
+    x_smem = reinterpret_cast<const char*>(x_dyn);
+  }
   if (valid) {
     // float32 scales only exist for the float-scale formats (affine, fp4)
     constexpr bool kMayBeWide = C::kScale == kScaleFloat;
     const bool wide = kMayBeWide && p.scale_dt == kF32;
     if (tile < pr.full_tiles) {
       if (kMayBeWide && wide)
-        accumulate_tile<C, XDT, NT, P, false, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
+        accumulate_tile<C, XDT, NT, P, false, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
       else
-        accumulate_tile<C, XDT, NT, P, false, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
+        accumulate_tile<C, XDT, NT, P, false, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
     } else {
       if (kMayBeWide && wide)
-        accumulate_tile<C, XDT, NT, P, true, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
+        accumulate_tile<C, XDT, NT, P, true, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
       else
-        accumulate_tile<C, XDT, NT, P, true, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, acc);
+        accumulate_tile<C, XDT, NT, P, true, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
     }
   }
 
@@ -691,7 +733,25 @@ template <class C, int XDT, int NT, int P>
 static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
   const int warps = warps_for(pr.chunks);
   dim3 grid((unsigned)pr.tiles, (unsigned)pr.q.S, 1), block((unsigned)(32 * warps));
-  qmv_mma_kernel<C, XDT, NT, P><<<grid, block, 0, stream>>>(pr);
+  const int esz = XDT == kF32 ? 4 : 2;
+  const int rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
+  Problem prx = pr;
+  prx.x_stride = (int)(pr.q.K * esz + 16);
+  size_t smem = (size_t)rows * prx.x_stride;
+  if (smem > kMaxXSharedBytes) {  // does not fit beside enough blocks: x from L1/L2
+    prx.x_stride = 0;
+    smem = 0;
+  }
+  static const bool attr_set = [] {
+    return cudaFuncSetAttribute(qmv_mma_kernel<C, XDT, NT, P>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kMaxXSharedBytes) == cudaSuccess;
+  }();
+  if (!attr_set && smem > 48 * 1024 - 30 * 1024) {
+    prx.x_stride = 0;
+    smem = 0;
+  }
+  qmv_mma_kernel<C, XDT, NT, P><<<grid, block, smem, stream>>>(prx);
   return hipGetLastError();
 }
 

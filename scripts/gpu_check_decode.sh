@@ -52,7 +52,12 @@ if [ -n "${JQ_NCU:-}" ] && command -v ncu > /dev/null; then
   step "ncu: the first qmv_mma launch at M=1 (4096 -> 14336, affine4)"
   timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section LaunchStats --section MemoryWorkloadAnalysis -k regex:qmv_mma_kernel -c 1 \
-    $PY -m jaxquant.bench_decode --only qmm --modes affine4 --ms 1 > "$OUT/ncu_qmv_mma_affine4.txt" 2>&1
+    $PY -c "
+import os, jax, jax.numpy as jnp, jaxquant as jq
+w = 0.05 * jax.random.normal(jax.random.key(0), (14336, 4096), jnp.float32)
+q = jq.prepack(jq.quantize(w.astype(jnp.bfloat16), mode='affine', bits=4, group_size=64), 'cuda_mma')
+x = jnp.ones((1, 4096), jnp.bfloat16)
+jax.block_until_ready(jax.jit(jq.qmm)(x, q)); os._exit(0)" > "$OUT/ncu_qmv_mma_affine4.txt" 2>&1
   echo "ncu rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Issued Warp|Theoretical Occ|Waves Per SM" "$OUT/ncu_qmv_mma_affine4.txt" | head -30
 fi
 
