@@ -213,17 +213,13 @@ __device__ __forceinline__ void scale_into(float& acc, float q, float xs, uint32
     acc = fmaf(q, s, acc);
     acc = fmaf(fmaf(-magic, s, raw_to_float(braw, sdt)), xs, acc);
   } else if constexpr (C::kScale == kScaleE8M0) {
-    if (sraw == 255u) {
-      acc = quiet_nan();
-    } else {
-      const int32_t n = (int32_t)sraw - 127;
-      if (n >= -126) {
-        acc = fmaf(q, exp2i_normal(n), acc);
-      } else {
-        const int32_t half = n >> 1;
-        acc = acc + q * exp2i_normal(half) * exp2i_normal(n - half);
-      }
-    }
+    // 2^(sraw - 127), exact and branch-free: a normal float for sraw >= 1; for
+    // sraw = 0 (2^-127, a float32 subnormal) two normal factors 2^-64 * 2^-63.
+    // q * f1 is exact, so this is fma(q, 2^n, acc) wherever 2^n is normal.
+    const float f1 = bits_to_f32(sraw ? (sraw << 23) : (63u << 23));
+    const float f2 = sraw ? 1.0f : 0x1p-63f;
+    const float v = fmaf(q * f1, f2, acc);
+    acc = sraw == 255u ? quiet_nan() : v;
   } else if constexpr (C::kScale == kScaleE4M3) {
     acc = fmaf(q, scale_e4m3((uint8_t)sraw) * gsv, acc);
   } else {
@@ -232,7 +228,7 @@ __device__ __forceinline__ void scale_into(float& acc, float q, float xs, uint32
 }
 
 // B registers (x) of one k-step for column m of the lane: k = k0 .. k0 + 3.
-// The same from x staged in shared memory.
+// The same through a generic pointer (x staged in shared memory, or global).
 template <int XDT>
 __device__ __forceinline__ void load_b_shared(const char* src, uint32_t* b) {
   if constexpr (XDT == kF32) {
@@ -287,8 +283,9 @@ __device__ __forceinline__ uint32_t load_raw16(const void* base, int64_t i, int3
 // Scales (and biases) of one chunk for the lane's rows g and g + 8: P group
 // pieces. WIDE: float32 scales, two registers per pair of rows; else the pair's
 // two codes share one register (row g low half, row g + 8 high half).
-template <class C, int P, bool TAIL, bool WIDE>
+template <class C, int P, bool TAIL, int SDT>
 struct ChunkScales {
+  static constexpr bool WIDE = SDT == kF32;
   static constexpr int SW = WIDE ? 2 : 1;
   uint32_t r[P][2][SW];  // [group piece][scale, bias][row g, row g + 8 | packed]
 
@@ -312,8 +309,8 @@ struct ChunkScales {
             if constexpr (C::kFmt == kAffine)
               v[1][h] = JQ_LDG(reinterpret_cast<const uint32_t*>(cur.b) + i);
           } else {
-            v[0][h] = load_raw16(cur.s, i, p.scale_dt);
-            if constexpr (C::kFmt == kAffine) v[1][h] = load_raw16(cur.b, i, p.scale_dt);
+            v[0][h] = load_raw16(cur.s, i, SDT);
+            if constexpr (C::kFmt == kAffine) v[1][h] = load_raw16(cur.b, i, SDT);
           }
         }
       }
@@ -337,10 +334,10 @@ struct ChunkScales {
 
 // One chunk: x (B) loads, the decode of the lane's unit `w` into A registers, the
 // MMAs per group piece and the scales into acc.
-template <class C, int XDT, int NT, int P, bool TAIL, bool WIDE>
+template <class C, int XDT, int NT, int P, bool TAIL, int SDT>
 __device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCursor& cur, int c,
                                               const uint32_t* w,
-                                              const ChunkScales<C, P, TAIL, WIDE>& sc, float gsv,
+                                              const ChunkScales<C, P, TAIL, SDT>& sc, float gsv,
                                               float (&acc)[NT][4]) {
   constexpr bool F16 = XDT == kF16;
   constexpr int NB = XDT == kF32 ? 4 : 2;
@@ -355,9 +352,8 @@ __device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCur
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if (cur.x[nt] != nullptr) {
-        const char* src = cur.x[nt] + (c * kChunkK + 16 * st) * ESZ;
-        if (cur.x_shared) load_b_shared<XDT>(src, b[st][nt]);
-        else load_b<XDT>(src, 0, b[st][nt]);
+        // a generic load: x is staged in shared memory or read from L1/L2
+        load_b_shared<XDT>(cur.x[nt] + (c * kChunkK + 16 * st) * ESZ, b[st][nt]);
       } else {
 #pragma unroll
         for (int i = 0; i < NB; ++i) b[st][nt][i] = 0u;
@@ -386,7 +382,7 @@ __device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCur
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         scale_into<C>(acc[nt][i], q[i], xs[i], sc.get(pc, 0, i >> 1), sc.get(pc, 1, i >> 1),
-                      p.scale_dt, gsv, MAGIC);
+                      SDT, gsv, MAGIC);
     }
   }
 }
@@ -452,22 +448,20 @@ struct ScaleStage {
   static constexpr int bytes = 64 * P;  // 16 rows x P groups x at most 4 bytes
 };
 
-// The scales (and biases) of chunk c, [group piece][g][row half], to shared memory.
-template <class C, int P>
+// The scales (and biases) of chunk c, [group piece][g][row half], to shared memory:
+// 16 * P * ssz bytes each, 4 bytes per lane.
+template <class C, int P, int SSZ>
 __device__ __forceinline__ void scales_to_shared(uint32_t dst, const char* s_tile,
-                                                 const char* b_tile, int c, int gshift, int ssz,
-                                                 bool aligned16, int lane) {
-  const int gi0 = (c << 6) >> gshift;
-  const int bytes = 16 * P * ssz;
+                                                 const char* b_tile, int c, int gshift, int lane) {
+  constexpr int kPieces = 16 * P * SSZ / 4;
+  const int64_t off = (int64_t)(((c << 6) >> gshift) * 16 * SSZ) + 4 * lane;
 #pragma unroll
   for (int k = 0; k < (C::kFmt == kAffine ? 2 : 1); ++k) {
-    const char* src = (k ? b_tile : s_tile) + (int64_t)gi0 * 16 * ssz;
-    const uint32_t d = dst + k * ScaleStage<P>::bytes;
-    if (aligned16) {
-      for (int i = lane; i < bytes / 16; i += 32) cp_async(d + 16 * i, src + 16 * i, 16);
-    } else {
-      for (int i = lane; i < bytes / 4; i += 32) cp_async(d + 4 * i, src + 4 * i, 4);
-    }
+    const char* src = (k ? b_tile : s_tile) + off;
+    const uint32_t d = dst + k * ScaleStage<P>::bytes + 4 * lane;
+    if (lane < kPieces) cp_async(d, src, 4);
+    if constexpr (kPieces > 32)
+      if (lane + 32 < kPieces) cp_async(d + 128, src + 128, 4);
   }
 }
 
@@ -479,7 +473,7 @@ __device__ __forceinline__ uint32_t smem_raw(const uint8_t* base, int i, int32_t
 
 // The warp's share of one tile: acc[nt][i] (C fragment layout) over its chunks
 // warp, warp + W, ... TAIL: the partial last tile, read from its canonical rows.
-template <class C, int XDT, int NT, int P, bool TAIL, bool WIDE>
+template <class C, int XDT, int NT, int P, bool TAIL, int SDT>
 __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
                                                 int mcount, const int64_t* xrow_s,
                                                 uint32_t* stage_smem, uint8_t* scale_smem,
@@ -489,7 +483,8 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   const QmvProblem& p = pr.q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int ssz = p.scale_dt == kU8 ? 1 : (p.scale_dt == kF32 ? 4 : 2);
+  constexpr bool WIDE = SDT == kF32;
+  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
   TileCursor cur;
   cur.x_shared = x_smem != nullptr;
 #pragma unroll
@@ -524,9 +519,9 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
       const int c = warp + i * warps;
       uint32_t w[BITS];
       tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
-      ChunkScales<C, P, TAIL, WIDE> sc;
+      ChunkScales<C, P, TAIL, SDT> sc;
       sc.load(p, cur, c, gshift, g);
-      compute_chunk<C, XDT, NT, P, TAIL, WIDE>(p, cur, c, w, sc, gsv, acc);
+      compute_chunk<C, XDT, NT, P, TAIL, SDT>(p, cur, c, w, sc, gsv, acc);
     }
   } else {
     constexpr int S = Stages<BITS>::value;
@@ -545,26 +540,25 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
     // scales through the pipeline when 4-byte copies can reach them (expert bases
     // of odd N x groups x bytes are not); else loaded one chunk ahead
     const bool async_scales = (align & 3) == 0;
-    const bool aligned16 = (align & 15) == 0;
     auto issue = [&](int i) {
       const int cc = warp + i * warps;
       unit_to_shared<BITS>(slots_s + (i % S) * kSlotStride * 4, cur.w + cc * (32 * BITS));
       if (async_scales)
-        scales_to_shared<C, P>(sstage_s + (i % S) * 2 * kSB, s_tile, b_tile, cc, gshift, ssz,
-                               aligned16, lane);
+        scales_to_shared<C, P, ssz>(sstage_s + (i % S) * 2 * kSB, s_tile, b_tile, cc, gshift,
+                                    lane);
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) {
       if (i < mine) issue(i);
       cp_async_commit();
     }
-    ChunkScales<C, P, TAIL, WIDE> sc;
+    ChunkScales<C, P, TAIL, SDT> sc;
     if (!async_scales && mine > 0) sc.load(p, cur, warp, gshift, g);
     for (int i = 0; i < mine; ++i) {
       const int c = warp + i * warps;
       if (i + S - 1 < mine) issue(i + S - 1);
       cp_async_commit();
-      ChunkScales<C, P, TAIL, WIDE> sc_next = sc;  // fallback: the next chunk's, one ahead
+      ChunkScales<C, P, TAIL, SDT> sc_next = sc;  // fallback: the next chunk's, one ahead
       if (!async_scales && i + 1 < mine) sc_next.load(p, cur, c + warps, gshift, g);
       cp_async_wait<S - 1>();
       __syncwarp();
@@ -575,27 +569,31 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
             if (k == 1 && C::kFmt != kAffine) break;
-            const uint32_t lo = smem_raw(st + k * kSB, pc * 16 + 2 * g, p.scale_dt);
-            const uint32_t hi = smem_raw(st + k * kSB, pc * 16 + 2 * g + 1, p.scale_dt);
-            if constexpr (WIDE) {
-              sc.r[pc][k][0] = lo;
-              sc.r[pc][k][1 % ChunkScales<C, P, TAIL, WIDE>::SW] = hi;
+            // rows g and g + 8 side by side: one shared-memory load
+            const uint8_t* pairp = st + k * kSB + (pc * 16 + 2 * g) * ssz;
+            if constexpr (SDT == kF32) {
+              const uint2 v = *reinterpret_cast<const uint2*>(pairp);
+              sc.r[pc][k][0] = v.x;
+              sc.r[pc][k][1 % ChunkScales<C, P, TAIL, SDT>::SW] = v.y;
+            } else if constexpr (SDT == kU8) {
+              const uint32_t v = *reinterpret_cast<const uint16_t*>(pairp);
+              sc.r[pc][k][0] = (v & 0xffu) | ((v & 0xff00u) << 8);
             } else {
-              sc.r[pc][k][0] = lo | (hi << 16);
+              sc.r[pc][k][0] = *reinterpret_cast<const uint32_t*>(pairp);
             }
           }
       }
       uint32_t w[BITS];
       unit_from_shared<BITS>(slots + (i % S) * kSlotStride, w);
       __syncwarp();  // every lane has read stage i % S before it is refilled
-      compute_chunk<C, XDT, NT, P, TAIL, WIDE>(p, cur, c, w, sc, gsv, acc);
+      compute_chunk<C, XDT, NT, P, TAIL, SDT>(p, cur, c, w, sc, gsv, acc);
       sc = sc_next;
     }
     cp_async_wait<0>();
   }
 }
 
-template <class C, int XDT, int NT, int P>
+template <class C, int XDT, int NT, int P, int SDT>
 __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   constexpr int CAP = 8 * NT;  // rows of x per segment
   const QmvProblem& p = pr.q;
@@ -681,20 +679,12 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
     x_smem = reinterpret_cast<const char*>(x_dyn);
   }
   if (valid) {
-    // float32 scales only exist for the float-scale formats (affine, fp4)
-    constexpr bool kMayBeWide = C::kScale == kScaleFloat;
-    const bool wide = kMayBeWide && p.scale_dt == kF32;
-    if (tile < pr.full_tiles) {
-      if (kMayBeWide && wide)
-        accumulate_tile<C, XDT, NT, P, false, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
-      else
-        accumulate_tile<C, XDT, NT, P, false, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
-    } else {
-      if (kMayBeWide && wide)
-        accumulate_tile<C, XDT, NT, P, true, kMayBeWide>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
-      else
-        accumulate_tile<C, XDT, NT, P, true, false>(pr, e, tile, mcount, xrow_s, stage_smem, scale_smem, x_smem, acc);
-    }
+    if (tile < pr.full_tiles)
+      accumulate_tile<C, XDT, NT, P, false, SDT>(pr, e, tile, mcount, xrow_s, stage_smem,
+                                                 scale_smem, x_smem, acc);
+    else
+      accumulate_tile<C, XDT, NT, P, true, SDT>(pr, e, tile, mcount, xrow_s, stage_smem,
+                                                scale_smem, x_smem, acc);
   }
 
   // --- the warps' partial sums meet in shared memory ------------------------
@@ -729,8 +719,8 @@ inline int warps_for(int64_t chunks) {
   return chunks >= 4 ? 2 : 1;
 }
 
-template <class C, int XDT, int NT, int P>
-static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
+template <class C, int XDT, int NT, int P, int SDT>
+static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   const int warps = warps_for(pr.chunks);
   dim3 grid((unsigned)pr.tiles, (unsigned)pr.q.S, 1), block((unsigned)(32 * warps));
   const int esz = XDT == kF32 ? 4 : 2;
@@ -743,7 +733,7 @@ static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
     smem = 0;
   }
   static const bool attr_set = [] {
-    return cudaFuncSetAttribute(qmv_mma_kernel<C, XDT, NT, P>,
+    return cudaFuncSetAttribute(qmv_mma_kernel<C, XDT, NT, P, SDT>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 kMaxXSharedBytes) == cudaSuccess;
   }();
@@ -751,8 +741,22 @@ static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
     prx.x_stride = 0;
     smem = 0;
   }
-  qmv_mma_kernel<C, XDT, NT, P><<<grid, block, smem, stream>>>(prx);
+  qmv_mma_kernel<C, XDT, NT, P, SDT><<<grid, block, smem, stream>>>(prx);
   return hipGetLastError();
+}
+
+// The scales' dtype: uint8 codes, or (float-scale formats) bfloat16, half, float32.
+template <class C, int XDT, int NT, int P>
+static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
+  if constexpr (C::kScale != kScaleFloat) {
+    return launch_s<C, XDT, NT, P, kU8>(pr, stream);
+  } else {
+    switch (pr.q.scale_dt) {
+      case kF32: return launch_s<C, XDT, NT, P, kF32>(pr, stream);
+      case kF16: return launch_s<C, XDT, NT, P, kF16>(pr, stream);
+      default: return launch_s<C, XDT, NT, P, kBF16>(pr, stream);
+    }
+  }
 }
 
 // Groups per chunk: only the group sizes each format allows are instantiated.
@@ -777,22 +781,25 @@ static hipError_t launch_c(const Problem& pr, int nt, hipStream_t stream) {
   return nt == 1 ? launch_nt<C, XDT, 1>(pr, stream) : launch_nt<C, XDT, 2>(pr, stream);
 }
 
-// Every format for activations of dtype XDT (one translation unit per XDT).
+// The affine and the small-float formats for activations of dtype XDT (one
+// translation unit each: qmv_mma_<family>_<dtype>.hip, so nvcc builds them in parallel).
 template <int XDT>
-static hipError_t launch_formats(const Problem& pr, int nt, hipStream_t stream) {
-  const QmvProblem& p = pr.q;
-  switch (p.fmt) {
-    case kAffine:
-      switch (p.bits) {
+static hipError_t launch_affine(const Problem& pr, int nt, hipStream_t stream) {
+  switch (pr.q.bits) {
 #if !defined(JQ_MMA_CHECK_ONLY)  // compile checks build the 4-bit kernels only
-        case 2: return launch_c<Codec<kAffine, 2>, XDT>(pr, nt, stream);
-        case 3: return launch_c<Codec<kAffine, 3>, XDT>(pr, nt, stream);
-        case 5: return launch_c<Codec<kAffine, 5>, XDT>(pr, nt, stream);
-        case 6: return launch_c<Codec<kAffine, 6>, XDT>(pr, nt, stream);
-        case 8: return launch_c<Codec<kAffine, 8>, XDT>(pr, nt, stream);
+    case 2: return launch_c<Codec<kAffine, 2>, XDT>(pr, nt, stream);
+    case 3: return launch_c<Codec<kAffine, 3>, XDT>(pr, nt, stream);
+    case 5: return launch_c<Codec<kAffine, 5>, XDT>(pr, nt, stream);
+    case 6: return launch_c<Codec<kAffine, 6>, XDT>(pr, nt, stream);
+    case 8: return launch_c<Codec<kAffine, 8>, XDT>(pr, nt, stream);
 #endif
-        default: return launch_c<Codec<kAffine, 4>, XDT>(pr, nt, stream);
-      }
+    default: return launch_c<Codec<kAffine, 4>, XDT>(pr, nt, stream);
+  }
+}
+
+template <int XDT>
+static hipError_t launch_float(const Problem& pr, int nt, hipStream_t stream) {
+  switch (pr.q.fmt) {
 #if !defined(JQ_MMA_CHECK_ONLY)
     case kMxfp6E2M3: return launch_c<Codec<kMxfp6E2M3, 6>, XDT>(pr, nt, stream);
     case kMxfp6E3M2: return launch_c<Codec<kMxfp6E3M2, 6>, XDT>(pr, nt, stream);
@@ -805,9 +812,18 @@ static hipError_t launch_formats(const Problem& pr, int nt, hipStream_t stream) 
   }
 }
 
-hipError_t launch_qmv_mma_bf16(const Problem& pr, int nt, hipStream_t stream);
-hipError_t launch_qmv_mma_f16(const Problem& pr, int nt, hipStream_t stream);
-hipError_t launch_qmv_mma_f32(const Problem& pr, int nt, hipStream_t stream);
+#define JQ_MMA_DECLARE(DT)                                                              \
+  hipError_t launch_qmv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream); \
+  hipError_t launch_qmv_mma_float_##DT(const Problem& pr, int nt, hipStream_t stream);  \
+  inline hipError_t launch_qmv_mma_##DT(const Problem& pr, int nt, hipStream_t stream) { \
+    return pr.q.fmt == kAffine ? launch_qmv_mma_affine_##DT(pr, nt, stream)              \
+                               : launch_qmv_mma_float_##DT(pr, nt, stream);             \
+  }
+JQ_MMA_DECLARE(bf16)
+JQ_MMA_DECLARE(f16)
+JQ_MMA_DECLARE(f32)
+#undef JQ_MMA_DECLARE
+
 
 }  // namespace mma
 }  // namespace gpu
