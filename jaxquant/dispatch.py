@@ -1,14 +1,41 @@
 """Backend registry and selection (DESIGN.md §2, §5).
 
-A backend package registers, per primitive and platform, a kernel: a
-jnp-traceable function with the reference's signature, plus a predicate
-saying which cases it takes. Nothing else in the code base knows which
-backends exist.
+The backends, in preference order, are `BACKENDS`: "reference" (the jnp
+definitions in jaxquant.ops) and one package `jaxquant.<name>` per other
+backend, which jaxquant/__init__.py imports and which registers its kernels
+here. Nothing else in the code base lists the backends.
+
+Registering a kernel (the one style every backend uses):
+
+    dispatch.register(primitive, backend, platforms, impl, applies=None, *,
+                      priority=0, auto=None)
+
+  primitive  the op's name: "qmm", "gather_qmm", "ragged_qmm", "dequantize",
+             "rms_norm", "add_rms_norm", "gated_rms_norm";
+  backend    a name in BACKENDS;
+  platforms  the lowering platforms it serves, e.g. ("cuda", "rocm") or ("cpu",);
+  impl(*args, platform, **params)
+             jnp-traceable, the reference's signature (the op's structured
+             arguments, QuantizedArray included, then its params as keywords)
+             plus `platform`, the platform being lowered for ("cpu", "cuda",
+             "rocm"); returns what the reference returns (a sequence for ops
+             with several results);
+  applies(*args, platform, **params) -> bool
+             the cases the kernel can compute, seen as ShapedArrays (shapes and
+             dtypes, no values); default: every case;
+  priority   higher wins under automatic choice;
+  auto(*args, platform, **params) -> bool
+             where given, narrows what automatic choice gives the kernel (the
+             cases where it was measured to beat the reference); an explicit
+             `backend=` still gets every case `applies` takes.
+
+The same `impl`, `applies` and `auto` may be registered for several platforms:
+the dispatcher passes the platform, so backends write no per-platform
+adapters.
 
 Selection, at lowering time, for a primitive bound with `backend=b`:
 - b is None ("auto"): the highest-priority registered kernel for this
   platform whose `applies` accepts the case and whose `auto` predicate
-  (where given: the cases where it was measured to beat the reference)
   does too, else the reference;
 - b names a backend: its kernel for this platform if `applies` accepts the
   case, else the reference (a backend serves what it supports: float64,
@@ -21,9 +48,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import inspect
 import os
 from typing import Callable
 
+# The backends, in preference order; each but "reference" is the package jaxquant.<name>.
 BACKENDS = ("reference", "pallas", "ffi", "metal")
 ENV_VAR = "JAXQUANT_BACKEND"
 
@@ -42,6 +72,9 @@ class Kernel:
 _KERNELS: dict[str, list[Kernel]] = {}
 # backend name -> () -> str | None: why the backend cannot run here (None: it can)
 _AVAILABILITY: dict[str, Callable[[], str | None]] = {"reference": lambda: None}
+# backend name -> why it is not part of this build at all (e.g. metal off macOS): such a
+# backend is neither available nor listed as if it were (`python -m jaxquant`).
+_NOT_BUILT: dict[str, str] = {}
 
 
 def _backend_state():
@@ -67,26 +100,52 @@ def _current() -> str | None:
     return _STATE.value if _STATE is not None else _CURRENT.get()
 
 
-def register(primitive: str, backend: str, platforms, impl, applies=None, priority: int = 0,
-             auto=None):
-    """Register `impl` as `backend`'s kernel for `primitive` on `platforms`.
-
-    impl(*args, **params) takes the op's structured arguments (QuantizedArray
-    included) like the reference; applies(*args, **params) -> bool sees
-    ShapedArrays in place of arrays and says what the kernel can compute;
-    auto(*args, **params) -> bool, if given, narrows what automatic choice
-    gives it (an explicit `backend=` still gets every case `applies` takes).
-    """
+def register(primitive: str, backend: str, platforms, impl, applies=None, *,
+             priority: int = 0, auto=None):
+    """Register `impl` as `backend`'s kernel for `primitive` on `platforms`
+    (the module docstring gives the signatures of impl, applies and auto)."""
     _check_name(backend)
-    kernel = Kernel(backend, tuple(platforms), impl, applies or (lambda *a, **k: True), priority,
-                    auto)
+    kernel = Kernel(backend, tuple(platforms), _taking_platform(impl),
+                    _taking_platform(applies or _every_case), priority,
+                    None if auto is None else _taking_platform(auto))
     _KERNELS.setdefault(primitive, []).append(kernel)
+
+
+def _every_case(*args, platform, **params):
+    return True
+
+
+def _taking_platform(fn):
+    """fn itself where it takes `platform`; else fn with `platform` dropped.
+    Transitional: the ffi package's functions predate the `platform` argument
+    (structure-native converts them); nothing else needs this."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.name == "platform" or p.kind is p.VAR_KEYWORD for p in params):
+        return fn
+
+    @functools.wraps(fn)
+    def without_platform(*args, platform, **kw):
+        return fn(*args, **kw)
+    return without_platform
 
 
 def register_backend(backend: str, unavailable_reason: Callable[[], str | None]):
     """Declare how to tell whether `backend` can run here (None means it can)."""
     _check_name(backend)
     _AVAILABILITY[backend] = unavailable_reason
+
+
+def declare_not_built(backend: str, why: str):
+    """`backend` does not exist in this build (e.g. "metal" off macOS): an op asking
+    for it gets an error saying `why`, and listings keep it apart from real backends."""
+    _check_name(backend)
+    _NOT_BUILT[backend] = why
+    _AVAILABILITY.pop(backend, None)
+
+
+def not_built_backends() -> dict[str, str]:
+    """The known backends that this build of jaxquant does not have, with why."""
+    return dict(_NOT_BUILT)
 
 
 def _check_name(backend):
@@ -96,6 +155,8 @@ def _check_name(backend):
 
 def unavailable_reason(backend: str) -> str | None:
     _check_name(backend)
+    if backend in _NOT_BUILT:
+        return f"not built: {_NOT_BUILT[backend]}"
     probe = _AVAILABILITY.get(backend)
     if probe is None:
         return f"the {backend!r} backend is not installed in this build of jaxquant"
@@ -103,7 +164,8 @@ def unavailable_reason(backend: str) -> str | None:
 
 
 def available_backends() -> list[str]:
-    """The backends that can run here, in preference order."""
+    """The backends that can run here, in preference order (never one this build does
+    not have, such as metal off macOS)."""
     return [b for b in BACKENDS if unavailable_reason(b) is None]
 
 
@@ -141,7 +203,8 @@ def resolve_backend(explicit: str | None) -> str | None:
 
 
 def select(primitive: str, backend: str | None, platform: str, args, params):
-    """The kernel impl to lower with, or None for the reference."""
+    """The kernel to lower with, as impl(*args, **params) with `platform` bound,
+    or None for the reference."""
     if backend == "reference":
         return None
     candidates = [k for k in _KERNELS.get(primitive, ()) if platform in k.platforms
@@ -150,9 +213,10 @@ def select(primitive: str, backend: str | None, platform: str, args, params):
         raise RuntimeError(f"backend={backend!r} has no kernel for {primitive} on platform "
                            f"{platform!r}")
     for k in sorted(candidates, key=lambda k: -k.priority):
-        if not k.applies(*args, **params):
+        if not k.applies(*args, platform=platform, **params):
             continue
-        if backend is None and k.auto is not None and not k.auto(*args, **params):
+        if backend is None and k.auto is not None and not k.auto(*args, platform=platform,
+                                                                 **params):
             continue
-        return k.impl
+        return functools.partial(k.impl, platform=platform)
     return None
