@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import dispatch
 from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
 from jaxquant.layouts import cuda_mma
 from jaxquant.quantized_array import QuantizedArray
@@ -56,12 +57,12 @@ def _rows_per_matrix(x, qw):
     return math.prod(x.shape[qw.ndim - 2:-1])
 
 
-def qmm_applies(x, qw, *, transpose, precision):
+def qmm_applies(x, qw, *, transpose, precision, platform):
     return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _X_DTYPES
             and 0 < _rows_per_matrix(x, qw) <= MMA_MAX_M and qw.shape[-2] > 0)
 
 
-def qmm_impl(x, qw, *, transpose, precision):
+def qmm_impl(x, qw, *, transpose, precision, platform):
     nb = qw.ndim - 2
     b = math.prod(qw.shape[:nb])
     m, k, n = _rows_per_matrix(x, qw), x.shape[-1], qw.shape[-2]
@@ -73,12 +74,12 @@ def qmm_impl(x, qw, *, transpose, precision):
     return y.reshape(*x.shape[:-1], n)
 
 
-def gather_qmm_applies(x, qw, indices, *, transpose, precision):
+def gather_qmm_applies(x, qw, indices, *, transpose, precision, platform):
     return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _X_DTYPES
             and qw.shape[1] > 0 and indices.shape[0] * indices.shape[1] <= 65535)
 
 
-def gather_qmm_impl(x, qw, indices, *, transpose, precision):
+def gather_qmm_impl(x, qw, indices, *, transpose, precision, platform):
     t, slots = indices.shape
     idx = jnp.where((indices >= 0) & (indices < qw.shape[0]), indices, -1)
     x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
@@ -87,3 +88,19 @@ def gather_qmm_impl(x, qw, indices, *, transpose, precision):
     dedupe = min(t, MMA_MAX_M) if t > 1 else 0
     y = qmv_mma_call(x3, qw, idx.astype(jnp.int32).reshape(-1), dedupe=dedupe)
     return y.reshape(t, slots, qw.shape[1])
+
+
+def register(lib) -> None:
+    """Register the CUDA library's tensor-core GEMV (its own handler symbol,
+    jq_gpu_qmv_mma, beside the targets every library lists) and its lowerings;
+    make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
+    (built before it existed) leaves everything as it was."""
+    try:
+        fn = lib.handle.jq_gpu_qmv_mma
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="CUDA")
+    except Exception:  # noqa: BLE001 - no kernel: the layout stays opt-in
+        return
+    dispatch.register("qmm", "ffi", ("cuda",), qmm_impl, qmm_applies, priority=PRIORITY)
+    dispatch.register("gather_qmm", "ffi", ("cuda",), gather_qmm_impl, gather_qmm_applies,
+                      priority=PRIORITY)
+    cuda_mma.make_default_on("cuda")
