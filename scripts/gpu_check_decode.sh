@@ -65,11 +65,11 @@ if [ -n "${JQ_WARPS_SWEEP:-}" ]; then
   step "sweep: warps per block (JAXQUANT_MMA_WARPS), M=1 affine4/mxfp4"
   for w in $JQ_WARPS_SWEEP; do
     echo "--- JAXQUANT_MMA_WARPS=$w"
-    JAXQUANT_MMA_WARPS=$w timeout 120 $PY -m jaxquant.bench_decode --only qmm --modes affine4,mxfp4 --ms 1 2>&1 | grep "ffi mma"
+    JAXQUANT_MMA_WARPS=$w timeout 120 $PY -m jaxquant bench decode --only qmm --modes affine4,mxfp4 --ms 1 2>&1 | grep "ffi mma"
   done
 fi
 
 step "benchmarks"
-timeout ${JQ_BENCH_TIMEOUT:-420} $PY -m jaxquant.bench_decode --only "${JQ_BENCH_ONLY:-qmm,peers,moe,step}" \
+timeout ${JQ_BENCH_TIMEOUT:-420} $PY -m jaxquant bench decode --only "${JQ_BENCH_ONLY:-qmm,peers,moe,step}" \
   ${JQ_BENCH_MODES:+--modes $JQ_BENCH_MODES} 2>&1 | tee "$OUT/bench.log" | grep -v "^WARNING" | tail -n 80
 step "done"

@@ -79,5 +79,8 @@ def test_ops_take_the_layout_everywhere():
     ref = dict(backend="reference")
     np.testing.assert_array_equal(np.asarray(jq.gather_qmm(x, packed, idx, **ref)),
                                   np.asarray(jq.gather_qmm(x, qw, idx, **ref)))
-    np.testing.assert_array_equal(np.asarray(jq.qmm(x, packed[1])),
-                                  np.asarray(jq.qmm(x, qw[1])))
+    np.testing.assert_array_equal(np.asarray(jq.qmm(x, packed[1], **ref)),
+                                  np.asarray(jq.qmm(x, qw[1], **ref)))
+    # auto on a platform without the kernel: whatever runs, the same product
+    np.testing.assert_allclose(np.asarray(jq.qmm(x, packed[1])), np.asarray(jq.qmm(x, qw[1])),
+                               rtol=1e-5, atol=1e-5)

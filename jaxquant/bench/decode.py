@@ -1,6 +1,6 @@
-"""Decode benchmarks of the tensor-core GEMV on the cuda_mma layout (issue 11):
+"""Decode on NVIDIA: the tensor-core GEMV on the cuda_mma layout (docs/decode.md).
 
-  python -m jaxquant.bench_decode [--only qmm,peers,moe,step] [--quick]
+  python -m jaxquant bench decode [--only qmm,peers,moe,step] [--modes ...] [--ms 1,8,16]
 
 - qmm: M = 1 (every mode), 8 and 16 at (K, N) = (4096, 14336) and (14336, 4096):
   the ffi kernel on `jq.prepack`ed weights, the pallas kernel on canonical ones,
@@ -15,14 +15,12 @@
 
 Method as `python -m jaxquant bench qmm` (benchmarks/RESULTS.md): every timed
 call does `copies` products on distinct weights (more bytes than L2), median of
-samples. Kept apart from the bench package until it lands (see docs/decode.md).
+samples. Needs a CUDA GPU with the CUDA library (the kernel and the layout).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 
 import jax
@@ -38,7 +36,7 @@ MODES = {"affine4": ("affine", 4, 64), "mxfp4": ("mxfp4", None, None),
          "mxfp6_e3m2": ("mxfp6_e3m2", None, None), "mxfp8_e4m3": ("mxfp8_e4m3", None, None),
          "mxfp8_e5m2": ("mxfp8_e5m2", None, None), "nvfp4": ("nvfp4", None, None),
          "fp4": ("fp4", None, 32)}
-SHAPES = ((4096, 14336), (14336, 4096))
+SHAPES = ((4096, 14336), (14336, 4096))  # (K, N); --shapes replaces them
 MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 5760), "Qwen3-30B-A3B": (128, 8, 2048, 1536)}
 
 
@@ -71,7 +69,7 @@ def _quantize(mode, w):
 
 
 def _line(out, *cols):
-    print(" | ".join(str(c) for c in cols), file=out, flush=True)
+    out(" | ".join(str(c) for c in cols))
 
 
 def _many(f):
@@ -268,27 +266,40 @@ def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
     return res
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jaxquant.bench_decode")
-    ap.add_argument("--only", default="qmm,peers,moe,step")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--ms", default="1,8,16", help="rows of x for the qmm part")
-    a = ap.parse_args(argv)
-    out = sys.stdout
+def add_arguments(parser, cpu):
+    from jaxquant.bench import harness
+
+    parser.add_argument("--only", default="qmm,peers,moe,step",
+                        help="parts to run: qmm, peers (torch), moe, step (default: %(default)s)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="qmm modes at (4096, 14336) (affine4 and mxfp4 at both shapes)")
+    parser.add_argument("--ms", default="1,8,16", help="rows of x for the qmm part")
+    parser.add_argument("--shapes", default="4096,14336;14336,4096",
+                        help="qmm (K, N) shapes, 'K,N;K,N'; all modes at the first, affine4 "
+                             "and mxfp4 at every one (default: %(default)s)")
+    harness.common_options(parser, copies=8, iters=7, target_ms=20.0)
+
+
+def run(args, out):
     dev = jax.devices()[0]
-    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", file=out)
+    out(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
     bw = copy_bandwidth()
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", file=out, flush=True)
-    parts = a.only.split(",")
+    out(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    parts = args.only.split(",")
+    global SHAPES
+    SHAPES = tuple(tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";"))
     if "qmm" in parts:
-        bench_qmm(bw, out, a.modes.split(","), ms=tuple(int(m) for m in a.ms.split(",")))
+        bench_qmm(bw, out, args.modes.split(","), copies=args.copies,
+                  ms=tuple(int(m) for m in args.ms.split(",")))
     if "peers" in parts:
-        bench_torch_peers(bw, out)
+        bench_torch_peers(bw, out, copies=args.copies)
     if "moe" in parts:
-        bench_moe(bw, out)
+        bench_moe(bw, out, copies=args.copies)
     if "step" in parts:
         bench_step(bw, out)
+    return [], bw
 
 
-if __name__ == "__main__":
-    main()
+SCENARIO = {"help": "decode on NVIDIA: the tensor-core GEMV (prepacked), torch peers, "
+                    "MoE layers, an 8-layer decode step unrolled and in lax.scan",
+            "add_arguments": add_arguments, "run": run, "xlabel": "M"}
