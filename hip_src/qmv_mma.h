@@ -227,10 +227,10 @@ __device__ __forceinline__ void scale_into(float& acc, float q, float xs, uint32
   }
 }
 
-// B registers (x) of one k-step for column m of the lane: k = k0 .. k0 + 3.
-// The same through a generic pointer (x staged in shared memory, or global).
+// B registers (x) of one k-step for column m of the lane: k = k0 .. k0 + 3 at `src`,
+// through a generic pointer (x staged in shared memory, or global).
 template <int XDT>
-__device__ __forceinline__ void load_b_shared(const char* src, uint32_t* b) {
+__device__ __forceinline__ void load_b(const char* src, uint32_t* b) {
   if constexpr (XDT == kF32) {
     const float4 v = *reinterpret_cast<const float4*>(src);
     const uint32_t h0 = pack_bf16x2(v.x, v.y), h1 = pack_bf16x2(v.z, v.w);
@@ -245,28 +245,10 @@ __device__ __forceinline__ void load_b_shared(const char* src, uint32_t* b) {
   }
 }
 
-template <int XDT>
-__device__ __forceinline__ void load_b(const void* xrow, int64_t k0, uint32_t* b) {
-  if constexpr (XDT == kF32) {
-    const float4 v = JQ_LDG(reinterpret_cast<const float4*>(static_cast<const float*>(xrow) + k0));
-    // x = hi + lo, both bf16: the MMA sees ~16 significant bits of float32 x
-    const uint32_t h0 = pack_bf16x2(v.x, v.y), h1 = pack_bf16x2(v.z, v.w);
-    b[0] = h0;
-    b[1] = h1;
-    b[2] = pack_bf16x2(v.x - bits_to_f32(h0 << 16), v.y - bits_to_f32(h0 & 0xffff0000u));
-    b[3] = pack_bf16x2(v.z - bits_to_f32(h1 << 16), v.w - bits_to_f32(h1 & 0xffff0000u));
-  } else {
-    const uint2 v = JQ_LDG(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(xrow) + k0));
-    b[0] = v.x;
-    b[1] = v.y;
-  }
-}
-
 // Where a warp's loads of one tile come from (32-bit offsets, set once per tile).
 struct TileCursor {
   const uint32_t* w;     // the lane's unit of chunk 0 (tail: the tile's first canonical row)
   const char* x[2];      // the lane's x column (n8 tile 0 / 1) at k = 4t, or nullptr
-  bool x_shared;         // x[] point into shared memory
   const char* s;         // scales of the lane's pair of rows (tail: of the tile's first row)
   const char* b;         // biases, likewise
   int valid_rows;        // rows of the tile inside N
@@ -353,7 +335,7 @@ __device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCur
     for (int nt = 0; nt < NT; ++nt) {
       if (cur.x[nt] != nullptr) {
         // a generic load: x is staged in shared memory or read from L1/L2
-        load_b_shared<XDT>(cur.x[nt] + (c * kChunkK + 16 * st) * ESZ, b[st][nt]);
+        load_b<XDT>(cur.x[nt] + (c * kChunkK + 16 * st) * ESZ, b[st][nt]);
       } else {
 #pragma unroll
         for (int i = 0; i < NB; ++i) b[st][nt][i] = 0u;
@@ -483,10 +465,8 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   const QmvProblem& p = pr.q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  constexpr bool WIDE = SDT == kF32;
   constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
   TileCursor cur;
-  cur.x_shared = x_smem != nullptr;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int m = g + 8 * nt;
