@@ -47,6 +47,7 @@ import jax
 
 from jaxquant import dispatch
 from jaxquant.ffi import _cdna4, _loader, _ops, configs
+from jaxquant.layouts import cuda_mma  # noqa: F401 - the layout exists (unpacks) everywhere
 from jaxquant.ffi._ops import (FORMAT_IDS, add_rms_norm_call, dequantize_call,
                                gated_rms_norm_call, qmv_call, rms_norm_call)
 
@@ -123,4 +124,9 @@ for _platform in loaded_platforms():
 # takes that layout): its choice and priority live with it in _cdna4.py.
 if "rocm" in loaded_platforms() and "cdna4_qmm" in _LIBS["rocm"].targets:
     _cdna4.register()
+if "cuda" in loaded_platforms():
+    # the tensor-core decode GEMV on the cuda_mma layout (docs/decode.md); registering
+    # it makes cuda_mma jq.prepack's default on CUDA
+    from jaxquant.ffi import _mma
+    _mma.register(_LIBS["cuda"])
 dispatch.register_backend("ffi", unavailable_reason)
