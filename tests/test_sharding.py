@@ -69,3 +69,15 @@ def test_kernels_kept_per_shard(cases):
     # the partitioned program still calls the native GEMV, on the local [N/4, K] block
     assert cases["qmm_col_ffi"]["ffi"], cases["qmm_col_ffi"]
     _check(cases["qmm_col_ffi"], tol=1e-6, collectives={})
+
+
+def test_model_tp_ep(cases):
+    """The gpt-oss-style decoder (MXFP4 experts) on a 2 x 4 (tp x ep) mesh: the same
+    logits as on one device, prefill and decode, and no all-gather of packed weights
+    or scales anywhere in the compiled prefill."""
+    case = cases["model_gpt_oss"]
+    assert case["err"] <= 1e-5 * case["scale"], case
+    assert case["decode_err"] <= 1e-5 * case["scale"], case
+    assert case["decode_same_tokens"], case
+    assert case["weight_gathers"] == [], case
+    assert case["all_reduces"] >= 1, case
