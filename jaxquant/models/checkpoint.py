@@ -26,7 +26,7 @@ import numpy as np
 
 import jaxquant as jq
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import MATRICES, MODES, quantize_matrix
+from jaxquant.models.decoder import MATRICES, quantize_args, quantize_matrix
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -73,7 +73,7 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
     tensors = _Tensors(path)
     quant = _Quantizer(mode, hf.get("quantization"), dtype)
     layers = [_layer(cfg, hf, tensors, quant, i) for i in range(cfg.num_layers)]
-    params = {"layers": jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers),
+    params = {"layers": _stack_layers(layers),
               "embed": quant.matrix(tensors, "model.embed_tokens", quantize=False),
               "final_norm": quant.float(tensors["model.norm.weight"])}
     if not cfg.tie_embeddings:
@@ -81,13 +81,25 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
     return cfg, params
 
 
+def _stack_layers(layers):
+    """Per-layer dicts -> one dict of [L, ...] stacks (what lax.scan runs over)."""
+    out = {}
+    for key in layers[0]:
+        parts = [lay[key] for lay in layers]
+        kinds = {(p.mode, p.bits, p.group_size) if isinstance(p, QuantizedArray) else "float"
+                 for p in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
+                             f"; the decoder stacks layers for lax.scan, so a matrix must have "
+                             f"one format across layers (mixed-precision recipes that vary it "
+                             f"per layer are not supported)")
+        out[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
+    return out
+
+
 class _Quantizer:
     def __init__(self, mode, mlx_quant, dtype):
-        self.kw = None if mode in (None, "bf16") else (
-            MODES[mode] if isinstance(mode, str) else dict(mode))
-        if isinstance(mode, str) and mode not in MODES and mode != "bf16":
-            raise ValueError(f"mode={mode!r} is not known; expected one of "
-                             f"{['bf16', *MODES]}")
+        self.kw = None if mode in (None, "bf16") else quantize_args(mode)
         self.mlx = mlx_quant
         self.dtype = jnp.dtype(dtype)
 

@@ -345,11 +345,21 @@ MODES = {  # demo / CLI names -> jq.quantize arguments
 }
 
 
+def quantize_args(mode):
+    """jq.quantize arguments for a MODES name (or a dict of them, passed through)."""
+    if isinstance(mode, dict):
+        return dict(mode)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not known; expected one of {list(MODES)} "
+                         f"(or a dict of jq.quantize arguments)")
+    return MODES[mode]
+
+
 def quantize_params(params, mode: str, *, lm_head: bool = True):
     """Quantize every float weight matrix (and lm_head) to `mode` (a MODES name or
     a dict of jq.quantize arguments); QuantizedArrays already there stay as they are
     (gpt-oss's MXFP4 experts). Stacked [L, ...] weights quantize per matrix."""
-    kw = MODES[mode] if isinstance(mode, str) else dict(mode)
+    kw = quantize_args(mode)
     out = dict(params)
     layers = dict(params["layers"])
     for name in MATRICES:
