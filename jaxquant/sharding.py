@@ -246,22 +246,28 @@ def _leaf_dims(factors: Factors, tree):
 
 
 def _sdy_rule(factors: Factors, leaf_dims):
+    def squeeze(d):
+        # Shardy refuses size-1 factors inside a compound dimension (one group: G=1)
+        kept = tuple(f for f in d if factors.sizes[f] != 1) if len(d) > 1 else d
+        return kept or d[:1]
+    leaf_dims = [Dims(squeeze(d) for d in dims) for dims in leaf_dims]
+    results = [Dims(squeeze(d) for d in dims) for dims in factors.results]
+
     def dim(d):
         return d[0] if len(d) == 1 else "(" + " ".join(d) + ")"
 
     def value(dims):
         return " ".join(dim(d) for d in dims) if dims else ""
-    simple = {d[0] for dims in list(leaf_dims) + factors.results for d in dims if len(d) == 1}
-    compound = {f for dims in list(leaf_dims) + factors.results for d in dims if len(d) > 1
-                for f in d}
+    every = list(leaf_dims) + results
+    simple = {d[0] for dims in every for d in dims if len(d) == 1}
+    compound = {f for dims in every for d in dims if len(d) > 1 for f in d}
     # Shardy infers the size of a factor that has a dimension of its own.
     sizes = {f: int(factors.sizes[f]) for f in compound - simple}
     rule = (", ".join(value(d) for d in leaf_dims) + " -> "
-            + ", ".join(value(d) for d in factors.results))
+            + ", ".join(value(d) for d in results))
     kwargs = dict(sizes)
     # Shardy numbers factors by first appearance and wants special ones sorted.
-    order = list(dict.fromkeys(f for dims in list(leaf_dims) + factors.results
-                               for d in dims for f in d))
+    order = list(dict.fromkeys(f for dims in every for d in dims for f in d))
     red = tuple(f for f in order if f in factors.contracted)
     rep = tuple(f for f in order if f in factors.replicated and f not in red)
     if red:

@@ -98,6 +98,10 @@ def main():
     x96 = rand(4, (8, 96))
     out["qmm_row_misaligned"] = case(jq.qmm, (x96, q96), (put(x96, P(None, "tp")),
                                                           put_q(q96, P(None, "tp"), P())))
+    # one quantization group along K (a size-1 factor Shardy must not see in a compound)
+    q64 = jq.quantize(rand(12, (64, 64)), mode="affine", bits=4, group_size=64)
+    x64 = rand(13, (8, 64))
+    out["qmm_col_one_group"] = case(jq.qmm, (x64, q64), (put(x64, P()), put_q(q64, P("tp", None))))
     # the x-gradient (qmm with transpose=False per shard) of a column-parallel layer
     loss = lambda x, qw: jnp.sum(jq.qmm(x, qw) ** 2)
     out["qmm_col_grad"] = case(jax.grad(loss), (x, qw), (put(x, P("data")),

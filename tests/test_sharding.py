@@ -31,7 +31,7 @@ def _check(case, *, tol, collectives):
 
 
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
-    "qmm_batch_col", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
+    "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
     "dequantize_col", "shard_map_qmm"]
 
 
