@@ -22,11 +22,14 @@ def _load_backends():
     jaxquant.dispatch. One that cannot load only removes that backend;
     `available_backends()` and `python -m jaxquant` say why."""
     import importlib
+    import importlib.util
     import warnings
 
     from jaxquant import dispatch
 
-    for name in ("pallas", "ffi"):
+    for name in dispatch.BACKENDS:
+        if name == "reference" or importlib.util.find_spec(f"jaxquant.{name}") is None:
+            continue  # the reference is jaxquant.ops; a package absent from this build
         try:
             importlib.import_module(f"jaxquant.{name}")
         except Exception as e:  # noqa: BLE001 - a broken backend must not break import

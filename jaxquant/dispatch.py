@@ -1,14 +1,41 @@
 """Backend registry and selection (DESIGN.md §2, §5).
 
-A backend package registers, per primitive and platform, a kernel: a
-jnp-traceable function with the reference's signature, plus a predicate
-saying which cases it takes. Nothing else in the code base knows which
-backends exist.
+The backends, in preference order, are `BACKENDS`: "reference" (the jnp
+definitions in jaxquant.ops) and one package `jaxquant.<name>` per other
+backend, which jaxquant/__init__.py imports and which registers its kernels
+here. Nothing else in the code base lists the backends.
+
+Registering a kernel (the one style every backend uses):
+
+    dispatch.register(primitive, backend, platforms, impl, applies=None, *,
+                      priority=0, auto=None)
+
+  primitive  the op's name: "qmm", "gather_qmm", "ragged_qmm", "dequantize",
+             "rms_norm", "add_rms_norm", "gated_rms_norm";
+  backend    a name in BACKENDS;
+  platforms  the lowering platforms it serves, e.g. ("cuda", "rocm") or ("cpu",);
+  impl(*args, platform, **params)
+             jnp-traceable, the reference's signature (the op's structured
+             arguments, QuantizedArray included, then its params as keywords)
+             plus `platform`, the platform being lowered for ("cpu", "cuda",
+             "rocm"); returns what the reference returns (a sequence for ops
+             with several results);
+  applies(*args, platform, **params) -> bool
+             the cases the kernel can compute, seen as ShapedArrays (shapes and
+             dtypes, no values); default: every case;
+  priority   higher wins under automatic choice;
+  auto(*args, platform, **params) -> bool
+             where given, narrows what automatic choice gives the kernel (the
+             cases where it was measured to beat the reference); an explicit
+             `backend=` still gets every case `applies` takes.
+
+The same `impl`, `applies` and `auto` may be registered for several platforms:
+the dispatcher passes the platform, so backends write no per-platform
+adapters.
 
 Selection, at lowering time, for a primitive bound with `backend=b`:
 - b is None ("auto"): the highest-priority registered kernel for this
   platform whose `applies` accepts the case and whose `auto` predicate
-  (where given: the cases where it was measured to beat the reference)
   does too, else the reference;
 - b names a backend: its kernel for this platform if `applies` accepts the
   case, else the reference (a backend serves what it supports: float64,
@@ -21,9 +48,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import inspect
 import os
 from typing import Callable
 
+# The backends, in preference order; each but "reference" is the package jaxquant.<name>.
 BACKENDS = ("reference", "pallas", "ffi", "metal")
 ENV_VAR = "JAXQUANT_BACKEND"
 
@@ -67,20 +97,33 @@ def _current() -> str | None:
     return _STATE.value if _STATE is not None else _CURRENT.get()
 
 
-def register(primitive: str, backend: str, platforms, impl, applies=None, priority: int = 0,
-             auto=None):
-    """Register `impl` as `backend`'s kernel for `primitive` on `platforms`.
-
-    impl(*args, **params) takes the op's structured arguments (QuantizedArray
-    included) like the reference; applies(*args, **params) -> bool sees
-    ShapedArrays in place of arrays and says what the kernel can compute;
-    auto(*args, **params) -> bool, if given, narrows what automatic choice
-    gives it (an explicit `backend=` still gets every case `applies` takes).
-    """
+def register(primitive: str, backend: str, platforms, impl, applies=None, *,
+             priority: int = 0, auto=None):
+    """Register `impl` as `backend`'s kernel for `primitive` on `platforms`
+    (the module docstring gives the signatures of impl, applies and auto)."""
     _check_name(backend)
-    kernel = Kernel(backend, tuple(platforms), impl, applies or (lambda *a, **k: True), priority,
-                    auto)
+    kernel = Kernel(backend, tuple(platforms), _taking_platform(impl),
+                    _taking_platform(applies or _every_case), priority,
+                    None if auto is None else _taking_platform(auto))
     _KERNELS.setdefault(primitive, []).append(kernel)
+
+
+def _every_case(*args, platform, **params):
+    return True
+
+
+def _taking_platform(fn):
+    """fn itself where it takes `platform`; else fn with `platform` dropped.
+    Transitional: the ffi package's functions predate the `platform` argument
+    (structure-native converts them); nothing else needs this."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.name == "platform" or p.kind is p.VAR_KEYWORD for p in params):
+        return fn
+
+    @functools.wraps(fn)
+    def without_platform(*args, platform, **kw):
+        return fn(*args, **kw)
+    return without_platform
 
 
 def register_backend(backend: str, unavailable_reason: Callable[[], str | None]):
@@ -141,7 +184,8 @@ def resolve_backend(explicit: str | None) -> str | None:
 
 
 def select(primitive: str, backend: str | None, platform: str, args, params):
-    """The kernel impl to lower with, or None for the reference."""
+    """The kernel to lower with, as impl(*args, **params) with `platform` bound,
+    or None for the reference."""
     if backend == "reference":
         return None
     candidates = [k for k in _KERNELS.get(primitive, ()) if platform in k.platforms
@@ -150,9 +194,10 @@ def select(primitive: str, backend: str | None, platform: str, args, params):
         raise RuntimeError(f"backend={backend!r} has no kernel for {primitive} on platform "
                            f"{platform!r}")
     for k in sorted(candidates, key=lambda k: -k.priority):
-        if not k.applies(*args, **params):
+        if not k.applies(*args, platform=platform, **params):
             continue
-        if backend is None and k.auto is not None and not k.auto(*args, **params):
+        if backend is None and k.auto is not None and not k.auto(*args, platform=platform,
+                                                                 **params):
             continue
-        return k.impl
+        return functools.partial(k.impl, platform=platform)
     return None

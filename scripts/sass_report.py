@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import quantize
-from jaxquant.pallas import compile_check, configs
+from jaxquant.pallas import configs
+from jaxquant.tools import compile_check
 
 pallas_qmm = importlib.import_module("jaxquant.pallas.qmm")
 

@@ -4,7 +4,7 @@ Each kernel is lowered with `lowering_platforms=("rocm",)` (resp. "cuda"); the
 Triton module is taken from the `__gpu$xla.gpu.triton` custom call, printed as
 text with jaxlib's MLIR context and compiled with the pip `triton` package for
 gfx90a / gfx942 / gfx950 / gfx1100 (resp. sm_90, sm_80); a code object must
-come out. Needs `pip install triton` (see jaxquant/pallas/compile_check.py).
+come out. Needs `pip install triton` (see jaxquant/tools/compile_check.py).
 """
 
 import os
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxquant as jq
-from jaxquant.pallas import compile_check as cc
+from jaxquant.tools import compile_check as cc
 from jaxquant.pallas.qmm import qmm
 
 triton = pytest.importorskip(
@@ -210,7 +210,7 @@ def test_cuda_norm_kernels(case):
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_norm_ops_dispatch_to_pallas_on_gpus(platform):
     """`auto` lowers jq.rms_norm / add_rms_norm / gated_rms_norm to the Pallas kernels on
-    GPUs from a million elements; smaller ones stay with XLA (pallas.norms.AUTO_MIN_ELEMENTS)."""
+    GPUs from a million elements; smaller ones stay with XLA (pallas.configs.AUTO_NORM_MIN_ELEMENTS)."""
     big = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     for fn in (lambda x: jq.rms_norm(x, x[0]), lambda x: jq.add_rms_norm(x, x, x[0]),
                lambda x: jq.gated_rms_norm(x, x, x[0], group_size=256)):

@@ -177,12 +177,14 @@ def test_ids_of_any_integer_dtype_do_not_wrap():
 
 def test_supports_and_registration():
     x, qw, idx = _case("mxfp4", 4, jnp.float32, 0)
-    assert moe.supports_gather(x.shape, x.dtype, qw, idx.shape, True)
-    assert moe.supports_gather((T, SLOTS, x.shape[1]), x.dtype, qw, idx.shape, True)
-    assert not moe.supports_gather(x.shape, jnp.float64, qw, idx.shape, True)
-    assert not moe.supports_gather(x.shape, x.dtype, qw[0], idx.shape, True)
-    assert not moe.supports_gather((T, 64), x.dtype, qw, idx.shape, True)
-    assert not moe.supports_gather((70000, x.shape[1]), x.dtype, qw, (70000, 1), True)
+    sd = jax.ShapeDtypeStruct
+    assert moe.supports_gather(x, qw, idx, transpose=True, platform="cuda")
+    assert moe.supports_gather(sd((T, SLOTS, x.shape[1]), x.dtype), qw, idx, transpose=True)
+    assert not moe.supports_gather(sd(x.shape, jnp.float64), qw, idx, transpose=True)
+    assert not moe.supports_gather(x, qw[0], idx, transpose=True)
+    assert not moe.supports_gather(sd((T, 64), x.dtype), qw, idx, transpose=True)
+    assert not moe.supports_gather(sd((70000, x.shape[1]), x.dtype), qw,
+                                   sd((70000, 1), jnp.int32), transpose=True)
     from jaxquant import dispatch
     import jaxquant.pallas  # noqa: F401 - registers the kernels
     kernels = [k for k in dispatch._KERNELS.get("gather_qmm", ()) if k.backend == "pallas"]
@@ -232,7 +234,7 @@ def test_moe_layer_is_one_program_without_host_sync(backend):
 
 
 # The same layer lowered for the GPUs with the Pallas kernels (on this CPU-only
-# machine: lowering_platforms, as jaxquant/pallas/compile_check.py does): its StableHLO
+# machine: lowering_platforms, as jaxquant/tools/compile_check.py does): its StableHLO
 # holds XLA ops and the three gather_qmm Triton kernels (jaxlib 0.10.2 emits each as a
 # `__gpu$xla.gpu.triton` custom call), and nothing that moves data to or from the host.
 
@@ -245,7 +247,7 @@ def _gpu_program_report(module):
     calls), host-memory annotations) of a lowered StableHLO module."""
     from jax._src.lib.mlir import ir
 
-    from jaxquant.pallas import compile_check as cc
+    from jaxquant.tools import compile_check as cc
 
     funcs, names, targets = {}, set(), []
 

@@ -21,6 +21,7 @@ import jaxquant as jq
 from jaxquant import dispatch
 from jaxquant.ops.norms import (add_rms_norm_reference, gated_rms_norm_reference,
                                 rms_norm_reference)
+from jaxquant.pallas import configs
 from jaxquant.pallas import norms as pn
 from tests import oracle
 from tests.common import act64, rms64
@@ -238,13 +239,14 @@ def test_plans():
 
 
 def test_supports():
-    assert pn.supports((4, 64), F32, BF16, None)
-    assert not pn.supports((4, 64), jnp.float64, None)          # float64 -> reference
-    assert not pn.supports((4, 64), F32, jnp.float64)
-    assert not pn.supports((0, 64), F32)
-    assert not pn.supports((4, 0), F32)
-    assert not pn.supports((4, 64), F32, group_size=48)
-    assert pn.supports((4, 64), F32, group_size=32)
+    sd = jax.ShapeDtypeStruct
+    assert pn.supports(sd((4, 64), F32), sd((4, 64), BF16), None, eps=1e-6, platform="cuda")
+    assert not pn.supports(sd((4, 64), jnp.float64), None)     # float64 -> reference
+    assert not pn.supports(sd((4, 64), F32), sd((64,), jnp.float64))
+    assert not pn.supports(sd((0, 64), F32))
+    assert not pn.supports(sd((4, 0), F32))
+    assert not pn.supports(sd((4, 64), F32), group_size=48)
+    assert pn.supports(sd((4, 64), F32), group_size=32)
     with pytest.raises(TypeError):
         pn.rms_norm(jnp.zeros((2, 3), jnp.int32))
     with pytest.raises(ValueError):
@@ -259,23 +261,23 @@ def test_registered_for_gpus_above_ffi():
     for name in ("rms_norm", "add_rms_norm", "gated_rms_norm"):
         ks = [k for k in dispatch._KERNELS.get(name, ()) if k.backend == "pallas"]
         assert sorted(p for k in ks for p in k.platforms) == ["cuda", "rocm"], name
-        assert all(k.priority == pn.PRIORITY == 0 for k in ks)
+        assert all(k.priority == configs.PRIORITY == 0 for k in ks)
         ffi = [k for k in dispatch._KERNELS.get(name, ()) if k.backend == "ffi"
                and set(k.platforms) & {"cuda", "rocm"}]
-        assert all(k.priority < pn.PRIORITY for k in ffi)
+        assert all(k.priority < configs.PRIORITY for k in ffi)
     x = jax.ShapeDtypeStruct((4096, 4096), F32)       # applies reads shape and dtype only
     x64 = jax.ShapeDtypeStruct((4096, 4096), jnp.float64)
-    small = jax.ShapeDtypeStruct((64, 4096), F32)     # below pn.AUTO_MIN_ELEMENTS
+    small = jax.ShapeDtypeStruct((64, 4096), F32)     # below AUTO_NORM_MIN_ELEMENTS
     rp = dict(eps=1e-6, weight_offset=0.0)
     select = functools.partial(dispatch.select, platform="cuda")
-    assert select("rms_norm", None, args=(x, None), params=rp).func is pn._rms_impl
+    assert select("rms_norm", None, args=(x, None), params=rp).func is pn.rms_norm
     impl = select("rms_norm", None, args=(x64, None), params=rp)
-    assert getattr(impl, "func", None) is not pn._rms_impl
+    assert getattr(impl, "func", None) is not pn.rms_norm
     assert select("rms_norm", None, args=(small, None), params=rp) is None  # auto: XLA
-    assert select("rms_norm", "pallas", args=(small, None), params=rp).func is pn._rms_impl
+    assert select("rms_norm", "pallas", args=(small, None), params=rp).func is pn.rms_norm
     gp = dict(eps=1e-6, weight_offset=0.0, activation="silu", norm_before_gate=True,
               group_size=None)
-    assert select("gated_rms_norm", None, args=(x, x, None), params=gp).func is pn._gated_impl
+    assert select("gated_rms_norm", None, args=(x, x, None), params=gp).func is pn.gated_rms_norm
 
 
 def test_through_the_primitive_on_cpu_is_unchanged():

@@ -179,12 +179,13 @@ def test_float_decoders_both_variants_exact():
 
 def test_supports():
     _, qw = _case("affine", 4, 64, jnp.float32, 1, True, seed=0)
-    assert supports((3, 320), jnp.bfloat16, qw, True)
-    assert supports((320,), jnp.float32, qw, True)
-    assert not supports((3, 320), jnp.float64, qw, True)
-    assert not supports((3, 40), jnp.float32, qw, True)
-    assert supports((3, 40), jnp.float32, qw, False)
-    assert not supports((3, 320), jnp.int8, qw, True)
+    x = jax.ShapeDtypeStruct
+    assert supports(x((3, 320), jnp.bfloat16), qw, transpose=True, platform="cuda")
+    assert supports(x((320,), jnp.float32), qw, transpose=True)
+    assert not supports(x((3, 320), jnp.float64), qw, transpose=True)
+    assert not supports(x((3, 40), jnp.float32), qw, transpose=True)
+    assert supports(x((3, 40), jnp.float32), qw, transpose=False)
+    assert not supports(x((3, 320), jnp.int8), qw, transpose=True)
 
 
 def test_rejects_bad_input():

@@ -21,10 +21,12 @@ from jaxquant.quantize import dequantize_reference
 
 
 # ---------------------------------------------------------------------------
-# References: the definition of each op.
+# References: the definition of each op. Each takes the dequantize it uses
+# (dequantize(qw, dtype) -> [..., N, K] in dtype; default the jnp reference's), so
+# a backend that only replaces the dequantize reuses the rest as it is.
 
 
-def _contract(x, w, transpose, precision, batch=0):
+def contract(x, w, transpose, precision, batch=0):
     """x [*B, ..., K] . w [*B, N, K] (transpose) or [*B, K, N] -> [*B, ..., N], float32 acc."""
     w_axis = w.ndim - 1 if transpose else w.ndim - 2
     dims = (((x.ndim - 1,), (w_axis,)), (tuple(range(batch)), tuple(range(batch))))
@@ -32,24 +34,26 @@ def _contract(x, w, transpose, precision, batch=0):
                            preferred_element_type=compute_dtype(x.dtype))
 
 
-def qmm_reference(x, qw, *, transpose, precision):
-    w = dequantize_reference(qw, dtype=x.dtype)
-    return _contract(x, w, transpose, precision, batch=qw.ndim - 2).astype(x.dtype)
+def qmm_reference(x, qw, *, transpose, precision, dequantize=dequantize_reference):
+    w = dequantize(qw, dtype=x.dtype)
+    return contract(x, w, transpose, precision, batch=qw.ndim - 2).astype(x.dtype)
 
 
-def gather_qmm_reference(x, qw, indices, *, transpose, precision):
+def gather_qmm_reference(x, qw, indices, *, transpose, precision,
+                         dequantize=dequantize_reference):
     num_experts = qw.shape[0]
     valid = (indices >= 0) & (indices < num_experts)
-    w = dequantize_reference(qw[jnp.where(valid, indices, 0)], dtype=x.dtype)  # [T, k, N, K]
+    w = dequantize(qw[jnp.where(valid, indices, 0)], dtype=x.dtype)  # [T, k, N, K]
     xs = jnp.broadcast_to(x[:, None, :], w.shape[:2] + x.shape[-1:]) if x.ndim == 2 else x
     # Per (token, slot) exactly qmm's contraction, so gather == qmm bit for bit.
-    one = lambda xi, wi: _contract(xi, wi, transpose, precision)
+    one = lambda xi, wi: contract(xi, wi, transpose, precision)
     y = jax.vmap(jax.vmap(one))(xs, w)
     return jnp.where(valid[..., None], y, jnp.nan).astype(x.dtype)
 
 
-def ragged_qmm_reference(x, qw, group_sizes, *, transpose, precision):
-    w = dequantize_reference(qw, dtype=x.dtype)
+def ragged_qmm_reference(x, qw, group_sizes, *, transpose, precision,
+                         dequantize=dequantize_reference):
+    w = dequantize(qw, dtype=x.dtype)
     rhs = jnp.swapaxes(w, -1, -2) if transpose else w  # [E, K, N]
     y = lax.ragged_dot(x, rhs, group_sizes.astype(jnp.int32), precision=precision,
                        preferred_element_type=compute_dtype(x.dtype))
@@ -219,3 +223,8 @@ def _linear_in_x(op: Op):
 
 for _op in (qmm_op, gather_qmm_op, ragged_qmm_op):
     _linear_in_x(_op)
+
+
+# Transitional: jaxquant/ffi/_ops.py imports this name until it uses the public
+# references above (structure-native's branch); delete with that merge.
+_contract = contract

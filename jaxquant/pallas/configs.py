@@ -19,6 +19,7 @@ float32, added by XLA).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,3 +135,31 @@ def select(platform: str, transpose: bool, m: int, n: int, k: int, bits: int,
             bm *= 2
         cfg = cfg.replace(block_m=bm)
     return cfg
+
+
+# ---------------------------------------------------------------------------
+# Automatic choice (dispatch's `auto`): where the kernels were measured to beat the
+# reference; an explicit backend="pallas" still takes every case they support.
+
+# Against other backends' kernels: the ffi backend registers -1 on cuda/rocm (its
+# GPU kernels were slower than these in every same-run comparison on an H100).
+PRIORITY = 0
+
+# qmm: the GEMV/skinny cases (M <= 16, x @ W.T), where the kernels beat the jnp
+# reference 2-7x on an H100; at M >= 512 the tiled GEMM is slower than the
+# reference (benchmarks/RESULTS.md), so `auto` leaves it to XLA. gather_qmm (2-10x)
+# and ragged_qmm (prefill, 11-28x) win in every measured case: no rule.
+AUTO_QMM_MAX_M = 16
+
+# Norms: on an H100 the kernels beat XLA's fused reference from about a million
+# elements (1.01-1.25x at 4096x4096, 4096x5376, 32768x128) and lose below (0.8-1.06x
+# at 1x4096 and 64x4096, where launch cost dominates): benchmarks/RESULTS.md.
+AUTO_NORM_MIN_ELEMENTS = 1 << 20
+
+
+def auto_qmm(x, qw, *, transpose, platform, **params) -> bool:
+    return transpose and math.prod(x.shape[:-1]) <= AUTO_QMM_MAX_M
+
+
+def auto_norm(x, *operands, platform, **params) -> bool:
+    return math.prod(x.shape) >= AUTO_NORM_MIN_ELEMENTS

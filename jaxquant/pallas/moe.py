@@ -39,8 +39,10 @@ _q = importlib.import_module("jaxquant.pallas.qmm")
 MAX_SLOTS = 65535
 
 
-def supports_gather(x_shape, x_dtype, qw, indices_shape, transpose=True) -> bool:
-    """Whether `gather_qmm` has a kernel for these arguments (static check)."""
+def supports_gather(x, qw, indices, *, transpose=True, **params) -> bool:
+    """Whether `gather_qmm` has a kernel for these arguments (x, indices: anything
+    with a shape and dtype, e.g. ShapedArrays; other params are ignored)."""
+    x_shape, x_dtype, indices_shape = x.shape, x.dtype, indices.shape
     try:
         if jnp.dtype(x_dtype) not in _q._X_DTYPES or qw.layout != CANONICAL:
             return False
@@ -103,7 +105,7 @@ def gather_qmm(x, qw: QuantizedArray, indices, *, transpose: bool = True, precis
         raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
     x = jnp.asarray(x)
     indices = jnp.asarray(indices)
-    if not supports_gather(x.shape, x.dtype, qw, indices.shape, transpose):
+    if not supports_gather(x, qw, indices, transpose=transpose):
         raise ValueError(f"the pallas gather_qmm has no kernel for x {x.shape} {x.dtype}, "
                          f"qw {qw!r}, indices {indices.shape} (see supports_gather)")
     e, rows, cols = qw.shape
@@ -123,8 +125,10 @@ def gather_qmm(x, qw: QuantizedArray, indices, *, transpose: bool = True, precis
 # ragged_qmm (prefill): qmm's GEMM over a device-computed tile schedule.
 
 
-def supports_ragged(x_shape, x_dtype, qw, group_sizes_shape, transpose=True) -> bool:
-    """Whether `ragged_qmm` has a kernel for these arguments (static check)."""
+def supports_ragged(x, qw, group_sizes, *, transpose=True, **params) -> bool:
+    """Whether `ragged_qmm` has a kernel for these arguments (x, group_sizes: anything
+    with a shape and dtype, e.g. ShapedArrays; other params are ignored)."""
+    x_shape, x_dtype, group_sizes_shape = x.shape, x.dtype, group_sizes.shape
     try:
         if not transpose or jnp.dtype(x_dtype) not in _q._X_DTYPES or qw.layout != CANONICAL:
             return False
@@ -181,7 +185,7 @@ def ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool = True, pr
         raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
     x = jnp.asarray(x)
     group_sizes = jnp.asarray(group_sizes)
-    if not supports_ragged(x.shape, x.dtype, qw, group_sizes.shape, transpose):
+    if not supports_ragged(x, qw, group_sizes, transpose=transpose):
         raise ValueError(f"the pallas ragged_qmm has no kernel for x {x.shape} {x.dtype}, "
                          f"qw {qw!r}, group_sizes {group_sizes.shape}, transpose={transpose}")
     t, k = x.shape
@@ -197,43 +201,6 @@ def ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool = True, pr
                    precision=_q._dot_precision(precision, x.dtype), schedule=sched)
     total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), t)
     return jnp.where((jnp.arange(t) < total)[:, None], y, jnp.zeros((), x.dtype))
-
-
-# ---------------------------------------------------------------------------
-# Dispatch (jaxquant.pallas.register).
-
-
-def gather_impl(x, qw, indices, *, transpose=True, precision=None, platform):
-    return gather_qmm(x, qw, indices, transpose=transpose, precision=precision,
-                      platform=platform)
-
-
-def gather_applies(x_aval, qw, indices_aval, *, transpose=True, precision=None):
-    del precision
-    return supports_gather(x_aval.shape, x_aval.dtype, qw, indices_aval.shape, transpose)
-
-
-def ragged_impl(x, qw, group_sizes, *, transpose=True, precision=None, platform):
-    return ragged_qmm(x, qw, group_sizes, transpose=transpose, precision=precision,
-                      platform=platform)
-
-
-def ragged_applies(x_aval, qw, gs_aval, *, transpose=True, precision=None):
-    del precision
-    return supports_ragged(x_aval.shape, x_aval.dtype, qw, gs_aval.shape, transpose)
-
-
-def register(reg, platforms) -> None:
-    """reg = jaxquant.dispatch.register."""
-    import functools
-
-    for platform in platforms:
-        reg("gather_qmm", "pallas", (platform,), functools.partial(gather_impl, platform=platform),
-            gather_applies)
-        # Both measured on an H100 (benchmarks/RESULTS.md): gather 2-10x and ragged
-        # prefill 11-28x faster than the jnp reference, so `auto` takes every case.
-        reg("ragged_qmm", "pallas", (platform,), functools.partial(ragged_impl, platform=platform),
-            ragged_applies)
 
 
 __all__ = ["gather_qmm", "gather_raw", "ragged_qmm", "ragged_schedule", "supports_gather",

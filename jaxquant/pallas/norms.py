@@ -1,8 +1,8 @@
 """Pallas (Triton lowering) kernels for rms_norm, add_rms_norm and gated_rms_norm.
 
 Entry points: `rms_norm`, `add_rms_norm`, `gated_rms_norm` (the reference's
-arguments plus `interpret`, `platform`, `config`), `supports(...)`, and
-`register(reg, platforms)` (called by `jaxquant.pallas.register`).
+arguments plus `interpret`, `platform`, `config`) and `supports(...)`, registered by
+`jaxquant.pallas`.
 
 Semantics are the reference's (jaxquant/ops/norms.py, DESIGN.md §4): statistics
 and arithmetic in float32, in the reference's order of operations; outputs in
@@ -32,9 +32,10 @@ Two shapes of kernel, chosen by the table below (data, per platform):
              first loop and recomputes it (bit-identical) in the second rather
              than reading back its own stores.
 
-Dispatch: registered for cuda and rocm at priority 0, above the ffi backend's
--1 there, so automatic choice takes these kernels on GPUs (backend="ffi" still
-selects ffi); float64 or other dtypes fall back to the reference.
+Dispatch: registered for cuda and rocm at configs.PRIORITY, above the ffi
+backend's -1 there, so automatic choice takes these kernels on GPUs from
+configs.AUTO_NORM_MIN_ELEMENTS (backend="ffi" still selects ffi); float64 or
+other dtypes fall back to the reference.
 """
 
 from __future__ import annotations
@@ -81,9 +82,6 @@ CONFIGS: dict[str, NormConfig] = {
     "interpret": NormConfig(max_block=256, chunk=128, tile=512, per_thread=16, warp=32,
                             max_warps=4, num_stages=1),
 }
-
-PLATFORMS = ("cuda", "rocm")
-PRIORITY = 0   # above the ffi backend's -1 on cuda/rocm: `auto` picks these on GPUs
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _F32 = jnp.float32
@@ -141,15 +139,17 @@ def plan(platform: str, rows: int, groups: int, width: int,
 # Which cases the kernels take.
 
 
-def supports(x_shape, *dtypes, group_size=None) -> bool:
-    """Whether the kernels take x of `x_shape` with operands of `dtypes` (None
-    entries: absent operands). float64 (and anything but f32/f16/bf16) -> no."""
+def supports(x, *operands, group_size=None, **params) -> bool:
+    """Whether the kernels take these arguments: x and the op's other array operands
+    (None: absent) as anything with a shape and dtype (e.g. ShapedArrays), the op's
+    params as keywords (only group_size matters). float64 (and anything but
+    f32/f16/bf16) -> no."""
     try:
-        if any(d is not None and jnp.dtype(d) not in _DTYPES for d in dtypes):
+        if any(a is not None and jnp.dtype(a.dtype) not in _DTYPES for a in (x, *operands)):
             return False
-        if len(x_shape) < 1 or math.prod(x_shape) == 0:
+        if len(x.shape) < 1 or math.prod(x.shape) == 0:
             return False
-        if group_size is not None and (group_size <= 0 or x_shape[-1] % group_size):
+        if group_size is not None and (group_size <= 0 or x.shape[-1] % group_size):
             return False
     except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
         return False
@@ -318,8 +318,7 @@ def _run(op, rows_in, weight, out_dtypes, *, eps, weight_offset, group_size=None
 
 def _check(name, x, rows, weight, group_size=None):
     """Static argument checks of the direct entry points (the ops check theirs)."""
-    if not supports(x.shape, x.dtype, *(a.dtype for a in rows), _dt(weight),
-                    group_size=group_size):
+    if not supports(x, *rows, weight, group_size=group_size):
         raise TypeError(f"the pallas {name} takes float32/float16/bfloat16 operands, x with "
                         f"at least one non-empty axis and a group_size dividing the last axis; "
                         f"got x {x.shape} {x.dtype}, others "
@@ -367,59 +366,3 @@ def gated_rms_norm(x, gate, weight=None, *, eps=1e-6, weight_offset=0.0, activat
                 norm_before_gate=norm_before_gate, interpret=interpret, platform=platform,
                 config=config)
     return y
-
-
-# ---------------------------------------------------------------------------
-# Registration with jaxquant.dispatch (impl: the reference's signature).
-
-
-def _rms_impl(x, weight, *, eps, weight_offset, platform):
-    return rms_norm(x, weight, eps=eps, weight_offset=weight_offset, platform=platform)
-
-
-def _rms_applies(x, weight, *, eps, weight_offset):
-    return supports(x.shape, x.dtype, _dt(weight))
-
-
-def _add_impl(x, residual, weight, *, eps, weight_offset, platform):
-    return list(add_rms_norm(x, residual, weight, eps=eps, weight_offset=weight_offset,
-                             platform=platform))
-
-
-def _add_applies(x, residual, weight, *, eps, weight_offset):
-    return supports(x.shape, x.dtype, residual.dtype, _dt(weight))
-
-
-def _gated_impl(x, gate, weight, *, eps, weight_offset, activation, norm_before_gate,
-                group_size, platform):
-    return gated_rms_norm(x, gate, weight, eps=eps, weight_offset=weight_offset,
-                          activation=activation, norm_before_gate=norm_before_gate,
-                          group_size=group_size, platform=platform)
-
-
-def _gated_applies(x, gate, weight, *, eps, weight_offset, activation, norm_before_gate,
-                   group_size):
-    return activation in ("silu", "sigmoid") and supports(
-        x.shape, x.dtype, gate.dtype, _dt(weight), group_size=group_size)
-
-
-def register(reg, platforms=PLATFORMS) -> None:
-    """reg: `jaxquant.dispatch.register`. Priority 0 beats the ffi backend's -1 on
-    cuda/rocm, so `auto` uses these kernels on GPUs; backend="ffi" still picks ffi."""
-    entries = (("rms_norm", _rms_impl, _rms_applies),
-               ("add_rms_norm", _add_impl, _add_applies),
-               ("gated_rms_norm", _gated_impl, _gated_applies))
-    for platform in platforms:
-        for name, impl, applies in entries:
-            reg(name, "pallas", (platform,), functools.partial(impl, platform=platform),
-                applies, priority=PRIORITY, auto=_auto)
-
-
-# Automatic choice: on an H100 the kernels beat XLA's fused reference from about a
-# million elements (1.01-1.25x at 4096x4096, 4096x5376, 32768x128) and lose below
-# (0.8-1.06x at 1x4096 and 64x4096, where launch cost dominates): benchmarks/RESULTS.md.
-AUTO_MIN_ELEMENTS = 1 << 20
-
-
-def _auto(x, *args, **params):
-    return math.prod(x.shape) >= AUTO_MIN_ELEMENTS

@@ -118,17 +118,18 @@ def _dot_precision(precision, x_dtype):
 # Public API.
 
 
-def supports(x_shape, x_dtype, qw, transpose=True) -> bool:
-    """Whether `qmm` has a kernel for these arguments (static check)."""
+def supports(x, qw, *, transpose=True, **params) -> bool:
+    """Whether `qmm` has a kernel for these arguments (x: anything with a shape and
+    dtype, e.g. a ShapedArray; the op's params, `platform` included, are ignored)."""
     try:
-        if jnp.dtype(x_dtype) not in _X_DTYPES:
+        if jnp.dtype(x.dtype) not in _X_DTYPES:
             return False
         if qw.layout != CANONICAL:
             return False
-        if len(qw.shape) != 2 or len(x_shape) < 1:
+        if len(qw.shape) != 2 or len(x.shape) < 1:
             return False
         k = qw.shape[1] if transpose else qw.shape[0]
-        if x_shape[-1] != k:
+        if x.shape[-1] != k:
             return False
         codecs.geometry(qw.bits, qw.group_size)
         if qw.data.dtype != jnp.uint32:

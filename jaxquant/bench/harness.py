@@ -1,0 +1,296 @@
+"""What every benchmark shares: timing, the copy-bandwidth yardstick, progress
+lines, argument parsing helpers, the result table and the plot (DESIGN.md §7).
+
+Timing. A timed function does `n_products` distinct products (one per input
+copy: no two alike, so XLA can merge none, and together more bytes than a
+cache holds); each sample issues `inner` calls back to back (host dispatch
+overlaps device work) and syncs once; time per product = median over samples
+of (sample time / inner / n_products).
+
+Bandwidth. A device-to-device copy (read + write of a large buffer) is timed
+in the same run; "%copy" is (bytes the product must move) / time over the
+copy's (bytes read + written) / time. On a CPU such a copy measures caches
+rather than memory, so the tables leave %copy out there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from typing import Callable
+
+# Quantization settings the benchmarks accept, by the name the options use.
+MODES = {
+    "affine4": dict(mode="affine", bits=4, group_size=64),
+    "affine8": dict(mode="affine", bits=8, group_size=64),
+    "affine3": dict(mode="affine", bits=3, group_size=64),
+    "mxfp4": dict(mode="mxfp4"),
+    "mxfp6_e2m3": dict(mode="mxfp6_e2m3"),
+    "mxfp6_e3m2": dict(mode="mxfp6_e3m2"),
+    "mxfp8_e4m3": dict(mode="mxfp8_e4m3"),
+    "mxfp8_e5m2": dict(mode="mxfp8_e5m2"),
+    "nvfp4": dict(mode="nvfp4"),
+    "fp4": dict(mode="fp4"),
+}
+
+
+def platform() -> str:
+    """The default device's platform: "cpu", "gpu", "cuda", "rocm", ..."""
+    import jax
+
+    return jax.devices()[0].platform
+
+
+def on_cpu() -> bool:
+    return platform() == "cpu"
+
+
+def progress(msg: str) -> None:
+    """One line per case on stderr, so a long run shows where it is."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def timeit(fn, args, n_products, iters, inner):
+    """Median seconds per product of fn(*args) (see the module docstring)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times) / n_products
+
+
+def inner_calls(est_us, n_products, target_ms, most=200):
+    """Calls per sample for about `target_ms` of device work (at least 2)."""
+    return int(max(2, min(most, target_ms * 1e3 / (max(est_us, 1.0) * n_products))))
+
+
+def copy_bandwidth(nbytes=None, iters=None):
+    """Bytes/s of a device-to-device copy (read + write of `nbytes`: default 2 GiB on
+    accelerators, 64 MiB on the CPU), one XLA elementwise kernel per call."""
+    import jax
+    import jax.numpy as jnp
+
+    cpu = on_cpu()
+    nbytes = nbytes or ((64 << 20) if cpu else (2 << 30))
+    iters = iters or (5 if cpu else 10)
+    a = jnp.arange(nbytes // 4, dtype=jnp.uint32)
+    f = jax.jit(lambda a: a ^ jnp.uint32(1))
+    sec = timeit(f, (a,), 1, iters, inner=5)
+    del a
+    return 2 * nbytes / sec
+
+
+def header(out, bw):
+    """The device, jax version and copy bandwidth lines every table starts with."""
+    import jax
+
+    dev = jax.devices()[0]
+    out(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}")
+    if on_cpu():
+        out(f"# copy bandwidth (read+write): {bw / 1e9:.0f} GB/s; %copy is left out on the CPU "
+            f"(a copy there measures caches, not memory)")
+    else:
+        out(f"# copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+
+
+# ---------------------------------------------------------------------------
+# Results.
+
+
+@dataclasses.dataclass
+class Row:
+    """One timed implementation at one case. `case` labels the shape (and layer),
+    `x` is the swept size (M, rows or tokens) the plot puts on its axis and
+    `family` the rest of the shape (one plot panel per family and mode)."""
+    case: str
+    x: int
+    family: str
+    mode: str
+    impl: str
+    us: float | None
+    nbytes: float
+    flops: float = 0.0
+    err: float | None = None
+    note: str = ""
+
+
+def run_case(rows, fn, args, *, n_products, nbytes, case, x, family, mode, impl, iters,
+             target_ms, bw, flops=0.0, check: Callable | None = None, out=print):
+    """Time fn(*args) and append its Row (err from check(first output), where given);
+    a failure is reported in one line and the run goes on."""
+    import jax
+
+    progress(f"{case} {mode} {impl}")
+    inner = inner_calls(max(nbytes / bw * 1e6, 3.0), n_products, target_ms)
+    try:
+        first = jax.block_until_ready(fn(*args))
+        err = check(first) if check is not None else None
+        sec = timeit(fn, args, n_products, iters, inner)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        out(f"# {impl} failed at {case} {mode}: {type(e).__name__}: {msg}")
+        rows.append(Row(case, x, family, mode, impl, None, nbytes, flops, note="failed"))
+        return None
+    row = Row(case, x, family, mode, impl, sec * 1e6, nbytes, flops, err)
+    rows.append(row)
+    return row
+
+
+def print_table(rows, bw, out, *, base: str | None, ref: str, case_title: str, flops=True):
+    """A markdown table of `rows` (one case): time, speed-up over the `base` impl
+    (where given) and over the same mode's `ref` impl, GB/s, %copy (not on the CPU),
+    TFLOP/s, error."""
+    cpu = on_cpu()
+    cols = [case_title, "mode", "impl", "µs"] + ([f"vs {base}"] if base else [])
+    cols += [f"vs {ref}", "GB/s"]
+    cols += [] if cpu else ["%copy"]
+    cols += ["TFLOP/s"] if flops else []
+    cols += ["rel.err"]
+    out("")
+    out("| " + " | ".join(cols) + " |")
+    out("|" + "|".join("---" if i < 3 else "---:" for i in range(len(cols))) + "|")
+    base_row = next((r for r in rows if r.impl == base and r.us), None) if base else None
+    for r in rows:
+        if r.us is None:
+            out("| " + " | ".join([r.case, r.mode, r.impl, r.note] + [""] * (len(cols) - 4))
+                + " |")
+            continue
+        ref_row = next((q for q in rows if q.mode == r.mode and q.impl == ref and q.us), None)
+        vs_ref = (f"{ref_row.us / r.us:.2f}x" if ref_row is not None and r.impl != ref
+                  and r.mode != "-" else "")
+        vs_base = [f"{base_row.us / r.us:.2f}x" if base_row is not None else ""] if base else []
+        gbs = r.nbytes / (r.us * 1e-6) / 1e9
+        cells = [r.case, r.mode, r.impl, f"{r.us:.1f}", *vs_base, vs_ref, f"{gbs:.0f}"]
+        cells += [] if cpu else [f"{100 * gbs * 1e9 / bw:.0f}%"]
+        cells += [f"{r.flops / (r.us * 1e-6) / 1e12:.2f}"] if flops else []
+        cells += ["" if r.err is None else f"{r.err:.1e}"]
+        out("| " + " | ".join(cells) + " |")
+
+
+def plot(rows, bw, path, xlabel):
+    """Time vs the swept size per implementation, one panel per (mode, shape family),
+    with the bandwidth roofline (bytes / copy bandwidth) of the quantized product."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.family, r.mode) for r in rows if r.mode != "-" and r.us})
+    if not panels:
+        raise ValueError("nothing to plot: no timed rows")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False)
+    for ax, (fam, mode) in zip(axes[:, 0], panels):
+        sel = [r for r in rows if r.family == fam and r.mode in (mode, "-") and r.us]
+        for impl in dict.fromkeys(r.impl for r in sel):
+            pts = sorted((r.x, r.us) for r in sel if r.impl == impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        roof = sorted({(r.x, r.nbytes / bw * 1e6) for r in sel if r.mode == mode})
+        ax.plot([p[0] for p in roof], [p[1] for p in roof], "k--", label="copy-bandwidth bound")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("µs per product")
+        ax.set_title(f"{fam}, {mode}")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# Command-line helpers: parse errors become one-line argparse messages.
+
+
+def int_tuples(width: int, what: str):
+    """An argparse type: 'a,b;a,b' -> ((a, b), ...) of `width` positive ints each."""
+    def parse(text):
+        out = []
+        for item in text.split(";"):
+            item = item.strip().strip("()")
+            if not item:
+                continue
+            try:
+                vals = tuple(int(v) for v in item.replace("x", ",").split(","))
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{item!r} is not {width} comma-separated integers ({what})") from None
+            if len(vals) != width or min(vals) < 1:
+                raise argparse.ArgumentTypeError(
+                    f"{item!r} must be {width} positive integers ({what})")
+            out.append(vals)
+        if not out:
+            raise argparse.ArgumentTypeError(f"no shapes given ({what})")
+        return tuple(out)
+    return parse
+
+
+def names(valid, what: str):
+    """An argparse type: 'a,b' -> ('a', 'b'), each one of `valid`."""
+    def parse(text):
+        got = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in got if v not in valid]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(map(repr, bad))}; expected some of {', '.join(valid)}")
+        return got
+    return parse
+
+
+def ints(text):
+    """An argparse type: '1,8' -> (1, 8) ('' -> ())."""
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated integers") from None
+
+
+def common_options(parser, *, copies, iters, target_ms):
+    """Options every benchmark takes (defaults from the platform)."""
+    g = parser.add_argument_group("measurement")
+    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="activation (and dense-weight) dtype (default: %(default)s)")
+    g.add_argument("--copies", type=int, default=copies,
+                   help="distinct input copies per timed call, at least 8, so inputs come from "
+                        "memory rather than cache (default here: %(default)s)")
+    g.add_argument("--iters", type=int, default=iters,
+                   help="timed samples; the table shows their median (default here: "
+                        "%(default)s)")
+    g.add_argument("--target-ms", type=float, default=target_ms,
+                   help="device work per sample, in ms (default here: %(default)s)")
+    g.add_argument("--no-check", action="store_true",
+                   help="skip the accuracy column (rel. error against a float32/float64 product)")
+    g.add_argument("--interpret", action="store_true",
+                   help="also time the Pallas kernels in interpret mode where there is no GPU "
+                        "(slow; rows labelled 'pallas (interpret)'; checks, not speed)")
+    g.add_argument("--plot", metavar="FILE", default=None,
+                   help="also draw time vs size per implementation with the copy-bandwidth "
+                        "bound into FILE (.png, .svg, .pdf; needs matplotlib)")
+
+
+def check_common(parser, args):
+    if args.copies < 8:
+        parser.error("--copies must be at least 8 (fewer let the cache hold the inputs)")
+    if args.iters < 1 or args.target_ms <= 0:
+        parser.error("--iters must be >= 1 and --target-ms > 0")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib)")
+
+
+def pallas_label(interpret: bool) -> str | None:
+    """The Pallas rows' label here ('pallas', 'pallas (interpret)'), or None where
+    the Pallas kernels cannot run (no GPU and no --interpret)."""
+    if not on_cpu():
+        return "pallas"
+    return "pallas (interpret)" if interpret else None

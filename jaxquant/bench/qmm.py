@@ -1,0 +1,177 @@
+"""qmm: the kernels (pallas on GPUs; ffi where its library is built for the
+platform) vs the jnp reference (jax.jit of x @ dequantize_reference(qw).T) vs
+the dense x @ w.T in the activation dtype, in one process, on the same inputs.
+
+Every timed call does one product per weight copy (all distinct); "%copy" counts
+the bytes the product must move: weight + scales (+ biases) + x + y.
+The implementations timed are `PEERS`: adding one is one small function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+from jaxquant.bench import harness
+
+# (M, K, N). GPU: decode (M = 1, 8, 16), a gpt-oss-20b MoE expert, prefill-sized M,
+# and the transposed layer shape. CPU: the same kinds of M at a size a laptop times
+# in seconds.
+GPU_SHAPES = ((1, 4096, 14336), (8, 4096, 14336), (16, 4096, 14336), (1, 2880, 5760),
+              (512, 4096, 14336), (4096, 4096, 14336), (1, 14336, 4096))
+CPU_SHAPES = ((1, 1024, 2048), (16, 1024, 2048), (256, 1024, 2048))
+DEFAULT_MODES = ("affine4", "mxfp4")
+
+
+@dataclasses.dataclass
+class Options:
+    """What a peer may read: the command line's choices."""
+    interpret: bool = False
+    variants: tuple = ()          # ((name, configs.KernelConfig), ...): extra pallas configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """One implementation. make(m, opts) -> [(label, f)] with f(x, w) one product
+    (w dense for dense peers, a QuantizedArray otherwise); [] where it cannot run."""
+    name: str
+    quantized: bool
+    make: Callable
+
+
+def _dense(m, opts):
+    return [("dense", lambda x, w: x @ w.T)]
+
+
+def _reference(m, opts):
+    from jaxquant.quantize import dequantize_reference
+    return [("jnp reference", lambda x, qw: x @ dequantize_reference(qw, x.dtype).T)]
+
+
+def _pallas(m, opts):
+    from jaxquant.pallas.qmm import qmm as pallas_qmm
+    label = harness.pallas_label(opts.interpret)
+    if label is None:
+        return []
+    kw = dict(interpret=True) if harness.on_cpu() else {}
+    out = [(label, functools.partial(pallas_qmm, **kw))]
+    for name, cfg in opts.variants:
+        if _variant_fits(cfg, m):
+            out.append((f"{label} {name}", functools.partial(pallas_qmm, config=cfg, **kw)))
+    return out
+
+
+def _ffi(m, opts):
+    import jaxquant as jq
+    if "ffi" not in jq.available_backends():
+        return []
+    return [("ffi", functools.partial(jq.qmm, backend="ffi"))]
+
+
+PEERS = [Peer("dense", False, _dense), Peer("reference", True, _reference),
+         Peer("pallas", True, _pallas), Peer("ffi", True, _ffi)]
+
+
+def _variant_fits(cfg, m):
+    """Variants are timed only at the M they are meant for: GEMV configs for
+    M <= 16, small-M-tile GEMM configs for M <= 64, large tiles for M > 64."""
+    if cfg.kernel == "gemv":
+        return m <= 16
+    return (cfg.block_m < 64) == (m <= 64)
+
+
+def run(args, out=print):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxquant as jq
+    from jaxquant.quantize import dequantize_reference
+
+    bw = harness.copy_bandwidth()
+    harness.header(out, bw)
+    if "ffi" not in jq.available_backends():
+        out(f"# ffi: {jq.dispatch.unavailable_reason('ffi')}")
+    if harness.pallas_label(args.interpret) is None:
+        out("# pallas: no GPU here (--interpret times the kernels in interpret mode)")
+    opts = Options(args.interpret, tuple(args.variant))
+    dt = jnp.dtype(args.dtype)
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for (m, k, n) in args.shapes:
+        case = f"{m}, {k}, {n}"
+        key, kx, kw = jax.random.split(key, 3)
+        x = jax.random.normal(kx, (m, k), dt)
+        ws = [jax.random.normal(jax.random.fold_in(kw, i), (n, k), dt) * 0.05
+              for i in range(args.copies)]
+        io = (m * k + m * n) * dt.itemsize
+        flops = 2.0 * m * n * k
+        block = []
+        time = functools.partial(harness.run_case, block, n_products=args.copies, case=case,
+                                 x=m, family=f"K={k}, N={n}", iters=args.iters,
+                                 target_ms=args.target_ms, bw=bw, flops=flops, out=out)
+
+        def many(f):
+            return jax.jit(lambda x, ws: tuple(f(x, w) for w in ws))
+
+        for peer in (p for p in PEERS if not p.quantized):
+            for label, f in peer.make(m, opts):
+                time(many(f), (x, ws), nbytes=n * k * dt.itemsize + io, mode="-",
+                     impl=label)
+        for mode in args.modes:
+            qws = [jq.quantize(w, **harness.MODES[mode]) for w in ws]
+            jax.block_until_ready(qws)
+            want = None
+            if not args.no_check:
+                want = x.astype(jnp.float32) @ dequantize_reference(qws[0], jnp.float32).T
+
+            def check(ys, want=want):
+                y = ys[0].astype(jnp.float32)
+                return float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))
+
+            for peer in (p for p in PEERS if p.quantized):
+                for label, f in peer.make(m, opts):
+                    time(many(f), (x, qws), nbytes=qws[0].nbytes + io, mode=mode, impl=label,
+                         check=None if want is None else check)
+            del qws
+        del ws
+        harness.print_table(block, bw, out, base="dense", ref="jnp reference",
+                            case_title="M, K, N")
+        rows += block
+    return rows, bw
+
+
+def _variant(text):
+    """'gemv:block_n=32,k_words=32,num_warps=4' -> (text, KernelConfig)."""
+    import argparse
+
+    from jaxquant.pallas import configs
+
+    kernel, _, rest = text.partition(":")
+    try:
+        kw = {key.strip(): int(val) for key, _, val in
+              (part.partition("=") for part in rest.split(",") if part)}
+        return text, configs.KernelConfig(kernel.strip(), **kw)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"bad kernel config {text!r}: {e}") from None
+
+
+def add_arguments(parser, cpu: bool):
+    parser.add_argument(
+        "--shapes", type=harness.int_tuples(3, "M,K,N"), default=CPU_SHAPES if cpu else GPU_SHAPES,
+        help="products to time, 'M,K,N;M,K,N;...': x is [M, K], the weight [N, K] "
+             "(default here: %s)" % "; ".join(",".join(map(str, s)) for s in
+                                             (CPU_SHAPES if cpu else GPU_SHAPES)))
+    parser.add_argument("--modes", type=harness.names(tuple(harness.MODES), "mode"),
+                        default=DEFAULT_MODES,
+                        help="quantization formats, comma-separated, from "
+                             f"{', '.join(harness.MODES)} (default: {','.join(DEFAULT_MODES)})")
+    parser.add_argument("--variant", action="append", type=_variant, default=[],
+                        help="also time the Pallas kernel with this block config, e.g. "
+                             "'gemv:block_n=32,k_words=32,num_warps=4' (repeatable)")
+    harness.common_options(parser, copies=8, iters=3 if cpu else 15,
+                           target_ms=2.0 if cpu else 20.0)
+
+
+SCENARIO = dict(help="quantized matmul (jq.qmm): kernels vs jnp reference vs dense",
+                add_arguments=add_arguments, run=run, xlabel="M (rows of x)")

@@ -1,0 +1,138 @@
+"""The benchmark CLI (`python -m jaxquant bench`), in process on the CPU with tiny
+shapes: every scenario prints its table, help lists the scenarios and explains the
+options, command-line mistakes are one line on stderr (no traceback), interpret-mode
+rows are labelled, %copy is left out on the CPU."""
+
+import re
+import sys
+
+import pytest
+
+from jaxquant import bench
+from jaxquant.bench import harness
+from jaxquant.bench import moe as bench_moe
+
+FAST = ["--iters", "1", "--target-ms", "0.1"]
+
+
+def _run(argv, capsys):
+    lines = []
+    assert bench.main(argv, out=lines.append) == 0
+    return lines, capsys.readouterr().err
+
+
+def _table(lines):
+    rows = [l for l in lines if l.startswith("| ") and not l.startswith("| M,")
+            and not l.startswith("| rows") and not l.startswith("| layer")]
+    header = next(l for l in lines if l.startswith("| "))
+    return header, [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+
+
+def test_help_lists_every_scenario_and_explains_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for name in bench.SCENARIOS:
+        assert re.search(rf"^\s+{name}\s+\S", text, re.M), name
+    for name in bench.SCENARIOS:
+        with pytest.raises(SystemExit):
+            bench.main([name, "--help"])
+        text = capsys.readouterr().out
+        for opt in ("--shapes" if name != "moe" else "--layers", "--iters", "--copies",
+                    "--interpret", "--plot"):
+            m = re.search(rf"^\s+{opt}\b.*\n((?:\s{{10,}}.*\n)*)", text, re.M)
+            assert m and len(m.group(0).split()) > 3, (name, opt)   # has a help text
+        assert "issue" not in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["qmm", "--shapes", "1,4096"], "must be 3 positive integers"),
+    (["qmm", "--shapes", "1,a,3"], "is not 3 comma-separated integers"),
+    (["norm", "--shapes", "4,0"], "must be 2 positive integers"),
+    (["qmm", "--modes", "affine4,int3"], "unknown mode 'int3'"),
+    (["moe", "--layers", "llama"], "unknown layer 'llama'"),
+    (["moe", "--decode-t", "1,x"], "is not comma-separated integers"),
+    (["qmm", "--copies", "2"], "--copies must be at least 8"),
+    (["flops"], "invalid choice: 'flops'"),
+    ([], "required: scenario"),
+])
+def test_mistakes_are_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err, err
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit):
+        bench.main(["qmm", "--plot", "out.png"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs matplotlib" in err
+
+
+def test_cpu_defaults_are_small():
+    args = bench.parser(cpu=True).parse_args(["qmm"])
+    assert max(m * k * n for m, k, n in args.shapes) <= 1 << 30
+    args = bench.parser(cpu=False).parse_args(["qmm"])
+    assert (1, 4096, 14336) in args.shapes
+
+
+def test_qmm_table_progress_and_interpret_label(capsys):
+    lines, err = _run(["qmm", "--shapes", "2,64,32", "--modes", "affine4", "--interpret",
+                       *FAST], capsys)
+    header, rows = _table(lines)
+    assert "%copy" not in header                       # a CPU copy measures caches
+    impls = {r[2]: r for r in rows}
+    assert {"dense", "jnp reference", "pallas (interpret)"} <= set(impls)
+    assert "pallas" not in impls                       # never an unlabelled interpret row
+    for r in rows:
+        assert float(r[3]) > 0
+    assert float(impls["pallas (interpret)"][-1]) < 1e-2     # rel. error vs float32
+    assert len([l for l in err.splitlines() if l.startswith("[bench]")]) == len(rows)
+
+
+def test_qmm_leaves_pallas_out_on_cpu_unless_asked(capsys, skip_copy_timing):
+    lines, _ = _run(["qmm", "--shapes", "1,64,32", "--modes", "mxfp4", "--no-check", *FAST],
+                    capsys)
+    _, rows = _table(lines)
+    assert not any("pallas" in r[2] for r in rows)
+    assert any("no GPU here" in l for l in lines)
+
+
+@pytest.fixture
+def skip_copy_timing(monkeypatch):
+    """The copy-bandwidth yardstick is timed by the qmm tests; the others skip it."""
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda *a, **k: 1e10)
+
+
+def test_norm_table(capsys, skip_copy_timing):
+    lines, err = _run(["norm", "--shapes", "3,64", "--ops", "rms_norm,add_rms_norm", *FAST],
+                      capsys)
+    header, rows = _table(lines)
+    assert "%copy" not in header
+    assert {(r[1], r[2]) for r in rows} >= {("rms_norm", "reference"),
+                                            ("add_rms_norm", "reference")}
+    assert err.count("[bench]") == len(rows)
+
+
+def test_moe_table(capsys, skip_copy_timing, monkeypatch):
+    monkeypatch.setitem(bench_moe.LAYERS, "tiny", (4, 2, 64, 32))
+    lines, _ = _run(["moe", "--layers", "tiny", "--decode-t", "1", "--prefill-t", "8",
+                     *FAST], capsys)
+    _, rows = _table(lines)
+    impls = {(r[0], r[2]) for r in rows}
+    assert {("tiny T=1", "jnp ref"), ("tiny T=1", "dense gather"),
+            ("tiny T=8", "jnp ref"), ("tiny T=8", "dense ragged")} <= impls
+    assert not any("failed" in l for l in lines)
+
+
+def test_import_jaxquant_leaves_bench_and_tools_out():
+    import subprocess
+
+    code = ("import sys, jaxquant; print(sorted(m for m in sys.modules "
+            "if m.startswith(('jaxquant.bench', 'jaxquant.tools'))))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
