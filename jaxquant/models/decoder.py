@@ -22,6 +22,8 @@ expert, one grouped matmul per projection).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -297,8 +299,9 @@ def init_params(cfg: Config, key, dtype=None):
     keys = iter(jax.random.split(key, 32))
 
     def w(*shape, fan_in=None):
+        # drawn in `dtype` itself: no float32 copy of a 20B-parameter model
         fan_in = fan_in or shape[-1]
-        return (jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+        return jax.random.normal(next(keys), shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
 
     layers = {"attn_norm": jnp.ones((L, D), dtype), "mlp_norm": jnp.ones((L, D), dtype),
               "wq": w(L, hq * hd, D), "wk": w(L, hkv * hd, D), "wv": w(L, hkv * hd, D),
@@ -375,10 +378,16 @@ def quantize_params(params, mode: str, *, lm_head: bool = True):
 def quantize_matrix(w, kw):
     """jq.quantize; a stack [L, ...] layer by layer, so every leaf (an NVFP4 global
     scale too) has the layer axis that lax.scan slices."""
+    quantize = _jitted_quantize(tuple(sorted(kw.items())))
     if w.ndim == 2:
-        return jq.quantize(w, **kw)
-    parts = [jq.quantize(w[i], **kw) for i in range(w.shape[0])]
+        return quantize(w)
+    parts = [quantize(w[i]) for i in range(w.shape[0])]
     return jax.tree_util.tree_map(lambda *c: jnp.stack(c), *parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_quantize(kw):
+    return jax.jit(functools.partial(jq.quantize, **dict(kw)))
 
 
 def weight_bytes(params) -> int:
