@@ -37,6 +37,10 @@ demo() {  # name timeout_s [demo args...]
 left() { echo $((BUDGET - (SECONDS - start))); }
 
 CUDA_VISIBLE_DEVICES=0 demo 1gpu 200
+echo "=== kernels inside the partitioned program (all local GPUs) ==="
+timeout 90 python3 scripts/gpu_sharded_kernels.py > "$OUT/sharded_kernels.txt" 2>&1
+echo "exit status $?" >> "$OUT/sharded_kernels.txt"
+grep -v "^W\|^I[0-9]" "$OUT/sharded_kernels.txt" | tail -10
 if [ "$(left)" -gt 120 ]; then demo 2gpu_ep_1x2 "$(( $(left) < 200 ? $(left) : 200 ))" --mesh 1x2; fi
 if [ "$(left)" -gt 150 ]; then demo 2gpu_tp_2x1 "$(( $(left) - 20 ))" --mesh 2x1; fi
 
@@ -48,4 +52,6 @@ for f in "$OUT"/1gpu.txt "$OUT"/2gpu_*.txt; do
     echo "--- $(basename "$f" .txt)"
     grep -E "^(mode |bf16 |affine4 |mxfp4 )|FAILED|exit status" "$f" | grep -v "^\[" || tail -3 "$f"
 done
+echo "--- kernels per shard"
+grep -E "^(qmm|gather|ragged)|exit status" "$OUT/sharded_kernels.txt"
 echo "elapsed $((SECONDS - start)) s"
