@@ -206,6 +206,9 @@ def main(argv=None) -> int:
         if ref is None and mode == "bf16":
             ref = r
         rows.append((mode, r))
+        # each mode's numbers as soon as they exist (a run cut short keeps them)
+        print(f"done {mode}: {_bytes(r['weight_bytes'])}, prefill {r['prefill_tps']:.1f} tok/s, "
+              f"decode {r['decode_tps']:.1f} tok/s", flush=True)
     progress.close()
 
     print(f"\n{'mode':9s} {'weights':>10s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
