@@ -59,6 +59,23 @@ def test_decode_matches_full_forward(family, mode):
         np.testing.assert_array_equal(gen, jnp.concatenate([tok[:, None], toks], 1))
 
 
+@pytest.mark.parametrize("mode", ["nvfp4", "affine4"])
+def test_experts_by_layer_changes_nothing(mode):
+    """Indexing all layers' experts at once ([L*E, N, K], no per-layer copy) gives
+    the logits of the per-layer scan, through ragged_qmm (prefill) and gather_qmm
+    (decode); an NVFP4 global scale per layer is spread over its experts."""
+    cfg = tiny("gpt_oss", dtype="float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(4)), mode)
+    prompt = jax.random.randint(jax.random.key(5), (2, 20), 0, cfg.vocab_size)
+    prefill = jax.jit(models.prefill, static_argnums=(0, 3, 4))
+    decode = jax.jit(models.decode, static_argnums=(0, 5, 6))
+    (la, ca, ta), (lb, cb, tb) = (prefill(cfg, params, prompt, 24, f) for f in (False, True))
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)  # another kernel split of K
+    (_, da, _), (_, db, _) = (decode(cfg, params, c, t, 20, 2, f)
+                              for c, t, f in ((ca, ta, False), (cb, tb, True)))
+    np.testing.assert_allclose(da, db, rtol=1e-5, atol=1e-5)
+
+
 def _moe_naive(cfg, p, x):
     """Per token, per chosen expert, dense float64 matmuls."""
     x = np.asarray(x, np.float64)

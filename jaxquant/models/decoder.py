@@ -23,6 +23,7 @@ expert, one grouped matmul per projection).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,30 @@ def linear(x, w, bias=None):
     return y if bias is None else y + bias.astype(y.dtype)
 
 
+class ExpertsOfLayer(NamedTuple):
+    """Layer `layer`'s experts inside a stack of all layers' experts flattened to
+    [L*E, N, K] (see `forward`'s experts_by_layer): expert e is row layer*E + e."""
+    stack: QuantizedArray
+    layer: jax.Array
+    num_experts: int
+
+
+def _flatten_layers(qw: QuantizedArray) -> QuantizedArray:
+    """[L, E, N, K] -> [L*E, N, K]: a reshape of the children (no copy)."""
+    lead = qw.shape[:2]
+    flat = lambda c: None if c is None else c.reshape(lead[0] * lead[1], *c.shape[2:])
+    gs = qw.global_scale
+    if gs is not None:
+        gs = jnp.broadcast_to(gs.reshape(gs.shape + (1,) * (2 - gs.ndim)), lead).reshape(-1)
+    return QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), gs, mode=qw.mode,
+                          bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
+                          layout=qw.layout)
+
+
 def expert_gather(x, w, idx):
     """x [T, K] or [T, k, K], w [E, N, K], idx [T, k] -> [T, k, N] (decode)."""
+    if isinstance(w, ExpertsOfLayer):
+        return jq.gather_qmm(x, w.stack, idx + w.layer * w.num_experts)
     if isinstance(w, QuantizedArray):
         return jq.gather_qmm(x, w, idx)
     ws = w[idx].astype(x.dtype)  # [T, k, N, K]
@@ -62,6 +85,11 @@ def expert_gather(x, w, idx):
 
 def expert_ragged(x, w, group_sizes):
     """x [R, K] rows sorted by expert, w [E, N, K] -> [R, N] (prefill)."""
+    if isinstance(w, ExpertsOfLayer):  # this layer's groups; every other layer's empty
+        sizes = jnp.zeros(w.stack.shape[0], jnp.int32)
+        sizes = lax.dynamic_update_slice(sizes, group_sizes.astype(jnp.int32),
+                                         (w.layer * w.num_experts,))
+        return jq.ragged_qmm(x, w.stack, sizes)
     if isinstance(w, QuantizedArray):
         return jq.ragged_qmm(x, w, group_sizes)
     y = lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), group_sizes.astype(jnp.int32),
@@ -228,17 +256,35 @@ def embed(params, tokens):
     return e[tokens]
 
 
-def forward(cfg: Config, params, tokens, positions, cache):
-    """tokens [B, T] at positions [B, T] -> (logits [B, T, V] float32, cache)."""
+EXPERT_STACKS = ("e_gate_up", "e_gate", "e_up", "e_down")
+
+
+def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer: bool = False):
+    """tokens [B, T] at positions [B, T] -> (logits [B, T, V] float32, cache).
+
+    experts_by_layer: keep the quantized expert stacks out of the layer scan and
+    index all layers' experts at once ([L*E, N, K], expert layer*E + e), so no
+    step copies its layer's expert stack before the kernel (a custom call's
+    operand is materialized: ~400 MB per layer for gpt-oss-20b in MXFP4).
+    Single-device only: with experts split over a mesh axis, the flattened
+    [L*E] axis would no longer be split in blocks."""
     inv_freq, factor = cfg.rope_inv_freq()
     rope_table = (jnp.asarray(inv_freq, jnp.float32), factor)
     h = embed(params, tokens).astype(jnp.dtype(cfg.dtype))
     windows = jnp.asarray(cfg.windows())
     cache_k, cache_v = cache
 
+    layers = params["layers"]
+    stacks = {}
+    if experts_by_layer and cfg.moe:
+        stacks = {k: _flatten_layers(v) for k, v in layers.items()
+                  if k in EXPERT_STACKS and isinstance(v, QuantizedArray)}
+        layers = {k: v for k, v in layers.items() if k not in stacks}
+
     def step(carry, xs):
         h, ck, cv = carry
         p, window, i = xs
+        p = dict(p, **{k: ExpertsOfLayer(v, i, cfg.num_experts) for k, v in stacks.items()})
         # The cache stays in the carry (updated in place); the layer's slice is read.
         k_l, v_l = ck[i], cv[i]
         h, k_l, v_l = layer(cfg, p, h, positions, k_l, v_l, window, rope_table)
@@ -246,24 +292,25 @@ def forward(cfg: Config, params, tokens, positions, cache):
         cv = lax.dynamic_update_index_in_dim(cv, v_l, i, 0)
         return (h, ck, cv), None
 
-    layers = jnp.arange(cfg.num_layers)
     (h, cache_k, cache_v), _ = lax.scan(step, (h, cache_k, cache_v),
-                                        (params["layers"], windows, layers))
+                                        (layers, windows, jnp.arange(cfg.num_layers)))
     h = jq.rms_norm(h, params["final_norm"], eps=cfg.rms_eps)
     head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     logits = linear(h, head).astype(jnp.float32)
     return logits, (cache_k, cache_v)
 
 
-def prefill(cfg: Config, params, prompt, max_len: int):
+def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer: bool = False):
     """prompt [B, S] -> (logits [B, S, V], cache, next token [B])."""
     b, s = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    logits, cache = forward(cfg, params, prompt, positions, init_cache(cfg, b, max_len))
+    logits, cache = forward(cfg, params, prompt, positions, init_cache(cfg, b, max_len),
+                            experts_by_layer)
     return logits, cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
 
-def decode(cfg: Config, params, cache, token, start, steps: int):
+def decode(cfg: Config, params, cache, token, start, steps: int,
+           experts_by_layer: bool = False):
     """Greedy decoding of `steps` tokens in one loop from token [B] at position
     `start`: -> (tokens [B, steps], last logits [B, V], cache)."""
     b = token.shape[0]
@@ -271,7 +318,7 @@ def decode(cfg: Config, params, cache, token, start, steps: int):
     def step(carry, i):
         token, cache, _ = carry
         pos = jnp.full((b, 1), start + i, jnp.int32)
-        logits, cache = forward(cfg, params, token[:, None], pos, cache)
+        logits, cache = forward(cfg, params, token[:, None], pos, cache, experts_by_layer)
         nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
         return (nxt, cache, logits[:, -1]), nxt
 
@@ -280,10 +327,11 @@ def decode(cfg: Config, params, cache, token, start, steps: int):
     return tokens.T, logits, cache
 
 
-def generate(cfg: Config, params, prompt, steps: int):
+def generate(cfg: Config, params, prompt, steps: int, experts_by_layer: bool = False):
     """Greedy generation: prompt [B, S] -> [B, steps] new tokens (jit this whole)."""
-    _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps)
-    tokens, _, _ = decode(cfg, params, cache, token, prompt.shape[1], steps - 1)
+    _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer)
+    tokens, _, _ = decode(cfg, params, cache, token, prompt.shape[1], steps - 1,
+                          experts_by_layer)
     return jnp.concatenate([token[:, None], tokens], axis=1)
 
 
