@@ -1,6 +1,6 @@
 """jaxquant: low-bit quantized weights for JAX (DESIGN.md)."""
 
-from jaxquant import formats, io, mlx
+from jaxquant import formats, io, layouts, mlx
 from jaxquant.dispatch import available_backends, backend
 from jaxquant.formats import FORMATS
 from jaxquant.layouts import prepack, unpack_layout
@@ -11,7 +11,7 @@ from jaxquant.quantized_array import QuantizedArray
 
 __all__ = [
     "FORMATS", "QuantizedArray", "add_rms_norm", "available_backends", "backend", "dequantize",
-    "formats", "gated_rms_norm", "io", "mlx", "gather_qmm", "prepack", "qmm", "quantize",
+    "formats", "gated_rms_norm", "io", "layouts", "mlx", "gather_qmm", "prepack", "qmm", "quantize",
     "ragged_qmm", "rms_norm", "unpack_layout",
 ]
 __version__ = "0.1.0"

@@ -24,9 +24,14 @@ def report(n: int = 1024, k: int = 4096) -> None:
 
     print(f"jaxquant {jq.__version__}, jax {jax.__version__}, devices: "
           f"{', '.join(sorted({d.platform + ':' + d.device_kind for d in jax.devices()}))}")
+    not_built = dispatch.not_built_backends()
     for name in dispatch.BACKENDS:
+        if name in not_built:
+            continue
         why = dispatch.unavailable_reason(name)
         print(f"  backend {name:9s} {'available' if why is None else 'unavailable: ' + why}")
+    for name, why in not_built.items():  # apart: not part of this build at all
+        print(f"  (not built on this platform: {name}: {why})")
     w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32)
     print(f"\nround trip on a standard normal [{n}, {k}] float32 matrix "
           f"(rel. error = |w - deq(q(w))| / |w|):")

@@ -49,7 +49,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import inspect
 import os
 from typing import Callable
 
@@ -72,6 +71,9 @@ class Kernel:
 _KERNELS: dict[str, list[Kernel]] = {}
 # backend name -> () -> str | None: why the backend cannot run here (None: it can)
 _AVAILABILITY: dict[str, Callable[[], str | None]] = {"reference": lambda: None}
+# backend name -> why it is not part of this build at all (e.g. metal off macOS): such a
+# backend is neither available nor listed as if it were (`python -m jaxquant`).
+_NOT_BUILT: dict[str, str] = {}
 
 
 def _backend_state():
@@ -102,9 +104,7 @@ def register(primitive: str, backend: str, platforms, impl, applies=None, *,
     """Register `impl` as `backend`'s kernel for `primitive` on `platforms`
     (the module docstring gives the signatures of impl, applies and auto)."""
     _check_name(backend)
-    kernel = Kernel(backend, tuple(platforms), _taking_platform(impl),
-                    _taking_platform(applies or _every_case), priority,
-                    None if auto is None else _taking_platform(auto))
+    kernel = Kernel(backend, tuple(platforms), impl, applies or _every_case, priority, auto)
     _KERNELS.setdefault(primitive, []).append(kernel)
 
 
@@ -112,24 +112,23 @@ def _every_case(*args, platform, **params):
     return True
 
 
-def _taking_platform(fn):
-    """fn itself where it takes `platform`; else fn with `platform` dropped.
-    Transitional: the ffi package's functions predate the `platform` argument
-    (structure-native converts them); nothing else needs this."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.name == "platform" or p.kind is p.VAR_KEYWORD for p in params):
-        return fn
-
-    @functools.wraps(fn)
-    def without_platform(*args, platform, **kw):
-        return fn(*args, **kw)
-    return without_platform
-
-
 def register_backend(backend: str, unavailable_reason: Callable[[], str | None]):
     """Declare how to tell whether `backend` can run here (None means it can)."""
     _check_name(backend)
     _AVAILABILITY[backend] = unavailable_reason
+
+
+def declare_not_built(backend: str, why: str):
+    """`backend` does not exist in this build (e.g. "metal" off macOS): an op asking
+    for it gets an error saying `why`, and listings keep it apart from real backends."""
+    _check_name(backend)
+    _NOT_BUILT[backend] = why
+    _AVAILABILITY.pop(backend, None)
+
+
+def not_built_backends() -> dict[str, str]:
+    """The known backends that this build of jaxquant does not have, with why."""
+    return dict(_NOT_BUILT)
 
 
 def _check_name(backend):
@@ -139,6 +138,8 @@ def _check_name(backend):
 
 def unavailable_reason(backend: str) -> str | None:
     _check_name(backend)
+    if backend in _NOT_BUILT:
+        return f"not built: {_NOT_BUILT[backend]}"
     probe = _AVAILABILITY.get(backend)
     if probe is None:
         return f"the {backend!r} backend is not installed in this build of jaxquant"
@@ -146,7 +147,8 @@ def unavailable_reason(backend: str) -> str | None:
 
 
 def available_backends() -> list[str]:
-    """The backends that can run here, in preference order."""
+    """The backends that can run here, in preference order (never one this build does
+    not have, such as metal off macOS)."""
     return [b for b in BACKENDS if unavailable_reason(b) is None]
 
 

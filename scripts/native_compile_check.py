@@ -38,6 +38,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "qmv_affine.hip", "qmv_float.hip", "norms.hip"]
+# ROCm only (CMakeLists.txt): the gfx950 scaled-MFMA qmm, an empty kernel on the other
+# archs; its gfx950 code is checked by scripts/cdna4_compile_check.py (clang >= 20).
+ROCM_ONLY_FILES = ["cdna4_qmm.hip"]
 ROCM_ARCHS = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201"]
 CUDA_ARCHS = ["80", "90"]
 # The GEMV files are built for these ROCm archs without -DJQ_QMV_DEFAULT_CONFIGS_ONLY:
@@ -88,7 +91,7 @@ def rocm_jobs(clang, archs, out_dir, all_qmv_configs=()):
     defaults_only = ["-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
     jobs = []
     for arch in archs:
-        for f in HIP_FILES:
+        for f in HIP_FILES + ROCM_ONLY_FILES:
             every = arch in all_qmv_configs and f in QMV_FILES
             jobs.append((f"{arch}:{f}", common + ([] if every else defaults_only) + [
                 f"--offload-arch={arch}", "--offload-device-only", "--no-gpu-bundle-output",

@@ -40,10 +40,14 @@ def test_report_prints_backends_and_one_error_row_per_mode():
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].startswith("jaxquant ") and "devices: " in lines[0]
-    for name in BACKENDS:
+    built = [n for n in BACKENDS if n != "metal" or sys.platform == "darwin"]
+    for name in built:
         (line,) = [l for l in lines if re.match(rf"\s+backend {name}\s", l)]
         status = line.split(name, 1)[1].strip()
         assert status == "available" or re.fullmatch(r"unavailable: .+", status), line
+    if sys.platform != "darwin":  # metal exists on macOS only: not listed as a backend here
+        assert not [l for l in lines if re.match(r"\s+backend metal", l)]
+        assert re.search(r"^\s+\(not built on this platform: metal: .*macOS only", p.stdout, re.M)
     assert re.search(r"backend reference\s+available$", p.stdout, re.M)
     # mode bits group bits/weight rel.error max-abs-err ms: one row per mode of DESIGN §3
     rows = {}

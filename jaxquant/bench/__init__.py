@@ -16,7 +16,7 @@ import sys
 
 # name -> module (imported when the command line is built).
 SCENARIOS = {"qmm": "jaxquant.bench.qmm", "norm": "jaxquant.bench.norm",
-             "moe": "jaxquant.bench.moe"}
+             "moe": "jaxquant.bench.moe", "decode": "jaxquant.bench.decode"}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -69,8 +69,15 @@ def _ffi(m, opts):
     return [("ffi", functools.partial(jq.qmm, backend="ffi"))]
 
 
+def _metal(m, opts):
+    import jaxquant as jq
+    if "metal" not in jq.available_backends():  # macOS only: the Apple GPU through the bridge
+        return []
+    return [("metal", functools.partial(jq.qmm, backend="metal"))]
+
+
 PEERS = [Peer("dense", False, _dense), Peer("reference", True, _reference),
-         Peer("pallas", True, _pallas), Peer("ffi", True, _ffi)]
+         Peer("pallas", True, _pallas), Peer("ffi", True, _ffi), Peer("metal", True, _metal)]
 
 
 def _variant_fits(cfg, m):

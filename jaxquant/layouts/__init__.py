@@ -131,3 +131,7 @@ def unpack_layout(qw: QuantizedArray) -> QuantizedArray:
     if qw.layout == CANONICAL:
         return qw
     return _with_arrays(qw, get(qw.layout).unpack(qw), CANONICAL)
+
+
+# The layouts the library ships register themselves on import (after the registry exists).
+from jaxquant.layouts import cdna4  # noqa: E402,F401

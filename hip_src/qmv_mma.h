@@ -1,0 +1,812 @@
+// The decode GEMV on NVIDIA tensor cores (CUDA only, sm_80+): qmm with
+// M <= 16 rows per weight matrix and gather_qmm, on the `cuda_mma` kernel
+// layout that `jq.prepack` makes (jaxquant/layouts/cuda_mma.py; the layout is
+// described exactly in docs/decode.md).
+//
+// y[n, m] = sum_k w[n, k] x[m, k] is one mma.sync.m16n8k16 per 16 weight rows
+// x 16 k: the weight is the A operand (16 rows of N), x the B operand (M
+// padded to 8 or 16 columns), float32 accumulation. M = 1 costs what M = 8
+// does; the weight bytes, read once, are the whole cost.
+//
+// One warp owns one 16-row tile and every W-th chunk of 64 k of it (W warps
+// per block split K; their partial sums meet in shared memory). In the layout
+// a lane's part of a chunk (32 codes: rows g and g+8, 16 k) is one `bits`-word
+// unit at (chunk * 32 + lane) * bits, copied to shared memory with 16-byte
+// cp.async (4 and 8 bits) kStages - 1 chunks ahead of its use, so the bytes in
+// flight cost no registers. Codes become bf16x2 / half2 A registers without
+// int->float conversions:
+//   affine 4-bit: (w >> 4j) & 0x000f000f | magic (128 + c in bf16, 1024 + c in
+//     half); bf16 folds the 128 into the bias (y = s*sum((128+c)x) + (b-128s)*sum(x)),
+//     half and float32 x subtract it exactly (HSUB2);
+//   E2M1 (mxfp4, nvfp4, fp4): magnitude and sign bits moved into place with
+//     shifts/LOP3, one HMUL2 by 2^126 (bf16) / 2^14 (half) rebases the exponent;
+//   other formats: the codec's exact float decode and one F2FP pack per pair.
+// Scales are applied once per group (per chunk for group 128) to the MMA's
+// group sum: exactly, as a power of two, for E8M0. sum(x) per group (affine)
+// is one more MMA with an all-ones A. float32 x is split into bf16 hi + lo
+// (two MMAs: ~2^-17 relative error per element instead of float32's 2^-24).
+//
+// gather_qmm: slot s uses expert indices[s] (on the device). With `dedupe`,
+// the slots that pick the same expert are one segment of up to 8*NT rows
+// whose weights are read once: the block of the segment's first slot
+// computes it, the others return at once. An id outside [0, E) gives a NaN
+// row and no weight read.
+#pragma once
+
+#include <stdlib.h>
+
+#include "gpu_common.h"
+
+#if defined(JQ_PLATFORM_CUDA)
+#include <cuda_bf16.h>
+
+namespace jq {
+namespace gpu {
+namespace mma {
+
+constexpr int kChunkK = 64;      // k per chunk (4 MMA k-steps)
+constexpr int kTileRows = 16;    // weight rows per MMA tile
+constexpr int kMaxWarps = 8;
+// x staged in shared memory up to this many bytes per block (M = 1 up to K = 16 Ki
+// in bf16); more would cost blocks per SM.
+constexpr int kMaxXSharedBytes = 36 * 1024;
+
+struct Problem {
+  QmvProblem q;
+  int64_t tiles;     // ceil(N / 16)
+  int64_t full_tiles;  // N / 16: tiles in the MMA layout; a last partial one is canonical
+  int64_t chunks;    // K / 64
+  int dedupe;        // gather: slots that share an expert form one segment
+  int x_stride;      // > 0: the block stages its rows of x in shared memory, this many
+                     // bytes apart (K * x bytes + 16, against bank conflicts); 0: from L1/L2
+};
+
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <bool F16>
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (F16) mma_f16(c, a, b0, b1);
+  else mma_bf16(c, a, b0, b1);
+}
+
+__device__ __forceinline__ uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  // fma with -0: bf16x2 arithmetic keeps subnormals (there is no .ftz for bf16)
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t hmul2_f16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t hsub2_f16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+template <int SHIFT>
+__device__ __forceinline__ uint32_t shl(uint32_t x) {
+  if constexpr (SHIFT >= 0) return x << SHIFT;
+  else return x >> (-SHIFT);
+}
+
+// The magic number left in affine codes by the fast 4-bit decode (0: none).
+// bf16 x: 128 + c, the 128 folded into the bias (y = s*sum((128+c)x) + (b-128s)*sum(x);
+// costs ~4 of float32's 24 bits, far below bf16's 8). float32 and half x: subtracted
+// exactly in the A registers instead (the fold would cost 4 or 10 bits of the sum).
+template <class C, int XDT>
+struct AffineMagic {
+  static constexpr float value = 0.0f;
+};
+template <>
+struct AffineMagic<Codec<kAffine, 4>, kBF16> {
+  static constexpr float value = 128.0f;
+};
+
+__device__ __forceinline__ uint32_t hsub2_bf16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  // a * 1 - b (fma: sm_80 has no bf16x2 sub)
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3f803f80u), "r"(b ^ 0x80008000u));
+  return d;
+}
+
+// The four A registers of k-step S from the lane's unit `w` (BITS words):
+// register j holds codes S*8 + j (low half) and S*8 + 4 + j (high half).
+template <class C, bool F16, bool FOLD, int S, int J>
+__device__ __forceinline__ uint32_t a_reg(const uint32_t* w) {
+  constexpr int BITS = C::kBits;
+  if constexpr (C::kFmt == kAffine && BITS == 4) {
+    const uint32_t v = (shl<-4 * J>(w[S]) & 0x000f000fu) | (F16 ? 0x64006400u : 0x43004300u);
+    if constexpr (F16) return hsub2_f16(v, 0x64006400u);  // exact: c
+    if constexpr (!FOLD) return hsub2_bf16(v, 0x43004300u);
+    return v;
+  } else if constexpr (BITS == 4 && C::kFmt != kAffine) {  // E2M1
+    const uint32_t x = w[S];
+    if constexpr (F16) {
+      const uint32_t v = (shl<9 - 4 * J>(x) & 0x0e000e00u) | (shl<12 - 4 * J>(x) & 0x80008000u);
+      return hmul2_f16(v, 0x74007400u);  // 2^14
+    } else {
+      const uint32_t v = (shl<6 - 4 * J>(x) & 0x01c001c0u) | (shl<12 - 4 * J>(x) & 0x80008000u);
+      return hmul2_bf16(v, 0x7e807e80u);  // 2^126
+    }
+  } else {
+    const float lo = C::decode(unit_code<BITS, S * 8 + J>(w));
+    const float hi = C::decode(unit_code<BITS, S * 8 + 4 + J>(w));
+    return F16 ? pack_f16x2(lo, hi) : pack_bf16x2(lo, hi);
+  }
+}
+
+template <class C, bool F16, bool FOLD, int S>
+__device__ __forceinline__ void a_regs(const uint32_t* w, uint32_t* a) {
+  a[0] = a_reg<C, F16, FOLD, S, 0>(w);
+  a[1] = a_reg<C, F16, FOLD, S, 1>(w);
+  a[2] = a_reg<C, F16, FOLD, S, 2>(w);
+  a[3] = a_reg<C, F16, FOLD, S, 3>(w);
+}
+
+// The lane's unit of a chunk of the partial last tile, which stays canonical
+// (rows of N that do not fill a tile): the same codes gathered from the rows'
+// bit streams, bounds-checked.
+template <int BITS>
+__device__ __forceinline__ void tail_unit(const uint32_t* rows, int64_t words, int valid_rows,
+                                          int64_t chunk, int lane, uint32_t* w) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < BITS; ++i) w[i] = 0u;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int s = i >> 3, h = (i >> 2) & 1, j = i & 3;
+    const int r = g + 8 * (j & 1);
+    const int e = (j >> 1) * 2 + h;
+    const int64_t k = chunk * kChunkK + 16 * s + 4 * t + e;
+    const uint32_t c = r < valid_rows ? stream_code(rows + r * words, k, BITS) : 0u;
+    const int start = i * BITS, word = start >> 5, shift = start & 31;
+    w[word] |= c << shift;
+    if (shift + BITS > 32) w[word + 1] |= c >> (32 - shift);
+  }
+}
+
+// Raw scale (or bias) codes of rows g and g + 8 for one group: the layout puts
+// them side by side.
+__device__ __forceinline__ void load_scale_pair(const void* base, int64_t pair, int32_t dt,
+                                                uint32_t* raw) {
+  raw[0] = load_raw(base, 2 * pair, dt);
+  raw[1] = load_raw(base, 2 * pair + 1, dt);
+}
+
+// acc += scale * q (+ bias' * xs) for one row, the scale kinds of apply_scale in qmv_impl.h.
+template <class C>
+__device__ __forceinline__ void scale_into(float& acc, float q, float xs, uint32_t sraw,
+                                           uint32_t braw, int32_t sdt, float gsv, float magic) {
+  if constexpr (C::kFmt == kAffine) {
+    const float s = raw_to_float(sraw, sdt);
+    acc = fmaf(q, s, acc);
+    acc = fmaf(fmaf(-magic, s, raw_to_float(braw, sdt)), xs, acc);
+  } else if constexpr (C::kScale == kScaleE8M0) {
+    // 2^(sraw - 127), exact and branch-free: a normal float for sraw >= 1; for
+    // sraw = 0 (2^-127, a float32 subnormal) two normal factors 2^-64 * 2^-63.
+    // q * f1 is exact, so this is fma(q, 2^n, acc) wherever 2^n is normal.
+    const float f1 = bits_to_f32(sraw ? (sraw << 23) : (63u << 23));
+    const float f2 = sraw ? 1.0f : 0x1p-63f;
+    const float v = fmaf(q * f1, f2, acc);
+    acc = sraw == 255u ? quiet_nan() : v;
+  } else if constexpr (C::kScale == kScaleE4M3) {
+    acc = fmaf(q, scale_e4m3((uint8_t)sraw) * gsv, acc);
+  } else {
+    acc = fmaf(q, raw_to_float(sraw, sdt), acc);
+  }
+}
+
+// B registers (x) of one k-step for column m of the lane: k = k0 .. k0 + 3 at `src`,
+// through a generic pointer (x staged in shared memory, or global).
+template <int XDT>
+__device__ __forceinline__ void load_b(const char* src, uint32_t* b) {
+  if constexpr (XDT == kF32) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    const uint32_t h0 = pack_bf16x2(v.x, v.y), h1 = pack_bf16x2(v.z, v.w);
+    b[0] = h0;
+    b[1] = h1;
+    b[2] = pack_bf16x2(v.x - bits_to_f32(h0 << 16), v.y - bits_to_f32(h0 & 0xffff0000u));
+    b[3] = pack_bf16x2(v.z - bits_to_f32(h1 << 16), v.w - bits_to_f32(h1 & 0xffff0000u));
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    b[0] = v.x;
+    b[1] = v.y;
+  }
+}
+
+// Where a warp's loads of one tile come from (32-bit offsets, set once per tile).
+struct TileCursor {
+  const uint32_t* w;     // the lane's unit of chunk 0 (tail: the tile's first canonical row)
+  const char* x[2];      // the lane's x column (n8 tile 0 / 1) at k = 4t, or nullptr
+  const char* s;         // scales of the lane's pair of rows (tail: of the tile's first row)
+  const char* b;         // biases, likewise
+  int valid_rows;        // rows of the tile inside N
+};
+
+// The U chunks c, c + warps, ... of the lane: loads first (weights, scales, x),
+// then the decode, the MMAs and the scales. Every chunk is inside K.
+// A scale code of at most 16 bits (uint8 E8M0/E4M3 codes, half, bfloat16).
+__device__ __forceinline__ uint32_t load_raw16(const void* base, int64_t i, int32_t dt) {
+  return dt == kU8 ? (uint32_t)JQ_LDG(static_cast<const uint8_t*>(base) + i)
+                   : (uint32_t)JQ_LDG(static_cast<const uint16_t*>(base) + i);
+}
+
+// Scales (and biases) of one chunk for the lane's rows g and g + 8: P group
+// pieces. WIDE: float32 scales, two registers per pair of rows; else the pair's
+// two codes share one register (row g low half, row g + 8 high half).
+template <class C, int P, bool TAIL, int SDT>
+struct ChunkScales {
+  static constexpr bool WIDE = SDT == kF32;
+  static constexpr int SW = WIDE ? 2 : 1;
+  uint32_t r[P][2][SW];  // [group piece][scale, bias][row g, row g + 8 | packed]
+
+  __device__ __forceinline__ void load(const QmvProblem& p, const TileCursor& cur, int c,
+                                       int gshift, int g) {
+#pragma unroll
+    for (int pc = 0; pc < P; ++pc) {
+      const int gi = ((c << 6) + pc * (64 / P)) >> gshift;
+      uint32_t v[2][2] = {{0u, 0u}, {0u, 0u}};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int64_t i = gi * 16 + h;  // the layout: [tile, group, g, row half]
+        bool in = true;
+        if constexpr (TAIL) {  // canonical [N, G] rows
+          i = (int64_t)(g + 8 * h) * p.groups + gi;
+          in = g + 8 * h < cur.valid_rows;
+        }
+        if (in) {
+          if constexpr (WIDE) {
+            v[0][h] = JQ_LDG(reinterpret_cast<const uint32_t*>(cur.s) + i);
+            if constexpr (C::kFmt == kAffine)
+              v[1][h] = JQ_LDG(reinterpret_cast<const uint32_t*>(cur.b) + i);
+          } else {
+            v[0][h] = load_raw16(cur.s, i, SDT);
+            if constexpr (C::kFmt == kAffine) v[1][h] = load_raw16(cur.b, i, SDT);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        if constexpr (WIDE) {
+          r[pc][k][0] = v[k][0];
+          r[pc][k][1 % SW] = v[k][1];
+        } else {
+          r[pc][k][0] = v[k][0] | (v[k][1] << 16);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ uint32_t get(int pc, int k, int h) const {
+    if constexpr (WIDE) return r[pc][k][h % SW];
+    else return (r[pc][k][0] >> (16 * h)) & 0xffffu;
+  }
+};
+
+// One chunk: x (B) loads, the decode of the lane's unit `w` into A registers, the
+// MMAs per group piece and the scales into acc.
+template <class C, int XDT, int NT, int P, bool TAIL, int SDT>
+__device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCursor& cur, int c,
+                                              const uint32_t* w,
+                                              const ChunkScales<C, P, TAIL, SDT>& sc, float gsv,
+                                              float (&acc)[NT][4]) {
+  constexpr bool F16 = XDT == kF16;
+  constexpr int NB = XDT == kF32 ? 4 : 2;
+  constexpr int ESZ = XDT == kF32 ? 4 : 2;
+  constexpr float MAGIC = AffineMagic<C, XDT>::value;
+  constexpr bool FOLD = MAGIC != 0.0f;
+  constexpr uint32_t ONES = F16 ? 0x3c003c00u : 0x3f803f80u;
+  constexpr int SPP = 4 / P;  // k-steps per group piece (P groups per chunk)
+  uint32_t b[4][NT][NB];
+#pragma unroll
+  for (int st = 0; st < 4; ++st)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (cur.x[nt] != nullptr) {
+        // a generic load: x is staged in shared memory or read from L1/L2
+        load_b<XDT>(cur.x[nt] + (c * kChunkK + 16 * st) * ESZ, b[st][nt]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NB; ++i) b[st][nt][i] = 0u;
+      }
+    }
+  uint32_t a[4][4];
+  a_regs<C, F16, FOLD, 0>(w, a[0]);
+  a_regs<C, F16, FOLD, 1>(w, a[1]);
+  a_regs<C, F16, FOLD, 2>(w, a[2]);
+  a_regs<C, F16, FOLD, 3>(w, a[3]);
+#pragma unroll
+  for (int pc = 0; pc < P; ++pc) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float q[4] = {0.0f, 0.0f, 0.0f, 0.0f}, xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int st = pc * SPP; st < (pc + 1) * SPP; ++st) {
+        mma16816<F16>(q, a[st], b[st][nt][0], b[st][nt][1]);
+        if constexpr (XDT == kF32) mma16816<F16>(q, a[st], b[st][nt][2], b[st][nt][3]);
+        if constexpr (C::kFmt == kAffine) {
+          const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
+          mma16816<F16>(xs, ones, b[st][nt][0], b[st][nt][1]);
+          if constexpr (XDT == kF32) mma16816<F16>(xs, ones, b[st][nt][2], b[st][nt][3]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        scale_into<C>(acc[nt][i], q[i], xs[i], sc.get(pc, 0, i >> 1), sc.get(pc, 1, i >> 1),
+                      SDT, gsv, MAGIC);
+    }
+  }
+}
+
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int bytes) {
+  if (bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else if (bytes == 8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The lane's unit of a chunk, global -> shared, with the widest copies its
+// alignment allows (the unit is `BITS` words at a multiple of BITS words).
+template <int BITS>
+__device__ __forceinline__ void unit_to_shared(uint32_t dst, const uint32_t* src) {
+  constexpr int kBytes = BITS % 4 == 0 ? 16 : (BITS % 2 == 0 ? 8 : 4);
+#pragma unroll
+  for (int i = 0; i < BITS * 4 / kBytes; ++i) cp_async(dst + i * kBytes, src + i * kBytes / 4, kBytes);
+}
+
+template <int BITS>
+__device__ __forceinline__ void unit_from_shared(const uint32_t* src, uint32_t* w) {
+  if constexpr (BITS % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < BITS / 4; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+      w[4 * i] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (BITS % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < BITS / 2; ++i) {
+      const uint2 v = reinterpret_cast<const uint2*>(src)[i];
+      w[2 * i] = v.x;
+      w[2 * i + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) w[i] = src[i];
+  }
+}
+
+// Chunks in flight per warp: the lane's units (and the warp's scales) go global
+// -> shared with cp.async (no registers held while in flight) kStages - 1 chunks
+// ahead of the one used: DRAM latency under load is ~1000+ cycles, several
+// chunks' work. Weights: each lane reads back only what it copied itself;
+// scales: copied by a few lanes, read by all after a __syncwarp.
+template <int BITS>
+struct Stages {
+  static constexpr int value = BITS > 4 ? 3 : 4;  // keeps static shared memory < 48 KB
+};
+template <int P>
+struct ScaleStage {
+  static constexpr int bytes = 64 * P;  // 16 rows x P groups x at most 4 bytes
+};
+
+// The scales (and biases) of chunk c, [group piece][g][row half], to shared memory:
+// 16 * P * ssz bytes each, 4 bytes per lane.
+template <class C, int P, int SSZ>
+__device__ __forceinline__ void scales_to_shared(uint32_t dst, const char* s_tile,
+                                                 const char* b_tile, int c, int gshift, int lane) {
+  constexpr int kPieces = 16 * P * SSZ / 4;
+  const int64_t off = (int64_t)(((c << 6) >> gshift) * 16 * SSZ) + 4 * lane;
+#pragma unroll
+  for (int k = 0; k < (C::kFmt == kAffine ? 2 : 1); ++k) {
+    const char* src = (k ? b_tile : s_tile) + off;
+    const uint32_t d = dst + k * ScaleStage<P>::bytes + 4 * lane;
+    if (lane < kPieces) cp_async(d, src, 4);
+    if constexpr (kPieces > 32)
+      if (lane + 32 < kPieces) cp_async(d + 128, src + 128, 4);
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_raw(const uint8_t* base, int i, int32_t dt) {
+  if (dt == kU8) return base[i];
+  if (dt == kF32) return reinterpret_cast<const uint32_t*>(base)[i];
+  return reinterpret_cast<const uint16_t*>(base)[i];
+}
+
+// The warp's share of one tile: acc[nt][i] (C fragment layout) over its chunks
+// warp, warp + W, ... TAIL: the partial last tile, read from its canonical rows.
+template <class C, int XDT, int NT, int P, bool TAIL, int SDT>
+__device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
+                                                int mcount, const int64_t* xrow_s,
+                                                uint32_t* stage_smem, uint8_t* scale_smem,
+                                                const char* x_smem, float (&acc)[NT][4]) {
+  constexpr int BITS = C::kBits;
+  constexpr int ESZ = XDT == kF32 ? 4 : 2;
+  const QmvProblem& p = pr.q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  TileCursor cur;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int m = g + 8 * nt;
+    cur.x[nt] = nt < NT && m < mcount
+                    ? (x_smem ? x_smem + (int64_t)m * pr.x_stride + 4 * t * ESZ
+                              : static_cast<const char*>(p.x) + (xrow_s[m] * p.K + 4 * t) * ESZ)
+                    : nullptr;
+  }
+  const int64_t row0 = e * p.N + tile * kTileRows;  // the tile's first row in [E * N]
+  cur.valid_rows = (int)(p.N - tile * kTileRows);
+  if constexpr (!TAIL) {
+    cur.w = p.data + row0 * p.words + lane * BITS;
+    const int64_t pair0 = (row0 * p.groups) + 2 * g;  // element index of (row g, group 0)
+    cur.s = static_cast<const char*>(p.scales) + pair0 * ssz;
+    cur.b = p.biases ? static_cast<const char*>(p.biases) + pair0 * ssz : nullptr;
+  } else {
+    cur.w = p.data + row0 * p.words;
+    cur.s = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
+    cur.b = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : nullptr;
+  }
+  int gshift = 0;  // group sizes are powers of two
+  while ((1 << gshift) < p.group) ++gshift;
+  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
+  const int chunks = (int)pr.chunks;
+  // the warp's chunks: warp + i * warps, i < mine
+  const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
+
+  if constexpr (TAIL) {
+    for (int i = 0; i < mine; ++i) {
+      const int c = warp + i * warps;
+      uint32_t w[BITS];
+      tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
+      ChunkScales<C, P, TAIL, SDT> sc;
+      sc.load(p, cur, c, gshift, g);
+      compute_chunk<C, XDT, NT, P, TAIL, SDT>(p, cur, c, w, sc, gsv, acc);
+    }
+  } else {
+    constexpr int S = Stages<BITS>::value;
+    // this lane's stage slots: [stage][BITS words], private to the lane
+    uint32_t* slots = stage_smem + ((warp * S) * 32 + lane) * BITS;
+    const uint32_t slots_s = (uint32_t)__cvta_generic_to_shared(slots);
+    constexpr int kSlotStride = 32 * BITS;  // words between a lane's stages
+    // the warp's scale stages: [stage][scale, bias][ScaleStage bytes]
+    constexpr int kSB = ScaleStage<P>::bytes;
+    uint8_t* sstage = scale_smem + warp * S * 2 * kSB;
+    const uint32_t sstage_s = (uint32_t)__cvta_generic_to_shared(sstage);
+    const char* s_tile = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
+    const char* b_tile =
+        p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : s_tile;
+    const uintptr_t align = reinterpret_cast<uintptr_t>(s_tile) | reinterpret_cast<uintptr_t>(b_tile);
+    // scales through the pipeline when 4-byte copies can reach them (expert bases
+    // of odd N x groups x bytes are not); else loaded one chunk ahead
+    const bool async_scales = (align & 3) == 0;
+    auto issue = [&](int i) {
+      const int cc = warp + i * warps;
+      unit_to_shared<BITS>(slots_s + (i % S) * kSlotStride * 4, cur.w + cc * (32 * BITS));
+      if (async_scales)
+        scales_to_shared<C, P, ssz>(sstage_s + (i % S) * 2 * kSB, s_tile, b_tile, cc, gshift,
+                                    lane);
+    };
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+      if (i < mine) issue(i);
+      cp_async_commit();
+    }
+    ChunkScales<C, P, TAIL, SDT> sc;
+    if (!async_scales && mine > 0) sc.load(p, cur, warp, gshift, g);
+    for (int i = 0; i < mine; ++i) {
+      const int c = warp + i * warps;
+      if (i + S - 1 < mine) issue(i + S - 1);
+      cp_async_commit();
+      ChunkScales<C, P, TAIL, SDT> sc_next = sc;  // fallback: the next chunk's, one ahead
+      if (!async_scales && i + 1 < mine) sc_next.load(p, cur, c + warps, gshift, g);
+      cp_async_wait<S - 1>();
+      __syncwarp();
+      if (async_scales) {
+        const uint8_t* st = sstage + (i % S) * 2 * kSB;
+#pragma unroll
+        for (int pc = 0; pc < P; ++pc)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            if (k == 1 && C::kFmt != kAffine) break;
+            // rows g and g + 8 side by side: one shared-memory load
+            const uint8_t* pairp = st + k * kSB + (pc * 16 + 2 * g) * ssz;
+            if constexpr (SDT == kF32) {
+              const uint2 v = *reinterpret_cast<const uint2*>(pairp);
+              sc.r[pc][k][0] = v.x;
+              sc.r[pc][k][1 % ChunkScales<C, P, TAIL, SDT>::SW] = v.y;
+            } else if constexpr (SDT == kU8) {
+              const uint32_t v = *reinterpret_cast<const uint16_t*>(pairp);
+              sc.r[pc][k][0] = (v & 0xffu) | ((v & 0xff00u) << 8);
+            } else {
+              sc.r[pc][k][0] = *reinterpret_cast<const uint32_t*>(pairp);
+            }
+          }
+      }
+      uint32_t w[BITS];
+      unit_from_shared<BITS>(slots + (i % S) * kSlotStride, w);
+      __syncwarp();  // every lane has read stage i % S before it is refilled
+      compute_chunk<C, XDT, NT, P, TAIL, SDT>(p, cur, c, w, sc, gsv, acc);
+      sc = sc_next;
+    }
+    cp_async_wait<0>();
+  }
+}
+
+template <class C, int XDT, int NT, int P, int SDT>
+__global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
+  constexpr int CAP = 8 * NT;  // rows of x per segment
+  const QmvProblem& p = pr.q;
+
+  __shared__ int64_t xrow_s[16], yrow_s[16];
+  __shared__ int mcount_s;
+  __shared__ float red[kMaxWarps][kTileRows][16];
+  __shared__ __align__(16) uint32_t stage_smem[kMaxWarps * Stages<C::kBits>::value * 32 * C::kBits];
+  __shared__ __align__(16) uint8_t scale_smem[kMaxWarps * Stages<C::kBits>::value * 2 *
+                                              ScaleStage<P>::bytes];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t tile = blockIdx.x;
+  const int64_t s = blockIdx.y;
+
+  // --- the segment: expert and rows of x / y -------------------------------
+  int64_t e = s;
+  if (p.indices != nullptr) e = p.indices[s];
+  const bool valid = e >= 0 && e < p.E;
+  if (warp == 0) {
+    int count = 0;
+    if (p.indices == nullptr) {
+      count = (int)p.M;
+      if (lane < count) {
+        xrow_s[lane] = (s / p.x_div) * p.M + lane;
+        yrow_s[lane] = s * p.M + lane;
+      }
+    } else if (!valid || !pr.dedupe) {
+      count = 1;
+      if (lane == 0) {
+        xrow_s[0] = s / p.x_div;
+        yrow_s[0] = s;
+      }
+    } else {
+      // occurrences of e before s: a block leads when their number is a multiple of CAP
+      int before = 0;
+      for (int64_t b0 = 0; b0 < s; b0 += 32) {
+        const int64_t j = b0 + lane;
+        const bool hit = j < s && p.indices[j] == e;
+        before += __popc(__ballot_sync(0xffffffffu, hit));
+      }
+      if (before % CAP == 0) {
+        for (int64_t b0 = s; b0 < p.S && count < CAP; b0 += 32) {
+          const int64_t j = b0 + lane;
+          const bool hit = j < p.S && p.indices[j] == e;
+          const uint32_t mask = __ballot_sync(0xffffffffu, hit);
+          const int pos = count + __popc(mask & ((1u << lane) - 1u));
+          if (hit && pos < CAP) {
+            xrow_s[pos] = j / p.x_div;
+            yrow_s[pos] = j;
+          }
+          count += __popc(mask);
+        }
+        count = count < CAP ? count : CAP;
+      }
+    }
+    if (lane == 0) mcount_s = count;
+  }
+  __syncthreads();
+  const int mcount = mcount_s;
+  if (mcount == 0) return;  // another block computes this slot
+
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+
+  // the segment's rows of x, once per block (every warp reads all of K)
+  extern __shared__ __align__(16) uint8_t x_dyn[];
+  const char* x_smem = nullptr;
+  if (valid && pr.x_stride > 0) {
+    const int esz = p.x_dt == kF32 ? 4 : 2;
+    const int row_vecs = (int)(p.K * esz / 16);
+    for (int i = threadIdx.x; i < mcount * row_vecs; i += blockDim.x) {
+      const int m = i / row_vecs, v = i - m * row_vecs;
+      const uint4 val = JQ_LDG(reinterpret_cast<const uint4*>(
+                                   static_cast<const char*>(p.x) + xrow_s[m] * p.K * esz) + v);
+      *reinterpret_cast<uint4*>(x_dyn + (int64_t)m * pr.x_stride + 16 * v) = val;
+    }
+    __syncthreads();
+    x_smem = reinterpret_cast<const char*>(x_dyn);
+  }
+  if (valid) {
+    if (tile < pr.full_tiles)
+      accumulate_tile<C, XDT, NT, P, false, SDT>(pr, e, tile, mcount, xrow_s, stage_smem,
+                                                 scale_smem, x_smem, acc);
+    else
+      accumulate_tile<C, XDT, NT, P, true, SDT>(pr, e, tile, mcount, xrow_s, stage_smem,
+                                                scale_smem, x_smem, acc);
+  }
+
+  // --- the warps' partial sums meet in shared memory ------------------------
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = acc[nt][i];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kTileRows * mcount; idx += blockDim.x) {
+    const int r = idx % kTileRows, m = idx / kTileRows;
+    const int64_t n = tile * kTileRows + r;
+    if (n >= p.N) continue;
+    float v = 0.0f;
+    for (int wi = 0; wi < warps; ++wi) v += red[wi][r][m];
+    store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
+  }
+}
+
+// Warps per block (split K): a function of K only, so that one output
+// element's float ops do not depend on M, the slot or N (gather_qmm == qmm
+// bit for bit on this kernel too).
+// $JAXQUANT_MMA_WARPS (1, 2, 4 or 8) overrides it for benchmark sweeps.
+inline int warps_for(int64_t chunks) {
+  static const int forced = [] {
+    const char* env = getenv("JAXQUANT_MMA_WARPS");
+    const int w = env ? atoi(env) : 0;
+    return (w == 1 || w == 2 || w == 4 || w == 8) ? w : 0;
+  }();
+  if (forced) return forced;
+  if (chunks >= 128) return 8;
+  if (chunks >= 16) return 4;
+  return chunks >= 4 ? 2 : 1;
+}
+
+template <class C, int XDT, int NT, int P, int SDT>
+static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
+  const int warps = warps_for(pr.chunks);
+  dim3 grid((unsigned)pr.tiles, (unsigned)pr.q.S, 1), block((unsigned)(32 * warps));
+  const int esz = XDT == kF32 ? 4 : 2;
+  const int rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
+  Problem prx = pr;
+  prx.x_stride = (int)(pr.q.K * esz + 16);
+  size_t smem = (size_t)rows * prx.x_stride;
+  if (smem > kMaxXSharedBytes) {  // does not fit beside enough blocks: x from L1/L2
+    prx.x_stride = 0;
+    smem = 0;
+  }
+  static const bool attr_set = [] {
+    return cudaFuncSetAttribute(qmv_mma_kernel<C, XDT, NT, P, SDT>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kMaxXSharedBytes) == cudaSuccess;
+  }();
+  if (!attr_set && smem > 48 * 1024 - 30 * 1024) {
+    prx.x_stride = 0;
+    smem = 0;
+  }
+  qmv_mma_kernel<C, XDT, NT, P, SDT><<<grid, block, smem, stream>>>(prx);
+  return hipGetLastError();
+}
+
+// The scales' dtype: uint8 codes, or (float-scale formats) bfloat16, half, float32.
+template <class C, int XDT, int NT, int P>
+static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
+  if constexpr (C::kScale != kScaleFloat) {
+    return launch_s<C, XDT, NT, P, kU8>(pr, stream);
+  } else {
+    switch (pr.q.scale_dt) {
+      case kF32: return launch_s<C, XDT, NT, P, kF32>(pr, stream);
+      case kF16: return launch_s<C, XDT, NT, P, kF16>(pr, stream);
+      default: return launch_s<C, XDT, NT, P, kBF16>(pr, stream);
+    }
+  }
+}
+
+// Groups per chunk: only the group sizes each format allows are instantiated.
+template <class C, int XDT, int NT>
+static hipError_t launch_nt(const Problem& pr, hipStream_t stream) {
+  const int g = pr.q.group;
+  if constexpr (C::kFmt == kAffine) {
+    return g == 32 ? launch_p<C, XDT, NT, 2>(pr, stream) : launch_p<C, XDT, NT, 1>(pr, stream);
+  } else if constexpr (C::kFmt == kNvfp4) {
+    return launch_p<C, XDT, NT, 4>(pr, stream);
+  } else if constexpr (C::kFmt == kFp4) {
+    return g == 16 ? launch_p<C, XDT, NT, 4>(pr, stream)
+                   : g == 32 ? launch_p<C, XDT, NT, 2>(pr, stream)
+                             : launch_p<C, XDT, NT, 1>(pr, stream);
+  } else {
+    return launch_p<C, XDT, NT, 2>(pr, stream);  // MX: group 32
+  }
+}
+
+template <class C, int XDT>
+static hipError_t launch_c(const Problem& pr, int nt, hipStream_t stream) {
+  return nt == 1 ? launch_nt<C, XDT, 1>(pr, stream) : launch_nt<C, XDT, 2>(pr, stream);
+}
+
+// The affine and the small-float formats for activations of dtype XDT (one
+// translation unit each: qmv_mma_<family>_<dtype>.hip, so nvcc builds them in parallel).
+template <int XDT>
+static hipError_t launch_affine(const Problem& pr, int nt, hipStream_t stream) {
+  switch (pr.q.bits) {
+#if !defined(JQ_MMA_CHECK_ONLY)  // compile checks build the 4-bit kernels only
+    case 2: return launch_c<Codec<kAffine, 2>, XDT>(pr, nt, stream);
+    case 3: return launch_c<Codec<kAffine, 3>, XDT>(pr, nt, stream);
+    case 5: return launch_c<Codec<kAffine, 5>, XDT>(pr, nt, stream);
+    case 6: return launch_c<Codec<kAffine, 6>, XDT>(pr, nt, stream);
+    case 8: return launch_c<Codec<kAffine, 8>, XDT>(pr, nt, stream);
+#endif
+    default: return launch_c<Codec<kAffine, 4>, XDT>(pr, nt, stream);
+  }
+}
+
+template <int XDT>
+static hipError_t launch_float(const Problem& pr, int nt, hipStream_t stream) {
+  switch (pr.q.fmt) {
+#if !defined(JQ_MMA_CHECK_ONLY)
+    case kMxfp6E2M3: return launch_c<Codec<kMxfp6E2M3, 6>, XDT>(pr, nt, stream);
+    case kMxfp6E3M2: return launch_c<Codec<kMxfp6E3M2, 6>, XDT>(pr, nt, stream);
+    case kMxfp8E4M3: return launch_c<Codec<kMxfp8E4M3, 8>, XDT>(pr, nt, stream);
+    case kMxfp8E5M2: return launch_c<Codec<kMxfp8E5M2, 8>, XDT>(pr, nt, stream);
+    case kNvfp4: return launch_c<Codec<kNvfp4, 4>, XDT>(pr, nt, stream);
+    case kFp4: return launch_c<Codec<kFp4, 4>, XDT>(pr, nt, stream);
+#endif
+    default: return launch_c<Codec<kMxfp4, 4>, XDT>(pr, nt, stream);
+  }
+}
+
+#define JQ_MMA_DECLARE(DT)                                                              \
+  hipError_t launch_qmv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream); \
+  hipError_t launch_qmv_mma_float_##DT(const Problem& pr, int nt, hipStream_t stream);  \
+  inline hipError_t launch_qmv_mma_##DT(const Problem& pr, int nt, hipStream_t stream) { \
+    return pr.q.fmt == kAffine ? launch_qmv_mma_affine_##DT(pr, nt, stream)              \
+                               : launch_qmv_mma_float_##DT(pr, nt, stream);             \
+  }
+JQ_MMA_DECLARE(bf16)
+JQ_MMA_DECLARE(f16)
+JQ_MMA_DECLARE(f32)
+#undef JQ_MMA_DECLARE
+
+
+}  // namespace mma
+}  // namespace gpu
+}  // namespace jq
+#endif  // JQ_PLATFORM_CUDA
+

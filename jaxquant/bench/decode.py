@@ -1,0 +1,305 @@
+"""Decode on NVIDIA: the tensor-core GEMV on the cuda_mma layout (docs/decode.md).
+
+  python -m jaxquant bench decode [--only qmm,peers,moe,step] [--modes ...] [--ms 1,8,16]
+
+- qmm: M = 1 (every mode), 8 and 16 at (K, N) = (4096, 14336) and (14336, 4096):
+  the ffi kernel on `jq.prepack`ed weights, the pallas kernel on canonical ones,
+  bf16 dense (XLA/cuBLAS), each as % of the copy bandwidth measured in the run.
+- peers: torch's bf16 F.linear and torch._weight_int4pack_mm (int4, group 64)
+  on the same GPU in the same process, where torch is importable.
+- moe: gather_qmm decode layers (gpt-oss-20b, Qwen3-30B-A3B; T = 1 and 8), %
+  of the copy bandwidth over the bytes of the distinct experts picked.
+- step: a decode step of 8 layers (rms_norm -> gate, up, down qmm -> residual,
+  M = 1, synced per step as a generation loop is), unrolled and as a lax.scan
+  over the stacked layers, against bf16 dense.
+
+Method as `python -m jaxquant bench qmm` (benchmarks/RESULTS.md): every timed
+call does `copies` products on distinct weights (more bytes than L2), median of
+samples. Needs a CUDA GPU with the CUDA library (the kernel and the layout).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+
+MODES = {"affine4": ("affine", 4, 64), "mxfp4": ("mxfp4", None, None),
+         "affine2": ("affine", 2, 64), "affine3": ("affine", 3, 64),
+         "affine5": ("affine", 5, 64), "affine6": ("affine", 6, 64),
+         "affine8": ("affine", 8, 64), "mxfp6_e2m3": ("mxfp6_e2m3", None, None),
+         "mxfp6_e3m2": ("mxfp6_e3m2", None, None), "mxfp8_e4m3": ("mxfp8_e4m3", None, None),
+         "mxfp8_e5m2": ("mxfp8_e5m2", None, None), "nvfp4": ("nvfp4", None, None),
+         "fp4": ("fp4", None, 32)}
+SHAPES = ((4096, 14336), (14336, 4096))  # (K, N); --shapes replaces them
+MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 5760), "Qwen3-30B-A3B": (128, 8, 2048, 1536)}
+
+
+def _timeit(fn, args, per_call, iters=7, inner=10):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times) / per_call
+
+
+def copy_bandwidth(nbytes=2 << 30):
+    a = jnp.arange(nbytes // 4, dtype=jnp.uint32)
+    sec = _timeit(jax.jit(lambda a: a ^ jnp.uint32(1)), (a,), 1, iters=10, inner=5)
+    return 2 * nbytes / sec
+
+
+def _nbytes(qw):
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize
+               for a in (qw.data, qw.scales, qw.biases) if a is not None)
+
+
+def _quantize(mode, w):
+    m, bits, group = MODES[mode]
+    return jq.quantize(w, mode=m, bits=bits, group_size=group)
+
+
+def _line(out, *cols):
+    out(" | ".join(str(c) for c in cols))
+
+
+def _many(f):
+    """One call = one product per weight copy (all distinct, one launch each)."""
+    return jax.jit(lambda x, ws: tuple(f(x, w) for w in ws))
+
+
+def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
+    from jaxquant.quantize import dequantize_reference
+
+    _line(out, "qmm: M, K, N", "mode", "impl", "us", "%copy", "vs M=1", "rel.err")
+    results = {}
+    for k, n in SHAPES:
+        ws = [(0.05 * jax.random.normal(jax.random.key(100 * k + i), (n, k), jnp.float32)
+               ).astype(jnp.bfloat16) for i in range(copies)]
+        for m in ms:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            us = _timeit(_many(lambda x, w: x @ w.T), (x, ws), copies) * 1e6
+            results[(m, k, n, "-", "bf16 dense")] = us
+            _line(out, f"{m}, {k}, {n}", "-", "bf16 dense", f"{us:.1f}",
+                  f"{100 * n * k * 2 / (us * 1e-6) / bw:.0f}%", "", "")
+        main = ("affine4", "mxfp4")
+        for mode in modes if (k, n) == SHAPES[0] else [md for md in modes if md in main]:
+            qws = [_quantize(mode, w) for w in ws]
+            prep = jax.jit(jq.prepack, static_argnames="layout")
+            packed = [prep(q, layout="cuda_mma") for q in qws]
+            nbytes = _nbytes(qws[0])
+            for m in ms if mode in main else (1,):
+                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                impls = [("ffi mma (prepacked)", packed, "ffi")]
+                if mode in main:
+                    impls.append(("pallas (canonical)", qws, "pallas"))
+                for impl, q, backend in impls:
+                    f = lambda x, q, b=backend: jq.qmm(x, q, backend=b)
+                    try:
+                        us = _timeit(_many(f), (x, q), copies) * 1e6
+                    except Exception as e:  # noqa: BLE001
+                        _line(out, f"{m}, {k}, {n}", mode, impl, f"failed: {e}"[:160])
+                        continue
+                    y = jax.jit(f)(x, q[0]).astype(jnp.float32)
+                    yr = x.astype(jnp.float32) @ dequantize_reference(qws[0], jnp.float32).T
+                    err = float(jnp.linalg.norm(y - yr) / jnp.linalg.norm(yr))
+                    results[(m, k, n, mode, impl)] = us
+                    base = results.get((1, k, n, mode, impl))
+                    _line(out, f"{m}, {k}, {n}", mode, impl, f"{us:.1f}",
+                          f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
+                          f"{us / base:.2f}x" if base and m > 1 else "", f"{err:.1e}")
+            del qws, packed
+        del ws
+    return results
+
+
+def bench_torch_peers(bw, out, copies=8):
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        _line(out, "torch peers: torch not importable:", e)
+        return {}
+    res = {}
+    dev = "cuda"
+    _line(out, "torch peers: M, K, N", "impl", "us", "%copy")
+    for k, n in SHAPES:
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
+        ws = [0.05 * torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g)
+              for _ in range(copies)]
+
+        def time_torch(fn, per_call, iters=7, inner=10):
+            fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) / inner)
+            return statistics.median(times) / per_call
+
+        us = time_torch(lambda: [torch.nn.functional.linear(x, w) for w in ws], copies) * 1e6
+        res[(k, n, "torch bf16 linear")] = us
+        _line(out, f"1, {k}, {n}", "torch bf16 F.linear", f"{us:.1f}",
+              f"{100 * n * k * 2 / (us * 1e-6) / bw:.0f}%")
+        try:
+            packs = []
+            for w in ws:  # int4 group 64, asymmetric (the same kind as affine4 g64)
+                wg = w.float().reshape(n, k // 64, 64)
+                lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+                scale = ((hi - lo) / 15).clamp(min=1e-8)
+                q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+                zero = lo + 8 * scale  # int4pack dequantizes (q - 8) * scale + zero
+                sz = torch.stack([scale.reshape(n, k // 64), zero.reshape(n, k // 64)], -1)
+                sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/64, N, 2]
+                q_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+                packs.append((torch._convert_weight_to_int4pack(q_u8, 8), sz))
+            us = time_torch(lambda: [torch._weight_int4pack_mm(x, p, 64, sz) for p, sz in packs],
+                            copies) * 1e6
+            nbytes = n * k // 2 + n * (k // 64) * 4
+            res[(k, n, "torch int4pack")] = us
+            _line(out, f"1, {k}, {n}", "torch._weight_int4pack_mm g64", f"{us:.1f}",
+                  f"{100 * nbytes / (us * 1e-6) / bw:.0f}%")
+        except Exception as e:  # noqa: BLE001
+            _line(out, f"1, {k}, {n}", "torch._weight_int4pack_mm failed:", repr(e)[:200])
+        del ws
+        torch.cuda.empty_cache()
+    return res
+
+
+def bench_moe(bw, out, copies=8):
+    _line(out, "moe: layer", "T", "impl", "us", "distinct experts", "%copy (distinct)")
+    res = {}
+    for name, (e, topk, k, n) in MOE_LAYERS.items():
+        w = (0.05 * jax.random.normal(jax.random.key(e), (e, n, k), jnp.float32)).astype(
+            jnp.bfloat16)
+        qw = _quantize("mxfp4", w)
+        del w
+        packed = jax.jit(jq.prepack, static_argnames="layout")(qw, layout="cuda_mma")
+        per_expert = _nbytes(qw) / e
+        for t in (1, 8):
+            rng = np.random.default_rng(t)
+            idx = np.stack([np.stack([rng.choice(e, topk, replace=False) for _ in range(t)])
+                            for _ in range(copies)]).astype(np.int32)  # [copies, T, k]
+            distinct = np.mean([len(np.unique(i)) for i in idx])
+            x = jax.random.normal(jax.random.key(t), (copies, t, k), jnp.bfloat16)
+            for impl, q, backend in (("ffi mma (prepacked)", packed, "ffi"),
+                                     ("pallas (canonical)", qw, "pallas")):
+                f = jax.jit(lambda x, q, idx, b=backend: tuple(
+                    jq.gather_qmm(x[c], q, idx[c], backend=b) for c in range(copies)))
+                try:
+                    us = _timeit(f, (x, q, jnp.asarray(idx)), copies) * 1e6
+                except Exception as ex:  # noqa: BLE001
+                    _line(out, name, t, impl, f"failed: {ex}"[:160])
+                    continue
+                res[(name, t, impl)] = us
+                _line(out, name, t, impl, f"{us:.1f}", f"{distinct:.1f}",
+                      f"{100 * distinct * per_expert / (us * 1e-6) / bw:.0f}%")
+        del qw, packed
+    return res
+
+
+def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
+    _line(out, "decode step (8 layers, M=1, synced per step): weights", "loop", "us/step",
+          "vs bf16 dense")
+    key = jax.random.key(99)
+    ks = jax.random.split(key, 3)
+    dense = {nm: (0.02 * jax.random.normal(kk, (layers,) + shp, jnp.float32)).astype(jnp.bfloat16)
+             for nm, kk, shp in zip(("gate", "up", "down"), ks, ((f, d), (f, d), (d, f)))}
+    norm_w = jnp.ones((layers, d), jnp.bfloat16)
+    x0 = jax.random.normal(jax.random.key(1), (1, d), jnp.bfloat16)
+
+    def layer(x, w, nw, mm):
+        h = jq.rms_norm(x, nw)
+        a = jax.nn.silu(mm(h, w["gate"])) * mm(h, w["up"])
+        return x + mm(a.astype(x.dtype), w["down"])
+
+    def unrolled(mm):
+        def step(x, ws, nws):
+            for i in range(layers):
+                x = layer(x, jax.tree_util.tree_map(lambda a: a[i], ws), nws[i], mm)
+            return x
+        return jax.jit(step)
+
+    def scanned(mm):
+        def step(x, ws, nws):
+            return jax.lax.scan(lambda x, wn: (layer(x, wn[0], wn[1], mm), None), x,
+                                (ws, nws))[0]
+        return jax.jit(step)
+
+    def per_step(fn, *args, iters=7, inner=20):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                jax.block_until_ready(fn(*args))  # synced per step
+            times.append((time.perf_counter() - t0) / inner)
+        return statistics.median(times) * 1e6
+
+    dense_mm = lambda h, w: h @ w.T
+    res = {}
+    for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
+        res[("bf16", loop)] = per_step(make(dense_mm), x0, dense, norm_w)
+        _line(out, "bf16 dense", loop, f"{res['bf16', loop]:.0f}", "1.00x")
+    for mode in modes:
+        qws = {nm: _quantize(mode, w) for nm, w in dense.items()}
+        packed = {nm: jq.prepack(q, layout="cuda_mma") for nm, q in qws.items()}
+        for label, ws in (("prepacked (ffi mma)", packed), ("canonical (auto)", qws)):
+            for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
+                us = per_step(make(lambda h, q: jq.qmm(h, q)), x0, ws, norm_w)
+                res[(mode, label, loop)] = us
+                _line(out, f"{mode} {label}", loop, f"{us:.0f}",
+                      f"{res['bf16', loop] / us:.2f}x")
+        del qws, packed
+    return res
+
+
+def add_arguments(parser, cpu):
+    from jaxquant.bench import harness
+
+    parser.add_argument("--only", default="qmm,peers,moe,step",
+                        help="parts to run: qmm, peers (torch), moe, step (default: %(default)s)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="qmm modes at (4096, 14336) (affine4 and mxfp4 at both shapes)")
+    parser.add_argument("--ms", default="1,8,16", help="rows of x for the qmm part")
+    parser.add_argument("--shapes", default="4096,14336;14336,4096",
+                        help="qmm (K, N) shapes, 'K,N;K,N'; all modes at the first, affine4 "
+                             "and mxfp4 at every one (default: %(default)s)")
+    harness.common_options(parser, copies=8, iters=7, target_ms=20.0)
+
+
+def run(args, out):
+    dev = jax.devices()[0]
+    out(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
+    bw = copy_bandwidth()
+    out(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    parts = args.only.split(",")
+    global SHAPES
+    SHAPES = tuple(tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";"))
+    if "qmm" in parts:
+        bench_qmm(bw, out, args.modes.split(","), copies=args.copies,
+                  ms=tuple(int(m) for m in args.ms.split(",")))
+    if "peers" in parts:
+        bench_torch_peers(bw, out, copies=args.copies)
+    if "moe" in parts:
+        bench_moe(bw, out, copies=args.copies)
+    if "step" in parts:
+        bench_step(bw, out)
+    return [], bw
+
+
+SCENARIO = {"help": "decode on NVIDIA: the tensor-core GEMV (prepacked), torch peers, "
+                    "MoE layers, an 8-layer decode step unrolled and in lax.scan",
+            "add_arguments": add_arguments, "run": run, "xlabel": "M"}

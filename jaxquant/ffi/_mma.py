@@ -1,0 +1,106 @@
+"""The tensor-core decode GEMV of the CUDA library (hip_src/qmv_mma.h) as
+lowerings of qmm and gather_qmm for weights in the `cuda_mma` layout
+(`jq.prepack(qw)` on an NVIDIA GPU; jaxquant/layouts/cuda_mma.py).
+
+It takes x @ W.T with at most MMA_MAX_M rows of x per weight matrix and every
+gather_qmm slot; the weight is read once for all of them (M = 1..16 cost about
+the same). Other cases on a `cuda_mma` weight go to the other kernels or the
+reference, which unpack the layout first (correct, slower).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import dispatch
+from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
+from jaxquant.layouts import cuda_mma
+from jaxquant.quantized_array import QuantizedArray
+
+TARGET = "jaxquant_qmv_mma"
+MMA_MAX_M = 16  # rows of x per weight matrix: the MMA's N (8 or 16)
+# Priority against the other kernels on CUDA (pallas 0, the canonical ffi GEMV -1):
+# only this kernel reads the layout, so it is first wherever it applies.
+PRIORITY = 10
+
+_X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
+    """x3 [Sx, M, K] with qw3 [E, N, K] in the cuda_mma layout -> [S, M, N].
+
+    indices int32 [S] (slot s uses expert indices[s]; outside [0, E): a NaN
+    row) or None (S = E). `dedupe` > 0: up to that many slots that pick the
+    same expert share one read of its weights (M must be 1)."""
+    e, n, _ = qw3.shape
+    s = indices.shape[0] if indices is not None else e
+    out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
+    idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+        x3, *_qw_operands(qw3), idx, **_format_attrs(qw3), dedupe=np.int64(dedupe))
+
+
+def _qw_ok(qw):
+    if not isinstance(qw, QuantizedArray) or qw.layout != cuda_mma.NAME:
+        return False
+    if qw.mode not in FORMAT_IDS or qw.shape[-1] % cuda_mma.CHUNK_K or qw.shape[-1] == 0:
+        return False
+    scale_ok = qw.scales.dtype == jnp.uint8 or jnp.dtype(qw.scales.dtype) in _X_DTYPES
+    return scale_ok and (qw.global_scale is None or np.size(qw.global_scale) == 1)
+
+
+def _rows_per_matrix(x, qw):
+    return math.prod(x.shape[qw.ndim - 2:-1])
+
+
+def qmm_applies(x, qw, *, transpose, precision, platform):
+    return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _X_DTYPES
+            and 0 < _rows_per_matrix(x, qw) <= MMA_MAX_M and qw.shape[-2] > 0)
+
+
+def qmm_impl(x, qw, *, transpose, precision, platform):
+    nb = qw.ndim - 2
+    b = math.prod(qw.shape[:nb])
+    m, k, n = _rows_per_matrix(x, qw), x.shape[-1], qw.shape[-2]
+    flat = lambda a: None if a is None else a.reshape(b, *a.shape[nb:])
+    qw3 = QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), qw.global_scale,
+                         mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
+                         layout=qw.layout)
+    y = qmv_mma_call(x.reshape(b, m, k), qw3)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def gather_qmm_applies(x, qw, indices, *, transpose, precision, platform):
+    return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _X_DTYPES
+            and qw.shape[1] > 0 and indices.shape[0] * indices.shape[1] <= 65535)
+
+
+def gather_qmm_impl(x, qw, indices, *, transpose, precision, platform):
+    t, slots = indices.shape
+    idx = jnp.where((indices >= 0) & (indices < qw.shape[0]), indices, -1)
+    x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
+    # decode (T > 1): the tokens that pick one expert share one read of it (at most T
+    # of them when a token's k ids are distinct; more simply start another segment)
+    dedupe = min(t, MMA_MAX_M) if t > 1 else 0
+    y = qmv_mma_call(x3, qw, idx.astype(jnp.int32).reshape(-1), dedupe=dedupe)
+    return y.reshape(t, slots, qw.shape[1])
+
+
+def register(lib) -> None:
+    """Register the CUDA library's tensor-core GEMV (its own handler symbol,
+    jq_gpu_qmv_mma, beside the targets every library lists) and its lowerings;
+    make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
+    (built before it existed) leaves everything as it was."""
+    try:
+        fn = lib.handle.jq_gpu_qmv_mma
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="CUDA")
+    except Exception:  # noqa: BLE001 - no kernel: the layout stays opt-in
+        return
+    dispatch.register("qmm", "ffi", ("cuda",), qmm_impl, qmm_applies, priority=PRIORITY)
+    dispatch.register("gather_qmm", "ffi", ("cuda",), gather_qmm_impl, gather_qmm_applies,
+                      priority=PRIORITY)
+    cuda_mma.make_default_on("cuda")

@@ -1,0 +1,141 @@
+"""The tensor-core decode GEMV (hip_src/qmv_mma.h) on an NVIDIA GPU, on the
+cuda_mma layout: every mode and activation dtype against the float64 oracle
+(M = 1..16, N with a canonical tail, K at group granularity), gather_qmm with
+repeated experts (read once), bad ids (NaN rows), gather == qmm bit for bit,
+`auto` picking it, and a lax.scan over stacked prepacked layers. Skipped
+without a CUDA GPU and library (scripts/gpu_check_decode.sh runs it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+import jaxquant.ffi as jf
+from jaxquant import dispatch
+from tests.common import DTYPES, MODES, assert_matmul_close, deq64, quantize_for, rand
+
+
+def _cuda():
+    try:
+        return jax.default_backend() in ("gpu", "cuda") and "cuda" in jf.loaded_platforms()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU and the CUDA library")]
+
+
+def _packed(mode, bits, shape, key=0, group_size=None):
+    w = rand(key, shape, jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32, scale=2.0)
+    qw = quantize_for(mode, bits, w, group_size)
+    return qw, jq.prepack(qw, layout="cuda_mma")
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_qmm_every_mode_dtype_and_m(mode, bits):
+    # N = 37: two tiles and a canonical tail of 5 rows; K = 192: 3 chunks (odd)
+    qw, packed = _packed(mode, bits, (37, 192), key=bits)
+    w64 = deq64(qw)
+    ms = (1, 2, 7, 8, 9, 16)
+    xs = {(jnp.dtype(dt).name, m): rand(m, (m, 192), dt) for dt in DTYPES for m in ms}
+    out = jax.jit(lambda xs, q: {key: jq.qmm(x, q, backend="ffi") for key, x in xs.items()})(
+        xs, packed)
+    for (name, m), y in out.items():
+        assert y.dtype == jnp.dtype(name)
+        assert_matmul_close(y, xs[name, m], w64, jnp.dtype(name))
+        # each row is its own M = 1 product, bit for bit
+        if m in (8, 16):
+            one = jq.qmm(xs[name, m][3:4], packed, backend="ffi")
+            np.testing.assert_array_equal(np.asarray(y[3:4], np.float32), np.asarray(one, np.float32))
+
+
+@pytest.mark.parametrize("mode,bits,group", [("affine", 4, 32), ("affine", 4, 128),
+                                             ("affine", 8, 128), ("fp4", 4, 16), ("fp4", 4, 64)])
+def test_group_sizes(mode, bits, group):
+    qw, packed = _packed(mode, bits, (48, 256), key=group, group_size=group)
+    x = rand(3, (3, 256), jnp.bfloat16)
+    assert_matmul_close(jq.qmm(x, packed, backend="ffi"), x, deq64(qw), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("mxfp8_e4m3", 8)])
+def test_gather_dedupe_bad_ids_and_bitwise_qmm(mode, bits):
+    e, n, k = 6, 40, 128
+    qw, packed = _packed(mode, bits, (e, n, k), key=7)
+    w64 = deq64(qw)
+    for t, topk in ((1, 4), (5, 3), (12, 2)):
+        rng = np.random.default_rng(t)
+        idx = rng.integers(0, 3, size=(t, topk))  # few experts: many repeats
+        idx[0, -1] = -1
+        if t > 1:
+            idx[1, 0] = e  # out of range
+            idx[2, :] = 1  # one token picks expert 1 twice
+        x = rand(t, (t, k), jnp.bfloat16)
+        y = np.asarray(jq.gather_qmm(x, packed, jnp.asarray(idx, jnp.int32), backend="ffi"),
+                       np.float32)
+        assert y.shape == (t, topk, n)
+        for i in range(t):
+            for j in range(topk):
+                ex = int(idx[i, j])
+                if not 0 <= ex < e:
+                    assert np.all(np.isnan(y[i, j])), (i, j)
+                    continue
+                assert_matmul_close(y[i, j], x[i:i + 1][0], w64[ex], jnp.bfloat16)
+                one = jq.qmm(x[i:i + 1], packed[ex], backend="ffi")
+                np.testing.assert_array_equal(y[i, j], np.asarray(one, np.float32)[0])
+
+
+def test_gather_per_slot_x_and_f32():
+    e, n, k, t, topk = 4, 24, 192, 3, 2
+    qw, packed = _packed("nvfp4", 4, (e, n, k), key=11)
+    idx = jnp.asarray([[0, 3], [3, 1], [0, 0]], jnp.int32)
+    x = rand(12, (t, topk, k), jnp.float32)
+    y = jq.gather_qmm(x, packed, idx, backend="ffi")
+    w64 = deq64(qw)
+    for i in range(t):
+        for j in range(topk):
+            assert_matmul_close(y[i, j], x[i, j], w64[int(idx[i, j])], jnp.float32)
+
+
+def test_auto_picks_it_and_prepack_defaults_to_it():
+    qw, packed = _packed("affine", 4, (64, 128))
+    assert jq.prepack(qw).layout == "cuda_mma"
+    x = jax.ShapeDtypeStruct((1, 128), jnp.bfloat16)
+    impl = dispatch.select("qmm", None, "cuda", (x, packed), dict(transpose=True, precision=None))
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    idx = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+    _, experts = _packed("mxfp4", 4, (3, 64, 128))
+    impl = dispatch.select("gather_qmm", None, "cuda", (x, experts, idx),
+                           dict(transpose=True, precision=None))
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    hlo = jax.jit(lambda x, q: jq.qmm(x, q)).lower(jnp.ones((1, 128), jnp.bfloat16),
+                                                   packed).as_text()
+    assert "jaxquant_qmv_mma" in hlo
+
+
+def test_scan_over_stacked_layers_matches_unrolled():
+    layers, d = 4, 256
+    qw, packed = _packed("mxfp4", 4, (layers, d, d), key=21)
+    x0 = rand(22, (1, d), jnp.bfloat16)
+
+    def body(x, q):
+        y = jq.qmm(x, q)
+        return (y / (1 + jnp.abs(y).max())).astype(x.dtype), None
+
+    scanned = jax.jit(lambda x, q: jax.lax.scan(body, x, q)[0])(x0, packed)
+    x = x0
+    for i in range(layers):
+        x = body(x, packed[i])[0]
+    np.testing.assert_array_equal(np.asarray(scanned, np.float32), np.asarray(x, np.float32))
+    hlo = jax.jit(lambda x, q: jax.lax.scan(body, x, q)[0]).lower(x0, packed).as_text()
+    assert "jaxquant_qmv_mma" in hlo
+
+
+def test_bad_calls_raise():
+    from jaxquant.ffi import _mma
+    _, packed = _packed("affine", 4, (1, 32, 128))
+    with pytest.raises(Exception, match="M <= 16"):
+        jax.block_until_ready(_mma.qmv_mma_call(jnp.ones((1, 17, 128), jnp.bfloat16), packed))
