@@ -72,5 +72,6 @@ def main(argv: list[str]) -> int:
         return 2
     return demo.main(argv)
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
