@@ -26,7 +26,7 @@ import numpy as np
 
 import jaxquant as jq
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import MATRICES, quantize_args, quantize_matrix
+from jaxquant.models.decoder import quantize_args, quantize_matrix
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -72,7 +72,7 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
     cfg = from_hf(hf, dtype=dtype)
     tensors = _Tensors(path)
     quant = _Quantizer(mode, hf.get("quantization"), dtype)
-    layers = [_layer(cfg, hf, tensors, quant, i) for i in range(cfg.num_layers)]
+    layers = [_layer(cfg, tensors, quant, i) for i in range(cfg.num_layers)]
     params = {"layers": _stack_layers(layers),
               "embed": quant.matrix(tensors, "model.embed_tokens", quantize=False),
               "final_norm": quant.float(tensors["model.norm.weight"])}
@@ -132,7 +132,7 @@ class _Quantizer:
         return jq.quantize(w, **self.kw) if self.kw else w
 
 
-def _layer(cfg: Config, hf: dict, tensors, quant: _Quantizer, i: int) -> dict:
+def _layer(cfg: Config, tensors, quant: _Quantizer, i: int) -> dict:
     pre = f"model.layers.{i}."
     p = {"attn_norm": quant.float(tensors[pre + "input_layernorm.weight"]),
          "mlp_norm": quant.float(tensors[pre + "post_attention_layernorm.weight"])}
@@ -187,4 +187,4 @@ def _qwen3_moe_mlp(cfg, tensors, quant, pre):
     return p
 
 
-__all__ = ["load", "MATRICES"]
+__all__ = ["load"]
