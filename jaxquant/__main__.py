@@ -1,7 +1,10 @@
-"""python -m jaxquant [report | bench ...]
+"""python -m jaxquant [demo | report | bench ...]
 
-report (default): the JAX devices and jaxquant backends here, and each
-format's quantize -> dequantize error on a standard normal matrix.
+demo (default): a decoder on jaxquant, prefill + decode for bf16 and each
+quantized mode: tokens/s, weight bytes, logit difference from bf16
+(`python -m jaxquant demo --help`: --checkpoint, --mesh, --config, ...).
+report: the JAX devices and jaxquant backends here, and each format's
+quantize -> dequantize error on a standard normal matrix.
 bench ...: the benchmarks (`python -m jaxquant bench --help`).
 """
 
@@ -58,11 +61,16 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "bench":
         from jaxquant import bench
         return bench.main(argv[1:]) or 0
-    if argv and argv[0] != "report":
+    if argv and argv[0] == "report":
+        report()
+        return 0
+    from jaxquant import demo
+    if argv and argv[0] == "demo":
+        argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
         print(f"unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
         return 2
-    report()
-    return 0
+    return demo.main(argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
   kernel and otherwise lowers the reference (`mlir.lower_fun`);
 - batching: an op-specific rule where one keeps the primitive (and so the
   kernels), else `vmap` of the reference;
-- differentiation: op-specific rules (set by the op's module).
+- differentiation: op-specific rules (set by the op's module);
+- sharding: in a multi-device program the lowering partitions the op by its
+  sharding rules (jaxquant/sharding.py), binding the primitive per shard.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jaxquant import dispatch
+from jaxquant import dispatch, sharding
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm")
 
@@ -37,6 +39,7 @@ class Op:
         for platform in LOWERING_PLATFORMS:
             mlir.register_lowering(p, self._lowering(platform), platform=platform)
         batching.primitive_batchers[p] = self._batch
+        sharding.register(p)
         self.batch_rule = None  # op-specific: (args, dims, **params) -> (out, out_dims) | None
 
     # -- binding -----------------------------------------------------------
@@ -67,6 +70,10 @@ class Op:
 
     def _lowering(self, platform):
         def rule(ctx, *leaves, tree, backend, **params):
+            if sharding.needs_partitioning(ctx):
+                # Multi-device: partition through the op's sharding rules; each
+                # shard binds this primitive again and comes back here.
+                return sharding.lower_partitioned(self, ctx, leaves, tree, backend, params)
             args = jax.tree_util.tree_unflatten(tree, ctx.avals_in)
             impl = dispatch.select(self.name, backend, platform or ctx.module_context.platforms[0],
                                    args, params)

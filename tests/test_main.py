@@ -1,5 +1,6 @@
-"""`python -m jaxquant`: the report main job (backends, per-mode round-trip error)
-and its command line, run in subprocesses."""
+"""`python -m jaxquant`: the demo (the default: a decoder, bf16 against each
+quantized mode), the report (backends, per-mode round-trip error) and the
+command line, run in subprocesses."""
 
 import os
 import re
@@ -71,7 +72,62 @@ def test_report_prints_backends_and_one_error_row_per_mode():
 
 def test_command_line_help_and_unknown_command():
     p = run(["-m", "jaxquant", "--help"])
-    assert p.returncode == 0 and "python -m jaxquant [report | bench ...]" in p.stdout
+    assert p.returncode == 0 and "python -m jaxquant [demo | report | bench ...]" in p.stdout
     p = run(["-m", "jaxquant", "nonsense"])
     assert p.returncode == 2
-    assert "unknown command 'nonsense'" in p.stderr and "report (default)" in p.stderr
+    assert "unknown command 'nonsense'" in p.stderr and "demo (default)" in p.stderr
+    p = run(["-m", "jaxquant", "demo", "--modes", "bf16,int3"])
+    assert p.returncode == 2 and "'int3' is not known" in p.stderr
+    p = run(["-m", "jaxquant", "--mesh", "2by1", "--config", "tiny"])
+    assert p.returncode != 0 and "--mesh wants TPxEP" in p.stderr
+
+
+TABLE_ROW = re.compile(r"(\w+)\s+([\d.]+ [KMG]?i?B)\s+([\d.]+)\s+([\d.]+)\s+"
+                       r"(-|[\d.]+ \(\s*[\d.]+%\))\s+(-|\d+/\d+)")
+
+
+def _demo_rows(stdout):
+    rows = {}
+    for line in stdout.splitlines():
+        m = TABLE_ROW.fullmatch(line.strip())
+        if m:
+            rows[m[1]] = m
+    return rows
+
+
+def test_demo_smoke():
+    """The default command on the tiny preset: one row per mode with positive
+    tokens/s, quantized weights smaller than bf16's, a finite logit difference."""
+    p = run(["-m", "jaxquant", "--config", "tiny", "--modes", "bf16,mxfp4,affine8",
+             "--tokens", "3", "--prompt-len", "8", "--dtype", "float32"], timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "model: gpt_oss, 2 layers" in p.stdout
+    assert "3/15" in p.stderr and "15/15" in p.stderr  # the progress bar
+    rows = _demo_rows(p.stdout)
+    assert sorted(rows) == ["affine8", "bf16", "mxfp4"], p.stdout
+    size = lambda m: float(m[2].split()[0]) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[m[2].split()[1]]
+    assert size(rows["mxfp4"]) < size(rows["affine8"]) < size(rows["bf16"])
+    for m in rows.values():
+        assert float(m[3]) > 0 and float(m[4]) > 0
+    assert rows["bf16"][5] == "-"
+    # float32 activations: 8-bit weights move the logits far less than 4-bit ones
+    diff = lambda m: float(m[5].split()[0])
+    assert 0 < diff(rows["affine8"]) < diff(rows["mxfp4"])
+
+
+def test_demo_reports_a_failing_mode_and_goes_on():
+    """One mode failing (here: nvfp4 quantization made to raise) prints FAILED for
+    it, the table for the others, and exits 1."""
+    code = ("import sys, runpy; import jaxquant.models.decoder as d; real = d.quantize_params\n"
+            "def broken(p, mode, **kw):\n"
+            "    if mode == 'nvfp4': raise RuntimeError('injected')\n"
+            "    return real(p, mode, **kw)\n"
+            "d.quantize_params = broken; import jaxquant.models as m; m.quantize_params = broken\n"
+            "sys.argv = ['jaxquant', '--config', 'tiny', '--modes', 'nvfp4,bf16', "
+            "'--tokens', '2', '--prompt-len', '4']\n"
+            "runpy.run_module('jaxquant', run_name='__main__', alter_sys=True)")
+    p = run(["-c", code], timeout=300)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "nvfp4: FAILED: RuntimeError: injected" in p.stderr
+    assert re.search(r"^nvfp4\s+FAILED$", p.stdout, re.M)
+    assert sorted(_demo_rows(p.stdout)) == ["bf16"]

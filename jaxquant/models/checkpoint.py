@@ -1,0 +1,190 @@
+"""Load Hugging Face-layout checkpoint directories (config.json + *.safetensors)
+into the decoder's parameters (docs/models.md).
+
+Families: Llama / Mistral / Qwen2 / Qwen3 (dense), Qwen3-MoE and gpt-oss.
+- Float (bf16/fp16/fp32) matrices are quantized on load to `mode` (a
+  `jaxquant.models.MODES` name or jq.quantize arguments), layer by layer; with
+  mode=None they stay float.
+- gpt-oss's MXFP4 experts (`*_blocks` uint8 [E, N, K/32, 16], `*_scales` uint8
+  [E, N, K/32]) are imported as they are through `jq.io.from_gpt_oss`: no
+  dequantize-requantize round trip, whatever `mode` is.
+- MLX-quantized checkpoints (mlx-lm's: config.json has "quantization"
+  {"bits", "group_size"[, "mode"]}; a matrix is `{name}.weight` uint32 +
+  `.scales` (+ `.biases`)) are imported through `jq.io.from_mlx_tensors`, the
+  quantized embedding too; per-layer overrides in "quantization" are honoured.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+from jaxquant.models.config import Config, from_hf
+from jaxquant.models.decoder import quantize_args, quantize_matrix
+from jaxquant.quantized_array import QuantizedArray
+
+ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+             "wo": "self_attn.o_proj"}
+BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+          "bv": "self_attn.v_proj.bias", "bo": "self_attn.o_proj.bias"}
+DENSE = {"w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+
+
+class _Tensors:
+    """The tensors of every *.safetensors file in a directory, read lazily by name."""
+
+    def __init__(self, path):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {path!r}")
+        try:
+            from safetensors import safe_open
+        except ImportError as e:
+            raise ImportError("loading checkpoints needs the 'safetensors' package "
+                              "(pip install safetensors)") from e
+        self._handles = [safe_open(f, framework="numpy") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def __contains__(self, name):
+        return name in self._where
+
+    def __getitem__(self, name) -> np.ndarray:
+        if name not in self._where:
+            near = sorted(k for k in self._where if k.rsplit(".", 2)[0] in name)[:8]
+            raise KeyError(f"checkpoint has no tensor {name!r} (similar: {near})")
+        return self._where[name].get_tensor(name)
+
+    def keys(self):
+        return self._where.keys()
+
+
+def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
+    """(Config, params) from a checkpoint directory. mode: quantize float matrices
+    on load (None keeps them float); dtype: the activation / float weight dtype."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    cfg = from_hf(hf, dtype=dtype)
+    tensors = _Tensors(path)
+    quant = _Quantizer(mode, hf.get("quantization"), dtype)
+    layers = [_layer(cfg, tensors, quant, i) for i in range(cfg.num_layers)]
+    params = {"layers": _stack_layers(layers),
+              "embed": quant.matrix(tensors, "model.embed_tokens", quantize=False),
+              "final_norm": quant.float(tensors["model.norm.weight"])}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = quant.matrix(tensors, "lm_head", quantize=lm_head)
+    return cfg, params
+
+
+def _stack_layers(layers):
+    """Per-layer dicts -> one dict of [L, ...] stacks (what lax.scan runs over)."""
+    out = {}
+    for key in layers[0]:
+        parts = [lay[key] for lay in layers]
+        kinds = {(p.mode, p.bits, p.group_size) if isinstance(p, QuantizedArray) else "float"
+                 for p in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
+                             f"; the decoder stacks layers for lax.scan, so a matrix must have "
+                             f"one format across layers (mixed-precision recipes that vary it "
+                             f"per layer are not supported)")
+        out[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
+    return out
+
+
+class _Quantizer:
+    def __init__(self, mode, mlx_quant, dtype):
+        self.kw = None if mode in (None, "bf16") else quantize_args(mode)
+        self.mlx = mlx_quant
+        self.dtype = jnp.dtype(dtype)
+
+    def float(self, a):
+        return jnp.asarray(np.asarray(a), self.dtype)
+
+    def _mlx_args(self, prefix):
+        q = self.mlx
+        own = q.get(prefix) if isinstance(q, dict) else None
+        if isinstance(own, dict):
+            q = own
+        return dict(bits=q["bits"], group_size=q["group_size"], mode=q.get("mode", "affine"))
+
+    def matrix(self, tensors, prefix, *, quantize=True):
+        """`{prefix}.weight` [N, K] (or MLX's quantized triple) -> array or QuantizedArray."""
+        if f"{prefix}.scales" in tensors:
+            if self.mlx is None:
+                raise ValueError(f"{prefix}.scales is in the checkpoint but config.json has no "
+                                 f"'quantization' entry (an MLX checkpoint's)")
+            names = [f"{prefix}.{p}" for p in ("weight", "scales", "biases")
+                     if f"{prefix}.{p}" in tensors]
+            return jq.io.from_mlx_tensors({n: tensors[n] for n in names}, prefix,
+                                          dtype=self.dtype, **self._mlx_args(prefix))
+        w = self.float(tensors[f"{prefix}.weight"])
+        return quantize_matrix(w, self.kw) if quantize and self.kw else w
+
+    def stacked(self, w):
+        """A float expert stack [E, N, K], quantized on load."""
+        w = self.float(w)
+        return jq.quantize(w, **self.kw) if self.kw else w
+
+
+def _layer(cfg: Config, tensors, quant: _Quantizer, i: int) -> dict:
+    pre = f"model.layers.{i}."
+    p = {"attn_norm": quant.float(tensors[pre + "input_layernorm.weight"]),
+         "mlp_norm": quant.float(tensors[pre + "post_attention_layernorm.weight"])}
+    for key, name in ATTENTION.items():
+        p[key] = quant.matrix(tensors, pre + name)
+    if cfg.attention_bias:
+        for key, name in BIASES.items():
+            if pre + name in tensors:
+                p[key] = quant.float(tensors[pre + name])
+    if cfg.qk_norm:
+        p["q_norm"] = quant.float(tensors[pre + "self_attn.q_norm.weight"])
+        p["k_norm"] = quant.float(tensors[pre + "self_attn.k_norm.weight"])
+    if cfg.family == "gpt_oss":
+        p.update(_gpt_oss_mlp(tensors, quant, pre))
+    elif cfg.family == "qwen3_moe":
+        p.update(_qwen3_moe_mlp(cfg, tensors, quant, pre))
+    else:
+        for key, name in DENSE.items():
+            p[key] = quant.matrix(tensors, pre + name)
+    return p
+
+
+def _gpt_oss_mlp(tensors, quant, pre):
+    e = pre + "mlp.experts."
+    p = {"sinks": quant.float(tensors[pre + "self_attn.sinks"]),
+         "router": quant.float(tensors[pre + "mlp.router.weight"]),
+         "router_bias": quant.float(tensors[pre + "mlp.router.bias"]),
+         "e_gate_up_bias": quant.float(tensors[e + "gate_up_proj_bias"]),
+         "e_down_bias": quant.float(tensors[e + "down_proj_bias"])}
+    for key, name in (("e_gate_up", "gate_up_proj"), ("e_down", "down_proj")):
+        if e + name + "_blocks" in tensors:  # MXFP4 as shipped: imported bit for bit
+            p[key] = jq.io.from_gpt_oss(tensors[e + name + "_blocks"],
+                                        tensors[e + name + "_scales"], dtype=quant.dtype)
+            p[key] = jax.tree_util.tree_map(jnp.asarray, p[key])
+        else:  # a bf16 export: transformers keeps these as x @ W, [E, K, N]
+            p[key] = quant.stacked(np.swapaxes(tensors[e + name], -1, -2))
+    return p
+
+
+def _qwen3_moe_mlp(cfg, tensors, quant, pre):
+    p = {"router": quant.float(tensors[pre + "mlp.gate.weight"])}
+    for key, name in (("e_gate", "gate_proj"), ("e_up", "up_proj"), ("e_down", "down_proj")):
+        switch = pre + "mlp.switch_mlp." + name  # mlx-lm stacks the experts
+        if switch + ".weight" in tensors:
+            p[key] = quant.matrix(tensors, switch)
+            if not isinstance(p[key], QuantizedArray):
+                p[key] = quant.stacked(p[key])
+            continue
+        per_expert = [tensors[f"{pre}mlp.experts.{j}.{name}.weight"]
+                      for j in range(cfg.num_experts)]
+        p[key] = quant.stacked(np.stack(per_expert))
+    return p
+
+
+__all__ = ["load"]

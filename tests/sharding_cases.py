@@ -1,0 +1,191 @@
+"""The sharded cases of tests/test_sharding.py, run in a subprocess with 8 host
+devices (the device count is fixed when JAX starts). Prints one JSON object:
+per case, the max |sharded - unsharded| error, the collectives in the compiled
+HLO, and the warnings raised. Run: python -m tests.sharding_cases"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxquant as jq  # noqa: E402
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+               "collective-permute")
+MESH = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tp"))
+
+
+def rand(key, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+
+
+def put(a, spec):
+    return jax.device_put(a, NamedSharding(MESH, spec))
+
+
+def put_q(qw, data_spec, scales_spec=None):
+    """qw with data (and scales, biases) placed on the mesh."""
+    scales_spec = data_spec if scales_spec is None else scales_spec
+    gs = qw.global_scale
+    return jq.QuantizedArray(put(qw.data, data_spec), put(qw.scales, scales_spec),
+                             None if qw.biases is None else put(qw.biases, scales_spec),
+                             None if gs is None else put(gs, P()), mode=qw.mode, bits=qw.bits,
+                             group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout)
+
+
+def collectives(fn, *args):
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    found = {}
+    for name in COLLECTIVES:
+        # instructions, e.g. "%all-reduce.3 = f32[8,64] all-reduce(...)"; starts count too
+        found[name] = len(re.findall(rf"= [^=]*? {name}(?:-start)?\(", text))
+    ffi = sorted(set(re.findall(r'custom_call_target="(jaxquant[^"]*)"', text)))
+    return found, ffi
+
+
+def err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    same_nan = bool(np.array_equal(np.isnan(a), np.isnan(b)))
+    d = np.where(np.isnan(a) & np.isnan(b), 0.0, np.abs(a - b))
+    return float(np.max(d)) if same_nan else float("inf")
+
+
+def case(fn, args, sharded_args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = jax.jit(fn)(*args)
+        got = jax.jit(fn)(*sharded_args)
+        found, ffi = collectives(fn, *sharded_args)
+    leaves_w, leaves_g = jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)
+    return {"err": max(err(w, g) for w, g in zip(leaves_w, leaves_g)),
+            "scale": max(float(jnp.max(jnp.abs(jnp.nan_to_num(w)))) for w in leaves_w),
+            "collectives": found, "ffi": ffi,
+            "out_spec": [str(getattr(g.sharding, "spec", None)) for g in leaves_g],
+            "warnings": [str(w.message) for w in caught if "jaxquant" in str(w.message)]}
+
+
+def main():
+    out = {}
+    n, k = 256, 512
+    x = rand(1, (8, k))
+    for mode, bits in (("affine", 4), ("mxfp4", 4), ("nvfp4", 4)):
+        qw = jq.quantize(rand(0, (n, k)), mode=mode, bits=bits)
+        # column-parallel: qw on N; x's rows on the data axis
+        out[f"qmm_col_{mode}"] = case(jq.qmm, (x, qw), (put(x, P("data")),
+                                                        put_q(qw, P("tp", None))))
+        # row-parallel: qw and x on K
+        out[f"qmm_row_{mode}"] = case(jq.qmm, (x, qw), (put(x, P("data", "tp")),
+                                                        put_q(qw, P(None, "tp"))))
+    qw = jq.quantize(rand(0, (n, k)), mode="affine", bits=4)
+    # batched activations [B, S, K] on the data axis, weights column-parallel
+    xb = rand(2, (4, 3, k))
+    out["qmm_batch_col"] = case(jq.qmm, (xb, qw), (put(xb, P("data")), put_q(qw, P("tp", None))))
+    # K split inside a group: K=96 has 3 groups of 32, split 4 ways -> gathered, with a warning
+    q96 = jq.quantize(rand(3, (64, 96)), mode="mxfp4")
+    x96 = rand(4, (8, 96))
+    out["qmm_row_misaligned"] = case(jq.qmm, (x96, q96), (put(x96, P(None, "tp")),
+                                                          put_q(q96, P(None, "tp"), P())))
+    # one quantization group along K (a size-1 factor Shardy must not see in a compound)
+    q64 = jq.quantize(rand(12, (64, 64)), mode="affine", bits=4, group_size=64)
+    x64 = rand(13, (8, 64))
+    out["qmm_col_one_group"] = case(jq.qmm, (x64, q64), (put(x64, P()), put_q(q64, P("tp", None))))
+    # the x-gradient (qmm with transpose=False per shard) of a column-parallel layer
+    loss = lambda x, qw: jnp.sum(jq.qmm(x, qw) ** 2)
+    out["qmm_col_grad"] = case(jax.grad(loss), (x, qw), (put(x, P("data")),
+                                                         put_q(qw, P("tp", None))))
+    # the ffi GEMV kernel is kept per shard (CPU): M=8 rows, column-parallel
+    if "ffi" in jq.available_backends():
+        f = lambda x, qw: jq.qmm(x, qw, backend="ffi")
+        out["qmm_col_ffi"] = case(f, (x, qw), (put(x, P()), put_q(qw, P("tp", None))))
+
+    # expert parallel: 8 experts over tp (4), tokens on data
+    e, t, slots, n_e, k_e = 8, 8, 2, 64, 128
+    qe = jq.quantize(rand(5, (e, n_e, k_e)), mode="mxfp4")
+    xt = rand(6, (t, k_e))
+    idx = jax.random.randint(jax.random.key(7), (t, slots), 0, e).at[3, 1].set(e)  # one bad
+    out["gather_ep"] = case(jq.gather_qmm, (xt, qe, idx),
+                            (put(xt, P("data")), put_q(qe, P("tp")), put(idx, P("data"))))
+    # expert parallel and row-parallel within each expert (experts on tp, K on data)
+    out["gather_ep_row"] = case(jq.gather_qmm, (xt, qe, idx),
+                                (put(xt, P(None, "data")), put_q(qe, P("tp", None, "data")),
+                                 put(idx, P())))
+    sizes = jnp.array([3, 0, 5, 1, 0, 2, 4, 1], jnp.int32)  # 16 rows of 20 used
+    xr = rand(8, (20, k_e))
+    out["ragged_ep"] = case(jq.ragged_qmm, (xr, qe, sizes),
+                            (put(xr, P()), put_q(qe, P("tp")), put(sizes, P())))
+    out["ragged_ep_col"] = case(jq.ragged_qmm, (xr, qe, sizes),
+                                (put(xr, P()), put_q(qe, P("tp", "data")), put(sizes, P())))
+
+    # norms on rows
+    h = rand(9, (16, 256))
+    r = rand(10, (16, 256))
+    wn = rand(11, (256,))
+    out["rms_norm_rows"] = case(jq.rms_norm, (h, wn), (put(h, P(("data", "tp"))), put(wn, P())))
+    out["add_rms_norm_rows"] = case(jq.add_rms_norm, (h, r, wn),
+                                    (put(h, P("data")), put(r, P("data")), put(wn, P())))
+    out["gated_rms_norm_rows"] = case(jq.gated_rms_norm, (h, r, wn),
+                                      (put(h, P("data")), put(r, P("data")), put(wn, P())))
+    out["dequantize_col"] = case(jq.dequantize, (qw,), (put_q(qw, P("tp", None)),))
+
+    # inside shard_map the ops run per shard on the local blocks
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # jax < 0.7
+        from jax.experimental.shard_map import shard_map  # noqa: PLC0415
+    qs = put_q(qw, P("tp", None))
+    spec_q = jax.tree_util.tree_map(lambda _: P("tp", None), qs)
+    per_shard = shard_map(lambda x, q: jq.qmm(x, q), mesh=MESH, in_specs=(P("data"), spec_q),
+                          out_specs=P("data", "tp"))
+    out["shard_map_qmm"] = case(per_shard, (put(x, P("data")), qs), (put(x, P("data")), qs))
+    out["shard_map_qmm"]["err"] = err(jax.jit(per_shard)(put(x, P("data")), qs), jq.qmm(x, qw))
+    out.update(model_cases())
+    json.dump(out, sys.stdout)
+
+
+def model_cases():
+    """The decoder (jaxquant.models) on a 2 x 4 (tp x ep) mesh against one device."""
+    from jaxquant import models
+    from jaxquant.models import parallel
+
+    mesh = parallel.make_mesh(2, 4)
+    out = {}
+    # gpt-oss-style: attention tensor-parallel, experts expert- and tensor-parallel
+    cfg = models.Config(family="gpt_oss", vocab_size=256, hidden_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8,
+                        experts_per_token=2, moe_intermediate_size=64, attention_bias=True,
+                        layer_windows=(4, 0), dtype="float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "mxfp4")
+    prompt = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
+    run = jax.jit(lambda p, t: models.prefill(cfg, p, t, 24))
+    sharded = parallel.shard_params(cfg, params, mesh)
+    (want, cache_w, tok), (got, cache_g, _) = run(params, prompt), run(sharded, prompt)
+    text = run.lower(sharded, prompt).compile().as_text()
+    # packed weights are uint32, MX scales uint8: no all-gather may produce either
+    gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+    case = {"err": err(got, want), "scale": float(jnp.max(jnp.abs(want))),
+            "weight_gathers": [g for g in gathers if g.startswith(("u32", "u8", "(u32", "(u8"))],
+            "all_gathers": len(gathers),
+            "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text))}
+    # decode (gather_qmm for the experts) sharded as well
+    dec = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 20, 2)[:2])
+    (tw, lw), (tg, lg) = dec(params, cache_w, tok), dec(sharded, cache_g, tok)
+    case["decode_err"] = err(lg, lw)
+    case["decode_same_tokens"] = bool(jnp.all(tw == tg))
+    out["model_gpt_oss"] = case
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""jaxquant.models: the decoder's pieces against plain definitions, and checkpoint
+loading from tiny directories written in the exact Hugging Face / MLX on-disk
+layout (tensor names and shapes written out here by hand, not by the loader's
+own tables)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import models
+from jaxquant.models import checkpoint
+from jaxquant.models.decoder import moe_mlp
+from jaxquant.quantized_array import QuantizedArray
+
+pytest.importorskip("safetensors")
+
+BF16 = ml_dtypes.bfloat16
+
+
+def tiny(family, **kw):
+    moe = family in ("qwen3_moe", "gpt_oss")
+    base = dict(family=family, vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=16, intermediate_size=128,
+                num_experts=4 if moe else 0, experts_per_token=2 if moe else 0,
+                moe_intermediate_size=64 if moe else 0, qk_norm=family.startswith("qwen3"),
+                attention_bias=family == "gpt_oss",
+                layer_windows=(3, 0) if family == "gpt_oss" else ())
+    base.update(kw)
+    return models.Config(**base)
+
+
+# ---------------------------------------------------------------------------
+# The decoder.
+
+
+@pytest.mark.parametrize("family,mode", [("llama", "affine4"), ("gpt_oss", "mxfp4")])
+def test_decode_matches_full_forward(family, mode):
+    """Decoding token by token through the KV cache gives the logits that one
+    forward pass over the whole sequence gives (the MoE: gather_qmm in decode,
+    ragged_qmm in the full pass; gpt-oss: the sliding window of 3 is crossed)."""
+    cfg = tiny(family, dtype="float32")
+    params = models.init_params(cfg, jax.random.key(0))
+    if mode:
+        params = models.quantize_params(params, mode)
+    prompt = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
+    prefill = jax.jit(models.prefill, static_argnums=(0, 3))
+    _, cache, tok = prefill(cfg, params, prompt, 24)
+    toks, last, _ = jax.jit(models.decode, static_argnums=(0, 5))(cfg, params, cache, tok, 20, 3)
+    seq = jnp.concatenate([prompt, tok[:, None], toks[:, :2]], axis=1)
+    full, _, _ = prefill(cfg, params, seq, 24)
+    np.testing.assert_allclose(last, full[:, -1], rtol=1e-4, atol=1e-4)
+    if family == "llama":  # generate: the same tokens from one jitted loop
+        gen = jax.jit(models.generate, static_argnums=(0, 3))(cfg, params, prompt, 4)
+        np.testing.assert_array_equal(gen, jnp.concatenate([tok[:, None], toks], 1))
+
+
+@pytest.mark.parametrize("mode", ["nvfp4", "affine4"])
+def test_experts_by_layer_changes_nothing(mode):
+    """Indexing all layers' experts at once ([L*E, N, K], no per-layer copy) gives
+    the logits of the per-layer scan, through ragged_qmm (prefill) and gather_qmm
+    (decode); an NVFP4 global scale per layer is spread over its experts."""
+    cfg = tiny("gpt_oss", dtype="float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(4)), mode)
+    prompt = jax.random.randint(jax.random.key(5), (2, 20), 0, cfg.vocab_size)
+    prefill = jax.jit(models.prefill, static_argnums=(0, 3, 4))
+    decode = jax.jit(models.decode, static_argnums=(0, 5, 6))
+    (la, ca, ta), (lb, cb, tb) = (prefill(cfg, params, prompt, 24, f) for f in (False, True))
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)  # another kernel split of K
+    (_, da, _), (_, db, _) = (decode(cfg, params, c, t, 20, 2, f)
+                              for c, t, f in ((ca, ta, False), (cb, tb, True)))
+    np.testing.assert_allclose(da, db, rtol=1e-5, atol=1e-5)
+
+
+def _moe_naive(cfg, p, x):
+    """Per token, per chosen expert, dense float64 matmuls."""
+    x = np.asarray(x, np.float64)
+    w = {k: (np.asarray(jq.dequantize(v, jnp.float32), np.float64)
+             if isinstance(v, QuantizedArray) else np.asarray(v, np.float64))
+         for k, v in p.items()}
+    logits = x @ w["router"].T + w.get("router_bias", 0)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        if cfg.family == "gpt_oss":
+            idx = np.argsort(-logits[t], kind="stable")[:cfg.experts_per_token]
+            wt = np.exp(logits[t, idx] - logits[t, idx].max())
+            wt /= wt.sum()
+        else:
+            pr = np.exp(logits[t] - logits[t].max())
+            pr /= pr.sum()
+            idx = np.argsort(-pr, kind="stable")[:cfg.experts_per_token]
+            wt = pr[idx] / pr[idx].sum()
+        for e, c in zip(idx, wt):
+            if cfg.family == "gpt_oss":
+                gu = w["e_gate_up"][e] @ x[t] + w["e_gate_up_bias"][e]
+                g, u = np.minimum(gu[0::2], 7.0), np.clip(gu[1::2], -7.0, 7.0)
+                h = (u + 1) * g / (1 + np.exp(-1.702 * g))
+                y = w["e_down"][e] @ h + w["e_down_bias"][e]
+            else:
+                g, u = w["e_gate"][e] @ x[t], w["e_up"][e] @ x[t]
+                y = w["e_down"][e] @ (g / (1 + np.exp(-g)) * u)
+            out[t] += c * y
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("tokens", [3, 40])  # 3: gather_qmm; 40 (80 pairs): ragged_qmm
+def test_moe_against_naive(family, tokens):
+    cfg = tiny(family, dtype="float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(2)), "mxfp4")
+    p = jax.tree_util.tree_map(lambda a: a[0], params["layers"])
+    x = jax.random.normal(jax.random.key(3), (tokens, cfg.hidden_size), jnp.float32)
+    got = jax.jit(lambda p, x: moe_mlp(cfg, p, x))(p, x)
+    want = _moe_naive(cfg, p, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="family"):
+        models.Config(family="gpt2")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        models.Config(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="num_experts"):
+        models.Config(family="qwen3_moe")
+    with pytest.raises(ValueError, match="model_type"):
+        models.from_hf({"model_type": "bert"})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        tiny("llama", rope_scaling=(("rope_type", "dynamic"), ("factor", 2.0))).rope_inv_freq()
+
+
+def test_rope_scaling_matches_transformers_formulas():
+    # llama3 (Llama 3.1's numbers): high frequencies kept, low ones divided by factor
+    cfg = tiny("llama", head_dim=128, rope_theta=500000.0, rope_scaling=tuple(sorted(
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items())))
+    inv, att = cfg.rope_inv_freq()
+    base = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
+    assert att == 1.0 and inv[0] == base[0] and np.isclose(inv[-1], base[-1] / 8)
+    # yarn (gpt-oss's numbers): attention factor 0.1 ln(32) + 1
+    cfg = tiny("gpt_oss", head_dim=64, rope_theta=150000.0, rope_scaling=tuple(sorted(
+        {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+         "original_max_position_embeddings": 4096, "truncate": False}.items())))
+    inv, att = cfg.rope_inv_freq()
+    base = 1.0 / 150000.0 ** (np.arange(0, 64, 2) / 64)
+    assert np.isclose(att, 0.1 * np.log(32) + 1)
+    assert np.isclose(inv[0], base[0]) and np.isclose(inv[-1], base[-1] / 32)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints.
+
+
+def _write(path, config, tensors, shards=2):
+    """config.json + the tensors split over `shards` safetensors files."""
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    for s in range(shards):
+        part = {n: tensors[n] for n in names[s::shards]}
+        jq.io.save_safetensors(path / f"model-{s + 1:05d}-of-{shards:05d}.safetensors", part)
+
+
+def _rand(rng, *shape, scale=0.1):
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
+def _hf_common(rng, cfg_hf, attn_bias=False, qk_norm=False):
+    d, v = cfg_hf["hidden_size"], cfg_hf["vocab_size"]
+    hq, hkv, hd = (cfg_hf["num_attention_heads"], cfg_hf["num_key_value_heads"],
+                   cfg_hf["head_dim"])
+    t = {"model.embed_tokens.weight": _rand(rng, v, d, scale=1.0),
+         "model.norm.weight": (1 + _rand(rng, d)).astype(BF16),
+         "lm_head.weight": _rand(rng, v, d)}
+    for i in range(cfg_hf["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        t[pre + "input_layernorm.weight"] = (1 + _rand(rng, d)).astype(BF16)
+        t[pre + "post_attention_layernorm.weight"] = (1 + _rand(rng, d)).astype(BF16)
+        for name, n in (("q_proj", hq * hd), ("k_proj", hkv * hd), ("v_proj", hkv * hd)):
+            t[pre + f"self_attn.{name}.weight"] = _rand(rng, n, d)
+            if attn_bias:
+                t[pre + f"self_attn.{name}.bias"] = _rand(rng, n)
+        t[pre + "self_attn.o_proj.weight"] = _rand(rng, d, hq * hd)
+        if attn_bias:
+            t[pre + "self_attn.o_proj.bias"] = _rand(rng, d)
+        if qk_norm:
+            t[pre + "self_attn.q_norm.weight"] = (1 + _rand(rng, hd)).astype(BF16)
+            t[pre + "self_attn.k_norm.weight"] = (1 + _rand(rng, hd)).astype(BF16)
+    return t
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "intermediate_size": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+         "tie_word_embeddings": False}
+
+
+def _stack(tensors, fmt, n):
+    return jnp.stack([jnp.asarray(tensors[fmt.format(i)]) for i in range(n)])
+
+
+def _manual_common(t, n):
+    """The decoder's parameter dict, from HF names written out by hand."""
+    lay = {"attn_norm": _stack(t, "model.layers.{}.input_layernorm.weight", n),
+           "mlp_norm": _stack(t, "model.layers.{}.post_attention_layernorm.weight", n)}
+    for key, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        lay[key] = _stack(t, f"model.layers.{{}}.self_attn.{name}.weight", n)
+        if f"model.layers.0.self_attn.{name}.bias" in t:
+            lay["b" + key[1]] = _stack(t, f"model.layers.{{}}.self_attn.{name}.bias", n)
+    if "model.layers.0.self_attn.q_norm.weight" in t:
+        lay["q_norm"] = _stack(t, "model.layers.{}.self_attn.q_norm.weight", n)
+        lay["k_norm"] = _stack(t, "model.layers.{}.self_attn.k_norm.weight", n)
+    return {"embed": jnp.asarray(t["model.embed_tokens.weight"]),
+            "final_norm": jnp.asarray(t["model.norm.weight"]),
+            "lm_head": jnp.asarray(t["lm_head.weight"]), "layers": lay}
+
+
+def _logits(cfg, params):
+    prompt = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % cfg.vocab_size
+    return jax.jit(lambda p: models.prefill(cfg, p, prompt, 8)[0])(params)
+
+
+def test_llama_checkpoint(tmp_path):
+    rng = np.random.default_rng(0)
+    t = _hf_common(rng, LLAMA)
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp."
+        t[pre + "gate_proj.weight"] = _rand(rng, 128, 64)
+        t[pre + "up_proj.weight"] = _rand(rng, 128, 64)
+        t[pre + "down_proj.weight"] = _rand(rng, 64, 128)
+    _write(tmp_path, LLAMA, t)
+    cfg, params = checkpoint.load(tmp_path)
+    assert cfg.family == "llama" and cfg.num_layers == 2 and cfg.rms_eps == 1e-5
+    manual = _manual_common(t, 2)
+    for key, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        manual["layers"][key] = _stack(t, f"model.layers.{{}}.mlp.{name}.weight", 2)
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(manual)
+    want = _logits(cfg, manual)
+    np.testing.assert_array_equal(_logits(cfg, params), want)
+
+    # quantized on load: each layer's matrix exactly as jq.quantize makes it
+    cfg, q = checkpoint.load(tmp_path, mode="affine4")
+    wq = q["layers"]["wq"]
+    assert isinstance(wq, QuantizedArray) and (wq.mode, wq.bits, wq.group_size) == (
+        "affine", 4, 64)
+    one = jq.quantize(jnp.asarray(t["model.layers.1.self_attn.q_proj.weight"]), mode="affine",
+                      bits=4, group_size=64)
+    np.testing.assert_array_equal(wq.data[1], one.data)
+    np.testing.assert_array_equal(wq.scales[1], one.scales)
+    assert isinstance(q["lm_head"], QuantizedArray)
+    assert not isinstance(q["embed"], QuantizedArray)
+    assert models.weight_bytes(q) < models.weight_bytes(params) / 2
+    got = _logits(cfg, q)
+    assert float(jnp.max(jnp.abs(got - want))) < 0.25 * float(jnp.max(jnp.abs(want)))
+
+    with pytest.raises(ValueError, match="mode"):
+        checkpoint.load(tmp_path, mode="int3")
+
+
+GPT_OSS = {"model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 64, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "sliding_window": 3, "rms_norm_eps": 1e-5,
+           "rope_theta": 150000.0, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+           "layer_types": ["sliding_attention", "full_attention"],
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                            "truncate": False},
+           "quantization_config": {"quant_method": "mxfp4"}}
+
+
+def _gpt_oss_tensors(rng):
+    t = _hf_common(rng, GPT_OSS, attn_bias=True)
+    e, d, i = 4, 64, 64
+    for li in range(2):
+        pre = f"model.layers.{li}."
+        t[pre + "self_attn.sinks"] = _rand(rng, 4, scale=1.0)
+        t[pre + "mlp.router.weight"] = _rand(rng, e, d)
+        t[pre + "mlp.router.bias"] = _rand(rng, e)
+        x = pre + "mlp.experts."
+        t[x + "gate_up_proj_blocks"] = rng.integers(0, 256, (e, 2 * i, d // 32, 16), np.uint8)
+        t[x + "gate_up_proj_scales"] = rng.integers(118, 124, (e, 2 * i, d // 32), np.uint8)
+        t[x + "gate_up_proj_bias"] = _rand(rng, e, 2 * i)
+        t[x + "down_proj_blocks"] = rng.integers(0, 256, (e, d, i // 32, 16), np.uint8)
+        t[x + "down_proj_scales"] = rng.integers(118, 124, (e, d, i // 32), np.uint8)
+        t[x + "down_proj_bias"] = _rand(rng, e, d)
+    return t
+
+
+@pytest.mark.parametrize("mode", [None, "affine4"])
+def test_gpt_oss_checkpoint_keeps_mxfp4_experts(tmp_path, mode):
+    rng = np.random.default_rng(1)
+    t = _gpt_oss_tensors(rng)
+    _write(tmp_path, GPT_OSS, t)
+    cfg, params = checkpoint.load(tmp_path, mode=mode)
+    assert cfg.family == "gpt_oss" and cfg.layer_windows == (3, 0) and cfg.num_experts == 4
+    lay = params["layers"]
+    for key, name in (("e_gate_up", "gate_up_proj"), ("e_down", "down_proj")):
+        qw = lay[key]
+        assert qw.mode == "mxfp4"  # never requantized, whatever `mode` asks of the rest
+        for li in range(2):
+            blocks, scales = jq.io.to_gpt_oss(qw[li])
+            x = f"model.layers.{li}.mlp.experts.{name}"
+            np.testing.assert_array_equal(blocks, t[x + "_blocks"])
+            np.testing.assert_array_equal(scales, t[x + "_scales"])
+    assert isinstance(lay["wq"], QuantizedArray) == (mode is not None)
+    if mode is None:
+        manual = _manual_common(t, 2)
+        ml = manual["layers"]
+        ml["sinks"] = _stack(t, "model.layers.{}.self_attn.sinks", 2)
+        ml["router"] = _stack(t, "model.layers.{}.mlp.router.weight", 2)
+        ml["router_bias"] = _stack(t, "model.layers.{}.mlp.router.bias", 2)
+        ml["e_gate_up_bias"] = _stack(t, "model.layers.{}.mlp.experts.gate_up_proj_bias", 2)
+        ml["e_down_bias"] = _stack(t, "model.layers.{}.mlp.experts.down_proj_bias", 2)
+        for key, name in (("e_gate_up", "gate_up_proj"), ("e_down", "down_proj")):
+            parts = [jq.io.from_gpt_oss(t[f"model.layers.{li}.mlp.experts.{name}_blocks"],
+                                        t[f"model.layers.{li}.mlp.experts.{name}_scales"])
+                     for li in range(2)]
+            ml[key] = jax.tree_util.tree_map(lambda *c: jnp.stack(c), *parts)
+        np.testing.assert_array_equal(_logits(cfg, params), _logits(cfg, manual))
+
+
+QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 64,
+             "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+             "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+
+
+def test_qwen3_moe_checkpoint(tmp_path):
+    rng = np.random.default_rng(2)
+    t = _hf_common(rng, QWEN3_MOE, qk_norm=True)
+    for li in range(2):
+        pre = f"model.layers.{li}.mlp."
+        t[pre + "gate.weight"] = _rand(rng, 4, 64)
+        for e in range(4):
+            t[pre + f"experts.{e}.gate_proj.weight"] = _rand(rng, 64, 64)
+            t[pre + f"experts.{e}.up_proj.weight"] = _rand(rng, 64, 64)
+            t[pre + f"experts.{e}.down_proj.weight"] = _rand(rng, 64, 64)
+    _write(tmp_path, QWEN3_MOE, t, shards=3)
+    cfg, params = checkpoint.load(tmp_path)
+    manual = _manual_common(t, 2)
+    ml = manual["layers"]
+    ml["router"] = _stack(t, "model.layers.{}.mlp.gate.weight", 2)
+    for key, name in (("e_gate", "gate_proj"), ("e_up", "up_proj"), ("e_down", "down_proj")):
+        ml[key] = jnp.stack([jnp.stack([jnp.asarray(
+            t[f"model.layers.{li}.mlp.experts.{e}.{name}.weight"]) for e in range(4)])
+            for li in range(2)])
+    np.testing.assert_array_equal(_logits(cfg, params), _logits(cfg, manual))
+    cfg, q = checkpoint.load(tmp_path, mode="mxfp4")
+    assert q["layers"]["e_down"].mode == "mxfp4" and q["layers"]["e_down"].shape == (
+        2, 4, 64, 64)
+
+
+def test_mlx_checkpoint(tmp_path):
+    """An mlx-lm 4-bit checkpoint: every linear and the embedding quantized
+    (`.weight` uint32, `.scales`, `.biases`), lm_head overridden to 8 bits."""
+    rng = np.random.default_rng(3)
+    t = _hf_common(rng, LLAMA)
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp."
+        t[pre + "gate_proj.weight"] = _rand(rng, 128, 64)
+        t[pre + "up_proj.weight"] = _rand(rng, 128, 64)
+        t[pre + "down_proj.weight"] = _rand(rng, 64, 128)
+    special = "lm_head"
+    quantized, mlx = {}, {}
+    for name in list(t):
+        prefix = name[:-len(".weight")]
+        if name.endswith(".weight") and t[name].ndim == 2:
+            bits = 8 if prefix == special else 4
+            qw = jq.quantize(jnp.asarray(t[name]), mode="affine", bits=bits, group_size=64)
+            quantized[prefix] = qw
+            mlx.update(jq.io.to_mlx_tensors(qw, prefix))
+        else:
+            mlx[name] = t[name]
+    config = dict(LLAMA, quantization={"group_size": 64, "bits": 4,
+                                       special: {"group_size": 64, "bits": 8}})
+    _write(tmp_path, config, mlx)
+    cfg, params = checkpoint.load(tmp_path, mode="mxfp4")  # mode leaves MLX weights alone
+    assert isinstance(params["embed"], QuantizedArray)
+    for prefix, key, li in (("model.layers.0.self_attn.q_proj", "wq", 0),
+                            ("model.layers.1.mlp.up_proj", "w_up", 1)):
+        got, want = params["layers"][key][li], quantized[prefix]
+        assert (got.mode, got.bits) == (want.mode, want.bits)
+        for c in ("data", "scales", "biases"):
+            np.testing.assert_array_equal(getattr(got, c), getattr(want, c))
+    assert params["lm_head"].bits == 8
+    np.testing.assert_array_equal(params["lm_head"].data, quantized["lm_head"].data)
+    logits = _logits(cfg, params)
+    assert logits.shape == (2, 6, 64) and bool(jnp.all(jnp.isfinite(logits)))
+
+    # one layer's matrix at other bits than the same matrix elsewhere cannot stack
+    odd = "model.layers.1.mlp.down_proj"
+    bad = dict(config["quantization"], **{odd: {"group_size": 64, "bits": 8}})
+    mlx.update(jq.io.to_mlx_tensors(jq.quantize(jnp.asarray(t[odd + ".weight"]), mode="affine",
+                                                bits=8, group_size=64), odd))
+    _write(tmp_path / "mixed", dict(config, quantization=bad), mlx)
+    with pytest.raises(ValueError, match="w_down"):
+        checkpoint.load(tmp_path / "mixed")

@@ -1,0 +1,83 @@
+"""Sharding of the primitives under jit (jaxquant/sharding.py): on 8 host devices
+in a subprocess (tests/sharding_cases.py), each sharded case against the same op
+unsharded, and the compiled HLO's collectives: none for column-parallel qmm,
+norms on rows and dequantize; exactly one all-reduce for row-parallel qmm and
+expert-parallel gather_qmm / ragged_qmm; no all-gather unless K is split inside
+a quantization group (then a warning says so)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cases():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding_cases"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def _check(case, *, tol, collectives):
+    assert case["err"] <= tol * max(case["scale"], 1.0), case
+    found = {k: v for k, v in case["collectives"].items() if v}
+    assert found == collectives, case
+
+
+NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
+    "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
+    "dequantize_col", "shard_map_qmm"]
+
+
+@pytest.mark.parametrize("name", NO_COLLECTIVES)
+def test_no_collective(cases, name):
+    _check(cases[name], tol=1e-6, collectives={})
+    assert not cases[name]["warnings"]
+
+
+@pytest.mark.parametrize("name", [f"qmm_row_{m}" for m in ("affine", "mxfp4", "nvfp4")]
+                         + ["gather_ep", "gather_ep_row", "ragged_ep", "ragged_ep_col",
+                            "qmm_col_grad"])
+def test_one_all_reduce(cases, name):
+    # partial sums in another order: float32 rounding over K=512
+    _check(cases[name], tol=1e-6 * 64, collectives={"all-reduce": 1})
+    assert not cases[name]["warnings"]
+
+
+def test_column_parallel_output_stays_split(cases):
+    assert cases["qmm_col_affine"]["out_spec"] == ["P('data', 'tp')"]
+    assert cases["qmm_batch_col"]["out_spec"] == ["P('data', None, 'tp')"]
+    assert cases["rms_norm_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
+
+
+def test_k_split_inside_a_group_is_gathered_with_a_warning(cases):
+    case = cases["qmm_row_misaligned"]
+    assert case["err"] <= 1e-6 * case["scale"]
+    assert case["collectives"]["all-gather"] >= 1
+    assert any("quantization-group boundaries" in w for w in case["warnings"]), case
+
+
+def test_kernels_kept_per_shard(cases):
+    if "qmm_col_ffi" not in cases:
+        pytest.skip("the ffi CPU library is not built here")
+    # the partitioned program still calls the native GEMV, on the local [N/4, K] block
+    assert cases["qmm_col_ffi"]["ffi"], cases["qmm_col_ffi"]
+    _check(cases["qmm_col_ffi"], tol=1e-6, collectives={})
+
+
+def test_model_tp_ep(cases):
+    """The gpt-oss-style decoder (MXFP4 experts) on a 2 x 4 (tp x ep) mesh: the same
+    logits as on one device, prefill and decode, and no all-gather of packed weights
+    or scales anywhere in the compiled prefill."""
+    case = cases["model_gpt_oss"]
+    assert case["err"] <= 1e-5 * case["scale"], case
+    assert case["decode_err"] <= 1e-5 * case["scale"], case
+    assert case["decode_same_tokens"], case
+    assert case["weight_gathers"] == [], case
+    assert case["all_reduces"] >= 1, case
