@@ -37,7 +37,9 @@ struct Dispatch;
 // dispatch fails, every wait of the dispatch fails (poisoned), so all threads unwind.
 class TimedBarrier {
  public:
-  TimedBarrier(unsigned count, Dispatch* d, const char* what) : count_(count), d_(d), what_(what) {}
+  // slack: this barrier's deadline in units of the dispatch's timeout
+  TimedBarrier(unsigned count, Dispatch* d, const char* what, double slack = 1.0)
+      : count_(count), d_(d), what_(what), slack_(slack) {}
   void wait();
   void poison() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -49,6 +51,7 @@ class TimedBarrier {
   unsigned long generation_ = 0;
   Dispatch* d_;
   const char* what_;
+  double slack_;
   std::mutex mu_;
   std::condition_variable cv_;
 };
@@ -95,7 +98,7 @@ void TimedBarrier::wait() {
     cv_.notify_all();
     return;
   }
-  const bool released = cv_.wait_for(lock, d_->timeout, [&] { return generation_ != gen || d_->poisoned.load(); });
+  const bool released = cv_.wait_for(lock, d_->timeout * slack_, [&] { return generation_ != gen || d_->poisoned.load(); });
   if (generation_ != gen) return;
   if (!released) {
     const unsigned arrived = arrived_;
@@ -184,7 +187,11 @@ int jq_shim_dispatch(const char* name, void** buffers, unsigned n_buffers, unsig
   d.threads = threads;
   d.timeout = std::chrono::duration<double>(timeout_s);
   d.threadgroup = std::make_unique<TimedBarrier>(threads, &d, "threadgroup_barrier");
-  d.between_groups = std::make_unique<TimedBarrier>(threads, &d, "end of threadgroup (a thread is still inside the kernel)");
+  // The end-of-threadgroup barrier waits 3x longer, so a barrier inside the kernel that
+  // not every thread reaches is the one reported even when the machine is loaded and
+  // threads that finished early arrive at the end long before the stuck ones stall.
+  d.between_groups = std::make_unique<TimedBarrier>(
+      threads, &d, "end of threadgroup (a thread is still inside the kernel)", 3.0);
   for (unsigned s = 0; s < threads / 32; ++s) d.simdgroups.push_back(std::make_unique<Simdgroup>(&d));
   const jq_shim::Launch& launch = it->second.second;
   std::vector<std::thread> pool;
