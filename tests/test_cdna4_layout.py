@@ -181,8 +181,8 @@ def test_prepack_refuses_what_the_layout_does_not_take(mode, shape, match):
 def test_registered_but_default_nowhere():
     assert jq.layouts.cdna4 is cdna4 and jq.layouts.LAYOUTS["cdna4"].platforms == ()
     qw = jq.quantize(rand(0, (32, 256)), mode="mxfp4")
-    for platform in ("rocm", "cuda", "cpu"):
-        assert jq.layouts.default_layout(qw, platform=platform) == "canonical"
+    for platform in ("rocm", "cuda", "cpu"):  # (cuda may default to cuda_mma: docs/decode.md)
+        assert jq.layouts.default_layout(qw, platform=platform) != "cdna4"
 
 
 def test_edge_values_survive():

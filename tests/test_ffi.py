@@ -519,11 +519,18 @@ def test_kernel_choice_table():
             platform == "cpu")
         assert not configs.auto_norm(small, None, eps=1e-6, weight_offset=0.0, platform=platform)
         assert not configs.never(sa((4, 128)), qw, sa((1,), jnp.int32), platform=platform)
+    # The table's kernels, once per loaded platform. Besides them, only the kernels of a
+    # kernel layout (jaxquant/ffi/_mma.py on CUDA, _cdna4.py on ROCm) register for ffi.
+    table = {name: impl for name, impl, *_ in jf.KERNELS}
     ffi_kernels = {name: [k for k in ks if k.backend == "ffi"] for name, ks in dispatch._KERNELS.items()}
-    assert set(ffi_kernels) == {name for name, *_ in jf.KERNELS}
+    assert set(ffi_kernels) == set(table)
     for name, ks in ffi_kernels.items():
-        assert [k.platforms for k in ks] == [(p,) for p in jf.loaded_platforms()], name
-        assert all(k.priority == configs.PRIORITY[k.platforms[0]] for k in ks), name
+        from_table = [k for k in ks if k.impl is table[name]]
+        assert [k.platforms for k in from_table] == [(p,) for p in jf.loaded_platforms()], name
+        assert all(k.priority == configs.PRIORITY[k.platforms[0]] for k in from_table), name
+        layout_kernels = [k for k in ks if k.impl is not table[name]]
+        assert all(k.impl.__module__ in ("jaxquant.ffi._mma", "jaxquant.ffi._cdna4")
+                   for k in layout_kernels), name
 
 
 def test_baseline_isa_matches():
