@@ -1,4 +1,4 @@
-"""Backend registry and selection (DESIGN.md §2, §5).
+"""Backend registry and selection (docs/architecture.md).
 
 The backends, in preference order, are `BACKENDS`: "reference" (the jnp
 definitions in jaxquant.ops) and one package `jaxquant.<name>` per other
@@ -72,6 +72,8 @@ class Kernel:
 _KERNELS: dict[str, list[Kernel]] = {}
 # backend name -> () -> str | None: why the backend cannot run here (None: it can)
 _AVAILABILITY: dict[str, Callable[[], str | None]] = {"reference": lambda: None}
+# backend name -> () -> context manager entered while its kernels are lowered
+_LOWERING_SCOPES: dict[str, Callable] = {}
 
 
 def _backend_state():
@@ -126,10 +128,21 @@ def _taking_platform(fn):
     return without_platform
 
 
-def register_backend(backend: str, unavailable_reason: Callable[[], str | None]):
-    """Declare how to tell whether `backend` can run here (None means it can)."""
+def register_backend(backend: str, unavailable_reason: Callable[[], str | None], *,
+                     lowering_scope: Callable | None = None):
+    """Declare how to tell whether `backend` can run here (None means it can) and,
+    optionally, a context manager factory entered while its kernels are lowered
+    (e.g. to scope a warnings filter to the backend's own lowering)."""
     _check_name(backend)
     _AVAILABILITY[backend] = unavailable_reason
+    if lowering_scope is not None:
+        _LOWERING_SCOPES[backend] = lowering_scope
+
+
+def lowering_scope(impl):
+    """The context to lower `impl` (a `select` result, or None) in."""
+    scope = _LOWERING_SCOPES.get(getattr(impl, "backend", None))
+    return scope() if scope is not None else contextlib.nullcontext()
 
 
 def _check_name(backend):
@@ -184,8 +197,8 @@ def resolve_backend(explicit: str | None) -> str | None:
 
 
 def select(primitive: str, backend: str | None, platform: str, args, params):
-    """The kernel to lower with, as impl(*args, **params) with `platform` bound,
-    or None for the reference."""
+    """The kernel to lower with, as impl(*args, **params) with `platform` bound (and
+    its backend's name as `.backend`), or None for the reference."""
     if backend == "reference":
         return None
     candidates = [k for k in _KERNELS.get(primitive, ()) if platform in k.platforms
@@ -199,5 +212,7 @@ def select(primitive: str, backend: str | None, platform: str, args, params):
         if backend is None and k.auto is not None and not k.auto(*args, platform=platform,
                                                                  **params):
             continue
-        return functools.partial(k.impl, platform=platform)
+        bound = functools.partial(k.impl, platform=platform)
+        bound.backend = k.backend
+        return bound
     return None

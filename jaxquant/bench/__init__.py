@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m jaxquant bench <scenario> [options]` (DESIGN.md §7).
+"""Benchmarks: `python -m jaxquant bench <scenario> [options]` (docs/measuring.md).
 
 Each scenario is a module here with a `SCENARIO` dict: `help` (one line),
 `add_arguments(parser, cpu)` (its options, with defaults sized for the platform:
