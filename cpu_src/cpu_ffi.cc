@@ -153,172 +153,75 @@ class Pool {
 };
 
 // ---------------------------------------------------------------------------
-// Handlers.
+// How the CPU runs a validated, non-empty problem (the handlers around these:
+// include/jq/ffi_common.h, Handlers).
 
-static ffi::Error dequantize_impl(ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                                  ffi::AnyBuffer biases, ffi::AnyBuffer gs,
-                                  ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t bits,
-                                  int64_t group_size) {
-  DequantProblem p;
-  if (auto e = make_dequant(data, scales, biases, gs, *out, fmt, bits, group_size, &p);
-      e.failure())
-    return e;
-  if (p.rows == 0 || p.k == 0) return ffi::Error::Success();
-  const Kernels* k = select_kernels();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
-  const bool mx = p.fmt >= kMxfp4 && p.fmt <= kMxfp8E5M2;
-  Pool::get().parallel_for(
-      p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); }, /*flush_denormals=*/!mx);
-  return ffi::Error::Success();
-}
-
-static ffi::Error qmv_impl(ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                           ffi::AnyBuffer biases, ffi::AnyBuffer gs, ffi::AnyBuffer indices,
-                           ffi::Result<ffi::AnyBuffer> y, int64_t fmt, int64_t bits,
-                           int64_t group_size) {
-  QmvProblem p;
-  if (auto e = make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &p);
-      e.failure())
-    return e;
-  if (p.S == 0 || p.M == 0 || p.N == 0) return ffi::Error::Success();
-  if (p.K == 0) {
-    for (int64_t i = 0; i < p.S * p.M * p.N; ++i) store_float(p.y, i, p.x_dt, 0.0f);
-    // (invalid experts still give NaN rows)
-    if (p.indices)
-      for (int64_t s = 0; s < p.S; ++s)
-        if (p.indices[s] < 0 || p.indices[s] >= p.E)
-          for (int64_t i = 0; i < p.M * p.N; ++i) store_float(p.y, s * p.M * p.N + i, p.x_dt, quiet_nan());
+struct CpuPlatform {
+  static ffi::Error dequantize(const DequantProblem& p) {
+    const Kernels* k = select_kernels();
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
+    const bool mx = kFormats[p.fmt].scale == kScaleE8M0;
+    Pool::get().parallel_for(
+        p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); },
+        /*flush_denormals=*/!mx);
     return ffi::Error::Success();
   }
-  const Kernels* k = select_kernels();
-  Pool& pool = Pool::get();
-  // Work items: (slot, block of rows). Blocks are a multiple of 8 rows and
-  // small enough to give every thread a few items.
-  const int64_t want = std::max<int64_t>(1, 4 * pool.threads() / std::max<int64_t>(p.S, 1));
-  int64_t nb = (p.N + want - 1) / want;
-  nb = std::max<int64_t>(16, std::min<int64_t>(512, (nb + 7) / 8 * 8));
-  const int64_t blocks = (p.N + nb - 1) / nb;
-  const int64_t scratch_n = qmv_scratch_floats(p);
-  pool.parallel_for(p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> scratch;
-    if ((int64_t)scratch.size() < scratch_n) scratch.resize(scratch_n);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t s = i / blocks, b = i % blocks;
-      k->qmv(p, s, b * nb, std::min(p.N, (b + 1) * nb), scratch.data());
+
+  static ffi::Error qmv(const QmvProblem& p) {
+    if (p.K == 0) {
+      for (int64_t i = 0; i < p.S * p.M * p.N; ++i) store_float(p.y, i, p.x_dt, 0.0f);
+      // (invalid experts still give NaN rows)
+      if (p.indices)
+        for (int64_t s = 0; s < p.S; ++s)
+          if (p.indices[s] < 0 || p.indices[s] >= p.E)
+            for (int64_t i = 0; i < p.M * p.N; ++i)
+              store_float(p.y, s * p.M * p.N + i, p.x_dt, quiet_nan());
+      return ffi::Error::Success();
     }
-  });
-  return ffi::Error::Success();
-}
+    const Kernels* k = select_kernels();
+    Pool& pool = Pool::get();
+    // Work items: (slot, block of rows). Blocks are a multiple of 8 rows and
+    // small enough to give every thread a few items.
+    const int64_t want = std::max<int64_t>(1, 4 * pool.threads() / std::max<int64_t>(p.S, 1));
+    int64_t nb = (p.N + want - 1) / want;
+    nb = std::max<int64_t>(16, std::min<int64_t>(512, (nb + 7) / 8 * 8));
+    const int64_t blocks = (p.N + nb - 1) / nb;
+    const int64_t scratch_n = qmv_scratch_floats(p);
+    pool.parallel_for(p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
+      thread_local std::vector<float> scratch;
+      if ((int64_t)scratch.size() < scratch_n) scratch.resize(scratch_n);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t s = i / blocks, b = i % blocks;
+        k->qmv(p, s, b * nb, std::min(p.N, (b + 1) * nb), scratch.data());
+      }
+    });
+    return ffi::Error::Success();
+  }
 
-static ffi::Error run_norm(const NormProblem& p) {
-  if (p.rows == 0 || p.d == 0) return ffi::Error::Success();
-  const Kernels* k = select_kernels();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(p.d, 1));
-  Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<float> scratch;
-    if ((int64_t)scratch.size() < 3 * p.d) scratch.resize(3 * p.d);
-    k->norm(p, r0, r1, scratch.data());
-  });
-  return ffi::Error::Success();
-}
+  static ffi::Error norm(const NormProblem& p) {
+    const Kernels* k = select_kernels();
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(p.d, 1));
+    Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) {
+      thread_local std::vector<float> scratch;
+      if ((int64_t)scratch.size() < 3 * p.d) scratch.resize(3 * p.d);
+      k->norm(p, r0, r1, scratch.data());
+    });
+    return ffi::Error::Success();
+  }
+};
 
-static ffi::Error rms_norm_impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                                float eps, float weight_offset) {
-  NormProblem p;
-  if (auto e = make_norm(kRmsNorm, x, nullptr, w, *y, nullptr, eps, weight_offset, 0, 1, 0, &p);
-      e.failure())
-    return e;
-  return run_norm(p);
-}
-
-static ffi::Error add_rms_norm_impl(ffi::AnyBuffer x, ffi::AnyBuffer r, ffi::AnyBuffer w,
-                                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
-                                    float eps, float weight_offset) {
-  NormProblem p;
-  ffi::AnyBuffer hb = *h;
-  if (auto e = make_norm(kAddRmsNorm, x, &r, w, *y, &hb, eps, weight_offset, 0, 1, 0, &p);
-      e.failure())
-    return e;
-  return run_norm(p);
-}
-
-static ffi::Error gated_rms_norm_impl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuffer w,
-                                      ffi::Result<ffi::AnyBuffer> y, float eps,
-                                      float weight_offset, int64_t activation,
-                                      int64_t norm_before_gate, int64_t group_size) {
-  NormProblem p;
-  if (auto e = make_norm(kGatedRmsNorm, x, &gate, w, *y, nullptr, eps, weight_offset, activation,
-                         norm_before_gate, group_size, &p);
-      e.failure())
-    return e;
-  return run_norm(p);
-}
+using CpuHandlers = Handlers<CpuPlatform>;
 
 }  // namespace cpu
 }  // namespace jq
 
-namespace ffi = xla::ffi;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_dequantize, jq::cpu::dequantize_impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_qmv, jq::cpu::qmv_impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_rms_norm, jq::cpu::rms_norm_impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_add_rms_norm, jq::cpu::add_rms_norm_impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_cpu_gated_rms_norm, jq::cpu::gated_rms_norm_impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset")
-                                  .Attr<int64_t>("activation")
-                                  .Attr<int64_t>("norm_before_gate")
-                                  .Attr<int64_t>("group_size"));
+// jq_cpu_<target> for every target, jq_abi_version, jq_ffi_targets, jq_format_name.
+JQ_FFI_DEFINE_LIBRARY(jq_cpu_, jq::cpu::CpuHandlers, JQ_FFI_TARGETS)
 
 // ---------------------------------------------------------------------------
-// Plain C entry points for the loader and the tests.
+// Plain C entry points of the CPU library only, for the tests.
 
 extern "C" {
-
-__attribute__((visibility("default"))) int jq_abi_version() { return 1; }
 
 __attribute__((visibility("default"))) const char* jq_cpu_isa() {
   return jq::cpu::select_kernels()->isa;
@@ -332,29 +235,24 @@ __attribute__((visibility("default"))) int jq_cpu_threads() {
 __attribute__((visibility("default"))) int jq_format_spec(int fmt, int32_t* out) {
   if (fmt < 0 || fmt >= jq::kNumFormats) return -1;
   const jq::FormatSpec& f = jq::kFormats[fmt];
-  out[0] = f.element;
-  out[1] = (int32_t)f.bits_mask;
-  out[2] = (int32_t)f.group_mask;
-  out[3] = f.scale;
-  out[4] = f.has_biases;
-  out[5] = f.has_global_scale;
+  const int32_t v[6] = {f.element, (int32_t)f.bits_mask, (int32_t)f.group_mask, f.scale,
+                        f.has_biases, f.has_global_scale};
+  memcpy(out, v, sizeof v);
   return 0;
 }
 
 // Element `el`: {ebits, mbits, bias, special}.
 __attribute__((visibility("default"))) int jq_element_spec(int el, int32_t* out) {
-  if (el < 0 || el >= 5) return -1;
+  if (el < 0 || el >= jq::kNumElements) return -1;
   const jq::ElementSpec& e = jq::kElements[el];
-  out[0] = e.ebits;
-  out[1] = e.mbits;
-  out[2] = e.bias;
-  out[3] = e.special;
+  const int32_t v[4] = {e.ebits, e.mbits, e.bias, e.special};
+  memcpy(out, v, sizeof v);
   return 0;
 }
 
 // All 2**bits values of element `el`, decoded by the shared codec header.
 __attribute__((visibility("default"))) int jq_decode_element_all(int el, float* out) {
-  if (el < 0 || el >= 5) return -1;
+  if (el < 0 || el >= jq::kNumElements) return -1;
   const jq::ElementSpec& e = jq::kElements[el];
   const int n = 1 << (1 + e.ebits + e.mbits);
   for (int c = 0; c < n; ++c) out[c] = jq::decode_element(el, (uint32_t)c);

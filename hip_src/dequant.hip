@@ -75,24 +75,9 @@ static hipError_t launch(const DequantProblem& p, hipStream_t stream) {
 }
 
 hipError_t launch_dequant(const DequantProblem& p, hipStream_t stream) {
-  switch (p.fmt) {
-    case kAffine:
-      switch (p.bits) {
-        case 2: return launch<Codec<kAffine, 2>>(p, stream);
-        case 3: return launch<Codec<kAffine, 3>>(p, stream);
-        case 4: return launch<Codec<kAffine, 4>>(p, stream);
-        case 5: return launch<Codec<kAffine, 5>>(p, stream);
-        case 6: return launch<Codec<kAffine, 6>>(p, stream);
-        default: return launch<Codec<kAffine, 8>>(p, stream);
-      }
-    case kMxfp4: return launch<Codec<kMxfp4, 4>>(p, stream);
-    case kMxfp6E2M3: return launch<Codec<kMxfp6E2M3, 6>>(p, stream);
-    case kMxfp6E3M2: return launch<Codec<kMxfp6E3M2, 6>>(p, stream);
-    case kMxfp8E4M3: return launch<Codec<kMxfp8E4M3, 8>>(p, stream);
-    case kMxfp8E5M2: return launch<Codec<kMxfp8E5M2, 8>>(p, stream);
-    case kNvfp4: return launch<Codec<kNvfp4, 4>>(p, stream);
-    default: return launch<Codec<kFp4, 4>>(p, stream);
-  }
+  hipError_t err = hipErrorInvalidValue;
+  dispatch_format(p.fmt, p.bits, [&](auto codec) { err = launch<decltype(codec)>(p, stream); });
+  return err;
 }
 
 }  // namespace gpu

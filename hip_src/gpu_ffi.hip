@@ -60,138 +60,37 @@ QmvConfig qmv_config(const QmvProblem& p) {
   return c;
 }
 
-static ffi::Error dequantize_impl(hipStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                                  ffi::AnyBuffer biases, ffi::AnyBuffer gs,
-                                  ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t bits,
-                                  int64_t group_size) {
-  DequantProblem p;
-  if (auto e = make_dequant(data, scales, biases, gs, *out, fmt, bits, group_size, &p);
-      e.failure())
-    return e;
-  if (p.rows == 0 || p.k == 0) return ffi::Error::Success();
-  JQ_LAUNCH_CHECK(launch_dequant(p, stream), "the dequantize kernel");
-  return ffi::Error::Success();
-}
+// How the GPU runs a validated, non-empty problem (the handlers around these:
+// include/jq/ffi_common.h, Handlers): a launch on XLA's stream.
+struct GpuPlatform {
+  static ffi::Error dequantize(const DequantProblem& p, hipStream_t stream) {
+    JQ_LAUNCH_CHECK(launch_dequant(p, stream), "the dequantize kernel");
+    return ffi::Error::Success();
+  }
 
-static ffi::Error qmv_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
-                           ffi::AnyBuffer scales, ffi::AnyBuffer biases, ffi::AnyBuffer gs,
-                           ffi::AnyBuffer indices, ffi::Result<ffi::AnyBuffer> y, int64_t fmt,
-                           int64_t bits, int64_t group_size) {
-  QmvProblem p;
-  if (auto e = make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &p);
-      e.failure())
-    return e;
-  if (p.S == 0 || p.M == 0 || p.N == 0) return ffi::Error::Success();
-  if (p.K == 0)
-    return ffi::Error::InvalidArgument("jaxquant ffi: K=0 is not supported by the GPU GEMV");
-  const QmvConfig c = qmv_config(p);
-  JQ_LAUNCH_CHECK(p.fmt == kAffine ? launch_qmv_affine(p, c, stream)
-                                   : launch_qmv_float(p, c, stream),
-                  "the qmv kernel");
-  return ffi::Error::Success();
-}
+  static ffi::Error qmv(const QmvProblem& p, hipStream_t stream) {
+    if (p.K == 0)
+      return ffi::Error::InvalidArgument("jaxquant ffi: K=0 is not supported by the GPU GEMV");
+    const QmvConfig c = qmv_config(p);
+    JQ_LAUNCH_CHECK(p.fmt == kAffine ? launch_qmv_affine(p, c, stream)
+                                     : launch_qmv_float(p, c, stream),
+                    "the qmv kernel");
+    return ffi::Error::Success();
+  }
 
-static ffi::Error run_norm(const NormProblem& p, hipStream_t stream) {
-  if (p.rows == 0 || p.d == 0) return ffi::Error::Success();
-  JQ_LAUNCH_CHECK(launch_norm(p, stream), "the norm kernel");
-  return ffi::Error::Success();
-}
+  static ffi::Error norm(const NormProblem& p, hipStream_t stream) {
+    JQ_LAUNCH_CHECK(launch_norm(p, stream), "the norm kernel");
+    return ffi::Error::Success();
+  }
+};
 
-static ffi::Error rms_norm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                ffi::Result<ffi::AnyBuffer> y, float eps, float weight_offset) {
-  NormProblem p;
-  if (auto e = make_norm(kRmsNorm, x, nullptr, w, *y, nullptr, eps, weight_offset, 0, 1, 0, &p);
-      e.failure())
-    return e;
-  return run_norm(p, stream);
-}
-
-static ffi::Error add_rms_norm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer r,
-                                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                                    ffi::Result<ffi::AnyBuffer> h, float eps,
-                                    float weight_offset) {
-  NormProblem p;
-  ffi::AnyBuffer hb = *h;
-  if (auto e = make_norm(kAddRmsNorm, x, &r, w, *y, &hb, eps, weight_offset, 0, 1, 0, &p);
-      e.failure())
-    return e;
-  return run_norm(p, stream);
-}
-
-static ffi::Error gated_rms_norm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gate,
-                                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, float eps,
-                                      float weight_offset, int64_t activation,
-                                      int64_t norm_before_gate, int64_t group_size) {
-  NormProblem p;
-  if (auto e = make_norm(kGatedRmsNorm, x, &gate, w, *y, nullptr, eps, weight_offset,
-                         activation, norm_before_gate, group_size, &p);
-      e.failure())
-    return e;
-  return run_norm(p, stream);
-}
+using GpuHandlers = Handlers<GpuPlatform, ffi::PlatformStream<hipStream_t>>;
 
 }  // namespace gpu
 }  // namespace jq
 
-using Stream = ffi::PlatformStream<hipStream_t>;
+// The targets of the GPU libraries: every platform's (a GPU-only target is added here).
+#define JQ_GPU_TARGETS(X, ...) JQ_FFI_TARGETS(X, __VA_ARGS__)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_dequantize, jq::gpu::dequantize_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv, jq::gpu::qmv_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_rms_norm, jq::gpu::rms_norm_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_add_rms_norm, jq::gpu::add_rms_norm_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_gated_rms_norm, jq::gpu::gated_rms_norm_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset")
-                                  .Attr<int64_t>("activation")
-                                  .Attr<int64_t>("norm_before_gate")
-                                  .Attr<int64_t>("group_size"));
-
-extern "C" __attribute__((visibility("default"))) int jq_abi_version() { return 1; }
+// jq_gpu_<target> for every target, jq_abi_version, jq_ffi_targets, jq_format_name.
+JQ_FFI_DEFINE_LIBRARY(jq_gpu_, jq::gpu::GpuHandlers, JQ_GPU_TARGETS)

@@ -25,6 +25,7 @@
 typedef cudaStream_t hipStream_t;
 typedef cudaError_t hipError_t;
 #define hipSuccess cudaSuccess
+#define hipErrorInvalidValue cudaErrorInvalidValue
 #define hipGetLastError cudaGetLastError
 #define hipGetErrorString cudaGetErrorString
 #define hipGetDevice cudaGetDevice

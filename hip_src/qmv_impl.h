@@ -52,23 +52,13 @@ __device__ __forceinline__ void apply_scale(float& acc, float q, float xsum, uin
   }
 }
 
-// q + sum_{e in [OFF, OFF+16)} decode(code_e) * xf[e], in element order; the
-// element index is a compile-time constant, so the word and shift (and any
-// straddle) of each code are resolved by the compiler.
-// Element E of a unit as a float: the codec's decode, except for E2M1 (MXFP4,
-// NVFP4, FP4), where the word's bits go straight into a float (magnitude to
-// bits 22..24, sign to 31: three integer ops) and one multiply by 2**126
-// rebases the exponent (exact: GPU code keeps float32 subnormals), and for
-// 4-bit affine, where the element is v = 1 + code/16 (see apply_scale).
+// Element E of a unit as a float: the codec's (include/jq/codec.h: a code
+// that does not straddle two words is decoded in place, e.g. E2M1 in three
+// integer ops and a multiply), except for 4-bit affine, where the element is
+// v = 1 + code/16 (see apply_scale).
 template <class C, int E>
 __device__ __forceinline__ float element(const uint32_t* w) {
-  if constexpr (C::kBits == 4 && C::kFmt != kAffine) {
-    constexpr int i = E % 8;
-    const uint32_t x = w[E / 8];
-    const uint32_t mag = (i <= 5 ? x << (22 - 4 * i) : x >> (4 * i - 22)) & 0x01c00000u;
-    const uint32_t sign = (x << (28 - 4 * i)) & 0x80000000u;
-    return bits_to_f32(mag | sign) * 0x1p126f;
-  } else if constexpr (C::kFmt == kAffine && C::kBits == 4) {
+  if constexpr (C::kFmt == kAffine && C::kBits == 4) {
     // v = 1 + code/16, exact: the code goes to the top mantissa bits of 1.0f (a shift and
     // one LOP3; no integer-to-float conversion, no subtraction); apply_scale undoes the 1.
     constexpr int i = E % 8;
@@ -76,10 +66,13 @@ __device__ __forceinline__ float element(const uint32_t* w) {
     const uint32_t placed = i <= 4 ? x << (19 - 4 * i) : x >> (4 * i - 19);
     return bits_to_f32((placed & 0x00780000u) | 0x3f800000u);
   } else {
-    return C::decode(unit_code<C::kBits, E>(w));
+    return C::template unit_element<E>(w);
   }
 }
 
+// q + sum_{e in [OFF, OFF+16)} element<E>(w) * xf[e], in element order; the
+// element index is a compile-time constant, so the word and shift (and any
+// straddle) of each code are resolved by the compiler.
 template <class C, int OFF, int... E>
 __device__ __forceinline__ float dot16(const uint32_t* w, const float* xf, float q,
                                        std::integer_sequence<int, E...>) {
@@ -221,7 +214,7 @@ __global__ void __launch_bounds__(256) qmv_kernel(QmvProblem p, int64_t m_tiles)
 }
 
 template <class C>
-static hipError_t launch_qmv(const QmvProblem& p, const QmvConfig& c, hipStream_t stream) {
+static hipError_t launch_qmv_codec(const QmvProblem& p, const QmvConfig& c, hipStream_t stream) {
   const int warp = jq_device_warp_size();
   const int threads = c.threads;
   const int warps = threads / warp;
@@ -247,6 +240,17 @@ static hipError_t launch_qmv(const QmvProblem& p, const QmvConfig& c, hipStream_
   }
 #undef JQ_QMV
   return hipGetLastError();
+}
+
+// The GEMV for p's format, among the formats in FORMATS (a mask of format ids:
+// qmv_affine.hip and qmv_float.hip each build their share, in parallel).
+template <uint32_t FORMATS>
+static hipError_t launch_qmv_of(const QmvProblem& p, const QmvConfig& c, hipStream_t stream) {
+  hipError_t err = hipErrorInvalidValue;
+  dispatch_format<FORMATS>(p.fmt, p.bits, [&](auto codec) {
+    err = launch_qmv_codec<decltype(codec)>(p, c, stream);
+  });
+  return err;
 }
 
 }  // namespace gpu

@@ -46,8 +46,8 @@ static std::vector<T> to_host(const T* d, size_t n) {
 
 static std::mt19937 rng(0);
 
-template <class C>
-static int check_qmv(int fmt, int bits, int group, int64_t M, int x_dt, const char* name) {
+static int check_qmv(int fmt, int bits, int group, int64_t M, int x_dt) {
+  const char* name = kFormats[fmt].name;
   const int64_t E = 3, N = 37, K = 256, S = 5, words = K * bits / 32, groups = K / group;
   std::vector<uint32_t> data(E * N * words);
   for (auto& v : data) v = rng();
@@ -112,14 +112,17 @@ static int check_qmv(int fmt, int bits, int group, int64_t M, int x_dt, const ch
           continue;
         }
         double want = 0, mag = 0;
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t row = e * N + n, gi = row * groups + k / group;
-          const uint32_t code = stream_code(&data[row * words], k, bits);
-          const float w = dequant_value<C>(code, bf16_to_f32(sc16[gi]), bf16_to_f32(bi16[gi]),
-                                           sc8[gi], fmt == kNvfp4 ? gs : 1.0f);
-          want += (double)w * xf[(s * M + m) * K + k];
-          mag += fabs((double)w * xf[(s * M + m) * K + k]);
-        }
+        dispatch_format(fmt, bits, [&](auto codec) {
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t row = e * N + n, gi = row * groups + k / group;
+            const uint32_t code = stream_code(&data[row * words], k, bits);
+            const float w = dequant_value<decltype(codec)>(
+                code, bf16_to_f32(sc16[gi]), bf16_to_f32(bi16[gi]), sc8[gi],
+                kFormats[fmt].has_global_scale ? gs : 1.0f);
+            want += (double)w * xf[(s * M + m) * K + k];
+            mag += fabs((double)w * xf[(s * M + m) * K + k]);
+          }
+        });
         const double tol = (x_dt == kBF16 ? 1.0 / 128 : 1e-5) * (fabs(want) + 1e-3 * mag) + 1e-6 * mag;
         if (isnan(want) && isnan(got)) continue;  // NaN element codes (E4M3 S.1111.111)
         if (!(fabs(got - want) <= tol)) {
@@ -138,7 +141,7 @@ static int check_qmv(int fmt, int bits, int group, int64_t M, int x_dt, const ch
   d.out = out; d.out_dt = kF32;
   CK(launch_dequant(d, 0));
   CK(hipDeviceSynchronize());
-  printf("%-16s M=%ld x=%s: %s (%d bad)\n", name, (long)M, x_dt == kBF16 ? "bf16" : "f32",
+  printf("%-10s bits=%d M=%ld x=%s: %s (%d bad)\n", name, bits, (long)M, x_dt == kBF16 ? "bf16" : "f32",
          bad ? "FAIL" : "ok", bad);
   return bad ? 1 : 0;
 }
@@ -180,13 +183,13 @@ static int check_norm(int kind, int64_t rows, int64_t d, int64_t group) {
 int main() {
   int fails = 0;
   for (int64_t M : {1, 5, 11}) {
-    fails += check_qmv<Codec<kAffine, 4>>(kAffine, 4, 64, M, kBF16, "affine4");
-    fails += check_qmv<Codec<kAffine, 3>>(kAffine, 3, 32, M, kF32, "affine3");
-    fails += check_qmv<Codec<kAffine, 6>>(kAffine, 6, 128, M, kBF16, "affine6");
-    fails += check_qmv<Codec<kMxfp4, 4>>(kMxfp4, 4, 32, M, kBF16, "mxfp4");
-    fails += check_qmv<Codec<kMxfp6E3M2, 6>>(kMxfp6E3M2, 6, 32, M, kF32, "mxfp6_e3m2");
-    fails += check_qmv<Codec<kMxfp8E4M3, 8>>(kMxfp8E4M3, 8, 32, M, kBF16, "mxfp8_e4m3");
-    fails += check_qmv<Codec<kNvfp4, 4>>(kNvfp4, 4, 16, M, kBF16, "nvfp4");
+    fails += check_qmv(kAffine, 4, 64, M, kBF16);
+    fails += check_qmv(kAffine, 3, 32, M, kF32);
+    fails += check_qmv(kAffine, 6, 128, M, kBF16);
+    fails += check_qmv(kMxfp4, 4, 32, M, kBF16);
+    fails += check_qmv(kMxfp6E3M2, 6, 32, M, kF32);
+    fails += check_qmv(kMxfp8E4M3, 8, 32, M, kBF16);
+    fails += check_qmv(kNvfp4, 4, 16, M, kBF16);
   }
   fails += check_norm(kRmsNorm, 5, 7, 7);
   fails += check_norm(kRmsNorm, 3, 5376, 5376);

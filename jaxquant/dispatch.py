@@ -49,7 +49,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import inspect
 import os
 from typing import Callable
 
@@ -104,28 +103,12 @@ def register(primitive: str, backend: str, platforms, impl, applies=None, *,
     """Register `impl` as `backend`'s kernel for `primitive` on `platforms`
     (the module docstring gives the signatures of impl, applies and auto)."""
     _check_name(backend)
-    kernel = Kernel(backend, tuple(platforms), _taking_platform(impl),
-                    _taking_platform(applies or _every_case), priority,
-                    None if auto is None else _taking_platform(auto))
+    kernel = Kernel(backend, tuple(platforms), impl, applies or _every_case, priority, auto)
     _KERNELS.setdefault(primitive, []).append(kernel)
 
 
 def _every_case(*args, platform, **params):
     return True
-
-
-def _taking_platform(fn):
-    """fn itself where it takes `platform`; else fn with `platform` dropped.
-    Transitional: the ffi package's functions predate the `platform` argument
-    (structure-native converts them); nothing else needs this."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.name == "platform" or p.kind is p.VAR_KEYWORD for p in params):
-        return fn
-
-    @functools.wraps(fn)
-    def without_platform(*args, platform, **kw):
-        return fn(*args, **kw)
-    return without_platform
 
 
 def register_backend(backend: str, unavailable_reason: Callable[[], str | None], *,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -104,6 +105,36 @@ def test_codec_table_matches_formats():
         assert list(out) == [element, bits_mask, group_mask, scale_kinds[f.scale],
                              int(f.has_biases), int(f.has_global_scale)], mode
     assert h.jq_format_spec(len(_ops.FORMAT_IDS), out) == -1
+
+
+def test_library_describes_itself():
+    """FORMAT_IDS and the registered targets come from the library (jq_format_name,
+    jq_ffi_targets), in the order of codec.h's format list; a library that numbers
+    the formats differently from another loaded one is refused, naming both."""
+    assert CPU_LIB.format_ids == _ops.FORMAT_IDS == {m: i for i, m in enumerate(formats.FORMATS)}
+    assert CPU_LIB.targets == ("dequantize", "qmv", "rms_norm", "add_rms_norm", "gated_rms_norm")
+    import ctypes
+    renumbered = {m: len(_ops.FORMAT_IDS) - 1 - i for m, i in _ops.FORMAT_IDS.items()}
+    lib = _loader.Library("cpu", CPU_LIB.path, ctypes.CDLL(str(CPU_LIB.path)),
+                          format_ids=renumbered)
+    assert jf._refuse_if_renumbered(lib) and lib.handle is None
+    assert "numbers the formats" in lib.error and "rebuild" in lib.error
+
+
+def test_gpu_decoders_on_host(tmp_path):
+    """codec.h's GPU decoders (E2M1 and every other element decoded in place in its
+    packed word) equal the exact ones bit for bit, for every (format, bits) of the
+    table: tests/native/codec_check.cc, built with the host compiler."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    exe = str(tmp_path / "codec_check")
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Iinclude", "-DJQ_GPU_DECODE=1",
+                    "tests/native/codec_check.cc", "-o", exe], check=True, cwd=root)
+    p = subprocess.run([exe], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert "13 (format, bits) checked, 0 failing" in p.stdout
 
 
 @pytest.mark.parametrize("dt,mlt", [(2, ml_dtypes.bfloat16), (1, np.float16)])
@@ -252,7 +283,7 @@ def test_dequantize_vmap_of_the_call():
 @pytest.mark.parametrize("transpose", [True, False])
 def test_qmm_large_m_and_transpose(mode, bits, transpose):
     n, k = 64, 128
-    m = _ops.GEMV_MAX_M["cpu"] + 3
+    m = jf.configs.GEMV_MAX_M["cpu"] + 3
     qws = {jnp.dtype(dt).name: quantize_for(mode, bits, rand(2, (n, k) if transpose else (k, n), dt))
            for dt in DTYPES}
     xs = {jnp.dtype(dt).name: rand(3, (m, k), dt) for dt in DTYPES}
@@ -465,6 +496,34 @@ def test_auto_prefers_ffi_on_cpu():
     assert "jaxquant_qmv" in text
     text = jax.jit(lambda x: jq.qmm(x, qw, backend="reference")).lower(x).as_text()
     assert "jaxquant_" not in text
+
+
+def test_kernel_choice_table():
+    """configs holds the choice for every platform: what auto takes (GPU: the GEMVs only;
+    CPU: also dequantize and large norms), and every kernel is registered for the loaded
+    platform with its priority and `platform` passed by the dispatcher."""
+    from jaxquant.ffi import configs
+    sa = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)
+    qw = jax.eval_shape(lambda w: quantize_for("mxfp4", 4, w), sa((64, 128)))
+    for platform, max_m in configs.GEMV_MAX_M.items():
+        assert configs.auto_qmm(sa((max_m, 128)), qw, transpose=True, precision=None,
+                                platform=platform)
+        assert not configs.auto_qmm(sa((max_m + 1, 128)), qw, transpose=True, precision=None,
+                                    platform=platform)
+        assert not configs.auto_qmm(sa((1, 64)), qw, transpose=False, precision=None,
+                                    platform=platform)
+        assert configs.auto_dequantize(qw, dtype=jnp.float32, platform=platform) == (
+            platform == "cpu")
+        big, small = sa((1 << 16,)), sa((8, 128))
+        assert configs.auto_norm(big, None, eps=1e-6, weight_offset=0.0, platform=platform) == (
+            platform == "cpu")
+        assert not configs.auto_norm(small, None, eps=1e-6, weight_offset=0.0, platform=platform)
+        assert not configs.never(sa((4, 128)), qw, sa((1,), jnp.int32), platform=platform)
+    ffi_kernels = {name: [k for k in ks if k.backend == "ffi"] for name, ks in dispatch._KERNELS.items()}
+    assert set(ffi_kernels) == {name for name, *_ in jf.KERNELS}
+    for name, ks in ffi_kernels.items():
+        assert [k.platforms for k in ks] == [(p,) for p in jf.loaded_platforms()], name
+        assert all(k.priority == configs.PRIORITY[k.platforms[0]] for k in ks), name
 
 
 def test_baseline_isa_matches():

@@ -75,9 +75,12 @@ def test_cuda_library_compiled():
     lib = jf.libraries()["cuda"]
     if lib.path is not None:
         handle = ctypes.CDLL(str(lib.path))
-        assert handle.jq_abi_version() == 1
-        for stem in jf._loader.TARGETS.values():
-            assert hasattr(handle, "jq_gpu_" + stem), stem
+        assert handle.jq_abi_version() == jf._loader.ABI_VERSION
+        targets, format_ids = jf._loader.describe(handle)
+        assert set(jf.libraries()["cpu"].targets) <= set(targets), targets
+        assert format_ids == jf.FORMAT_IDS
+        for target in targets:
+            assert hasattr(handle, "jq_gpu_" + target), target
         return
     rc, summary, log = _run("cuda")
     assert rc == 0 and len(summary["ok"]) == len(ncc.HIP_FILES), log[-6000:]

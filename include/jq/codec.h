@@ -1,11 +1,19 @@
-// jaxquant codec: the bit layouts of DESIGN.md §3 for native code.
+// jaxquant codec: the bit layouts of the quantized formats for native code.
 //
 // One header for cpu_src/ (g++), hip_src/ (nvcc for CUDA, clang/hipcc for
-// ROCm). It mirrors jaxquant/formats.py: the format ids, the element table
-// (ebits, mbits, bias, specials) and the scale kinds below are checked
-// against formats.FORMATS / formats.ELEMENTS by tests/test_ffi.py through
-// jq_codec_describe() in the CPU library, and every element code is decoded
-// here and compared with formats.element_values.
+// ROCm). It mirrors jaxquant/formats.py with one element list and one format
+// list (JQ_ELEMENT_LIST, JQ_FORMAT_LIST); tests/test_ffi.py checks them against
+// formats.ELEMENTS / formats.FORMATS through the CPU library (jq_element_spec,
+// jq_format_spec), decodes every element code here and compares it with
+// formats.element_values, and checks the GPU decoders against the exact ones
+// (tests/native/codec_check.cc).
+//
+// How kernels use it:
+//   dispatch_format(fmt, bits, [&](auto codec) { kernel<decltype(codec)>(...); })
+//     the one runtime switch on formats: a Codec<FMT, BITS> per (format, bits) of
+//     the table (a mask of format ids narrows what a translation unit builds);
+//   Codec<FMT, BITS>: kScale, kElement and the element's parameters, decode(c),
+//     unit_element<E>(w); dequant_value<Codec>(...) the reference's dequantize.
 //
 // Packing: data is uint32 [..., N, K*bits/32], a little-endian bit stream
 // along K: element k occupies bits [k*bits, (k+1)*bits). 32 elements ("a
@@ -27,39 +35,57 @@
 namespace jq {
 
 // ---------------------------------------------------------------------------
-// The table (DESIGN.md §3). Ids are part of the Python <-> native interface
-// (jaxquant/ffi/__init__.py: FORMAT_IDS).
-
-enum Format : int32_t {
-  kAffine = 0,
-  kMxfp4 = 1,
-  kMxfp6E2M3 = 2,
-  kMxfp6E3M2 = 3,
-  kMxfp8E4M3 = 4,
-  kMxfp8E5M2 = 5,
-  kNvfp4 = 6,
-  kFp4 = 7,
-  kNumFormats = 8,
-};
+// The table: ONE list of elements and ONE list of formats.
+// Everything else is derived from them: the ids (their order; the ffi package
+// reads the names through jq_format_name, so the Python side never keeps its
+// own copy), the spec tables, every Codec<FMT, BITS> and dispatch_format below.
+// Adding a format: one row in JQ_FORMAT_LIST (and its element in
+// JQ_ELEMENT_LIST if new); the kernels pick it up through dispatch_format.
 
 enum ScaleKind : int32_t { kScaleFloat = 0, kScaleE8M0 = 1, kScaleE4M3 = 2 };
 enum Special : int32_t { kSpecialNone = 0, kSpecialFn = 1, kSpecialIeee = 2 };
-enum Element : int32_t { kE2M1 = 0, kE2M3 = 1, kE3M2 = 2, kE4M3 = 3, kE5M2 = 4, kNoElement = -1 };
+
+//   id     name    ebits mbits bias special
+#define JQ_ELEMENT_LIST(X)                 \
+  X(kE2M1, "e2m1", 2, 1, 1, kSpecialNone)  \
+  X(kE2M3, "e2m3", 2, 3, 1, kSpecialNone)  \
+  X(kE3M2, "e3m2", 3, 2, 3, kSpecialNone)  \
+  X(kE4M3, "e4m3", 4, 3, 7, kSpecialFn)    \
+  X(kE5M2, "e5m2", 5, 2, 15, kSpecialIeee)
+
+template <class... B>
+constexpr uint32_t mask_of(B... b) {  // bit b set for each b
+  return ((1u << b) | ... | 0u);
+}
+constexpr int log2_exact(int64_t g) { return g <= 1 ? 0 : 1 + log2_exact(g / 2); }
+template <class... G>
+constexpr uint32_t log2_mask_of(G... g) {  // bit log2(g) set for each g
+  return ((1u << log2_exact(g)) | ... | 0u);
+}
+
+//   id           name          element     bits allowed             group sizes allowed      scale       biases global_scale
+#define JQ_FORMAT_LIST(X)                                                                                            \
+  X(kAffine,     "affine",     kNoElement, mask_of(2, 3, 4, 5, 6, 8), log2_mask_of(32, 64, 128), kScaleFloat, 1, 0) \
+  X(kMxfp4,      "mxfp4",      kE2M1,      mask_of(4),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
+  X(kMxfp6E2M3,  "mxfp6_e2m3", kE2M3,      mask_of(6),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
+  X(kMxfp6E3M2,  "mxfp6_e3m2", kE3M2,      mask_of(6),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
+  X(kMxfp8E4M3,  "mxfp8_e4m3", kE4M3,      mask_of(8),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
+  X(kMxfp8E5M2,  "mxfp8_e5m2", kE5M2,      mask_of(8),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
+  X(kNvfp4,      "nvfp4",      kE2M1,      mask_of(4),                log2_mask_of(16),          kScaleE4M3,  0, 1) \
+  X(kFp4,        "fp4",        kE2M1,      mask_of(4),                log2_mask_of(16, 32, 64),  kScaleFloat, 0, 0)
+
+#define JQ_LIST_ID(id, ...) id,
+enum Element : int32_t { JQ_ELEMENT_LIST(JQ_LIST_ID) kNumElements, kNoElement = -1 };
+enum Format : int32_t { JQ_FORMAT_LIST(JQ_LIST_ID) kNumFormats };
+#undef JQ_LIST_ID
 
 struct ElementSpec {
+  const char* name;
   int32_t ebits, mbits, bias, special;
 };
 
-// Same order as `Element`.
-static constexpr ElementSpec kElements[5] = {
-    {2, 1, 1, kSpecialNone},   // e2m1
-    {2, 3, 1, kSpecialNone},   // e2m3
-    {3, 2, 3, kSpecialNone},   // e3m2
-    {4, 3, 7, kSpecialFn},     // e4m3
-    {5, 2, 15, kSpecialIeee},  // e5m2
-};
-
 struct FormatSpec {
+  const char* name;     // jaxquant.formats.FORMATS key
   int32_t element;      // Element, or kNoElement (affine: unsigned ints)
   uint32_t bits_mask;   // bit b set: bits=b allowed
   uint32_t group_mask;  // bit log2(g) set: group_size=g allowed
@@ -68,19 +94,15 @@ struct FormatSpec {
   int32_t has_global_scale;
 };
 
-#define JQ_BIT(b) (1u << (b))
-static constexpr FormatSpec kFormats[kNumFormats] = {
-    {kNoElement, JQ_BIT(2) | JQ_BIT(3) | JQ_BIT(4) | JQ_BIT(5) | JQ_BIT(6) | JQ_BIT(8),
-     JQ_BIT(5) | JQ_BIT(6) | JQ_BIT(7), kScaleFloat, 1, 0},                // affine
-    {kE2M1, JQ_BIT(4), JQ_BIT(5), kScaleE8M0, 0, 0},                       // mxfp4
-    {kE2M3, JQ_BIT(6), JQ_BIT(5), kScaleE8M0, 0, 0},                       // mxfp6_e2m3
-    {kE3M2, JQ_BIT(6), JQ_BIT(5), kScaleE8M0, 0, 0},                       // mxfp6_e3m2
-    {kE4M3, JQ_BIT(8), JQ_BIT(5), kScaleE8M0, 0, 0},                       // mxfp8_e4m3
-    {kE5M2, JQ_BIT(8), JQ_BIT(5), kScaleE8M0, 0, 0},                       // mxfp8_e5m2
-    {kE2M1, JQ_BIT(4), JQ_BIT(4), kScaleE4M3, 0, 1},                       // nvfp4
-    {kE2M1, JQ_BIT(4), JQ_BIT(4) | JQ_BIT(5) | JQ_BIT(6), kScaleFloat, 0, 0},  // fp4
-};
-#undef JQ_BIT
+#define JQ_LIST_ROW(id, ...) {__VA_ARGS__},
+static constexpr ElementSpec kElements[kNumElements] = {JQ_ELEMENT_LIST(JQ_LIST_ROW)};
+static constexpr FormatSpec kFormats[kNumFormats] = {JQ_FORMAT_LIST(JQ_LIST_ROW)};
+#undef JQ_LIST_ROW
+
+// Format sets, for dispatch_format in translation units that build only some.
+constexpr uint32_t kAllFormats = (1u << kNumFormats) - 1u;
+constexpr uint32_t kAffineFormats = 1u << kAffine;
+constexpr uint32_t kFloatFormats = kAllFormats & ~kAffineFormats;
 
 inline bool format_allows(int32_t fmt, int64_t bits, int64_t group) {
   if (fmt < 0 || fmt >= kNumFormats || bits < 1 || bits > 31 || group < 1 || group > (1 << 30))
@@ -179,74 +201,67 @@ JQ_HD float decode_minifloat(uint32_t c) {
   return s ? -mag : mag;
 }
 
-JQ_HD float decode_element(int32_t element, uint32_t c) {
-  switch (element) {
-    case kE2M1: return decode_minifloat<2, 1, 1, kSpecialNone>(c);
-    case kE2M3: return decode_minifloat<2, 3, 1, kSpecialNone>(c);
-    case kE3M2: return decode_minifloat<3, 2, 3, kSpecialNone>(c);
-    case kE4M3: return decode_minifloat<4, 3, 7, kSpecialFn>(c);
-    case kE5M2: return decode_minifloat<5, 2, 15, kSpecialIeee>(c);
-    default: return quiet_nan();
-  }
-}
-
-JQ_HD float decode_e4m3(uint32_t c) { return decode_minifloat<4, 3, 7, kSpecialFn>(c); }
-
 // The same values with fewer instructions, for GPU code (where float32
 // subnormals are not flushed): the magnitude bits go straight into a float's
 // exponent and mantissa fields and one multiply by 2**(127 - bias) rebases the
 // exponent; codes with exponent 0 pass through a float32 subnormal, exactly.
-template <int EB, int MB, int BIAS, int SP>
-JQ_HD float decode_minifloat_gpu(uint32_t c) {
-  constexpr uint32_t kMag = (1u << (EB + MB)) - 1u;
-  const uint32_t bits = ((c & kMag) << (23 - MB)) | ((c >> (EB + MB)) << 31);
-  float v = bits_to_f32(bits) * exp2i_normal(127 - BIAS);
-  if (SP == kSpecialFn && (c & kMag) == kMag) v = quiet_nan();
-  if (SP == kSpecialIeee && ((c >> MB) & ((1u << EB) - 1u)) == (1u << EB) - 1u)
-    v = (c & ((1u << MB) - 1u)) ? quiet_nan() : bits_to_f32(0x7f800000u | ((c >> (EB + MB)) << 31));
+// The code sits in bits [SHIFT, SHIFT + 1 + EB + MB) of `word` (the other bits
+// may hold anything): taking it from its packed word costs no extra shift
+// (E2M1 from a 4-bit word: three integer ops and the multiply).
+template <int D>
+JQ_HD uint32_t shift_left(uint32_t x) {  // x << D, or x >> -D for negative D
+  if constexpr (D >= 0) return x << D; else return x >> -D;
+}
+
+template <int EB, int MB, int BIAS, int SP, int SHIFT = 0>
+JQ_HD float decode_minifloat_gpu(uint32_t word) {
+  static_assert(SHIFT >= 0 && SHIFT + 1 + EB + MB <= 32, "the code must lie within the word");
+  constexpr uint32_t kMag = ((1u << (EB + MB)) - 1u) << (23 - MB);  // placed magnitude
+  const uint32_t mag = shift_left<23 - MB - SHIFT>(word) & kMag;
+  const uint32_t sign = shift_left<31 - SHIFT - EB - MB>(word) & 0x80000000u;
+  float v = bits_to_f32(mag | sign) * exp2i_normal(127 - BIAS);
+  if (SP == kSpecialFn && mag == kMag) v = quiet_nan();
+  if (SP == kSpecialIeee && (mag >> 23) == (1u << EB) - 1u)
+    v = (mag & 0x7fffffu) ? quiet_nan() : bits_to_f32(0x7f800000u | sign);
   return v;
+}
+
+// Element EL's decoders, with its parameters read from the table.
+template <int EL>
+JQ_HD float decode_element_exact(uint32_t c) {
+  constexpr ElementSpec e = kElements[EL];
+  return decode_minifloat<e.ebits, e.mbits, e.bias, e.special>(c);
+}
+
+template <int EL, int SHIFT = 0>
+JQ_HD float decode_element_gpu(uint32_t word) {
+  constexpr ElementSpec e = kElements[EL];
+  return decode_minifloat_gpu<e.ebits, e.mbits, e.bias, e.special, SHIFT>(word);
+}
+
+// Runtime element id (host code, tests): exact values.
+JQ_HD float decode_element(int32_t element, uint32_t c) {
+  switch (element) {
+#define JQ_ELEMENT_CASE(id, ...) case id: return decode_element_exact<id>(c);
+    JQ_ELEMENT_LIST(JQ_ELEMENT_CASE)
+#undef JQ_ELEMENT_CASE
+    default: return quiet_nan();
+  }
 }
 
 // An unsigned integer code as a float without an int->float conversion (the
 // conversion unit is a quarter of the FMA rate on NVIDIA GPUs): exact below 2**23.
 JQ_HD float uint_to_float_magic(uint32_t c) { return bits_to_f32(c | 0x4b000000u) - 8388608.0f; }
 
+// Which decoders Codec uses: the GPU ones in device code. (tests/native/codec_check.cc
+// defines it to 1 to check the GPU decoders on the host, bit for bit.)
+#ifndef JQ_GPU_DECODE
 #if JQ_DEVICE_COMPILER && (defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__))
-#define JQ_DECODE_MINIFLOAT decode_minifloat_gpu
-#define JQ_DECODE_UINT uint_to_float_magic
+#define JQ_GPU_DECODE 1
 #else
-#define JQ_DECODE_MINIFLOAT decode_minifloat
-#define JQ_DECODE_UINT(c) ((float)(c))
+#define JQ_GPU_DECODE 0
 #endif
-
-// ---------------------------------------------------------------------------
-// Compile-time codecs: one per (format, bits). `decode` gives the element's
-// value before scaling (affine: the unsigned code as a float).
-
-template <int FMT, int BITS>
-struct Codec;
-
-template <int BITS>
-struct Codec<kAffine, BITS> {
-  static constexpr int kFmt = kAffine, kBits = BITS, kScale = kScaleFloat;
-  JQ_HD static float decode(uint32_t c) { return JQ_DECODE_UINT(c); }
-};
-
-#define JQ_MINIFLOAT_CODEC(FMT, BITS, EB, MB, BIAS, SP, SCALE)                            \
-  template <>                                                                             \
-  struct Codec<FMT, BITS> {                                                               \
-    static constexpr int kFmt = FMT, kBits = BITS, kScale = SCALE;                        \
-    static constexpr int kEb = EB, kMb = MB, kBias = BIAS, kSp = SP;                      \
-    JQ_HD static float decode(uint32_t c) { return JQ_DECODE_MINIFLOAT<EB, MB, BIAS, SP>(c); } \
-  };
-JQ_MINIFLOAT_CODEC(kMxfp4, 4, 2, 1, 1, kSpecialNone, kScaleE8M0)
-JQ_MINIFLOAT_CODEC(kMxfp6E2M3, 6, 2, 3, 1, kSpecialNone, kScaleE8M0)
-JQ_MINIFLOAT_CODEC(kMxfp6E3M2, 6, 3, 2, 3, kSpecialNone, kScaleE8M0)
-JQ_MINIFLOAT_CODEC(kMxfp8E4M3, 8, 4, 3, 7, kSpecialFn, kScaleE8M0)
-JQ_MINIFLOAT_CODEC(kMxfp8E5M2, 8, 5, 2, 15, kSpecialIeee, kScaleE8M0)
-JQ_MINIFLOAT_CODEC(kNvfp4, 4, 2, 1, 1, kSpecialNone, kScaleE4M3)
-JQ_MINIFLOAT_CODEC(kFp4, 4, 2, 1, 1, kSpecialNone, kScaleFloat)
-#undef JQ_MINIFLOAT_CODEC
+#endif
 
 // Element e (0..31) of a unit of 32 elements held in `BITS` words: the code.
 // E is a compile-time constant in every caller, so the word index and
@@ -262,6 +277,92 @@ JQ_HD uint32_t unit_code(const uint32_t* w) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// Compile-time codecs: one per (format, bits), all from the table.
+//   decode(c)          the element's value before scaling (affine: the code as a float)
+//   unit_element<E>(w) element E of a unit held in BITS words, decoded (GPU kernels:
+//                      a code that does not straddle two words is decoded in place)
+
+template <int FMT, int BITS>
+struct Codec {
+  static_assert(FMT >= 0 && FMT < kNumFormats && ((kFormats[FMT].bits_mask >> BITS) & 1u),
+                "no format allows this (format, bits)");
+  static constexpr int kFmt = FMT, kBits = BITS, kScale = kFormats[FMT].scale;
+  static constexpr int kElement = kFormats[FMT].element;
+  // The element's parameters (minifloat formats; unused for affine).
+  static constexpr int kEb = kElement < 0 ? 0 : kElements[kElement].ebits;
+  static constexpr int kMb = kElement < 0 ? 0 : kElements[kElement].mbits;
+  static constexpr int kBias = kElement < 0 ? 0 : kElements[kElement].bias;
+  static constexpr int kSp = kElement < 0 ? 0 : kElements[kElement].special;
+
+  JQ_HD static float decode(uint32_t c) {
+    if constexpr (FMT == kAffine) {
+#if JQ_GPU_DECODE
+      return uint_to_float_magic(c);
+#else
+      return (float)c;
+#endif
+    } else {
+#if JQ_GPU_DECODE
+      return decode_element_gpu<kElement>(c);
+#else
+      return decode_element_exact<kElement>(c);
+#endif
+    }
+  }
+
+  template <int E>
+  JQ_HD static float unit_element(const uint32_t* w) {
+    constexpr int start = E * BITS, word = start / 32, shift = start % 32;
+    if constexpr (JQ_GPU_DECODE && FMT != kAffine && shift + BITS <= 32) {
+      return decode_element_gpu<kElement, shift>(w[word]);
+    } else {
+      return decode(unit_code<BITS, E>(w));
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// dispatch_format(fmt, bits, f): calls f(Codec<FMT, BITS>{}) for the runtime
+// (fmt, bits) and returns true; false for a pair no format allows (callers
+// validate first: ffi_common.h check_format). Every (format, bits) of the table
+// is instantiated, or those of the formats in FORMATS (a mask of format ids)
+// for a translation unit that builds some only. The one switch on formats:
+//   dispatch_format(p.fmt, p.bits, [&](auto codec) { run<decltype(codec)>(p); });
+
+template <int FMT, int BITS, class F>
+bool dispatch_bits_from(int32_t bits, F& f) {
+  constexpr uint32_t allowed = kFormats[FMT].bits_mask;
+  if constexpr (BITS >= 32 || (allowed >> BITS) == 0u) {
+    return false;
+  } else {
+    if constexpr ((allowed >> BITS) & 1u) {
+      if (bits == BITS) {
+        f(Codec<FMT, BITS>{});
+        return true;
+      }
+    }
+    return dispatch_bits_from<FMT, BITS + 1>(bits, f);
+  }
+}
+
+template <uint32_t FORMATS, int FMT, class F>
+bool dispatch_format_from(int32_t fmt, int32_t bits, F& f) {
+  if constexpr (FMT == kNumFormats) {
+    return false;
+  } else {
+    if constexpr ((FORMATS >> FMT) & 1u) {
+      if (fmt == FMT) return dispatch_bits_from<FMT, 1>(bits, f);
+    }
+    return dispatch_format_from<FORMATS, FMT + 1>(fmt, bits, f);
+  }
+}
+
+template <uint32_t FORMATS = kAllFormats, class F>
+bool dispatch_format(int32_t fmt, int32_t bits, F&& f) {
+  return dispatch_format_from<FORMATS, 0>(fmt, bits, f);
+}
+
 // Runtime-index variant (host code, tests).
 JQ_HD uint32_t stream_code(const uint32_t* row, int64_t k, int bits) {
   const int64_t start = k * bits;
@@ -275,7 +376,7 @@ JQ_HD uint32_t stream_code(const uint32_t* row, int64_t k, int bits) {
 
 // The scale of one group as a float multiplier, for the non-E8M0 kinds.
 // (E8M0 is applied with ldexp_e8m0 on the exponent, never as a float.)
-JQ_HD float scale_e4m3(uint8_t code) { return decode_e4m3(code); }
+JQ_HD float scale_e4m3(uint8_t code) { return decode_element_exact<kE4M3>(code); }
 
 // Float dtypes of the interface (activations, scales, outputs).
 enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kOther = 99 };

@@ -1,12 +1,16 @@
-// Validation of FFI calls, shared by the CPU (cpu_src/) and GPU (hip_src/)
-// handlers: every dimension, dtype and attribute is checked before a kernel
-// sees a pointer; a bad call returns ffi::Error (InvalidArgument) naming
-// the operand, what it got and what was expected.
+// The FFI handlers of every platform, written once: validation (every
+// dimension, dtype and attribute is checked before a kernel sees a pointer; a
+// bad call returns ffi::Error (InvalidArgument) naming the operand, what it
+// got and what was expected), the handler bodies and their bindings
+// (`Handlers`, at the end), and the library's exported description
+// (JQ_FFI_DEFINE_LIBRARY). A platform (cpu_src/cpu_ffi.cc, hip_src/gpu_ffi.hip)
+// supplies only how to run a validated problem.
 #pragma once
 
 #include <stdint.h>
 
 #include <string>
+#include <utility>
 
 #include "jq/codec.h"
 #include "jq/problems.h"
@@ -336,4 +340,169 @@ inline ffi::Error make_norm(int32_t kind, const ffi::AnyBuffer& x, const ffi::An
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// The handlers, one body per target for every platform.
+//
+// Handlers<Platform, Ctx...>: `Ctx` are the contexts the platform's handlers
+// take from XLA before their operands (GPU: ffi::PlatformStream<stream>; CPU:
+// none), passed on to the platform's runner. Platform has, for each target it
+// serves, a static `ffi::Error <target>(const <Problem>& p, <context values>...)`
+// that runs a validated, non-empty problem:
+//   dequantize(DequantProblem)  qmv(QmvProblem)  norm(NormProblem: the three norms)
+//
+// Adding an FFI target `foo` (one step per layer):
+//   1. here: a validator make_foo(...) -> FooProblem (jq/problems.h), a body
+//      Handlers::foo and its binding Handlers::bind_foo;
+//   2. in each platform that serves it: Platform::foo(const FooProblem&, ctx...),
+//      and X(foo) in the target list the platform's library defines
+//      (JQ_FFI_TARGETS for every platform, or the platform's own list: a
+//      GPU-only target goes in hip_src/gpu_ffi.hip's JQ_GPU_TARGETS);
+//   3. Python: a foo_call wrapper in jaxquant/ffi/_ops.py calling
+//      jax.ffi.ffi_call("jaxquant_foo", ...). The loader registers every target a
+//      library lists (jq_ffi_targets), as "jaxquant_<target>", for its platform.
+
+// The targets every platform's library serves.
+// (An X-macro: LIST(X, args...) expands X(target, args...) for each.)
+#define JQ_FFI_TARGETS(X, ...)                                                  \
+  X(dequantize, __VA_ARGS__) X(qmv, __VA_ARGS__) X(rms_norm, __VA_ARGS__)       \
+  X(add_rms_norm, __VA_ARGS__) X(gated_rms_norm, __VA_ARGS__)
+
+// Binding chains: the platform's contexts, then N buffer operands (Arg) / results (Ret).
+template <class... Ctx>
+struct BindWith;
+template <>
+struct BindWith<> {
+  static auto bind() { return ffi::Ffi::Bind(); }
+};
+template <class C>
+struct BindWith<C> {
+  static auto bind() { return ffi::Ffi::Bind().Ctx<C>(); }
+};
+
+// (A Binding cannot be copied or moved by others: each helper takes the chain
+// so far as a temporary and returns the longer chain as a new one.)
+template <int N, class B>
+auto ffi_args(B&& b) {
+  if constexpr (N == 1) return std::move(b).template Arg<ffi::AnyBuffer>();
+  else return ffi_args<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+}
+template <int N, class B>
+auto ffi_rets(B&& b) {
+  if constexpr (N == 1) return std::move(b).template Ret<ffi::AnyBuffer>();
+  else return ffi_rets<N - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
+}
+template <class B>
+auto format_attrs(B&& b) {  // what make_dequant / make_qmv check with check_format
+  return std::move(b).template Attr<int64_t>("fmt").template Attr<int64_t>("bits").template Attr<
+      int64_t>("group_size");
+}
+template <class B>
+auto norm_attrs(B&& b) {
+  return std::move(b).template Attr<float>("eps").template Attr<float>("weight_offset");
+}
+
+template <class Platform, class... Ctx>
+struct Handlers {
+  using Buf = ffi::AnyBuffer;
+  using Out = ffi::Result<ffi::AnyBuffer>;
+  static auto bind() { return BindWith<Ctx...>::bind(); }
+
+  // jaxquant_dequantize: data, scales, biases|[0], global_scale|[0] -> [..., N, K]
+  static ffi::Error dequantize(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf data, Buf scales,
+                               Buf biases, Buf gs, Out out, int64_t fmt, int64_t bits,
+                               int64_t group_size) {
+    DequantProblem p;
+    if (auto e = make_dequant(data, scales, biases, gs, *out, fmt, bits, group_size, &p);
+        e.failure())
+      return e;
+    if (p.rows == 0 || p.k == 0) return ffi::Error::Success();
+    return Platform::dequantize(p, ctx...);
+  }
+  static auto bind_dequantize() { return format_attrs(ffi_rets<1>(ffi_args<4>(bind()))); }
+
+  // jaxquant_qmv: x [Sx,M,K], data, scales, biases, global_scale, indices|[0] -> [S,M,N]
+  static ffi::Error qmv(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf data, Buf scales,
+                        Buf biases, Buf gs, Buf indices, Out y, int64_t fmt, int64_t bits,
+                        int64_t group_size) {
+    QmvProblem p;
+    if (auto e = make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &p);
+        e.failure())
+      return e;
+    if (p.S == 0 || p.M == 0 || p.N == 0) return ffi::Error::Success();
+    return Platform::qmv(p, ctx...);
+  }
+  static auto bind_qmv() { return format_attrs(ffi_rets<1>(ffi_args<6>(bind()))); }
+
+  // jaxquant_rms_norm: x, weight|[0] -> y
+  static ffi::Error rms_norm(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf w, Out y,
+                             float eps, float weight_offset) {
+    NormProblem p;
+    if (auto e = make_norm(kRmsNorm, x, nullptr, w, *y, nullptr, eps, weight_offset, 0, 1, 0, &p);
+        e.failure())
+      return e;
+    return run_norm(p, ctx...);
+  }
+  static auto bind_rms_norm() { return norm_attrs(ffi_rets<1>(ffi_args<2>(bind()))); }
+
+  // jaxquant_add_rms_norm: x, residual, weight|[0] -> y, h
+  static ffi::Error add_rms_norm(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf r, Buf w,
+                                 Out y, Out h, float eps, float weight_offset) {
+    NormProblem p;
+    Buf hb = *h;
+    if (auto e = make_norm(kAddRmsNorm, x, &r, w, *y, &hb, eps, weight_offset, 0, 1, 0, &p);
+        e.failure())
+      return e;
+    return run_norm(p, ctx...);
+  }
+  static auto bind_add_rms_norm() { return norm_attrs(ffi_rets<2>(ffi_args<3>(bind()))); }
+
+  // jaxquant_gated_rms_norm: x, gate, weight|[0] -> y
+  static ffi::Error gated_rms_norm(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf gate,
+                                   Buf w, Out y, float eps, float weight_offset,
+                                   int64_t activation, int64_t norm_before_gate,
+                                   int64_t group_size) {
+    NormProblem p;
+    if (auto e = make_norm(kGatedRmsNorm, x, &gate, w, *y, nullptr, eps, weight_offset,
+                           activation, norm_before_gate, group_size, &p);
+        e.failure())
+      return e;
+    return run_norm(p, ctx...);
+  }
+  static auto bind_gated_rms_norm() {
+    return norm_attrs(ffi_rets<1>(ffi_args<3>(bind())))
+        .template Attr<int64_t>("activation")
+        .template Attr<int64_t>("norm_before_gate")
+        .template Attr<int64_t>("group_size");
+  }
+
+ private:
+  static ffi::Error run_norm(const NormProblem& p, typename ffi::CtxDecoding<Ctx>::Type... ctx) {
+    if (p.rows == 0 || p.d == 0) return ffi::Error::Success();
+    return Platform::norm(p, ctx...);
+  }
+};
+
 }  // namespace jq
+
+// The exported symbols of one library (use once, at global scope):
+//   <PREFIX><target>      the XLA FFI handler of each target in TARGET_LIST
+//   jq_abi_version()      JQ_ABI_VERSION (jaxquant/ffi/_loader.py: ABI_VERSION)
+//   jq_ffi_targets()      the targets, comma-separated: what the loader registers
+//   jq_format_name(i)     format id i's name (jaxquant.formats), NULL past the last:
+//                         the ffi package's FORMAT_IDS
+// HANDLERS is a Handlers<...> type name without commas (a `using` alias).
+#define JQ_ABI_VERSION 2
+#define JQ_FFI_HANDLER_SYMBOL(target, PREFIX, HANDLERS) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##target, HANDLERS::target, HANDLERS::bind_##target());
+#define JQ_FFI_TARGET_NAME(target, ...) #target ","
+#define JQ_FFI_DEFINE_LIBRARY(PREFIX, HANDLERS, TARGET_LIST)                                \
+  TARGET_LIST(JQ_FFI_HANDLER_SYMBOL, PREFIX, HANDLERS)                                      \
+  extern "C" __attribute__((visibility("default"))) int jq_abi_version() {                  \
+    return JQ_ABI_VERSION;                                                                  \
+  }                                                                                         \
+  extern "C" __attribute__((visibility("default"))) const char* jq_ffi_targets() {          \
+    return TARGET_LIST(JQ_FFI_TARGET_NAME, );                                               \
+  }                                                                                         \
+  extern "C" __attribute__((visibility("default"))) const char* jq_format_name(int fmt) {   \
+    return fmt >= 0 && fmt < ::jq::kNumFormats ? ::jq::kFormats[fmt].name : nullptr;        \
+  }

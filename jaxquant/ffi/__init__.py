@@ -3,12 +3,14 @@
 Importing this package loads the libraries that were built (cpu_src/ always;
 hip_src/ for CUDA when nvcc was found, for ROCm when a HIP compiler was),
 registers their handlers as FFI targets for the platforms cpu, CUDA and
-ROCM, and registers the lowerings with `jaxquant.dispatch` as backend "ffi".
-A library that is missing only removes its platform; `unavailable_reason()`
-says why.
+ROCM (each library lists its own targets and format ids: the loader reads
+them), and registers the kernels with `jaxquant.dispatch` as backend "ffi"
+(KERNELS below; kernel choice: `jaxquant.ffi.configs`). A library that is
+missing only removes its platform; `unavailable_reason()` says why.
 
 Targets (one name for every platform; operands validated by the handler,
-which returns an error instead of touching bad memory):
+which returns an error instead of touching bad memory; how to add one:
+include/jq/ffi_common.h):
   jaxquant_dequantize      data, scales, biases|[0], global_scale|[0] -> [..., N, K]
   jaxquant_qmv             x [Sx,M,K], data, scales, biases, global_scale, indices|[0] -> [S,M,N]
   jaxquant_rms_norm        x, weight|[0] -> y
@@ -18,7 +20,7 @@ which returns an error instead of touching bad memory):
 Numerics (DESIGN.md §4):
 - dequantize is bit for bit the reference (float32 arithmetic, affine as
   fma(q, scale, bias) like XLA, E8M0 as an exact power of two).
-- qmm with transpose=True and at most GEMV_MAX_M rows of x per weight matrix,
+- qmm with transpose=True and at most configs.GEMV_MAX_M rows of x per weight matrix,
   and every gather_qmm slot, run the fused dequantize-GEMV: it never
   materializes the weight; each group's float32 partial sum is scaled once
   (exactly, for E8M0), accumulation is float32 and the output is x's dtype.
@@ -28,47 +30,51 @@ Numerics (DESIGN.md §4):
   and the format, so gather_qmm(x, qw, idx)[t, j] == qmm(x[t], qw[idx[t, j]])
   bit for bit on this backend.
 - qmm otherwise (transpose=False, more rows), ragged_qmm and gather_qmm with
-  transpose=False: the ffi dequantize into x's dtype, then the reference's
-  own XLA contraction (so the precision setting is honoured).
-- float64 anywhere, non-canonical layouts, K not a multiple of 32: `applies`
-  says no and the reference runs.
+  transpose=False: the op's reference with the ffi dequantize into x's dtype
+  (so the reference's own XLA contraction, and its precision setting).
+- float64 anywhere, non-canonical layouts, K not a multiple of 32: the
+  `supports_*` functions say no and the reference runs.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 
 from jaxquant import dispatch
-from jaxquant.ffi import _loader, _ops
-from jaxquant.ffi._ops import (FORMAT_IDS, GEMV_MAX_M, add_rms_norm_call, dequantize_call,
+from jaxquant.ffi import _loader, _ops, configs
+from jaxquant.ffi._ops import (FORMAT_IDS, add_rms_norm_call, dequantize_call,
                                gated_rms_norm_call, qmv_call, rms_norm_call)
 
-__all__ = ["FORMAT_IDS", "GEMV_MAX_M", "PRIORITY", "add_rms_norm_call", "dequantize_call",
+__all__ = ["FORMAT_IDS", "KERNELS", "add_rms_norm_call", "configs", "dequantize_call",
            "gated_rms_norm_call", "libraries", "loaded_platforms", "qmv_call", "rms_norm_call",
            "unavailable_reason"]
 
-# Priority against other backends' kernels under automatic choice (dispatch.select).
-# CPU: no other backend serves it, so ffi ranks first there; `auto` (below) narrows
-# it to the cases measured faster than the reference. GPU: below the Pallas kernels
-# (priority 0), which were faster in every same-run comparison on an H100: the fused
-# GEMV is 3-6x faster than the jnp reference but 1.2-1.5x slower than Pallas (33-37%
-# of the copy bandwidth; benchmarks/RESULTS.md).
-PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
-
 _LIBS: dict[str, _loader.Library] = {}
+
+
+def _refuse_if_renumbered(lib: _loader.Library) -> bool:
+    """Unload `lib` if it numbers the formats unlike the libraries loaded before it
+    (libraries built from different sources); True if it did."""
+    if lib.handle is None or not FORMAT_IDS or lib.format_ids == FORMAT_IDS:
+        return False
+    lib.error = (f"{lib.path} numbers the formats {lib.format_ids}, another loaded library "
+                 f"{FORMAT_IDS}: rebuild with `pip install -e .`")
+    lib.handle = None
+    return True
 
 
 def _load_all():
     for platform in _loader.PLATFORMS:
         lib = _loader.load(platform)
+        _refuse_if_renumbered(lib)
         _loader.register(lib)
+        if lib.handle is not None and not FORMAT_IDS:
+            FORMAT_IDS.update(lib.format_ids)
         _LIBS[platform] = lib
 
 
 def libraries() -> dict[str, _loader.Library]:
-    """platform -> Library (path, handle, error)."""
+    """platform -> Library (path, handle, error, targets, format_ids)."""
     return dict(_LIBS)
 
 
@@ -91,53 +97,21 @@ def unavailable_reason(platform: str | None = None) -> str | None:
     return lib.error if lib.handle is None else None
 
 
-def _never(*args, **params):
-    return False
-
-
-def _transposed(*args, transpose, **params):
-    return transpose
-
-
-def _norm_of_64k_elements(x, *args, **params):
-    return math.prod(x.shape) >= 1 << 16
-
-
-# Where `auto` takes the ffi kernels (absent: never), from same-run measurements
-# (benchmarks/RESULTS.md). qmm: the fused GEMV only (`_ops.make_qmm_gemv_case`);
-# above GEMV_MAX_M rows the ffi dequantize + XLA's dot is 0.5-0.7x the reference,
-# which XLA fuses. gather_qmm with x @ W.T: the fused GEMV per slot (CPU 13-25x,
-# H100 2-8x). CPU only: dequantize (0.9-6.4x: even to 1.3x for the 4-bit formats,
-# the MX6 unpack 6x), norms from 64 Ki elements (1.1-4.2x; smaller rows are a few
-# µs either way and XLA fuses them with their neighbours). Never: ragged_qmm
-# (dequantize + ragged_dot, 0.85x on the CPU), the GPU norms (20-30% of the copy
-# bandwidth, 0.2-0.5x XLA's fused reference on an H100).
-_AUTO = {
-    "cpu": {"gather_qmm": _transposed, "dequantize": None, "rms_norm": _norm_of_64k_elements,
-            "add_rms_norm": _norm_of_64k_elements, "gated_rms_norm": _norm_of_64k_elements},
-    "gpu": {"gather_qmm": _transposed},
-}
-
-
-def _register_kernels():
-    entries = [
-        ("dequantize", _ops.dequantize_impl, _ops.dequantize_applies),
-        ("gather_qmm", _ops.gather_qmm_impl, _ops.gather_qmm_applies),
-        ("ragged_qmm", _ops.ragged_qmm_impl, _ops.ragged_qmm_applies),
-        ("rms_norm", _ops.rms_norm_impl, _ops.rms_norm_applies),
-        ("add_rms_norm", _ops.add_rms_norm_impl, _ops.add_rms_norm_applies),
-        ("gated_rms_norm", _ops.gated_rms_norm_impl, _ops.gated_rms_norm_applies),
-    ]
-    for platform in loaded_platforms():
-        prio = PRIORITY[platform]
-        auto = _AUTO["cpu" if platform == "cpu" else "gpu"]
-        for name, impl, applies in entries:
-            dispatch.register(name, "ffi", (platform,), impl, applies, priority=prio,
-                              auto=auto.get(name, _never))
-        dispatch.register("qmm", "ffi", (platform,), _ops.make_qmm_impl(platform),
-                          _ops.qmm_applies, priority=prio, auto=_ops.make_qmm_gemv_case(platform))
-
+# (primitive, impl, supports, auto): registered for every loaded platform, with
+# configs.PRIORITY[platform]; each takes `platform` from the dispatcher.
+KERNELS = (
+    ("qmm", _ops.qmm, _ops.supports_matmul, configs.auto_qmm),
+    ("gather_qmm", _ops.gather_qmm, _ops.supports_matmul, configs.auto_gather_qmm),
+    ("ragged_qmm", _ops.ragged_qmm, _ops.supports_matmul, configs.never),
+    ("dequantize", dequantize_call, _ops.supports_dequantize, configs.auto_dequantize),
+    ("rms_norm", rms_norm_call, _ops.supports_norm, configs.auto_norm),
+    ("add_rms_norm", add_rms_norm_call, _ops.supports_norm, configs.auto_norm),
+    ("gated_rms_norm", gated_rms_norm_call, _ops.supports_norm, configs.auto_norm),
+)
 
 _load_all()
-_register_kernels()
+for _platform in loaded_platforms():
+    for _name, _impl, _supports, _auto in KERNELS:
+        dispatch.register(_name, "ffi", (_platform,), _impl, _supports,
+                          priority=configs.PRIORITY[_platform], auto=_auto)
 dispatch.register_backend("ffi", unavailable_reason)

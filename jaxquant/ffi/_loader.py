@@ -27,16 +27,11 @@ PLATFORMS = {
     "rocm": ("jaxquant_rocm", "ROCM"),
 }
 
-# FFI target name -> handler symbol stem (the CPU library prefixes jq_cpu_, the GPU ones jq_gpu_)
-TARGETS = {
-    "jaxquant_dequantize": "dequantize",
-    "jaxquant_qmv": "qmv",
-    "jaxquant_rms_norm": "rms_norm",
-    "jaxquant_add_rms_norm": "add_rms_norm",
-    "jaxquant_gated_rms_norm": "gated_rms_norm",
-}
+# Handler symbols: the CPU library prefixes its targets with jq_cpu_, the GPU ones with jq_gpu_.
+SYMBOL_PREFIX = {"cpu": "jq_cpu_", "cuda": "jq_gpu_", "rocm": "jq_gpu_"}
 
-ABI_VERSION = 1
+# include/jq/ffi_common.h: JQ_ABI_VERSION
+ABI_VERSION = 2
 
 
 @dataclasses.dataclass
@@ -45,6 +40,9 @@ class Library:
     path: pathlib.Path | None = None
     handle: ctypes.CDLL | None = None
     error: str | None = None  # why it is not usable
+    # What the library says it has (include/jq/ffi_common.h, JQ_FFI_DEFINE_LIBRARY):
+    targets: tuple[str, ...] = ()  # registered as FFI targets "jaxquant_<target>"
+    format_ids: dict[str, int] = dataclasses.field(default_factory=dict)  # codec.h's format list
 
 
 def _search_dirs() -> list[pathlib.Path]:
@@ -104,8 +102,22 @@ def load(platform: str) -> Library:
         lib.error = (f"{path} has ABI version {version}, this jaxquant needs {ABI_VERSION}: "
                      "rebuild with `pip install -e .`")
         return lib
+    lib.targets, lib.format_ids = describe(handle)
     lib.handle = handle
     return lib
+
+
+def describe(handle: ctypes.CDLL) -> tuple[tuple[str, ...], dict[str, int]]:
+    """A library's own description: its FFI targets (jq_ffi_targets) and its
+    format ids (jq_format_name(i): the order of include/jq/codec.h's format list)."""
+    handle.jq_ffi_targets.restype = ctypes.c_char_p
+    handle.jq_format_name.restype = ctypes.c_char_p
+    handle.jq_format_name.argtypes = [ctypes.c_int]
+    targets = tuple(t for t in handle.jq_ffi_targets().decode().split(",") if t)
+    format_ids = {}
+    while (name := handle.jq_format_name(len(format_ids))) is not None:
+        format_ids[name.decode()] = len(format_ids)
+    return targets, format_ids
 
 
 def register(lib: Library) -> None:
@@ -113,11 +125,11 @@ def register(lib: Library) -> None:
     if lib.handle is None:
         return
     _, xla_platform = PLATFORMS[lib.platform]
-    prefix = "jq_cpu_" if lib.platform == "cpu" else "jq_gpu_"
     try:
-        for target, stem in TARGETS.items():
-            fn = getattr(lib.handle, prefix + stem)
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=xla_platform)
+        for target in lib.targets:
+            fn = getattr(lib.handle, SYMBOL_PREFIX[lib.platform] + target)
+            jax.ffi.register_ffi_target("jaxquant_" + target, jax.ffi.pycapsule(fn),
+                                        platform=xla_platform)
     except Exception as e:  # noqa: BLE001 - a broken library removes its platform only
         lib.error = f"registering {lib.path}'s handlers failed: {type(e).__name__}: {e}"
         lib.handle = None

@@ -1,9 +1,14 @@
-"""The ffi backend's lowerings: jnp-traceable functions with each op's signature
-that call the compiled handlers through `jax.ffi.ffi_call`.
+"""The ffi backend's kernels: jnp-traceable functions that call the compiled
+handlers through `jax.ffi.ffi_call`.
 
-Kernel choice lives here, as data (`GEMV_MAX_M`, `PRIORITY`): the fused
-dequantize-GEMV for qmm with few rows of x per weight matrix and for every
-gather_qmm slot; the ffi dequantize followed by XLA's dot for the rest.
+Each function registered with `jaxquant.dispatch` (jaxquant/ffi/__init__.py:
+KERNELS) takes the op's arguments and params plus `platform`, as the
+dispatcher passes them; the same functions serve direct calls (tests,
+benchmarks), where `platform` may be left out: the handler that runs is the
+library of the platform being lowered for. What runs where: qmm with few rows
+of x per weight matrix (configs.GEMV_MAX_M) and every gather_qmm slot with
+x @ W.T run the fused dequantize-GEMV; the rest is the op's reference
+(jaxquant/ops/qmm.py) with the ffi dequantize in place of the jnp one.
 """
 
 from __future__ import annotations
@@ -13,24 +18,22 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from jaxquant.ffi import configs
+from jaxquant.ops.qmm import gather_qmm_reference, qmm_reference, ragged_qmm_reference
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
-# Format ids of include/jq/codec.h (checked against the library by the tests).
-FORMAT_IDS = {"affine": 0, "mxfp4": 1, "mxfp6_e2m3": 2, "mxfp6_e3m2": 3, "mxfp8_e4m3": 4,
-              "mxfp8_e5m2": 5, "nvfp4": 6, "fp4": 7}
-
-# The largest number of x rows per weight matrix that the fused GEMV takes, per
-# platform; past it, qmm is ffi dequantize + XLA's dot (which wins once the
-# weight's decode is amortized over enough rows).
-GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
+# mode -> format id, as the loaded libraries describe themselves (jq_format_name:
+# the order of include/jq/codec.h's format list); filled in when the package loads
+# them (jaxquant/ffi/__init__.py). Empty when no library loaded.
+FORMAT_IDS: dict[str, int] = {}
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 # ---------------------------------------------------------------------------
-# The raw calls (also used by the tests and the benchmark).
+# The calls of the FFI targets (the dequantize and the norms with their op's
+# signature: registered as they are).
 
 
 def _empty():
@@ -49,7 +52,7 @@ def _format_attrs(qw: QuantizedArray):
                 group_size=np.int64(qw.group_size))
 
 
-def dequantize_call(qw: QuantizedArray, dtype):
+def dequantize_call(qw: QuantizedArray, dtype, *, platform=None):
     """The ffi dequantize: [..., N, K] in `dtype`, bit for bit the reference's."""
     out = jax.ShapeDtypeStruct(qw.shape, jnp.dtype(dtype))
     return jax.ffi.ffi_call("jaxquant_dequantize", out, vmap_method="broadcast_all")(
@@ -69,14 +72,14 @@ def qmv_call(x3, qw3: QuantizedArray, indices=None, num_slots=None):
         x3, *_qw_operands(qw3), idx, **_format_attrs(qw3))
 
 
-def rms_norm_call(x, weight, eps, weight_offset):
+def rms_norm_call(x, weight, eps, weight_offset, *, platform=None):
     w = weight if weight is not None else _empty()
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     return jax.ffi.ffi_call("jaxquant_rms_norm", out, vmap_method="broadcast_all")(
         x, w, eps=np.float32(eps), weight_offset=np.float32(weight_offset))
 
 
-def add_rms_norm_call(x, residual, weight, eps, weight_offset):
+def add_rms_norm_call(x, residual, weight, eps, weight_offset, *, platform=None):
     w = weight if weight is not None else _empty()
     out = (jax.ShapeDtypeStruct(x.shape, residual.dtype),
            jax.ShapeDtypeStruct(x.shape, residual.dtype))
@@ -86,7 +89,7 @@ def add_rms_norm_call(x, residual, weight, eps, weight_offset):
 
 
 def gated_rms_norm_call(x, gate, weight, eps, weight_offset, activation, norm_before_gate,
-                        group_size):
+                        group_size, *, platform=None):
     w = weight if weight is not None else _empty()
     out = jax.ShapeDtypeStruct(x.shape, gate.dtype)
     return jax.ffi.ffi_call("jaxquant_gated_rms_norm", out, vmap_method="broadcast_all")(
@@ -96,7 +99,7 @@ def gated_rms_norm_call(x, gate, weight, eps, weight_offset, activation, norm_be
 
 
 # ---------------------------------------------------------------------------
-# applies: which cases the kernels take (the reference serves the rest).
+# supports: the cases the kernels take (the reference serves the rest).
 
 
 def _float_ok(*avals):
@@ -113,42 +116,22 @@ def _qw_ok(qw):
     return scale_ok and gs_ok
 
 
-def dequantize_applies(qw, *, dtype):
+def supports_dequantize(qw, *, dtype, platform):
     return _qw_ok(qw) and jnp.dtype(dtype) in _KERNEL_DTYPES
 
 
-def qmm_applies(x, qw, *, transpose, precision):
+def supports_matmul(x, qw, *operands, platform, **params):
+    """qmm, gather_qmm, ragged_qmm."""
     return _qw_ok(qw) and _float_ok(x)
 
 
-def gather_qmm_applies(x, qw, indices, *, transpose, precision):
-    return _qw_ok(qw) and _float_ok(x)
-
-
-def ragged_qmm_applies(x, qw, group_sizes, *, transpose, precision):
-    return _qw_ok(qw) and _float_ok(x)
-
-
-def rms_norm_applies(x, weight, *, eps, weight_offset):
-    return _float_ok(x, weight)
-
-
-def add_rms_norm_applies(x, residual, weight, *, eps, weight_offset):
-    return _float_ok(x, residual, weight)
-
-
-def gated_rms_norm_applies(x, gate, weight, *, eps, weight_offset, activation, norm_before_gate,
-                           group_size):
-    return _float_ok(x, gate, weight)
+def supports_norm(*arrays, platform, **params):
+    """rms_norm, add_rms_norm, gated_rms_norm."""
+    return _float_ok(*arrays)
 
 
 # ---------------------------------------------------------------------------
-# Lowerings (impl(*args, **params) with the op's structured arguments).
-
-
-def _contract(x, w, transpose, precision, batch=0):
-    from jaxquant.ops.qmm import _contract as contract  # the reference's own contraction
-    return contract(x, w, transpose, precision, batch)
+# The matmuls.
 
 
 def _flat_experts(qw: QuantizedArray, n_lead: int):
@@ -159,77 +142,33 @@ def _flat_experts(qw: QuantizedArray, n_lead: int):
                           mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype)
 
 
-def make_qmm_gemv_case(platform: str):
-    """auto predicate: the cases qmm_impl runs as the fused GEMV (the ones measured
-    to beat the reference on GPUs; the rest is the ffi dequantize + XLA's dot)."""
-    max_m = GEMV_MAX_M[platform]
-
-    def is_gemv(x, qw, *, transpose, precision):
-        return transpose and 0 < math.prod(x.shape[qw.ndim - 2:-1]) <= max_m
-
-    return is_gemv
-
-
-def make_qmm_impl(platform: str):
-    max_m = GEMV_MAX_M[platform]
-
-    def qmm_impl(x, qw, *, transpose, precision):
-        nb = qw.ndim - 2
-        k = x.shape[-1]
-        n = qw.shape[-2] if transpose else qw.shape[-1]
-        m = math.prod(x.shape[nb:-1])
-        if transpose and 0 < m <= max_m:
-            b = math.prod(qw.shape[:nb])
-            y = qmv_call(x.reshape(b, m, k), _flat_experts(qw, nb))
-            return y.reshape(*x.shape[:-1], n)
-        w = dequantize_call(qw, x.dtype)
-        return _contract(x, w, transpose, precision, batch=nb).astype(x.dtype)
-
-    return qmm_impl
+def qmm(x, qw, *, transpose, precision, platform):
+    """The fused GEMV for at most configs.GEMV_MAX_M[platform] rows of x per weight
+    matrix (x @ W.T); otherwise the reference with the ffi dequantize."""
+    m = configs.gemv_rows(x, qw, transpose=transpose, platform=platform)
+    if m is None:
+        return qmm_reference(x, qw, transpose=transpose, precision=precision,
+                             dequantize=dequantize_call)
+    nb = qw.ndim - 2
+    y = qmv_call(x.reshape(math.prod(qw.shape[:nb]), m, x.shape[-1]), _flat_experts(qw, nb))
+    return y.reshape(*x.shape[:-1], qw.shape[-2])
 
 
-def gather_qmm_impl(x, qw, indices, *, transpose, precision):
-    num_experts = qw.shape[0]
+def gather_qmm(x, qw, indices, *, transpose, precision, platform):
+    """x @ W.T: every slot is qmm's M=1 GEMV on its expert (the same inner routine,
+    so gather_qmm(x, qw, idx)[t, j] == qmm(x[t], qw[idx[t, j]]) bit for bit);
+    x @ W: the reference with the ffi dequantize (== qmm's path)."""
+    if not transpose:
+        return gather_qmm_reference(x, qw, indices, transpose=transpose, precision=precision,
+                                    dequantize=dequantize_call)
     t, slots = indices.shape
-    valid = (indices >= 0) & (indices < num_experts)
-    if transpose:
-        # Every slot is qmm's M=1 GEMV on its expert: the same inner routine,
-        # so gather_qmm(x, qw, idx)[t, j] == qmm(x[t], qw[idx[t, j]]) bit for bit.
-        idx = jnp.where(valid, indices, -1).astype(jnp.int32).reshape(-1)
-        x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
-        y = qmv_call(x3, qw, idx)
-        return y.reshape(t, slots, qw.shape[1])
-    # transpose=False: like the reference, with the ffi dequantize (== qmm's path).
-    w = dequantize_call(qw[jnp.where(valid, indices, 0)], x.dtype)  # [T, k, K, N]
-    xs = jnp.broadcast_to(x[:, None, :], w.shape[:2] + x.shape[-1:]) if x.ndim == 2 else x
-    one = lambda xi, wi: _contract(xi, wi, transpose, precision)
-    y = jax.vmap(jax.vmap(one))(xs, w)
-    return jnp.where(valid[..., None], y, jnp.nan).astype(x.dtype)
+    valid = (indices >= 0) & (indices < qw.shape[0])
+    idx = jnp.where(valid, indices, -1).astype(jnp.int32).reshape(-1)
+    x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
+    return qmv_call(x3, qw, idx).reshape(t, slots, qw.shape[1])
 
 
-def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision):
-    from jaxquant.ops.common import compute_dtype  # noqa: PLC0415
-    w = dequantize_call(qw, x.dtype)
-    rhs = jnp.swapaxes(w, -1, -2) if transpose else w
-    y = lax.ragged_dot(x, rhs, group_sizes.astype(jnp.int32), precision=precision,
-                       preferred_element_type=compute_dtype(x.dtype))
-    return y.astype(x.dtype)
-
-
-def dequantize_impl(qw, *, dtype):
-    return dequantize_call(qw, dtype)
-
-
-def rms_norm_impl(x, weight, *, eps, weight_offset):
-    return rms_norm_call(x, weight, eps, weight_offset)
-
-
-def add_rms_norm_impl(x, residual, weight, *, eps, weight_offset):
-    y, h = add_rms_norm_call(x, residual, weight, eps, weight_offset)
-    return [y, h]
-
-
-def gated_rms_norm_impl(x, gate, weight, *, eps, weight_offset, activation, norm_before_gate,
-                        group_size):
-    return gated_rms_norm_call(x, gate, weight, eps, weight_offset, activation, norm_before_gate,
-                               group_size)
+def ragged_qmm(x, qw, group_sizes, *, transpose, precision, platform):
+    """The reference with the ffi dequantize (there is no fused ragged kernel)."""
+    return ragged_qmm_reference(x, qw, group_sizes, transpose=transpose, precision=precision,
+                                dequantize=dequantize_call)

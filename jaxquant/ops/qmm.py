@@ -223,8 +223,3 @@ def _linear_in_x(op: Op):
 
 for _op in (qmm_op, gather_qmm_op, ragged_qmm_op):
     _linear_in_x(_op)
-
-
-# Transitional: jaxquant/ffi/_ops.py imports this name until it uses the public
-# references above (structure-native's branch); delete with that merge.
-_contract = contract

@@ -1,0 +1,63 @@
+"""Kernel choice of the ffi backend, as data: the one place it lives.
+
+Every rule takes the op's arguments (ShapedArrays) and `platform`, as
+`jaxquant.dispatch` passes them, and is registered for every platform a
+library was loaded for (jaxquant/ffi/__init__.py: KERNELS). The numbers come
+from same-run measurements (benchmarks/RESULTS.md).
+
+- PRIORITY: the ffi kernels' rank against other backends under automatic
+  choice. CPU: no other backend serves it, so ffi ranks first there. GPU: below
+  the Pallas kernels (priority 0), which were faster in every same-run
+  comparison on an H100: the fused GEMV is 3-6x faster than the jnp reference
+  but 1.2-1.5x slower than Pallas (33-37% of the copy bandwidth).
+- GEMV_MAX_M: the most rows of x per weight matrix that qmm runs as the fused
+  dequantize-GEMV (jaxquant/ffi/_ops.py: qmm); past it qmm is the ffi
+  dequantize + XLA's dot, which wins once the weight's decode is amortized over
+  enough rows.
+- auto_*: where automatic choice takes the ffi kernel (an explicit
+  backend="ffi" gets every case the kernel supports). qmm: the fused GEMV only
+  (above GEMV_MAX_M rows the ffi dequantize + XLA's dot is 0.5-0.7x the
+  reference, which XLA fuses). gather_qmm with x @ W.T: the fused GEMV per slot
+  (CPU 13-25x, H100 2-8x). CPU only: dequantize (0.9-6.4x: even to 1.3x for the
+  4-bit formats, the MX6 unpack 6x), norms from NORM_MIN_ELEMENTS elements
+  (1.1-4.2x; smaller rows are a few µs either way and XLA fuses them with their
+  neighbours). Never: ragged_qmm (dequantize + ragged_dot, 0.85x on the CPU),
+  the GPU norms (20-30% of the copy bandwidth, 0.2-0.5x XLA's fused reference
+  on an H100).
+"""
+
+from __future__ import annotations
+
+import math
+
+PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
+
+GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
+
+NORM_MIN_ELEMENTS = 1 << 16
+
+
+def gemv_rows(x, qw, *, transpose, platform) -> int | None:
+    """The rows of x per weight matrix when qmm runs as the fused GEMV, else None."""
+    m = math.prod(x.shape[qw.ndim - 2:-1])
+    return m if transpose and 0 < m <= GEMV_MAX_M[platform] else None
+
+
+def auto_qmm(x, qw, *, transpose, platform, **params) -> bool:
+    return gemv_rows(x, qw, transpose=transpose, platform=platform) is not None
+
+
+def auto_gather_qmm(x, qw, indices, *, transpose, platform, **params) -> bool:
+    return transpose
+
+
+def auto_dequantize(qw, *, platform, **params) -> bool:
+    return platform == "cpu"
+
+
+def auto_norm(x, *operands, platform, **params) -> bool:
+    return platform == "cpu" and math.prod(x.shape) >= NORM_MIN_ELEMENTS
+
+
+def never(*args, platform, **params) -> bool:
+    return False
