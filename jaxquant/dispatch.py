@@ -1,4 +1,4 @@
-"""Backend registry and selection (docs/ops.md, docs/backends.md).
+"""Backend registry and selection (docs/architecture.md, docs/backends.md).
 
 The backends, in preference order, are `BACKENDS`: "reference" (the jnp
 definitions in jaxquant.ops) and one package `jaxquant.<name>` per other
@@ -74,6 +74,8 @@ _AVAILABILITY: dict[str, Callable[[], str | None]] = {"reference": lambda: None}
 # backend name -> why it is not part of this build at all (e.g. metal off macOS): such a
 # backend is neither available nor listed as if it were (`python -m jaxquant`).
 _NOT_BUILT: dict[str, str] = {}
+# backend name -> () -> context manager entered while its kernels are lowered
+_LOWERING_SCOPES: dict[str, Callable] = {}
 
 
 def _backend_state():
@@ -112,10 +114,21 @@ def _every_case(*args, platform, **params):
     return True
 
 
-def register_backend(backend: str, unavailable_reason: Callable[[], str | None]):
-    """Declare how to tell whether `backend` can run here (None means it can)."""
+def register_backend(backend: str, unavailable_reason: Callable[[], str | None], *,
+                     lowering_scope: Callable | None = None):
+    """Declare how to tell whether `backend` can run here (None means it can) and,
+    optionally, a context manager factory entered while its kernels are lowered
+    (e.g. to scope a warnings filter to the backend's own lowering)."""
     _check_name(backend)
     _AVAILABILITY[backend] = unavailable_reason
+    if lowering_scope is not None:
+        _LOWERING_SCOPES[backend] = lowering_scope
+
+
+def lowering_scope(impl):
+    """The context to lower `impl` (a `select` result, or None) in."""
+    scope = _LOWERING_SCOPES.get(getattr(impl, "backend", None))
+    return scope() if scope is not None else contextlib.nullcontext()
 
 
 def declare_not_built(backend: str, why: str):
@@ -186,8 +199,8 @@ def resolve_backend(explicit: str | None) -> str | None:
 
 
 def select(primitive: str, backend: str | None, platform: str, args, params):
-    """The kernel to lower with, as impl(*args, **params) with `platform` bound,
-    or None for the reference."""
+    """The kernel to lower with, as impl(*args, **params) with `platform` bound (and
+    its backend's name as `.backend`), or None for the reference."""
     if backend == "reference":
         return None
     candidates = [k for k in _KERNELS.get(primitive, ()) if platform in k.platforms
@@ -201,5 +214,7 @@ def select(primitive: str, backend: str | None, platform: str, args, params):
         if backend is None and k.auto is not None and not k.auto(*args, platform=platform,
                                                                  **params):
             continue
-        return functools.partial(k.impl, platform=platform)
+        bound = functools.partial(k.impl, platform=platform)
+        bound.backend = k.backend
+        return bound
     return None

@@ -81,7 +81,8 @@ class Op:
                 fn = lambda *l: self.call_reference(l, tree, params)
             else:
                 fn = lambda *l: impl(*jax.tree_util.tree_unflatten(tree, l), **params)
-            return mlir.lower_fun(fn, multiple_results=self.multiple_results)(ctx, *leaves)
+            with dispatch.lowering_scope(impl):
+                return mlir.lower_fun(fn, multiple_results=self.multiple_results)(ctx, *leaves)
         return rule
 
     def _batch(self, leaves, dims, *, tree, backend, **params):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import os
 import re
 import subprocess
@@ -26,10 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import quantize
-from jaxquant.pallas import configs
+from jaxquant.pallas import codecs, configs
+from jaxquant.pallas.common import pow2_ceil, pow2_floor
+from jaxquant.pallas.qmm import qmm as pallas_qmm
 from jaxquant.tools import compile_check
-
-pallas_qmm = importlib.import_module("jaxquant.pallas.qmm")
 
 
 def _nv_tool(name: str, cubin: bytes, *flags: str) -> str:
@@ -89,7 +88,7 @@ def main():
         key, val = item.split("=")
         cfg = cfg.replace(**{key: type(getattr(cfg, key))(int(val))})  # ints and bools
     print(cfg)
-    fn = lambda x, qw: pallas_qmm.qmm(x, qw, platform="cuda", config=cfg)  # noqa: E731
+    fn = lambda x, qw: pallas_qmm(x, qw, platform="cuda", config=cfg)  # noqa: E731
     kernel = compile_check.triton_kernels(fn, x, qw, platform="cuda")[0]
     compiled = compile_check.compile_kernel(kernel, "cuda", 90, 32)
     cubin = compile_check.code_object(compiled)
@@ -102,9 +101,9 @@ def main():
     body = hottest_loop(sass)
     hist = collections.Counter(opcode(ln) for ln in body)
     # Elements per loop iteration: one step of the K loop for all rows of the program.
-    geo = pallas_qmm.codecs.geometry(qw.bits, qw.group_size)
-    bn = min(pallas_qmm._pow2_floor(cfg.block_n), pallas_qmm._pow2_ceil(a.n))
-    bg = pallas_qmm._pow2_floor(max(1, cfg.k_words // geo.words_per_group))
+    geo = codecs.geometry(qw.bits, qw.group_size)
+    bn = min(pow2_floor(cfg.block_n), pow2_ceil(a.n))
+    bg = pow2_floor(max(1, cfg.k_words // geo.words_per_group))
     elems = bn * bg * qw.group_size
     threads = 32 * cfg.num_warps
     per_el = len(body) * threads / elems

@@ -116,7 +116,7 @@ def test_rms_norm_no_weight(width):
 def test_rms_norm_cuda_table(width):
     """The CUDA blocks (one pass up to 16384 columns, two above) in interpret mode."""
     x, w = _rand(2, (2, width), BF16), _rand(3, (width,), F32)   # f32 weight, bf16 x
-    y = _run(pn.rms_norm, x, w, eps=1e-6, weight_offset=0.0, config=pn.CONFIGS["cuda"])
+    y = _run(pn.rms_norm, x, w, eps=1e-6, weight_offset=0.0, config=configs.NORM_CONFIGS["cuda"])
     _check_oracle(y, rms64(x, w), BF16)
     _check_ref(y, rms_norm_reference(x, w, eps=1e-6, weight_offset=0.0))
 
@@ -212,7 +212,7 @@ def test_gated_cuda_table_grouped():
     x, gate = _rand(8, (2, 8192), BF16), _rand(9, (2, 8192), F32)
     w = _rand(10, (8192,), BF16)
     _gated_case(x, gate, w, activation="silu", norm_before_gate=True, group_size=128,
-                config=pn.CONFIGS["cuda"])
+                config=configs.NORM_CONFIGS["cuda"])
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def test_plans():
             p = pn.plan(platform, rows, groups, width)
             for v in (p.br, p.bg, p.bs, p.block_w, p.num_warps):
                 assert v & (v - 1) == 0                      # Triton: powers of two
-            assert 1 <= p.num_warps <= pn.CONFIGS[platform].max_warps
+            assert 1 <= p.num_warps <= configs.NORM_CONFIGS[platform].max_warps
             assert p.br * p.grid[0] >= rows and p.block_w >= width
 
 
@@ -270,14 +270,14 @@ def test_registered_for_gpus_above_ffi():
     small = jax.ShapeDtypeStruct((64, 4096), F32)     # below AUTO_NORM_MIN_ELEMENTS
     rp = dict(eps=1e-6, weight_offset=0.0)
     select = functools.partial(dispatch.select, platform="cuda")
-    assert select("rms_norm", None, args=(x, None), params=rp).func is pn.rms_norm
+    assert select("rms_norm", None, args=(x, None), params=rp).func is pn.lower_rms_norm
     impl = select("rms_norm", None, args=(x64, None), params=rp)
-    assert getattr(impl, "func", None) is not pn.rms_norm
+    assert getattr(impl, "func", None) is not pn.lower_rms_norm
     assert select("rms_norm", None, args=(small, None), params=rp) is None  # auto: XLA
-    assert select("rms_norm", "pallas", args=(small, None), params=rp).func is pn.rms_norm
+    assert select("rms_norm", "pallas", args=(small, None), params=rp).func is pn.lower_rms_norm
     gp = dict(eps=1e-6, weight_offset=0.0, activation="silu", norm_before_gate=True,
               group_size=None)
-    assert select("gated_rms_norm", None, args=(x, x, None), params=gp).func is pn.gated_rms_norm
+    assert select("gated_rms_norm", None, args=(x, x, None), params=gp).func is pn.lower_gated_rms_norm
 
 
 def test_through_the_primitive_on_cpu_is_unchanged():

@@ -89,10 +89,14 @@ def copy_bandwidth(nbytes=None, iters=None):
     return 2 * nbytes / sec
 
 
-def header(out, bw):
-    """The device, jax version and copy bandwidth lines every table starts with."""
+def start(out, interpret) -> float:
+    """Times the copy bandwidth and prints the lines every run starts with: the device,
+    jax version, copy bandwidth and which backends cannot run here. Returns bytes/s."""
     import jax
 
+    from jaxquant import dispatch
+
+    bw = copy_bandwidth()
     dev = jax.devices()[0]
     out(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}")
     if on_cpu():
@@ -100,6 +104,11 @@ def header(out, bw):
             f"(a copy there measures caches, not memory)")
     else:
         out(f"# copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+    if dispatch.unavailable_reason("ffi") is not None:
+        out(f"# ffi: {dispatch.unavailable_reason('ffi')}")
+    if pallas_label(interpret) is None:
+        out("# pallas: no GPU here (--interpret times the kernels in interpret mode)")
+    return bw
 
 
 # ---------------------------------------------------------------------------

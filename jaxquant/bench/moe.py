@@ -114,12 +114,7 @@ def run(args, out=print):
 
     import jaxquant as jq
 
-    bw = harness.copy_bandwidth()
-    harness.header(out, bw)
-    if "ffi" not in jq.available_backends():
-        out(f"# ffi: {jq.dispatch.unavailable_reason('ffi')}")
-    if harness.pallas_label(args.interpret) is None:
-        out("# pallas: no GPU here (--interpret times the kernels in interpret mode)")
+    bw = harness.start(out, args.interpret)
     dt = jnp.dtype(args.dtype)
     rows = []
     key = jax.random.PRNGKey(0)

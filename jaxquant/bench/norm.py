@@ -61,14 +61,7 @@ def run(args, out=print):
     import jax
     import jax.numpy as jnp
 
-    import jaxquant as jq
-
-    bw = harness.copy_bandwidth()
-    harness.header(out, bw)
-    if "ffi" not in jq.available_backends():
-        out(f"# ffi: {jq.dispatch.unavailable_reason('ffi')}")
-    if harness.pallas_label(args.interpret) is None:
-        out("# pallas: no GPU here (--interpret times the kernels in interpret mode)")
+    bw = harness.start(out, args.interpret)
     gated_kw = dict(activation=args.activation, norm_before_gate=not args.gate_after_norm,
                     group_size=args.group_size)
     dt = jnp.dtype(args.dtype)

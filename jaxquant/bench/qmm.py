@@ -95,12 +95,7 @@ def run(args, out=print):
     import jaxquant as jq
     from jaxquant.quantize import dequantize_reference
 
-    bw = harness.copy_bandwidth()
-    harness.header(out, bw)
-    if "ffi" not in jq.available_backends():
-        out(f"# ffi: {jq.dispatch.unavailable_reason('ffi')}")
-    if harness.pallas_label(args.interpret) is None:
-        out("# pallas: no GPU here (--interpret times the kernels in interpret mode)")
+    bw = harness.start(out, args.interpret)
     opts = Options(args.interpret, tuple(args.variant))
     dt = jnp.dtype(args.dtype)
     rows = []

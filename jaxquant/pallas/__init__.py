@@ -1,17 +1,19 @@
 """Pallas backend: Triton-lowered kernels for CUDA and ROCm (docs/backends.md).
 
 Importing this package registers its kernels with `jaxquant.dispatch` for the
-platforms cuda and rocm; each kernel's public front takes the op's arguments
-plus `platform` (and `interpret`, `config` for direct use), its `supports*`
-function the same arguments as ShapedArrays. Kernel choice and block sizes:
-`jaxquant.pallas.configs`.
+platforms cuda and rocm: each `lower_*` front takes the op's arguments plus
+`platform`, its `supports*` function the same arguments as ShapedArrays (the
+unprefixed fronts add argument checks, `interpret` and `config`, for direct use).
+Kernel choice and block sizes: `jaxquant.pallas.configs`. Modules: `common`
+(shared helpers), `codecs` (decoders), `gemv` and `gemm` (the matmul kernel
+families), fronts `qmm`, `moe`, `norms`.
 """
 
 from __future__ import annotations
 
 from jaxquant import dispatch
-from jaxquant.pallas import configs, moe, norms
-from jaxquant.pallas import qmm as _qmm_module
+from jaxquant.pallas import configs, moe, norms, qmm
+from jaxquant.pallas.common import quiet_lowering
 
 __all__ = ["PLATFORMS", "unavailable_reason"]
 
@@ -35,15 +37,15 @@ def unavailable_reason() -> str | None:
 # (primitive, impl, applies, auto): `auto` is configs' rule where automatic choice was
 # measured to beat the reference (None: every case `applies` takes).
 KERNELS = (
-    ("qmm", _qmm_module.qmm, _qmm_module.supports, configs.auto_qmm),
-    ("gather_qmm", moe.gather_qmm, moe.supports_gather, None),
-    ("ragged_qmm", moe.ragged_qmm, moe.supports_ragged, None),
-    ("rms_norm", norms.rms_norm, norms.supports, configs.auto_norm),
-    ("add_rms_norm", norms.add_rms_norm, norms.supports, configs.auto_norm),
-    ("gated_rms_norm", norms.gated_rms_norm, norms.supports, configs.auto_norm),
+    ("qmm", qmm.lower_qmm, qmm.supports, configs.auto_qmm),
+    ("gather_qmm", moe.lower_gather_qmm, moe.supports_gather, None),
+    ("ragged_qmm", moe.lower_ragged_qmm, moe.supports_ragged, None),
+    ("rms_norm", norms.lower_rms_norm, norms.supports, configs.auto_norm),
+    ("add_rms_norm", norms.lower_add_rms_norm, norms.supports, configs.auto_norm),
+    ("gated_rms_norm", norms.lower_gated_rms_norm, norms.supports, configs.auto_norm),
 )
 
 for _name, _impl, _applies, _auto in KERNELS:
     dispatch.register(_name, "pallas", PLATFORMS, _impl, _applies,
                       priority=configs.PRIORITY, auto=_auto)
-dispatch.register_backend("pallas", unavailable_reason)
+dispatch.register_backend("pallas", unavailable_reason, lowering_scope=quiet_lowering)

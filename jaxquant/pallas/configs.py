@@ -52,46 +52,39 @@ GEMV_MAX_M = {"cuda": 4, "rocm": 4, "interpret": 4}
 MIN_PROGRAMS = {"cuda": 4 * 132, "rocm": 2 * 304, "interpret": 1}
 MIN_BLOCK_N = 8
 
-# (platform, transpose, shape class) -> config. Hopper/Ampere numbers were tuned on an
-# H100 (benchmarks/RESULTS.md); ROCm numbers follow Triton's AMD guidance (one
-# stage: the AMD backend pipelines through registers; 64-wide wavefronts).
-TABLE: dict[tuple[str, bool, str], KernelConfig] = {
-    # --- CUDA -------------------------------------------------------------
-    ("cuda", True, "gemv"): KernelConfig("gemv", block_n=32, k_words=32, num_warps=4, num_stages=3),
-    ("cuda", True, "skinny"): KernelConfig("gemm", block_m=16, block_n=64, k_words=32,
-                                           swap_ab=True, num_warps=4, num_stages=3),
-    ("cuda", True, "gemm"): KernelConfig("gemm", block_m=256, block_n=128, k_words=16,
-                                         interleave=True, num_warps=8, num_stages=2),
-    ("cuda", False, "gemv"): KernelConfig("gemv", block_k=16, n_words=32, num_warps=4, num_stages=3),
-    ("cuda", False, "skinny"): KernelConfig("gemm", block_m=16, block_k=64, n_words=16,
-                                            num_warps=4, num_stages=3),
-    ("cuda", False, "gemm"): KernelConfig("gemm", block_m=128, block_k=64, n_words=16,
-                                          interleave=True, num_warps=8, num_stages=2),
-    # --- ROCm -------------------------------------------------------------
-    ("rocm", True, "gemv"): KernelConfig("gemv", block_n=32, k_words=32, num_warps=4, num_stages=1),
-    ("rocm", True, "skinny"): KernelConfig("gemm", block_m=16, block_n=64, k_words=32,
-                                           swap_ab=True, num_warps=4, num_stages=1),
-    ("rocm", True, "gemm"): KernelConfig("gemm", block_m=128, block_n=128, k_words=16,
-                                         interleave=True, num_warps=8, num_stages=1),
-    ("rocm", False, "gemv"): KernelConfig("gemv", block_k=16, n_words=32, num_warps=4, num_stages=1),
-    ("rocm", False, "skinny"): KernelConfig("gemm", block_m=16, block_k=64, n_words=16,
-                                            num_warps=4, num_stages=1),
-    ("rocm", False, "gemm"): KernelConfig("gemm", block_m=128, block_k=64, n_words=16,
-                                          interleave=True, num_warps=8, num_stages=1),
-    # --- interpret mode (CPU tests): small tiles so that masking is exercised ---
-    ("interpret", True, "gemv"): KernelConfig("gemv", block_n=16, k_words=16, num_warps=4, num_stages=1),
-    ("interpret", True, "skinny"): KernelConfig("gemm", block_m=16, block_n=16, k_words=16,
-                                                swap_ab=True,
-                                                num_warps=4, num_stages=1),
-    ("interpret", True, "gemm"): KernelConfig("gemm", block_m=32, block_n=16, k_words=16,
-                                              interleave=True, num_warps=4, num_stages=1),
-    ("interpret", False, "gemv"): KernelConfig("gemv", block_k=16, n_words=16, num_warps=4, num_stages=1),
-    ("interpret", False, "skinny"): KernelConfig("gemm", block_m=16, block_k=16, n_words=16,
-                                                 num_warps=4, num_stages=1),
-    ("interpret", False, "gemm"): KernelConfig("gemm", block_m=32, block_k=16, n_words=16,
-                                               interleave=True,
-                                               num_warps=4, num_stages=1),
+# (transpose, shape class) -> config, tuned on an H100 (benchmarks/RESULTS.md).
+_CUDA: dict[tuple[bool, str], KernelConfig] = {
+    (True, "gemv"): KernelConfig("gemv", block_n=32, k_words=32, num_warps=4, num_stages=3),
+    (True, "skinny"): KernelConfig("gemm", block_m=16, block_n=64, k_words=32, swap_ab=True,
+                                   num_warps=4, num_stages=3),
+    (True, "gemm"): KernelConfig("gemm", block_m=256, block_n=128, k_words=16, interleave=True,
+                                 num_warps=8, num_stages=2),
+    (False, "gemv"): KernelConfig("gemv", block_k=16, n_words=32, num_warps=4, num_stages=3),
+    (False, "skinny"): KernelConfig("gemm", block_m=16, block_k=64, n_words=16, num_warps=4,
+                                    num_stages=3),
+    (False, "gemm"): KernelConfig("gemm", block_m=128, block_k=64, n_words=16, interleave=True,
+                                  num_warps=8, num_stages=2),
 }
+# ROCm: CUDA's tiles with Triton's AMD guidance: one stage (the AMD backend pipelines
+# through registers) and 128-row GEMM tiles for x @ W.T.
+_ROCM = {key: cfg.replace(num_stages=1) for key, cfg in _CUDA.items()}
+_ROCM[(True, "gemm")] = _ROCM[(True, "gemm")].replace(block_m=128)
+# interpret mode (CPU tests): small tiles so that masking is exercised.
+_INTERPRET = {
+    (True, "gemv"): KernelConfig("gemv", block_n=16, k_words=16),
+    (True, "skinny"): KernelConfig("gemm", block_m=16, block_n=16, k_words=16, swap_ab=True),
+    (True, "gemm"): KernelConfig("gemm", block_m=32, block_n=16, k_words=16, interleave=True),
+    (False, "gemv"): KernelConfig("gemv", block_k=16, n_words=16),
+    (False, "skinny"): KernelConfig("gemm", block_m=16, block_k=16, n_words=16),
+    (False, "gemm"): KernelConfig("gemm", block_m=32, block_k=16, n_words=16, interleave=True),
+}
+_INTERPRET = {key: cfg.replace(num_warps=4, num_stages=1) for key, cfg in _INTERPRET.items()}
+
+# (platform, transpose, shape class) -> config.
+TABLE: dict[tuple[str, bool, str], KernelConfig] = {
+    (platform, *key): cfg
+    for platform, table in (("cuda", _CUDA), ("rocm", _ROCM), ("interpret", _INTERPRET))
+    for key, cfg in table.items()}
 
 
 def shape_class(platform: str, m: int) -> str:
@@ -136,6 +129,39 @@ def select(platform: str, transpose: bool, m: int, n: int, k: int, bits: int,
         cfg = cfg.replace(block_m=bm)
     return cfg
 
+
+# ---------------------------------------------------------------------------
+# Norms: block configurations (jaxquant.pallas.norms).
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    max_block: int = 16384   # widest row (group) normalized in one pass; power of two
+    chunk: int = 4096        # column step of the two-pass kernel; power of two
+    tile: int = 4096         # elements per program that narrow rows are batched up to
+    per_thread: int = 16     # elements per thread: num_warps = tile / (warp * per_thread)
+    warp: int = 32           # lanes per warp (wavefront) used for that estimate
+    max_warps: int = 16
+    num_stages: int = 1      # software pipelining of the two-pass loops (CUDA only)
+
+    def replace(self, **kw) -> "NormConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# CUDA: 16 elements per thread keeps a 16 Ki-element row in registers with 16
+# warps (32 f32 registers per input); 4096-element tiles (8 warps) are what the
+# Triton layer-norm recipe uses to reach the copy bandwidth. ROCm: same tiles on
+# 64-wide wavefronts (half the warps), one stage (the AMD backend pipelines
+# through registers). interpret (CPU tests): tiny limits, so that small test
+# widths go through the multi-row, grouped and two-pass paths.
+NORM_CONFIGS: dict[str, NormConfig] = {
+    "cuda": NormConfig(max_block=16384, chunk=4096, tile=4096, per_thread=16, warp=32,
+                       max_warps=16, num_stages=2),
+    "rocm": NormConfig(max_block=16384, chunk=4096, tile=4096, per_thread=16, warp=64,
+                       max_warps=16, num_stages=1),
+    "interpret": NormConfig(max_block=256, chunk=128, tile=512, per_thread=16, warp=32,
+                            max_warps=4, num_stages=1),
+}
 
 # ---------------------------------------------------------------------------
 # Automatic choice (dispatch's `auto`): where the kernels were measured to beat the

@@ -1,10 +1,13 @@
 """Pallas (Triton lowering) kernels for routed MoE: gather_qmm (decode) and
-ragged_qmm (prefill). Both are qmm's kernels (`jaxquant.pallas.qmm`) with an expert
-axis; neither repeats any decode code.
+ragged_qmm (prefill). Both are qmm's kernels (`jaxquant.pallas.gemv`,
+`jaxquant.pallas.gemm`) with an expert axis; neither repeats any decode code.
+`lower_gather_qmm` / `lower_ragged_qmm` are what the dispatcher runs (cases the
+`supports_*` functions accepted, no argument checks); `gather_qmm` / `ragged_qmm`
+are the same for direct use, with a check.
 
 gather_qmm(x, qw, indices): out[t, j] = x[t] (or x[t, j]) @ dequantize(qw[indices[t, j]]).T,
 qw [E, N, K] (transpose=True) or [E, K, N] (transpose=False). qmm's GEMV
-(`_gemv_t` / `_gemv_n`) with a third grid axis over the T*k (token, slot) pairs:
+(`gemv.gemv_t` / `gemv.gemv_n`) with a third grid axis over the T*k (token, slot) pairs:
 each program reads its slot's expert id from the device array (Pallas Triton has
 no scalar prefetch, so the id is one scalar load in the kernel), maps ids outside
 [0, E) to expert 0 and offsets its weight, scale and bias rows by id * rows in the
@@ -15,7 +18,7 @@ every output element goes through the same float ops as qmm(x[t], qw[indices[t, 
 gather == qmm bit for bit on this backend (docs/ops.md). Rows of bad ids read
 expert 0 (in bounds) and are then overwritten with NaN.
 
-ragged_qmm(x, qw, group_sizes) (transpose=True): qmm's tiled GEMM (`_gemm_t`) over
+ragged_qmm(x, qw, group_sizes) (transpose=True): qmm's tiled GEMM (`gemm.gemm_t`) over
 work items (expert, row tile, row range) computed from cumsum(group_sizes) on the
 device by a small jnp prologue (`ragged_schedule`); a tile that straddles groups
 is one item per group (masked rows), items past the last are empty. Rows past
@@ -24,43 +27,43 @@ sum(group_sizes) are zeroed after the kernel.
 
 from __future__ import annotations
 
-import importlib
+import math
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.pallas import codecs, configs
+from jaxquant.pallas.common import X_DTYPES, dot_precision
+from jaxquant.pallas.gemm import gemm_block_m, gemm_t
+from jaxquant.pallas.gemv import gemv_n, gemv_t
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
-
-# The module (jaxquant.pallas re-exports its `qmm` function under the same name).
-_q = importlib.import_module("jaxquant.pallas.qmm")
 
 # Triton grids: axis 2 (the slots) is limited to 65535 programs on CUDA.
 MAX_SLOTS = 65535
 
 
+def _expert_weights_ok(x, qw) -> bool:
+    """What both MoE kernels need of x and the stacked experts qw [E, ., .]."""
+    if jnp.dtype(x.dtype) not in X_DTYPES or qw.layout != CANONICAL:
+        return False
+    if len(qw.shape) != 3 or qw.data.dtype != jnp.uint32:
+        return False
+    codecs.geometry(qw.bits, qw.group_size)     # raises for what no kernel decodes
+    # one global scale, or one per expert
+    return qw.global_scale is None or math.prod(np.shape(qw.global_scale)) in (1, qw.shape[0])
+
+
 def supports_gather(x, qw, indices, *, transpose=True, **params) -> bool:
     """Whether `gather_qmm` has a kernel for these arguments (x, indices: anything
     with a shape and dtype, e.g. ShapedArrays; other params are ignored)."""
-    x_shape, x_dtype, indices_shape = x.shape, x.dtype, indices.shape
     try:
-        if jnp.dtype(x_dtype) not in _q._X_DTYPES or qw.layout != CANONICAL:
+        if not _expert_weights_ok(x, qw) or len(indices.shape) != 2:
             return False
-        if len(qw.shape) != 3 or len(indices_shape) != 2 or qw.data.dtype != jnp.uint32:
-            return False
-        if qw.global_scale is not None and int(np.prod(np.shape(qw.global_scale))) not in (
-                1, qw.shape[0]):
-            return False            # one global scale, or one per expert
         k = qw.shape[2] if transpose else qw.shape[1]
-        t, slots = indices_shape
-        if tuple(x_shape) not in ((t, k), (t, slots, k)):
-            return False
-        if not 0 < t * slots <= MAX_SLOTS:
-            return False
-        codecs.geometry(qw.bits, qw.group_size)
+        t, slots = indices.shape
+        return tuple(x.shape) in ((t, k), (t, slots, k)) and 0 < t * slots <= MAX_SLOTS
     except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
         return False
-    return True
 
 
 def _slot_ids(indices, num_experts):
@@ -73,41 +76,31 @@ def _slot_ids(indices, num_experts):
     return indices.astype(jnp.int32).reshape(-1)
 
 
-def gather_raw(x, qw: QuantizedArray, ids, *, transpose=True, interpret=False, platform=None,
-               config=None):
+def gather_raw(x, qw: QuantizedArray, ids, *, transpose=True, platform="cuda",
+               interpret=False, config=None):
     """The kernel alone: x2 [Sx, K], ids int32 [S] (S a multiple of Sx; slot s reads
     x2[s // (S // Sx)]) -> [S, N]. Ids outside [0, E) read expert 0 (in bounds; its
     values): `gather_qmm` turns those rows into NaN."""
     e, rows, cols = qw.shape
     k, n = (cols, rows) if transpose else (rows, cols)
-    s = ids.shape[0]
-    if platform is None:
-        platform = "interpret" if interpret else _q.detect_platform()
-    elif interpret:
-        platform = "interpret"
+    platform = "interpret" if interpret else platform
     if config is None:
         # qmm's own choice for one row of x: the bit-identity invariant rests on it.
         config = configs.select(platform, transpose, 1, n, k, qw.bits, qw.group_size, x.dtype)
     if config.kernel != "gemv":
         raise ValueError(f"gather_qmm runs qmm's GEMV kernel; got config {config}")
-    fn = _q._gemv_t if transpose else _q._gemv_n
+    fn = gemv_t if transpose else gemv_n
     return fn(x, qw, config, interpret=interpret, hw=not interpret, precision=None, ids=ids,
-              x_div=s // x.shape[0])
+              x_div=ids.shape[0] // x.shape[0])
 
 
-def gather_qmm(x, qw: QuantizedArray, indices, *, transpose: bool = True, precision=None,
-               interpret: bool = False, platform: str | None = None,
-               config: configs.KernelConfig | None = None):
-    """MoE decode on the Pallas GEMV: x [T, K] or [T, k, K], qw [E, N, K] (transpose) or
-    [E, K, N], indices int [T, k] -> [T, k, N] in x.dtype; ids outside [0, E) give NaN rows."""
+def lower_gather_qmm(x, qw: QuantizedArray, indices, *, transpose: bool, precision,
+                     platform: str, interpret: bool = False,
+                     config: configs.KernelConfig | None = None):
+    """MoE decode on the Pallas GEMV for a case `supports_gather` accepted: x [T, K] or
+    [T, k, K], qw [E, N, K] (transpose) or [E, K, N], indices int [T, k] -> [T, k, N] in
+    x.dtype; ids outside [0, E) give NaN rows."""
     del precision  # float32 FMA throughout, like qmm's GEMV
-    if not isinstance(qw, QuantizedArray):
-        raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
-    x = jnp.asarray(x)
-    indices = jnp.asarray(indices)
-    if not supports_gather(x, qw, indices, transpose=transpose):
-        raise ValueError(f"the pallas gather_qmm has no kernel for x {x.shape} {x.dtype}, "
-                         f"qw {qw!r}, indices {indices.shape} (see supports_gather)")
     e, rows, cols = qw.shape
     n, k = (rows, cols) if transpose else (cols, rows)
     t, slots = indices.shape
@@ -121,6 +114,26 @@ def gather_qmm(x, qw: QuantizedArray, indices, *, transpose: bool = True, precis
     return jnp.where(valid[..., None], y, jnp.asarray(jnp.nan, x.dtype))
 
 
+def gather_qmm(x, qw: QuantizedArray, indices, *, transpose: bool = True, precision=None,
+               platform: str = "cuda", interpret: bool = False,
+               config: configs.KernelConfig | None = None):
+    """`lower_gather_qmm` for direct use: a ValueError where it has no kernel."""
+    x, indices = _checked("gather_qmm", supports_gather, x, qw, indices, transpose)
+    return lower_gather_qmm(x, qw, indices, transpose=transpose, precision=precision,
+                            platform=platform, interpret=interpret, config=config)
+
+
+def _checked(name, supports, x, qw, third, transpose):
+    if not isinstance(qw, QuantizedArray):
+        raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
+    x, third = jnp.asarray(x), jnp.asarray(third)
+    if not supports(x, qw, third, transpose=transpose):
+        raise ValueError(f"the pallas {name} has no kernel for x {x.shape} {x.dtype}, "
+                         f"qw {qw!r}, {third.shape}, transpose={transpose} "
+                         f"(see supports_{name.split('_')[0]})")
+    return x, third
+
+
 # ---------------------------------------------------------------------------
 # ragged_qmm (prefill): qmm's GEMM over a device-computed tile schedule.
 
@@ -128,23 +141,14 @@ def gather_qmm(x, qw: QuantizedArray, indices, *, transpose: bool = True, precis
 def supports_ragged(x, qw, group_sizes, *, transpose=True, **params) -> bool:
     """Whether `ragged_qmm` has a kernel for these arguments (x, group_sizes: anything
     with a shape and dtype, e.g. ShapedArrays; other params are ignored)."""
-    x_shape, x_dtype, group_sizes_shape = x.shape, x.dtype, group_sizes.shape
     try:
-        if not transpose or jnp.dtype(x_dtype) not in _q._X_DTYPES or qw.layout != CANONICAL:
+        if not transpose or not _expert_weights_ok(x, qw) or len(x.shape) != 2:
             return False
-        if len(qw.shape) != 3 or qw.data.dtype != jnp.uint32 or len(x_shape) != 2:
+        if tuple(group_sizes.shape) != (qw.shape[0],) or x.shape[1] != qw.shape[2]:
             return False
-        if tuple(group_sizes_shape) != (qw.shape[0],) or x_shape[1] != qw.shape[2]:
-            return False
-        if qw.global_scale is not None and int(np.prod(np.shape(qw.global_scale))) not in (
-                1, qw.shape[0]):
-            return False
-        if x_shape[0] == 0 or qw.shape[1] == 0 or qw.shape[2] == 0:
-            return False
-        codecs.geometry(qw.bits, qw.group_size)
-    except Exception:  # noqa: BLE001
+        return x.shape[0] > 0 and qw.shape[1] > 0 and qw.shape[2] > 0
+    except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
         return False
-    return True
 
 
 def ragged_schedule(group_sizes, rows, bm):
@@ -176,32 +180,32 @@ def _ragged_config(platform, t, n, k, qw, x_dtype):
     return cfg
 
 
-def ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool = True, precision=None,
-               interpret: bool = False, platform: str | None = None,
-               config: configs.KernelConfig | None = None):
-    """MoE prefill: x [T, K] rows sorted by expert, group_sizes int [E], qw [E, N, K] ->
-    [T, N] in x.dtype; rows past sum(group_sizes) are zero (like lax.ragged_dot)."""
-    if not isinstance(qw, QuantizedArray):
-        raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
-    x = jnp.asarray(x)
-    group_sizes = jnp.asarray(group_sizes)
-    if not supports_ragged(x, qw, group_sizes, transpose=transpose):
-        raise ValueError(f"the pallas ragged_qmm has no kernel for x {x.shape} {x.dtype}, "
-                         f"qw {qw!r}, group_sizes {group_sizes.shape}, transpose={transpose}")
+def lower_ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool, precision,
+                     platform: str, interpret: bool = False,
+                     config: configs.KernelConfig | None = None):
+    """MoE prefill for a case `supports_ragged` accepted: x [T, K] rows sorted by expert,
+    group_sizes int [E], qw [E, N, K] -> [T, N] in x.dtype; rows past sum(group_sizes)
+    are zero (like lax.ragged_dot)."""
     t, k = x.shape
     n = qw.shape[1]
-    if platform is None:
-        platform = "interpret" if interpret else _q.detect_platform()
-    elif interpret:
-        platform = "interpret"
+    platform = "interpret" if interpret else platform
     if config is None:
         config = _ragged_config(platform, t, n, k, qw, x.dtype)
-    sched = ragged_schedule(group_sizes, t, _q.gemm_block_m(x.dtype, config))
-    y = _q._gemm_t(x, qw, config, interpret=interpret, hw=not interpret,
-                   precision=_q._dot_precision(precision, x.dtype), schedule=sched)
+    sched = ragged_schedule(group_sizes, t, gemm_block_m(x.dtype, config))
+    y = gemm_t(x, qw, config, interpret=interpret, hw=not interpret,
+               precision=dot_precision(precision, x.dtype), schedule=sched)
     total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), t)
     return jnp.where((jnp.arange(t) < total)[:, None], y, jnp.zeros((), x.dtype))
 
 
-__all__ = ["gather_qmm", "gather_raw", "ragged_qmm", "ragged_schedule", "supports_gather",
-           "supports_ragged", "MAX_SLOTS"]
+def ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool = True, precision=None,
+               platform: str = "cuda", interpret: bool = False,
+               config: configs.KernelConfig | None = None):
+    """`lower_ragged_qmm` for direct use: a ValueError where it has no kernel."""
+    x, group_sizes = _checked("ragged_qmm", supports_ragged, x, qw, group_sizes, transpose)
+    return lower_ragged_qmm(x, qw, group_sizes, transpose=transpose, precision=precision,
+                            platform=platform, interpret=interpret, config=config)
+
+
+__all__ = ["MAX_SLOTS", "gather_qmm", "gather_raw", "lower_gather_qmm", "lower_ragged_qmm",
+           "ragged_qmm", "ragged_schedule", "supports_gather", "supports_ragged"]

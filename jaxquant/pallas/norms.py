@@ -1,8 +1,8 @@
 """Pallas (Triton lowering) kernels for rms_norm, add_rms_norm and gated_rms_norm.
 
-Entry points: `rms_norm`, `add_rms_norm`, `gated_rms_norm` (the reference's
-arguments plus `interpret`, `platform`, `config`) and `supports(...)`, registered by
-`jaxquant.pallas`.
+Entry points: `lower_rms_norm`, `lower_add_rms_norm`, `lower_gated_rms_norm` and
+`supports`, registered by `jaxquant.pallas`; `rms_norm`, `add_rms_norm`,
+`gated_rms_norm` for direct use. Block configs: `jaxquant.pallas.configs`.
 
 Semantics are the reference's (jaxquant/ops/norms.py, docs/ops.md): statistics
 and arithmetic in float32, in the reference's order of operations; outputs in
@@ -18,7 +18,7 @@ more independent rows that share the weight's [G, S] view. One program owns a
 masked to the real rows/groups/columns (masked lanes read as 0, which adds
 nothing to the sum of squares).
 
-Two shapes of kernel, chosen by the table below (data, per platform):
+Two shapes of kernel, chosen by configs.NORM_CONFIGS (data, per platform):
   one pass   S <= max_block: bs = W, the whole row stays in registers between
              the reduction and the scaling: each input is read once, each
              output written once (add_rms_norm: x and residual read once, y
@@ -50,53 +50,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# ---------------------------------------------------------------------------
-# Block configurations (data).
+from jaxquant.pallas.common import X_DTYPES, cdiv, iota, pow2_ceil, pow2_floor
+from jaxquant.pallas.configs import NORM_CONFIGS, NormConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class NormConfig:
-    max_block: int = 16384   # widest row (group) normalized in one pass; power of two
-    chunk: int = 4096        # column step of the two-pass kernel; power of two
-    tile: int = 4096         # elements per program that narrow rows are batched up to
-    per_thread: int = 16     # elements per thread: num_warps = tile / (warp * per_thread)
-    warp: int = 32           # lanes per warp (wavefront) used for that estimate
-    max_warps: int = 16
-    num_stages: int = 1      # software pipelining of the two-pass loops (CUDA only)
-
-    def replace(self, **kw) -> "NormConfig":
-        return dataclasses.replace(self, **kw)
-
-
-# CUDA: 16 elements per thread keeps a 16 Ki-element row in registers with 16
-# warps (32 f32 registers per input); 4096-element tiles (8 warps) are what the
-# Triton layer-norm recipe uses to reach the copy bandwidth. ROCm: same tiles on
-# 64-wide wavefronts (half the warps), one stage (the AMD backend pipelines
-# through registers). interpret (CPU tests): tiny limits, so that small test
-# widths go through the multi-row, grouped and two-pass paths.
-CONFIGS: dict[str, NormConfig] = {
-    "cuda": NormConfig(max_block=16384, chunk=4096, tile=4096, per_thread=16, warp=32,
-                       max_warps=16, num_stages=2),
-    "rocm": NormConfig(max_block=16384, chunk=4096, tile=4096, per_thread=16, warp=64,
-                       max_warps=16, num_stages=1),
-    "interpret": NormConfig(max_block=256, chunk=128, tile=512, per_thread=16, warp=32,
-                            max_warps=4, num_stages=1),
-}
-
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _F32 = jnp.float32
-
-
-def _pow2_ceil(v: int) -> int:
-    return 1 << (max(1, int(v)) - 1).bit_length()
-
-
-def _pow2_floor(v: int) -> int:
-    return 1 << (max(1, int(v)).bit_length() - 1)
-
-
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,23 +72,23 @@ class Plan:
 
     @property
     def grid(self):
-        r = _cdiv(self.rows, self.br)
-        return (r,) if self.groups == 1 else (r, _cdiv(self.groups, self.bg))
+        r = cdiv(self.rows, self.br)
+        return (r,) if self.groups == 1 else (r, cdiv(self.groups, self.bg))
 
 
 def plan(platform: str, rows: int, groups: int, width: int,
          config: NormConfig | None = None) -> Plan:
-    cfg = config or CONFIGS[platform]
-    block_w = _pow2_ceil(width)
+    cfg = config or NORM_CONFIGS[platform]
+    block_w = pow2_ceil(width)
     two_pass = block_w > cfg.max_block
     if two_pass:
         bs, bg, br = min(cfg.chunk, block_w), 1, 1
     else:
         bs = block_w
-        bg = 1 if groups == 1 else min(_pow2_floor(cfg.tile // bs), _pow2_ceil(groups))
-        br = min(_pow2_floor(cfg.tile // (bs * bg)), _pow2_ceil(rows))
+        bg = 1 if groups == 1 else min(pow2_floor(cfg.tile // bs), pow2_ceil(groups))
+        br = min(pow2_floor(cfg.tile // (bs * bg)), pow2_ceil(rows))
     elems = br * bg * bs
-    warps = min(cfg.max_warps, _pow2_floor(elems // (cfg.warp * cfg.per_thread)))
+    warps = min(cfg.max_warps, pow2_floor(elems // (cfg.warp * cfg.per_thread)))
     return Plan(rows, groups, width, br, bg, bs, block_w, two_pass, warps, cfg.num_stages)
 
 
@@ -145,7 +102,7 @@ def supports(x, *operands, group_size=None, **params) -> bool:
     params as keywords (only group_size matters). float64 (and anything but
     f32/f16/bf16) -> no."""
     try:
-        if any(a is not None and jnp.dtype(a.dtype) not in _DTYPES for a in (x, *operands)):
+        if any(a is not None and jnp.dtype(a.dtype) not in X_DTYPES for a in (x, *operands)):
             return False
         if len(x.shape) < 1 or math.prod(x.shape) == 0:
             return False
@@ -162,10 +119,6 @@ def _dt(a):
 
 # ---------------------------------------------------------------------------
 # The kernel (one body for the three ops).
-
-
-def _iota(n):
-    return lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
 def _act(g, activation):
@@ -185,17 +138,17 @@ def _norm_kernel(*refs, op, p: Plan, has_w, eps, offset, activation, norm_before
     tile = (p.br, p.bg, p.bs) if grouped else (p.br, p.bs)
 
     # Rows (and groups) of this program that exist: the grid over-covers.
-    lead_ok = pl.program_id(0) * p.br + _iota(p.br) < p.rows
+    lead_ok = pl.program_id(0) * p.br + iota(p.br) < p.rows
     w_lead_ok = None
     if grouped:
-        g_ok = pl.program_id(1) * p.bg + _iota(p.bg) < p.groups
+        g_ok = pl.program_id(1) * p.bg + iota(p.bg) < p.groups
         lead_ok = lead_ok[:, None] & g_ok[None, :]
         w_lead_ok = g_ok
 
     def at(c0):
         """Indexers and masks of the column step starting at c0."""
         cols = pl.ds(c0, p.bs)
-        c_ok = c0 + _iota(p.bs) < p.width
+        c_ok = c0 + iota(p.bs) < p.width
         xi = (slice(None),) * (len(tile) - 1) + (cols,)
         m = jnp.broadcast_to(lead_ok[..., None] & c_ok, tile)
         wi = (slice(None), cols) if grouped else (cols,)
@@ -242,7 +195,7 @@ def _norm_kernel(*refs, op, p: Plan, has_w, eps, offset, activation, norm_before
         finish(v, inv_rms(jnp.sum(v * v, axis=-1, keepdims=True)), g, where)
         return
 
-    n_steps = _cdiv(p.width, p.bs)
+    n_steps = cdiv(p.width, p.bs)
 
     def start(i):
         return pl.multiple_of(i * p.bs, p.bs)
@@ -294,17 +247,14 @@ def _pallas_fn(op, p: Plan, dtypes, out_dtypes, has_w, eps, offset, activation,
     return jax.jit(call)
 
 
-def _run(op, rows_in, weight, out_dtypes, *, eps, weight_offset, group_size=None,
-         activation="silu", norm_before_gate=True, interpret=False, platform=None,
-         config=None):
+def _run(op, rows_in, weight, out_dtypes, *, eps, weight_offset, platform, interpret, config,
+         group_size=None, activation="silu", norm_before_gate=True):
     x = rows_in[0]
     s_full = x.shape[-1]
     r = math.prod(x.shape[:-1])
     groups = 1 if group_size is None or group_size == s_full else s_full // group_size
     width = s_full // groups
-    if platform is None or interpret:
-        from jaxquant.pallas.qmm import detect_platform
-        platform = "interpret" if interpret else detect_platform()
+    platform = "interpret" if interpret else platform
     p = plan(platform, r, groups, width, config)
     view = (r, groups, width) if groups > 1 else (r, width)
     args = [a.reshape(view) for a in rows_in]
@@ -331,38 +281,64 @@ def _check(name, x, rows, weight, group_size=None):
 
 
 # ---------------------------------------------------------------------------
-# Public API (the reference's signatures plus interpret / platform / config).
+# Entry points. lower_*: what the dispatcher runs (the reference's signature plus
+# platform; cases `supports` accepted, no argument checks). The others: the same
+# for direct use (defaults as the ops', checks, plus interpret and config).
 
 
-def rms_norm(x, weight=None, *, eps=1e-6, weight_offset=0.0, interpret=False, platform=None,
-             config=None):
+def lower_rms_norm(x, weight, *, eps, weight_offset, platform, interpret=False, config=None):
     """x * rsqrt(mean(x^2, -1) + eps) * (weight + weight_offset), in x.dtype."""
-    _check("rms_norm", x, (), weight)
     (y,) = _run("rms", [x], weight, [x.dtype], eps=eps, weight_offset=weight_offset,
                 interpret=interpret, platform=platform, config=config)
     return y
 
 
-def add_rms_norm(x, residual, weight=None, *, eps=1e-6, weight_offset=0.0, interpret=False,
-                 platform=None, config=None):
+def lower_add_rms_norm(x, residual, weight, *, eps, weight_offset, platform, interpret=False,
+                       config=None):
     """(rms_norm(h, weight), h) with h = (x + residual) in residual.dtype."""
-    _check("add_rms_norm", x, (residual,), weight)
     y, h = _run("add", [x, residual], weight, [residual.dtype, residual.dtype], eps=eps,
                 weight_offset=weight_offset, interpret=interpret, platform=platform,
                 config=config)
     return y, h
 
 
-def gated_rms_norm(x, gate, weight=None, *, eps=1e-6, weight_offset=0.0, activation="silu",
-                   norm_before_gate=True, group_size=None, interpret=False, platform=None,
-                   config=None):
+def lower_gated_rms_norm(x, gate, weight, *, eps, weight_offset, activation, norm_before_gate,
+                         group_size, platform, interpret=False, config=None):
     """norm_before_gate: rms_norm(x, weight) * act(gate); else rms_norm(x * act(gate), weight);
     per group of `group_size` columns when given. Output in gate.dtype."""
-    if activation not in ("silu", "sigmoid"):
-        raise ValueError(f"activation={activation!r}; expected 'silu' or 'sigmoid'")
-    _check("gated_rms_norm", x, (gate,), weight, group_size)
     (y,) = _run("gated", [x, gate], weight, [gate.dtype], eps=eps, weight_offset=weight_offset,
                 group_size=group_size, activation=activation,
                 norm_before_gate=norm_before_gate, interpret=interpret, platform=platform,
                 config=config)
     return y
+
+
+def rms_norm(x, weight=None, *, eps=1e-6, weight_offset=0.0, platform="cuda", interpret=False,
+             config=None):
+    _check("rms_norm", x, (), weight)
+    return lower_rms_norm(x, weight, eps=eps, weight_offset=weight_offset, platform=platform,
+                          interpret=interpret, config=config)
+
+
+def add_rms_norm(x, residual, weight=None, *, eps=1e-6, weight_offset=0.0, platform="cuda",
+                 interpret=False, config=None):
+    _check("add_rms_norm", x, (residual,), weight)
+    return lower_add_rms_norm(x, residual, weight, eps=eps, weight_offset=weight_offset,
+                              platform=platform, interpret=interpret, config=config)
+
+
+def gated_rms_norm(x, gate, weight=None, *, eps=1e-6, weight_offset=0.0, activation="silu",
+                   norm_before_gate=True, group_size=None, platform="cuda", interpret=False,
+                   config=None):
+    if activation not in ("silu", "sigmoid"):
+        raise ValueError(f"activation={activation!r}; expected 'silu' or 'sigmoid'")
+    _check("gated_rms_norm", x, (gate,), weight, group_size)
+    return lower_gated_rms_norm(x, gate, weight, eps=eps, weight_offset=weight_offset,
+                                activation=activation, norm_before_gate=norm_before_gate,
+                                group_size=group_size, platform=platform, interpret=interpret,
+                                config=config)
+
+
+rms_norm.__doc__ = lower_rms_norm.__doc__
+add_rms_norm.__doc__ = lower_add_rms_norm.__doc__
+gated_rms_norm.__doc__ = lower_gated_rms_norm.__doc__

@@ -1,0 +1,66 @@
+"""docs/architecture.md names real code: every `path/file.py:name` (a Python module's
+function, class or attribute, dotted names allowed), `jaxquant.module.name` and
+`path/file.h:name` (a native identifier) it mentions exists, so the walk of a jq.qmm
+call cannot drift from the code without this test failing."""
+
+import importlib
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "architecture.md"
+TEXT = DOC.read_text()
+
+# `jaxquant/pallas/qmm.py:lower_qmm`, `cpu_src/cpu_ffi.cc:CpuPlatform`
+FILE_REF = re.compile(r"`((?:[\w-]+/)*[\w-]+\.(?:py|h|cc|hip|inc)):([\w.]+)`")
+# `jaxquant.dispatch.register`, `jaxquant.pallas.configs`
+DOTTED_REF = re.compile(r"`(jaxquant(?:\.\w+)+)`")
+# `jaxquant/bench/`, `jaxquant/pallas/gemv.py`
+PATH_REF = re.compile(r"`((?:cpu_src|hip_src|include|jaxquant|tests|scripts)/[\w./-]*)`")
+
+FILE_REFS = sorted(set(FILE_REF.findall(TEXT)))
+DOTTED_REFS = sorted(set(DOTTED_REF.findall(TEXT)))
+PATH_REFS = sorted(set(PATH_REF.findall(TEXT)) - {f for f, _ in FILE_REFS})
+
+
+def _resolve_python(module, attr):
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_the_doc_names_code():
+    assert len(FILE_REFS) >= 20 and DOTTED_REFS and PATH_REFS   # the parsing itself works
+
+
+@pytest.mark.parametrize("path,name", FILE_REFS, ids=[f"{p}:{n}" for p, n in FILE_REFS])
+def test_file_reference_exists(path, name):
+    file = ROOT / path
+    assert file.is_file(), f"{path} does not exist"
+    if path.endswith(".py"):
+        module = path[:-3].replace("/", ".").removesuffix(".__init__")
+        _resolve_python(module, name)
+    else:
+        ident = name.split(".")[-1]
+        assert re.search(rf"\b{re.escape(ident)}\b", file.read_text()), f"{name} not in {path}"
+
+
+@pytest.mark.parametrize("ref", DOTTED_REFS)
+def test_dotted_reference_imports(ref):
+    parts = ref.split(".")
+    for i in range(len(parts), 0, -1):      # the longest importable module, then attributes
+        try:
+            importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        _resolve_python(".".join(parts[:i]), ".".join(parts[i:]))
+        return
+    pytest.fail(f"{ref} does not import")
+
+
+@pytest.mark.parametrize("path", PATH_REFS)
+def test_path_reference_exists(path):
+    assert (ROOT / path).exists(), path
