@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from jaxquant.bench.harness import copy_bandwidth, timeit
 
 MODES = {"affine4": ("affine", 4, 64), "mxfp4": ("mxfp4", None, None),
          "affine2": ("affine", 2, 64), "affine3": ("affine", 3, 64),
@@ -40,22 +41,8 @@ SHAPES = ((4096, 14336), (14336, 4096))  # (K, N); --shapes replaces them
 MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 5760), "Qwen3-30B-A3B": (128, 8, 2048, 1536)}
 
 
-def _timeit(fn, args, per_call, iters=7, inner=10):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times) / per_call
-
-
-def copy_bandwidth(nbytes=2 << 30):
-    a = jnp.arange(nbytes // 4, dtype=jnp.uint32)
-    sec = _timeit(jax.jit(lambda a: a ^ jnp.uint32(1)), (a,), 1, iters=10, inner=5)
-    return 2 * nbytes / sec
+def _timeit(fn, args, per_call):
+    return timeit(fn, args, per_call, iters=7, inner=10)
 
 
 def _nbytes(qw):
