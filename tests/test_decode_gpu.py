@@ -53,6 +53,21 @@ def test_qmm_every_mode_dtype_and_m(mode, bits):
             np.testing.assert_array_equal(np.asarray(y[3:4], np.float32), np.asarray(one, np.float32))
 
 
+@pytest.mark.parametrize("mode,bits", [m for m in MODES if m[0] in
+                                       ("affine", "mxfp4", "mxfp8_e4m3", "nvfp4")])
+def test_k_split_across_a_cluster(mode, bits):
+    # N = 37 (3 tiles) with K = 4096 (64 chunks): too few tiles to fill the GPU, so on
+    # sm_90 the blocks of one cluster split K and block 0 sums them (ksplit_for)
+    qw, packed = _packed(mode, bits, (37, 4096), key=11)
+    w64 = deq64(qw)
+    for dt in DTYPES:
+        x = rand(7, (9, 4096), dt)
+        y = jq.qmm(x, packed, backend="ffi")
+        assert_matmul_close(y, x, w64, jnp.dtype(dt))
+        one = jq.qmm(x[3:4], packed, backend="ffi")
+        np.testing.assert_array_equal(np.asarray(y[3:4], np.float32), np.asarray(one, np.float32))
+
+
 @pytest.mark.parametrize("mode,bits,group", [("affine", 4, 32), ("affine", 4, 128),
                                              ("affine", 8, 128), ("fp4", 4, 16), ("fp4", 4, 64)])
 def test_group_sizes(mode, bits, group):
