@@ -9,9 +9,7 @@
 // does; the weight bytes, read once, are the whole cost.
 //
 // One warp owns one 16-row tile and every W-th chunk of 64 k of it (W warps
-// per block split K; their partial sums meet in shared memory). Where the tiles
-// are too few to fill the GPU, a cluster of blocks (sm_90) shares a tile's K and
-// block 0 sums the others' partials through distributed shared memory. In the layout
+// per block split K; their partial sums meet in shared memory). In the layout
 // a lane's part of a chunk (32 codes: rows g and g+8, 16 k) is one `bits`-word
 // unit at (chunk * 32 + lane) * bits, copied to shared memory with 16-byte
 // cp.async (4 and 8 bits) kStages - 1 chunks ahead of its use, so the bytes in
@@ -40,7 +38,6 @@
 #include "gpu_common.h"
 
 #if defined(JQ_PLATFORM_CUDA)
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 namespace jq {
@@ -63,8 +60,6 @@ struct Problem {
   int x_stride;      // > 0: the block stages its rows of x in shared memory, this many
                      // bytes apart (K * x bytes + 16, against bank conflicts); 0: from L1/L2
   int x_rows;        // rows of x staged (x_stride > 0)
-  int ksplit;        // blocks per tile (a thread-block cluster, sm_90): each takes every
-                     // ksplit-th share of the K chunks; block 0 of the cluster sums them
 };
 
 __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -489,10 +484,7 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   constexpr int BITS = C::kBits;
   constexpr int ESZ = XDT == kF32 ? 4 : 2;
   const QmvProblem& p = pr.q;
-  const int lane = threadIdx.x & 31, local_warp = threadIdx.x >> 5;
-  // the warp among all warps of the tile's blocks (its K share), and their number
-  const int warps = pr.ksplit * (blockDim.x >> 5);
-  const int warp = (int)(blockIdx.x % pr.ksplit) * (blockDim.x >> 5) + local_warp;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
   TileCursor cur;
@@ -535,12 +527,12 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   } else {
     constexpr int S = Stages<BITS>::value;
     // this lane's stage slots: [stage][BITS words], private to the lane
-    uint32_t* slots = stage_smem + ((local_warp * S) * 32 + lane) * BITS;
+    uint32_t* slots = stage_smem + ((warp * S) * 32 + lane) * BITS;
     const uint32_t slots_s = (uint32_t)__cvta_generic_to_shared(slots);
     constexpr int kSlotStride = 32 * BITS;  // words between a lane's stages
     // the warp's scale stages: [stage][scale, bias][ScaleStage bytes]
     constexpr int kSB = ScaleStage<P>::bytes;
-    uint8_t* sstage = scale_smem + local_warp * S * 2 * kSB;
+    uint8_t* sstage = scale_smem + warp * S * 2 * kSB;
     const uint32_t sstage_s = (uint32_t)__cvta_generic_to_shared(sstage);
     const char* s_tile = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
     const char* b_tile =
@@ -630,7 +622,7 @@ __global__ void __launch_bounds__(256, (kMinBlocks<C, XDT, NT, P, SDT>)) qmv_mma
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t tile = blockIdx.x / pr.ksplit;
+  const int64_t tile = blockIdx.x;
   const int64_t s = blockIdx.y;
 
   // --- the segment: expert and rows of x / y -------------------------------
@@ -717,44 +709,19 @@ __global__ void __launch_bounds__(256, (kMinBlocks<C, XDT, NT, P, SDT>)) qmv_mma
 #pragma unroll
     for (int i = 0; i < 4; ++i) red[warp][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = acc[nt][i];
   __syncthreads();
-  if (pr.ksplit == 1) {
-    for (int idx = threadIdx.x; idx < kTileRows * mcount; idx += blockDim.x) {
-      const int r = idx % kTileRows, m = idx / kTileRows;
-      const int64_t n = tile * kTileRows + r;
-      if (n >= p.N) continue;
-      float v = 0.0f;
-      for (int wi = 0; wi < warps; ++wi) v += red[wi][r][m];
-      store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
-    }
-    return;
+  for (int idx = threadIdx.x; idx < kTileRows * mcount; idx += blockDim.x) {
+    const int r = idx % kTileRows, m = idx / kTileRows;
+    const int64_t n = tile * kTileRows + r;
+    if (n >= p.N) continue;
+    float v = 0.0f;
+    for (int wi = 0; wi < warps; ++wi) v += red[wi][r][m];
+    store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The cluster's blocks meet through distributed shared memory: block 0 sums
-  // every block's warps in one fixed order (block, then warp), so the result
-  // does not depend on scheduling.
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every block's partial sums are in its shared memory
-  if (cluster.block_rank() == 0) {
-    for (int idx = threadIdx.x; idx < kTileRows * mcount; idx += blockDim.x) {
-      const int r = idx % kTileRows, m = idx / kTileRows;
-      const int64_t n = tile * kTileRows + r;
-      if (n >= p.N) continue;
-      float v = 0.0f;
-      for (int b = 0; b < pr.ksplit; ++b) {
-        const float(*rb)[kTileRows][16] = cluster.map_shared_rank(red, b);
-        for (int wi = 0; wi < warps; ++wi) v += rb[wi][r][m];
-      }
-      store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
-    }
-  }
-  cluster.sync();  // the other blocks' shared memory stays until block 0 has read it
-#endif
 }
 
-// Warps per block (split K): a function of K only, and blocks per tile
-// (ksplit_for) of N and K only, so that one output element's float ops do not
-// depend on M or the slot (gather_qmm == qmm bit for bit on this kernel too).
+// Warps per block (split K): a function of K only, so that one output
+// element's float ops do not depend on M, the slot or N (gather_qmm == qmm
+// bit for bit on this kernel too).
 // $JAXQUANT_MMA_WARPS (1, 2, 4 or 8) overrides it for benchmark sweeps.
 inline int warps_for(int64_t chunks) {
   static const int forced = [] {
@@ -768,38 +735,12 @@ inline int warps_for(int64_t chunks) {
   return chunks >= 4 ? 2 : 1;
 }
 
-// Blocks per tile (a cluster that splits K; sm_90+): enough that the tiles' warps
-// fill the GPU (~24 resident warps per SM) while each warp keeps >= 4 chunks.
-// A function of N, K and the device only (not of M or the slots), like warps_for.
-// $JAXQUANT_MMA_KSPLIT (1, 2, 4 or 8) overrides it for benchmark sweeps.
-inline int ksplit_for(int64_t tiles, int64_t chunks, int warps) {
-  static const int forced = [] {
-    const char* env = getenv("JAXQUANT_MMA_KSPLIT");
-    const int k = env ? atoi(env) : 0;
-    return (k == 1 || k == 2 || k == 4 || k == 8) ? k : 0;
-  }();
-  static const int sms_sm90 = [] {  // 0 before sm_90: no clusters
-    int dev = 0, major = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return major >= 9 ? sms : 0;
-  }();
-  if (sms_sm90 == 0) return 1;
-  if (forced) return chunks >= (int64_t)forced * warps ? forced : 1;
-  int k = 1;
-  while (k < 8 && tiles * k * warps < 24LL * sms_sm90 && chunks >= 4LL * 2 * k * warps) k *= 2;
-  return k;
-}
-
 template <class C, int XDT, int NT, int P, int SDT>
 static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   const int warps = warps_for(pr.chunks);
-  const int ksplit = ksplit_for(pr.tiles, pr.chunks, warps);
-  dim3 grid((unsigned)(pr.tiles * ksplit), (unsigned)pr.q.S, 1), block((unsigned)(32 * warps));
+  dim3 grid((unsigned)pr.tiles, (unsigned)pr.q.S, 1), block((unsigned)(32 * warps));
   const int esz = XDT == kF32 ? 4 : 2;
   Problem prx = pr;
-  prx.ksplit = ksplit;
   prx.x_rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
   prx.x_stride = (int)(pr.q.K * esz + 16);
   if ((int64_t)prx.x_rows * prx.x_stride > kMaxXSharedBytes)  // x from L1/L2 instead:
@@ -812,23 +753,8 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kMost) == cudaSuccess;
   }();
   if (!attr_set) return hipErrorInvalidValue;
-  if (ksplit == 1) {
-    qmv_mma_kernel<C, XDT, NT, P, SDT><<<grid, block, lay.bytes, stream>>>(prx);
-    return hipGetLastError();
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = (size_t)lay.bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)ksplit;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, qmv_mma_kernel<C, XDT, NT, P, SDT>, prx);
+  qmv_mma_kernel<C, XDT, NT, P, SDT><<<grid, block, lay.bytes, stream>>>(prx);
+  return hipGetLastError();
 }
 
 // The scales' dtype: uint8 codes, or (float-scale formats) bfloat16, half, float32.

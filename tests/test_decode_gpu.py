@@ -55,9 +55,10 @@ def test_qmm_every_mode_dtype_and_m(mode, bits):
 
 @pytest.mark.parametrize("mode,bits", [m for m in MODES if m[0] in
                                        ("affine", "mxfp4", "mxfp8_e4m3", "nvfp4")])
-def test_k_split_across_a_cluster(mode, bits):
-    # N = 37 (3 tiles) with K = 4096 (64 chunks): too few tiles to fill the GPU, so on
-    # sm_90 the blocks of one cluster split K and block 0 sums them (ksplit_for)
+def test_long_k_few_tiles(mode, bits):
+    # N = 37 (3 tiles) with K = 4096 (64 chunks, 4 warps of 16 chunks, x staged in
+    # shared memory for M = 1, from L1/L2 for M = 9 in float32): partial sums of every
+    # warp meet over the weight stages
     qw, packed = _packed(mode, bits, (37, 4096), key=11)
     w64 = deq64(qw)
     for dt in DTYPES:
