@@ -165,6 +165,39 @@ GATHER_IDX = np.array([[0, 3], [2, -1], [4, 1]], np.int32)  # -1 and 4: NaN rows
 _SWEEP_QW = {}
 
 
+def sweep_calls(qw, x, idx):
+    """The ffi calls of a mode sweep for one activation x [t, K] on weights qw [E, N, K]
+    (traced inside one jit): dequantize (ffi and reference), qmm with qw[1] (all rows and
+    each row alone), gather_qmm with `idx` (GATHER_IDX) and each slot's qmm."""
+    e, t = qw.shape[0], x.shape[0]
+    return dict(
+        deq=jq.dequantize(qw, x.dtype, backend="ffi"),
+        deq_ref=jq.dequantize(qw, x.dtype, backend="reference"),
+        qmm=jq.qmm(x, qw[1], backend="ffi"),
+        rows=[jq.qmm(x[i], qw[1], backend="ffi") for i in range(t)],
+        gather=jq.gather_qmm(x, qw, idx, backend="ffi"),
+        per_slot=[[jq.qmm(x[i], qw[int(j)], backend="ffi") if 0 <= j < e else None
+                   for j in GATHER_IDX[i]] for i in range(t)])
+
+
+def check_sweep_products(o, x, w64, name):
+    """sweep_calls' products: qmm against the oracle, each row == the M=1 call bit for bit;
+    gather_qmm slot (i, j) == qmm(x[i], qw[idx[i, j]]) bit for bit, NaN rows for bad ids."""
+    dtype, (t, n), e = jnp.dtype(name), o["qmm"].shape, w64.shape[0]
+    f32 = lambda a: np.asarray(a, np.float32)
+    assert o["qmm"].dtype == dtype and o["gather"].shape == (t, 2, n)
+    assert_matmul_close(o["qmm"], x, w64[1], dtype)
+    for i in range(t):
+        np.testing.assert_array_equal(f32(o["rows"][i]), f32(o["qmm"][i]), err_msg=name)
+        for j, ej in enumerate(GATHER_IDX[i]):
+            got = f32(o["gather"][i, j])
+            if 0 <= ej < e:
+                np.testing.assert_array_equal(got, f32(o["per_slot"][i][j]), err_msg=name)
+                assert_matmul_close(o["gather"][i, j], x[i], w64[ej], dtype)
+            else:
+                assert np.all(np.isnan(got)), name
+
+
 def _sweep_qw(mode, bits):
     """The [4, 24, 128] weights of a mode (quantizing op by op costs more than the ffi
     calls: quantized once for the tests that share them)."""
@@ -177,25 +210,12 @@ def _sweep_qw(mode, bits):
 
 @pytest.mark.parametrize("mode,bits", MODES)
 def test_mode_sweep(mode, bits):
-    e, n, k, t = 4, 24, 128, 3
+    k, t = 128, 3
     qw = _sweep_qw(mode, bits)
     xs = {jnp.dtype(dt).name: rand(1, (t, k), dt) for dt in DTYPES}
     idx = jnp.asarray(GATHER_IDX)
 
-    def run(qw, xs, idx):
-        out = {}
-        for name, x in xs.items():
-            dt = x.dtype
-            out[name] = dict(
-                deq=jq.dequantize(qw, dt, backend="ffi"),
-                deq_ref=jq.dequantize(qw, dt, backend="reference"),
-                qmm=jq.qmm(x, qw[1], backend="ffi"),
-                rows=[jq.qmm(x[i], qw[1], backend="ffi") for i in range(t)],
-                gather=jq.gather_qmm(x, qw, idx, backend="ffi"),
-                per_slot=[[jq.qmm(x[i], qw[int(j)], backend="ffi") if 0 <= j < e else None
-                           for j in GATHER_IDX[i]] for i in range(t)])
-        return out
-
+    run = lambda qw, xs, idx: {name: sweep_calls(qw, x, idx) for name, x in xs.items()}
     out = jax.jit(run)(qw, xs, idx)
     w64 = deq64(qw)
     f32 = lambda a: np.asarray(a, np.float32)
@@ -208,21 +228,7 @@ def test_mode_sweep(mode, bits):
         np.testing.assert_array_equal(f32(o["deq"]), f32(o["deq_ref"]), err_msg=name)
         np.testing.assert_allclose(np.asarray(o["deq"], np.float64), w64, rtol=2 * eps,
                                    atol=1e-30, err_msg=name)
-        # qmm (fused GEMV, M=3): against the oracle; each row == the M=1 call bit for bit
-        assert o["qmm"].dtype == dtype and o["qmm"].shape == (t, n)
-        assert_matmul_close(o["qmm"], x, w64[1], dtype)
-        for i in range(t):
-            np.testing.assert_array_equal(f32(o["rows"][i]), f32(o["qmm"][i]), err_msg=name)
-        # gather_qmm: slot (i, j) == qmm(x[i], qw[idx[i, j]]) bit for bit; NaN rows
-        assert o["gather"].dtype == dtype and o["gather"].shape == (t, 2, n)
-        for i in range(t):
-            for j, ej in enumerate(GATHER_IDX[i]):
-                got = f32(o["gather"][i, j])
-                if 0 <= ej < e:
-                    np.testing.assert_array_equal(got, f32(o["per_slot"][i][j]), err_msg=name)
-                    assert_matmul_close(o["gather"][i, j], x[i], w64[ej], dtype)
-                else:
-                    assert np.all(np.isnan(got)), name
+        check_sweep_products(o, x, w64, name)
 
 
 # ---------------------------------------------------------------------------

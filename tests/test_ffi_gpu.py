@@ -17,7 +17,7 @@ import jaxquant as jq
 import jaxquant.ffi as jf
 from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
                           rand, rms64)
-from tests.test_ffi import GATHER_IDX
+from tests.test_ffi import GATHER_IDX, check_sweep_products, sweep_calls
 
 
 def _gpu_platform():
@@ -55,19 +55,8 @@ def test_gpu_mode_sweep(mode, bits):
             return jq.qmm(x, q, backend="ffi")
 
     def run(qw, xs, xl, idx):
-        out = {}
-        for name, x in xs.items():
-            dt = x.dtype
-            out[name] = dict(
-                deq=jq.dequantize(qw, dt, backend="ffi"),
-                deq_ref=jq.dequantize(qw, dt, backend="reference"),
-                qmm=jq.qmm(x, qw[1], backend="ffi"),
-                rows=[jq.qmm(x[i], qw[1], backend="ffi") for i in range(t)],
-                large=large(xl[name], qw[2]),
-                gather=jq.gather_qmm(x, qw, idx, backend="ffi"),
-                per_slot=[[jq.qmm(x[i], qw[int(j)], backend="ffi") if 0 <= j < e else None
-                           for j in GATHER_IDX[i]] for i in range(t)])
-        return out
+        return {name: dict(sweep_calls(qw, x, idx), large=large(xl[name], qw[2]))
+                for name, x in xs.items()}
 
     out = jax.jit(run)(qw, xs, xl, idx)
     w64 = deq64(qw)
@@ -80,17 +69,8 @@ def test_gpu_mode_sweep(mode, bits):
         np.testing.assert_array_equal(d[~sub], r[~sub], err_msg=name)
         np.testing.assert_allclose(np.asarray(o["deq"], np.float64)[~sub], w64[~sub],
                                    rtol=2 * eps, atol=1e-30, err_msg=name)
-        assert_matmul_close(o["qmm"], x, w64[1], dtype)
         assert_matmul_close(o["large"], xl[name], w64[2], dtype)
-        for i in range(t):
-            np.testing.assert_array_equal(f32(o["rows"][i]), f32(o["qmm"][i]), err_msg=name)
-            for j, ej in enumerate(GATHER_IDX[i]):
-                got = f32(o["gather"][i, j])
-                if 0 <= ej < e:
-                    np.testing.assert_array_equal(got, f32(o["per_slot"][i][j]), err_msg=name)
-                    assert_matmul_close(o["gather"][i, j], x[i], w64[ej], dtype)
-                else:
-                    assert np.all(np.isnan(got)), name
+        check_sweep_products(o, x, w64, name)
 
 
 @pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4)])
