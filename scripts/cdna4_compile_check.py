@@ -32,22 +32,13 @@ import sys
 import tempfile
 import time
 
+from native_compile_check import ffi_include  # the same XLA FFI headers
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCE = "hip_src/cdna4_qmm.hip"
 MNEMONIC = "v_mfma_scale_f32_16x16x128_f8f6f4"
 EF_AMDGPU_MACH_GFX950 = 0x4F
 _MFMA_LINE = re.compile(rf"^\s*{MNEMONIC}\s+(.*)$", re.M)
-
-
-def _ffi_include() -> str:
-    try:
-        import jax.ffi  # noqa: PLC0415
-        inc = jax.ffi.include_dir()
-        if (pathlib.Path(inc) / "xla/ffi/api/ffi.h").is_file():
-            return inc
-    except Exception:  # noqa: BLE001
-        pass
-    return str(ROOT / "cpu_src/third_party")
 
 
 def find_toolchain() -> tuple[list[str] | None, str]:
@@ -94,7 +85,7 @@ def compile_cmd(clang: list[str], res_dir: str | None, out: pathlib.Path, mode: 
     cmd = clang + ["-x", "hip", "-std=c++17", "-O3", "-nogpulib", "--rocm-path=/usr",
                    # clang >= 21 dropped this predefined macro; HIP 5.2's headers read it.
                    "-D__AMDGCN_WAVEFRONT_SIZE=64", "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Ihip_src",
-                   "-isystem", _ffi_include(), "--offload-arch=gfx950", "--offload-device-only",
+                   "-isystem", ffi_include(), "--offload-arch=gfx950", "--offload-device-only",
                    "--no-gpu-bundle-output", "-Wno-unused-command-line-argument"]
     if res_dir and len(clang) == 2:  # the zig clang: borrow the HIP wrapper headers
         cmd += ["-resource-dir", res_dir]
