@@ -16,9 +16,10 @@ import ctypes
 import dataclasses
 import os
 import pathlib
-import sys
 
 import jax
+
+from jaxquant._native import open_library, search_dirs
 
 # platform (as JAX lowers: ctx.module_context.platforms) -> library stem, XLA platform name
 PLATFORMS = {
@@ -46,61 +47,23 @@ class Library:
 
 
 def _search_dirs() -> list[pathlib.Path]:
-    dirs = []
-    env = os.environ.get("JAXQUANT_FFI_LIB_DIR")
-    if env:
-        dirs.append(pathlib.Path(env))
-    pkg = sys.modules.get(__package__)  # jaxquant.ffi (being imported); __path__ may be several dirs
-    for p in getattr(pkg, "__path__", []):
-        dirs.append(pathlib.Path(p) / "lib")
-    dirs.append(pathlib.Path(__file__).resolve().parent / "lib")
-    seen, out = set(), []
-    for d in dirs:
-        key = str(d)
-        if key not in seen:
-            seen.add(key)
-            out.append(d)
-    return out
+    return search_dirs("JAXQUANT_FFI_LIB_DIR", __package__, __file__)
 
 
 def _filename(stem: str) -> str:
     return f"lib{stem}.so" if os.name != "nt" else f"{stem}.dll"
 
 
-def find(stem: str) -> tuple[pathlib.Path | None, list[pathlib.Path]]:
-    dirs = _search_dirs()
-    for d in dirs:
-        cand = d / _filename(stem)
-        if cand.is_file():
-            return cand, dirs
-    return None, dirs
-
-
 def load(platform: str) -> Library:
     stem, _ = PLATFORMS[platform]
     lib = Library(platform)
-    path, dirs = find(stem)
-    if path is None:
-        why = {"cpu": "no C++ compiler or CMake at build time, or jaxquant was not installed "
-                      "with `pip install -e .`",
-               "cuda": "nvcc was not found when jaxquant was built",
-               "rocm": "no HIP compiler (or CMake < 3.27) when jaxquant was built"}[platform]
-        lib.error = (f"{_filename(stem)} was not built ({why}); searched "
-                     f"{', '.join(str(d) for d in dirs)}")
-        return lib
-    lib.path = path
-    try:
-        handle = ctypes.CDLL(str(path))
-    except OSError as e:
-        lib.error = f"{path} failed to load: {e}"
-        return lib
-    try:
-        version = handle.jq_abi_version()
-    except AttributeError:
-        version = None
-    if version != ABI_VERSION:
-        lib.error = (f"{path} has ABI version {version}, this jaxquant needs {ABI_VERSION}: "
-                     "rebuild with `pip install -e .`")
+    why = {"cpu": "no C++ compiler or CMake at build time, or jaxquant was not installed "
+                  "with `pip install -e .`",
+           "cuda": "nvcc was not found when jaxquant was built",
+           "rocm": "no HIP compiler (or CMake < 3.27) when jaxquant was built"}[platform]
+    lib.path, handle, lib.error = open_library(_filename(stem), _search_dirs(), why,
+                                               "jq_abi_version", ABI_VERSION)
+    if handle is None:
         return lib
     lib.targets, lib.format_ids = describe(handle)
     lib.handle = handle

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 import pathlib
-import sys
 
 import jax
+
+from jaxquant._native import open_library, search_dirs
 
 # FFI target name -> handler symbol in the bridge
 TARGETS = {
@@ -34,30 +34,16 @@ class Library:
     device: str | None = None  # the GPU's name, once initialized
 
 
-def _search_dirs() -> list[pathlib.Path]:
-    dirs = []
-    if os.environ.get("JAXQUANT_METAL_LIB_DIR"):
-        dirs.append(pathlib.Path(os.environ["JAXQUANT_METAL_LIB_DIR"]))
-    pkg = sys.modules.get(__package__)
-    dirs += [pathlib.Path(p) / "lib" for p in getattr(pkg, "__path__", [])]
-    dirs.append(pathlib.Path(__file__).resolve().parent / "lib")
-    return list(dict.fromkeys(dirs))
-
-
 def load() -> Library:
     lib = Library()
-    dirs = _search_dirs()
-    path = next((d / LIBRARY for d in dirs if (d / LIBRARY).is_file()), None)
-    if path is None:
-        lib.error = (f"{LIBRARY} was not built (CMake builds it on macOS with Xcode's metal "
-                     f"compiler); searched {', '.join(map(str, dirs))}")
+    dirs = search_dirs("JAXQUANT_METAL_LIB_DIR", __package__, __file__)
+    lib.path, handle, lib.error = open_library(
+        LIBRARY, dirs, "CMake builds it on macOS with Xcode's metal compiler",
+        "jq_metal_abi_version", ABI_VERSION)
+    if handle is None:
         return lib
-    lib.path = path
+    path = lib.path
     try:
-        handle = ctypes.CDLL(str(path))
-        if handle.jq_metal_abi_version() != ABI_VERSION:
-            lib.error = f"{path} has another ABI version: rebuild with `pip install -e .`"
-            return lib
         # Opens the default GPU and the metallibs in path's folder; a message on failure.
         handle.jq_metal_init.restype = ctypes.c_char_p
         handle.jq_metal_init.argtypes = [ctypes.c_char_p]
