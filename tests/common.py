@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import jaxquant as jq
 from tests import oracle
@@ -76,3 +77,12 @@ def act64(g, name):
     g = np.asarray(g, np.float64)
     s = 1 / (1 + np.exp(-g))
     return g * s if name == "silu" else s
+
+
+def scaled_normals(n, max_log2):
+    """A hypothesis strategy: n float32 standard normals (from a drawn seed) times 2**s,
+    s drawn from [-max_log2, max_log2]."""
+    return st.builds(
+        lambda seed, s: (np.random.default_rng(seed).standard_normal(n) * 2.0 ** s).astype(
+            np.float32),
+        st.integers(0, 2 ** 32 - 1), st.floats(-max_log2, max_log2))
