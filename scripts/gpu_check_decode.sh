@@ -5,15 +5,7 @@
 #   bash scripts/gpu_check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
 # JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/jq_gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PY=${PYTHON:-python3}
-step() { echo; echo "=== $* ($(date +%T))"; }
-
-step "device"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh"
 
 step "build (sm_90)"
 if [ "${JQ_SKIP_BUILD:-0}" != 1 ]; then

@@ -5,15 +5,7 @@
 # Environment: JQ_CUDA_ARCHS (default 90-real: the H100/H200 only, to build fast),
 # JQ_SKIP_SANITIZER=1, JQ_SKIP_BENCH=1, JQ_BENCH_ARGS (extra args for the benchmark).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/jq_gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PY=${PYTHON:-python3}
-step() { echo; echo "=== $* ($(date +%T))"; }
-
-step "device"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh"
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 step "build (pip install --no-build-isolation --no-deps -e .)"
