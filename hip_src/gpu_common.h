@@ -30,13 +30,21 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The `BITS` words of one unit (32 elements) with the widest aligned loads.
-template <int BITS>
+// One load through the read-only path (global memory) or a plain one (shared memory).
+template <bool GLOBAL, class T>
+__device__ __forceinline__ T load_word(const T* p) {
+  if constexpr (GLOBAL) return JQ_LDG(p);
+  else return *p;
+}
+
+// The `BITS` words of one unit (32 elements) with the widest aligned loads, from
+// global memory (GLOBAL) or shared memory.
+template <int BITS, bool GLOBAL = true>
 __device__ __forceinline__ void load_unit(const uint32_t* p, uint32_t* w) {
   if constexpr (BITS % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < BITS / 4; ++i) {
-      const uint4 v = JQ_LDG(reinterpret_cast<const uint4*>(p) + i);
+      const uint4 v = load_word<GLOBAL>(reinterpret_cast<const uint4*>(p) + i);
       w[4 * i] = v.x;
       w[4 * i + 1] = v.y;
       w[4 * i + 2] = v.z;
@@ -45,13 +53,13 @@ __device__ __forceinline__ void load_unit(const uint32_t* p, uint32_t* w) {
   } else if constexpr (BITS % 2 == 0) {
 #pragma unroll
     for (int i = 0; i < BITS / 2; ++i) {
-      const uint2 v = JQ_LDG(reinterpret_cast<const uint2*>(p) + i);
+      const uint2 v = load_word<GLOBAL>(reinterpret_cast<const uint2*>(p) + i);
       w[2 * i] = v.x;
       w[2 * i + 1] = v.y;
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < BITS; ++i) w[i] = JQ_LDG(p + i);
+    for (int i = 0; i < BITS; ++i) w[i] = load_word<GLOBAL>(p + i);
   }
 }
 

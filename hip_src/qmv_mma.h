@@ -393,30 +393,6 @@ __device__ __forceinline__ void unit_to_shared(uint32_t dst, const uint32_t* src
   for (int i = 0; i < BITS * 4 / kBytes; ++i) cp_async(dst + i * kBytes, src + i * kBytes / 4, kBytes);
 }
 
-template <int BITS>
-__device__ __forceinline__ void unit_from_shared(const uint32_t* src, uint32_t* w) {
-  if constexpr (BITS % 4 == 0) {
-#pragma unroll
-    for (int i = 0; i < BITS / 4; ++i) {
-      const uint4 v = reinterpret_cast<const uint4*>(src)[i];
-      w[4 * i] = v.x;
-      w[4 * i + 1] = v.y;
-      w[4 * i + 2] = v.z;
-      w[4 * i + 3] = v.w;
-    }
-  } else if constexpr (BITS % 2 == 0) {
-#pragma unroll
-    for (int i = 0; i < BITS / 2; ++i) {
-      const uint2 v = reinterpret_cast<const uint2*>(src)[i];
-      w[2 * i] = v.x;
-      w[2 * i + 1] = v.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < BITS; ++i) w[i] = src[i];
-  }
-}
-
 // Chunks in flight per warp: the lane's units (and the warp's scales) go global
 // -> shared with cp.async (no registers held while in flight) kStages - 1 chunks
 // ahead of the one used: DRAM latency under load is ~1000+ cycles, several
@@ -585,7 +561,7 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
           }
       }
       uint32_t w[BITS];
-      unit_from_shared<BITS>(slots + (i % S) * kSlotStride, w);
+      load_unit<BITS, false>(slots + (i % S) * kSlotStride, w);
       __syncwarp();  // every lane has read stage i % S before it is refilled
       compute_chunk<C, XDT, NT, P, TAIL, SDT>(p, cur, c, w, sc, gsv, acc);
       sc = sc_next;
