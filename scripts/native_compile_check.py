@@ -41,6 +41,8 @@ HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "qmv_affine.hip", "qmv_float.hip", "n
 # ROCm only (CMakeLists.txt): the gfx950 scaled-MFMA qmm, an empty kernel on the other
 # archs; its gfx950 code is checked by scripts/cdna4_compile_check.py (clang >= 20).
 ROCM_ONLY_FILES = ["cdna4_qmm.hip"]
+# The tensor-core decode GEMV (mma.sync, cp.async): CUDA only, as in CMakeLists.txt.
+CUDA_ONLY_FILES = sorted(p.name for p in (ROOT / "hip_src").glob("qmv_mma*.hip"))
 ROCM_ARCHS = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201"]
 CUDA_ARCHS = ["80", "90"]
 # The GEMV files are built for these ROCm archs without -DJQ_QMV_DEFAULT_CONFIGS_ONLY:
@@ -134,7 +136,7 @@ def cuda_jobs(nvcc, archs, out_dir):
     common = [nvcc, "-x", "cu", "-std=c++17", "-O3", "--expt-relaxed-constexpr", *gencode,
               "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
     return [(f"cuda:{f}", common + ["-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
-            for f in HIP_FILES]
+            for f in HIP_FILES + CUDA_ONLY_FILES]
 
 
 def probe_rocm_arch(clang, arch) -> str | None:
