@@ -168,6 +168,15 @@ def _rand(rng, *shape, scale=0.1):
     return (rng.standard_normal(shape) * scale).astype(BF16)
 
 
+def _dense_mlps(rng, t):
+    """LLAMA's two layers' SwiGLU MLP weights (hidden 64, intermediate 128) into t."""
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp."
+        t[pre + "gate_proj.weight"] = _rand(rng, 128, 64)
+        t[pre + "up_proj.weight"] = _rand(rng, 128, 64)
+        t[pre + "down_proj.weight"] = _rand(rng, 64, 128)
+
+
 def _hf_common(rng, cfg_hf, attn_bias=False, qk_norm=False):
     d, v = cfg_hf["hidden_size"], cfg_hf["vocab_size"]
     hq, hkv, hd = (cfg_hf["num_attention_heads"], cfg_hf["num_key_value_heads"],
@@ -226,11 +235,7 @@ def _logits(cfg, params):
 def test_llama_checkpoint(tmp_path):
     rng = np.random.default_rng(0)
     t = _hf_common(rng, LLAMA)
-    for i in range(2):
-        pre = f"model.layers.{i}.mlp."
-        t[pre + "gate_proj.weight"] = _rand(rng, 128, 64)
-        t[pre + "up_proj.weight"] = _rand(rng, 128, 64)
-        t[pre + "down_proj.weight"] = _rand(rng, 64, 128)
+    _dense_mlps(rng, t)
     _write(tmp_path, LLAMA, t)
     cfg, params = checkpoint.load(tmp_path)
     assert cfg.family == "llama" and cfg.num_layers == 2 and cfg.rms_eps == 1e-5
@@ -360,11 +365,7 @@ def test_mlx_checkpoint(tmp_path):
     (`.weight` uint32, `.scales`, `.biases`), lm_head overridden to 8 bits."""
     rng = np.random.default_rng(3)
     t = _hf_common(rng, LLAMA)
-    for i in range(2):
-        pre = f"model.layers.{i}.mlp."
-        t[pre + "gate_proj.weight"] = _rand(rng, 128, 64)
-        t[pre + "up_proj.weight"] = _rand(rng, 128, 64)
-        t[pre + "down_proj.weight"] = _rand(rng, 64, 128)
+    _dense_mlps(rng, t)
     special = "lm_head"
     quantized, mlx = {}, {}
     for name in list(t):

@@ -50,23 +50,8 @@ def build(out_dir: pathlib.Path) -> pathlib.Path:
     jobs = [(src, out_dir / (src.name + ".o"), ["-x", "c++"]) for src in sources()]
     jobs.append((SHIM / "harness.cc", out_dir / "harness.o", []))
     jobs.append((SHIM / "shim_ffi.cc", out_dir / "shim_ffi.o", ["-isystem", jax.ffi.include_dir()]))
-
-    def compile_one(job):
-        src, obj, lang = job
-        r = subprocess.run([compiler, *flags, *lang, "-c", str(src), "-o", str(obj)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"compiling {src.name} failed:\n{r.stderr[-4000:]}")
-        return obj
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        objs = list(pool.map(compile_one, jobs))
-    lib = out_dir / "libjq_metal_shim.so"
-    r = subprocess.run([compiler, "-shared", "-pthread", *map(str, objs), "-o", str(lib)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"linking the shim failed:\n{r.stderr[-4000:]}")
-    return lib
+    return _compile_and_link(compiler, flags, jobs, ["-shared", "-pthread"],
+                             out_dir / "libjq_metal_shim.so", "the shim")
 
 
 def build_tsan(out_dir: pathlib.Path) -> pathlib.Path:
@@ -75,23 +60,31 @@ def build_tsan(out_dir: pathlib.Path) -> pathlib.Path:
     flags = ["-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-fno-strict-aliasing",
              "-w", f"-I{SHIM}", f"-I{METAL_SRC}"]
 
-    def compile_one(src):
-        obj = out_dir / (src.name + ".o")
-        lang = ["-x", "c++"] if src.suffix == ".metal" else []
-        r = subprocess.run([compiler, *flags, *lang, "-c", str(src), "-o", str(obj)],
+    jobs = [(src, out_dir / (src.name + ".o"), ["-x", "c++"] if src.suffix == ".metal" else [])
+            for src in [*sources(), SHIM / "harness.cc", SHIM / "tsan_main.cc"]]
+    return _compile_and_link(compiler, flags, jobs, flags, out_dir / "tsan_main",
+                             "the TSan driver")
+
+
+def _compile_and_link(compiler, flags, jobs, link_flags, out, what) -> pathlib.Path:
+    """Compile jobs (source, object, extra flags) two at a time, then link the objects
+    into out; a RuntimeError with the compiler's message (what names out) on failure."""
+
+    def compile_one(job):
+        src, obj, extra = job
+        r = subprocess.run([compiler, *flags, *extra, "-c", str(src), "-o", str(obj)],
                            capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"compiling {src.name} failed:\n{r.stderr[-4000:]}")
         return obj
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        objs = list(pool.map(compile_one, [*sources(), SHIM / "harness.cc", SHIM / "tsan_main.cc"]))
-    exe = out_dir / "tsan_main"
-    r = subprocess.run([compiler, *flags, *map(str, objs), "-o", str(exe)], capture_output=True,
-                       text=True)
+        objs = list(pool.map(compile_one, jobs))
+    r = subprocess.run([compiler, *link_flags, *map(str, objs), "-o", str(out)],
+                       capture_output=True, text=True)
     if r.returncode:
-        raise RuntimeError(f"linking the TSan driver failed:\n{r.stderr[-4000:]}")
-    return exe
+        raise RuntimeError(f"linking {what} failed:\n{r.stderr[-4000:]}")
+    return out
 
 
 def build_cached(cache_root: pathlib.Path) -> pathlib.Path:
