@@ -191,36 +191,29 @@ def moe_mlp(cfg: Config, p, x):
     def bias(name, rows):  # per (token, slot) expert bias rows, or None
         return None if name not in p else p[name][rows].astype(jnp.float32)
 
-    if t * k <= GATHER_MAX_PAIRS:  # decode: gather_qmm reads only the chosen experts
+    def experts(a, matmul, bias_rows):
+        """The experts' SwiGLU MLP of a through matmul(a, expert weights), float32 out;
+        bias_rows: each output row's expert (for the biases)."""
         if fused:
-            gu = expert_gather(x, p["e_gate_up"], idx).astype(jnp.float32)
+            gu = matmul(a, p["e_gate_up"]).astype(jnp.float32)
             if "e_gate_up_bias" in p:
-                gu = gu + bias("e_gate_up_bias", idx)
+                gu = gu + bias("e_gate_up_bias", bias_rows)
             gate, up = _split_gate_up(p, gu)
         else:
-            gate, up = expert_gather(x, p["e_gate"], idx), expert_gather(x, p["e_up"], idx)
-        h = _expert_act(cfg, gate, up).astype(x.dtype)  # [T, k, I]
-        y = expert_gather(h, p["e_down"], idx).astype(jnp.float32)  # [T, k, D]
+            gate, up = matmul(a, p["e_gate"]), matmul(a, p["e_up"])
+        h = _expert_act(cfg, gate, up).astype(x.dtype)
+        y = matmul(h, p["e_down"]).astype(jnp.float32)
         if "e_down_bias" in p:
-            y = y + bias("e_down_bias", idx)
+            y = y + bias("e_down_bias", bias_rows)
+        return y
+
+    if t * k <= GATHER_MAX_PAIRS:  # decode: gather_qmm reads only the chosen experts
+        y = experts(x, lambda a, w: expert_gather(a, w, idx), idx)  # [T, k, D]
     else:  # prefill: sort (token, slot) pairs by expert, one ragged matmul each
         flat = idx.reshape(-1)
         order = jnp.argsort(flat, stable=True)
-        rows = x[order // k]
         sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-        experts = flat[order]
-        if fused:
-            gu = expert_ragged(rows, p["e_gate_up"], sizes).astype(jnp.float32)
-            if "e_gate_up_bias" in p:
-                gu = gu + bias("e_gate_up_bias", experts)
-            gate, up = _split_gate_up(p, gu)
-        else:
-            gate, up = expert_ragged(rows, p["e_gate"], sizes), expert_ragged(
-                rows, p["e_up"], sizes)
-        h = _expert_act(cfg, gate, up).astype(x.dtype)
-        ys = expert_ragged(h, p["e_down"], sizes).astype(jnp.float32)
-        if "e_down_bias" in p:
-            ys = ys + bias("e_down_bias", experts)
+        ys = experts(x[order // k], lambda a, w: expert_ragged(a, w, sizes), flat[order])
         y = jnp.zeros((t * k, d), jnp.float32).at[order].set(ys).reshape(t, k, d)
     return jnp.einsum("tkd,tk->td", y, weights).astype(x.dtype)
 
