@@ -74,6 +74,18 @@ def _k_axis(qw, transpose):
     return qw.shape[-1] if transpose else qw.shape[-2]
 
 
+def _expert_args(op, x, qw, ids_name, ids, transpose):
+    """The checks gather_qmm and ragged_qmm share: transpose static, qw [E, N, K]
+    quantized, x an array, ids (indices, group_sizes) integer. Returns x, ids, K."""
+    require_static("transpose", transpose, op)
+    require_quantized("qw", qw, ndim=3)
+    x = check_x(x)
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{ids_name} must be an integer array; got {ids.dtype}")
+    return x, ids, _k_axis(qw, transpose)
+
+
 def qmm(x, qw, transpose: bool = True, *, backend: str | None = None):
     """y = x @ dequantize(qw).T (transpose=True, qw [N, K], x [..., K] -> [..., N])
     or x @ dequantize(qw) (transpose=False, qw [K, N]), like MLX's quantized_matmul.
@@ -102,15 +114,9 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
     An index outside [0, E) gives a NaN row and reads nothing out of bounds.
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
-    require_static("transpose", transpose, "gather_qmm")
-    require_quantized("qw", qw, ndim=3)
-    x = check_x(x)
-    indices = jnp.asarray(indices)
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise TypeError(f"indices must be an integer array; got {indices.dtype}")
+    x, indices, k = _expert_args("gather_qmm", x, qw, "indices", indices, transpose)
     if indices.ndim != 2:
         raise ValueError(f"indices must be [T, k]; got shape {indices.shape}")
-    k = _k_axis(qw, transpose)
     t, slots = indices.shape
     if x.shape not in ((t, k), (t, slots, k)):
         raise ValueError(f"x must be [T, K] = {(t, k)} or [T, k, K] = {(t, slots, k)} "
@@ -124,15 +130,10 @@ def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | Non
     order, group e has group_sizes[e] rows; rows past sum(group_sizes) are zero.
     qw [E, N, K] -> [T, N]. Static (Python values, not traced under jax.jit):
     transpose, backend."""
-    require_static("transpose", transpose, "ragged_qmm")
-    require_quantized("qw", qw, ndim=3)
-    x = check_x(x)
-    group_sizes = jnp.asarray(group_sizes)
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be an integer array; got {group_sizes.dtype}")
+    x, group_sizes, k = _expert_args("ragged_qmm", x, qw, "group_sizes", group_sizes,
+                                     transpose)
     if group_sizes.shape != (qw.shape[0],):
         raise ValueError(f"group_sizes must be [E] = ({qw.shape[0]},); got {group_sizes.shape}")
-    k = _k_axis(qw, transpose)
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
     return ragged_qmm_op.bind(x, qw, group_sizes, backend=backend, transpose=bool(transpose),
