@@ -115,6 +115,13 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   return d;
 }
 
+// (a & b) | c as one LOP3 (ptxas left it as two when written in C++).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 template <int SHIFT>
 __device__ __forceinline__ uint32_t shl(uint32_t x) {
   if constexpr (SHIFT >= 0) return x << SHIFT;
@@ -147,7 +154,7 @@ template <class C, bool F16, bool FOLD, int S, int J>
 __device__ __forceinline__ uint32_t a_reg(const uint32_t* w) {
   constexpr int BITS = C::kBits;
   if constexpr (C::kFmt == kAffine && BITS == 4) {
-    const uint32_t v = (shl<-4 * J>(w[S]) & 0x000f000fu) | (F16 ? 0x64006400u : 0x43004300u);
+    const uint32_t v = and_or(shl<-4 * J>(w[S]), 0x000f000fu, F16 ? 0x64006400u : 0x43004300u);
     if constexpr (F16) return hsub2_f16(v, 0x64006400u);  // exact: c
     if constexpr (!FOLD) return hsub2_bf16(v, 0x43004300u);
     return v;
@@ -570,19 +577,8 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   }
 }
 
-// Blocks of 256 threads the register budget must allow: 4 (64 registers) where
-// the kernel fits without spilling (ptxas -v: 4-bit codes, one n8 tile, bf16 x,
-// or f16 x with one group per chunk; not float32 scales of group 32, not NVFP4's
-// four groups per chunk), so an SM holds 32 warps; else 2 (128 registers).
 template <class C, int XDT, int NT, int P, int SDT>
-constexpr int kMinBlocks = C::kBits == 4 && NT == 1 &&
-                                   (XDT == kBF16 || (XDT == kF16 && P == 1)) && P <= 2 &&
-                                   !(P == 2 && SDT == kF32)
-                               ? 4
-                               : 2;
-
-template <class C, int XDT, int NT, int P, int SDT>
-__global__ void __launch_bounds__(256, (kMinBlocks<C, XDT, NT, P, SDT>)) qmv_mma_kernel(Problem pr) {
+__global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   constexpr int CAP = 8 * NT;  // rows of x per segment
   const QmvProblem& p = pr.q;
 
