@@ -262,8 +262,23 @@ struct TileCursor {
   int valid_rows;        // rows of the tile inside N
 };
 
-// The U chunks c, c + warps, ... of the lane: loads first (weights, scales, x),
-// then the decode, the MMAs and the scales. Every chunk is inside K.
+// Tile `tile` of expert e: a full tile's cursor points at the lane's unit and its
+// pair of rows' scales (the layout); the partial last one (TAIL) at its first
+// canonical row.
+template <bool TAIL>
+__device__ __forceinline__ TileCursor tile_cursor(const QmvProblem& p, int64_t e, int64_t tile,
+                                                  int bits, int ssz, int lane) {
+  TileCursor cur;
+  cur.x[0] = cur.x[1] = nullptr;
+  const int64_t row0 = e * p.N + tile * kTileRows;  // the tile's first row in [E * N]
+  cur.valid_rows = (int)(p.N - tile * kTileRows);
+  const int64_t s0 = TAIL ? row0 * p.groups : row0 * p.groups + 2 * (lane >> 2);
+  cur.w = p.data + row0 * p.words + (TAIL ? 0 : lane * bits);
+  cur.s = static_cast<const char*>(p.scales) + s0 * ssz;
+  cur.b = p.biases ? static_cast<const char*>(p.biases) + s0 * ssz : nullptr;
+  return cur;
+}
+
 // A scale code of at most 16 bits (uint8 E8M0/E4M3 codes, half, bfloat16).
 __device__ __forceinline__ uint32_t load_raw16(const void* base, int64_t i, int32_t dt) {
   return dt == kU8 ? (uint32_t)JQ_LDG(static_cast<const uint8_t*>(base) + i)
@@ -470,7 +485,7 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
-  TileCursor cur;
+  TileCursor cur = tile_cursor<TAIL>(p, e, tile, BITS, ssz, lane);
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int m = g + 8 * nt;
@@ -480,17 +495,6 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
                     : nullptr;
   }
   const int64_t row0 = e * p.N + tile * kTileRows;  // the tile's first row in [E * N]
-  cur.valid_rows = (int)(p.N - tile * kTileRows);
-  if constexpr (!TAIL) {
-    cur.w = p.data + row0 * p.words + lane * BITS;
-    const int64_t pair0 = (row0 * p.groups) + 2 * g;  // element index of (row g, group 0)
-    cur.s = static_cast<const char*>(p.scales) + pair0 * ssz;
-    cur.b = p.biases ? static_cast<const char*>(p.biases) + pair0 * ssz : nullptr;
-  } else {
-    cur.w = p.data + row0 * p.words;
-    cur.s = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
-    cur.b = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : nullptr;
-  }
   int gshift = 0;  // group sizes are powers of two
   while ((1 << gshift) < p.group) ++gshift;
   const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
@@ -729,70 +733,81 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   return hipGetLastError();
 }
 
-// The scales' dtype: uint8 codes, or (float-scale formats) bfloat16, half, float32.
-template <class C, int XDT, int NT, int P>
-static hipError_t launch_p(const Problem& pr, hipStream_t stream) {
+// The decode GEMV's launch policy for the format switches below (the prefill
+// GEMM has its own: qmm_gemm.h).
+struct GemvLaunch {
+  template <class C, int XDT, int NT, int P, int SDT>
+  static hipError_t run(const Problem& pr, hipStream_t stream) {
+    return launch_s<C, XDT, NT, P, SDT>(pr, stream);
+  }
+};
+
+// The format switches, shared by the kernels on this layout: L::run<C, XDT, NT, P,
+// SDT>(pr, stream) with the codec C, x's dtype, n-tiles NT, groups per chunk P
+// (only the group sizes each format allows) and the scales' dtype SDT (uint8
+// codes, or for float-scale formats bfloat16, half, float32).
+template <class L, class C, int XDT, int NT, int P, class Pr>
+static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
   if constexpr (C::kScale != kScaleFloat) {
-    return launch_s<C, XDT, NT, P, kU8>(pr, stream);
+    return L::template run<C, XDT, NT, P, kU8>(pr, stream);
   } else {
     switch (pr.q.scale_dt) {
-      case kF32: return launch_s<C, XDT, NT, P, kF32>(pr, stream);
-      case kF16: return launch_s<C, XDT, NT, P, kF16>(pr, stream);
-      default: return launch_s<C, XDT, NT, P, kBF16>(pr, stream);
+      case kF32: return L::template run<C, XDT, NT, P, kF32>(pr, stream);
+      case kF16: return L::template run<C, XDT, NT, P, kF16>(pr, stream);
+      default: return L::template run<C, XDT, NT, P, kBF16>(pr, stream);
     }
   }
 }
 
-// Groups per chunk: only the group sizes each format allows are instantiated.
-template <class C, int XDT, int NT>
-static hipError_t launch_nt(const Problem& pr, hipStream_t stream) {
+template <class L, class C, int XDT, int NT, class Pr>
+static hipError_t launch_nt(const Pr& pr, hipStream_t stream) {
   const int g = pr.q.group;
   if constexpr (C::kFmt == kAffine) {
-    return g == 32 ? launch_p<C, XDT, NT, 2>(pr, stream) : launch_p<C, XDT, NT, 1>(pr, stream);
+    return g == 32 ? launch_p<L, C, XDT, NT, 2>(pr, stream) : launch_p<L, C, XDT, NT, 1>(pr, stream);
   } else if constexpr (C::kFmt == kNvfp4) {
-    return launch_p<C, XDT, NT, 4>(pr, stream);
+    return launch_p<L, C, XDT, NT, 4>(pr, stream);
   } else if constexpr (C::kFmt == kFp4) {
-    return g == 16 ? launch_p<C, XDT, NT, 4>(pr, stream)
-                   : g == 32 ? launch_p<C, XDT, NT, 2>(pr, stream)
-                             : launch_p<C, XDT, NT, 1>(pr, stream);
+    return g == 16 ? launch_p<L, C, XDT, NT, 4>(pr, stream)
+                   : g == 32 ? launch_p<L, C, XDT, NT, 2>(pr, stream)
+                             : launch_p<L, C, XDT, NT, 1>(pr, stream);
   } else {
-    return launch_p<C, XDT, NT, 2>(pr, stream);  // MX: group 32
+    return launch_p<L, C, XDT, NT, 2>(pr, stream);  // MX: group 32
   }
 }
 
-template <class C, int XDT>
-static hipError_t launch_c(const Problem& pr, int nt, hipStream_t stream) {
-  return nt == 1 ? launch_nt<C, XDT, 1>(pr, stream) : launch_nt<C, XDT, 2>(pr, stream);
+template <class L, class C, int XDT, class Pr>
+static hipError_t launch_c(const Pr& pr, int nt, hipStream_t stream) {
+  return nt == 1 ? launch_nt<L, C, XDT, 1>(pr, stream) : launch_nt<L, C, XDT, 2>(pr, stream);
 }
 
 // The affine and the small-float formats for activations of dtype XDT (one
 // translation unit each: qmv_mma_<family>_<dtype>.hip, so nvcc builds them in parallel).
-template <int XDT>
-static hipError_t launch_affine(const Problem& pr, int nt, hipStream_t stream) {
+template <class L, int XDT, class Pr>
+static hipError_t launch_affine(const Pr& pr, int nt, hipStream_t stream) {
   switch (pr.q.bits) {
 #if !defined(JQ_MMA_CHECK_ONLY)  // compile checks build the 4-bit kernels only
-    case 2: return launch_c<Codec<kAffine, 2>, XDT>(pr, nt, stream);
-    case 3: return launch_c<Codec<kAffine, 3>, XDT>(pr, nt, stream);
-    case 5: return launch_c<Codec<kAffine, 5>, XDT>(pr, nt, stream);
-    case 6: return launch_c<Codec<kAffine, 6>, XDT>(pr, nt, stream);
-    case 8: return launch_c<Codec<kAffine, 8>, XDT>(pr, nt, stream);
+    case 2: return launch_c<L, Codec<kAffine, 2>, XDT>(pr, nt, stream);
+    case 3: return launch_c<L, Codec<kAffine, 3>, XDT>(pr, nt, stream);
+    case 5: return launch_c<L, Codec<kAffine, 5>, XDT>(pr, nt, stream);
+    case 6: return launch_c<L, Codec<kAffine, 6>, XDT>(pr, nt, stream);
+    case 8: return launch_c<L, Codec<kAffine, 8>, XDT>(pr, nt, stream);
 #endif
-    default: return launch_c<Codec<kAffine, 4>, XDT>(pr, nt, stream);
+    default: return launch_c<L, Codec<kAffine, 4>, XDT>(pr, nt, stream);
   }
 }
 
-template <int XDT>
-static hipError_t launch_float(const Problem& pr, int nt, hipStream_t stream) {
+template <class L, int XDT, class Pr>
+static hipError_t launch_float(const Pr& pr, int nt, hipStream_t stream) {
   switch (pr.q.fmt) {
 #if !defined(JQ_MMA_CHECK_ONLY)
-    case kMxfp6E2M3: return launch_c<Codec<kMxfp6E2M3, 6>, XDT>(pr, nt, stream);
-    case kMxfp6E3M2: return launch_c<Codec<kMxfp6E3M2, 6>, XDT>(pr, nt, stream);
-    case kMxfp8E4M3: return launch_c<Codec<kMxfp8E4M3, 8>, XDT>(pr, nt, stream);
-    case kMxfp8E5M2: return launch_c<Codec<kMxfp8E5M2, 8>, XDT>(pr, nt, stream);
-    case kNvfp4: return launch_c<Codec<kNvfp4, 4>, XDT>(pr, nt, stream);
-    case kFp4: return launch_c<Codec<kFp4, 4>, XDT>(pr, nt, stream);
+    case kMxfp6E2M3: return launch_c<L, Codec<kMxfp6E2M3, 6>, XDT>(pr, nt, stream);
+    case kMxfp6E3M2: return launch_c<L, Codec<kMxfp6E3M2, 6>, XDT>(pr, nt, stream);
+    case kMxfp8E4M3: return launch_c<L, Codec<kMxfp8E4M3, 8>, XDT>(pr, nt, stream);
+    case kMxfp8E5M2: return launch_c<L, Codec<kMxfp8E5M2, 8>, XDT>(pr, nt, stream);
+    case kNvfp4: return launch_c<L, Codec<kNvfp4, 4>, XDT>(pr, nt, stream);
+    case kFp4: return launch_c<L, Codec<kFp4, 4>, XDT>(pr, nt, stream);
 #endif
-    default: return launch_c<Codec<kMxfp4, 4>, XDT>(pr, nt, stream);
+    default: return launch_c<L, Codec<kMxfp4, 4>, XDT>(pr, nt, stream);
   }
 }
 

@@ -1,12 +1,17 @@
-// The FFI handler of the tensor-core decode GEMV (kernel: qmv_mma.h):
-// target jaxquant_qmv_mma, the operands of jaxquant_qmv with data, scales and
-// biases in the cuda_mma layout (same shapes as canonical), plus `dedupe`
-// (gather_qmm: up to that many slots sharing an expert read its weights once;
-// 0: every slot alone). CUDA only; the ROCm build does not compile this file.
+// The FFI handlers of the kernels on the cuda_mma layout. CUDA only; the ROCm
+// build does not compile this file.
+//   jaxquant_qmv_mma (qmv_mma.h, the decode GEMV): the operands of jaxquant_qmv
+//     with data, scales and biases in the cuda_mma layout (same shapes as
+//     canonical), plus `dedupe` (gather_qmm: up to that many slots sharing an
+//     expert read its weights once; 0: every slot alone).
+//   jaxquant_qmm_gemm (qmm_gemm.h, the prefill GEMM): x [Sx, M, K] (16-bit),
+//     data, scales, biases, global_scale, group_sizes -> y. group_sizes empty:
+//     qmm over S = E matrices, y [S, M, N]; int32 [E]: ragged_qmm, x [1, T, K],
+//     y [1, T, N].
 #include <string>
 
 #include "jq/ffi_common.h"
-#include "qmv_mma.h"
+#include "qmm_gemm.h"
 
 namespace ffi = xla::ffi;
 
@@ -50,17 +55,60 @@ static ffi::Error qmv_mma_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
 #endif
 }
 
+// Both handlers: the 6 operands of jaxquant_qmv, one result, the format's attributes.
+static auto bind_layout_kernel() {
+  return jq::format_attrs(jq::ffi_rets<1>(
+      jq::ffi_args<6>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<hipStream_t>>())));
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma, qmv_mma_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("dedupe"));
+                              bind_layout_kernel().Attr<int64_t>("dedupe"));
+static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
+                                ffi::AnyBuffer scales, ffi::AnyBuffer biases, ffi::AnyBuffer gs,
+                                ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> y,
+                                int64_t fmt, int64_t bits, int64_t group_size) {
+  const bool ragged = group_sizes.element_count() != 0;
+  jq::QmvProblem q;
+  if (auto e = jq::make_qmv(x, data, scales, biases, gs, group_sizes, *y, fmt, bits, group_size,
+                            &q, ragged);
+      e.failure())
+    return e;
+  if (q.x_dt == jq::kF32)
+    return jq::invalid("the tensor-core GEMM takes float16 or bfloat16 x; got float32");
+  if (ragged) {
+    auto gd = group_sizes.dimensions();
+    if (group_sizes.element_type() != ffi::DataType::S32 || gd.size() != 1 || gd[0] != q.E)
+      return jq::invalid("group_sizes must be int32 [E=" + std::to_string(q.E) + "]; got " +
+                         jq::dtype_name(group_sizes.element_type()) + " " + jq::dims_str(gd));
+    if (q.S != 1 || q.Sx != 1)
+      return jq::invalid("ragged_qmm takes x [1, T, K] and y [1, T, N]; got " +
+                         std::to_string(q.Sx) + " and " + std::to_string(q.S) + " leading");
+  }
+#if defined(JQ_PLATFORM_CUDA)
+  using namespace jq::gpu::mma;
+  if (q.S == 0 || q.M == 0 || q.N == 0) return ffi::Error::Success();
+  if (q.K % kChunkK != 0)
+    return jq::invalid("the cuda_mma layout needs K a multiple of 64; got K=" +
+                       std::to_string(q.K));
+  GemmProblem P;
+  P.q = q;
+  P.tiles = (q.N + kTileRows - 1) / kTileRows;
+  P.full_tiles = q.N / kTileRows;
+  P.chunks = q.K / kChunkK;
+  P.group_sizes = ragged ? static_cast<const int32_t*>(group_sizes.untyped_data()) : nullptr;
+  P.row_blocks = ragged ? (q.M + kBlockM - 1) / kBlockM + q.E : q.S * ((q.M + kBlockM - 1) / kBlockM);
+  if (P.row_blocks > 65535)
+    return jq::invalid("too many rows for one launch: " + std::to_string(P.row_blocks) +
+                       " blocks of 64");
+  P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
+  JQ_LAUNCH_CHECK(q.x_dt == jq::kF16 ? launch_qmm_gemm_f16(P, stream)
+                                     : launch_qmm_gemm_bf16(P, stream),
+                  "the tensor-core GEMM");
+  return ffi::Error::Success();
+#else
+  (void)stream;
+  return ffi::Error::Unimplemented("jaxquant ffi: the tensor-core GEMM is CUDA only");
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmm_gemm, qmm_gemm_impl, bind_layout_kernel());

@@ -1,6 +1,7 @@
-// The tensor-core decode GEMV (qmv_mma.h): the affine formats with f16 activations
-// (one translation unit per family and dtype, built in parallel).
-#include "qmv_mma.h"
+// The kernels on the cuda_mma layout for the affine formats with f16 activations:
+// the decode GEMV (qmv_mma.h) and the prefill GEMM (qmm_gemm.h). One translation
+// unit per family and dtype, built in parallel.
+#include "qmm_gemm.h"
 
 #if defined(JQ_PLATFORM_CUDA)
 namespace jq {
@@ -8,7 +9,11 @@ namespace gpu {
 namespace mma {
 
 hipError_t launch_qmv_mma_affine_f16(const Problem& pr, int nt, hipStream_t stream) {
-  return launch_affine<kF16>(pr, nt, stream);
+  return launch_affine<GemvLaunch, kF16>(pr, nt, stream);
+}
+
+hipError_t launch_qmm_gemm_affine_f16(const GemmProblem& pr, hipStream_t stream) {
+  return launch_affine<GemmLaunch, kF16>(pr, 1, stream);
 }
 
 }  // namespace mma

@@ -1,5 +1,6 @@
 // The tensor-core decode GEMV (qmv_mma.h): the float formats with f32 activations
-// (one translation unit per family and dtype, built in parallel).
+// (one translation unit per family and dtype, built in parallel; the prefill GEMM
+// takes 16-bit activations only).
 #include "qmv_mma.h"
 
 #if defined(JQ_PLATFORM_CUDA)
@@ -8,7 +9,7 @@ namespace gpu {
 namespace mma {
 
 hipError_t launch_qmv_mma_float_f32(const Problem& pr, int nt, hipStream_t stream) {
-  return launch_float<kF32>(pr, nt, stream);
+  return launch_float<GemvLaunch, kF32>(pr, nt, stream);
 }
 
 }  // namespace mma

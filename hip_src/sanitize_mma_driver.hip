@@ -1,14 +1,17 @@
-// A standalone driver of the tensor-core decode GEMV (qmv_mma.h), no JAX, for
-// compute-sanitizer (scripts/gpu_check_decode.sh builds and runs it):
+// A standalone driver of the tensor-core kernels on the cuda_mma layout, the
+// decode GEMV (qmv_mma.h) and the prefill GEMM (qmm_gemm.h), no JAX, for
+// compute-sanitizer (scripts/gpu_check_decode.sh and gpu_check_prefill.sh run it):
 //   nvcc -x cu -std=c++17 -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip \
 //        -L<lib dir> -ljaxquant_cuda -o sanitize_mma_driver
 //   compute-sanitizer --tool memcheck --error-exitcode 9 ./sanitize_mma_driver
 // Random codes and scales (every bit pattern is a valid code) in buffers of the
 // exact size, so any read past them is an error: tails (N % 16), odd N x groups
 // (unaligned expert bases), float32 scales, M = 1 / 9 / 16, every x dtype,
-// gather with repeated experts (dedupe) and ids outside [0, E) (NaN rows).
-// Values are checked by tests/test_decode_gpu.py; here: NaN rows exactly where
-// the ids are bad. Not part of the library.
+// gather with repeated experts (dedupe) and ids outside [0, E) (NaN rows); the
+// GEMM with M = 17 / 64 / 100 and ragged group sizes with empty groups, sizes
+// past T, rows past the groups (zero). Values are checked by
+// tests/test_decode_gpu.py and test_prefill_gpu.py; here: NaN rows exactly where
+// the ids are bad, zero rows past the groups. Not part of the library.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,7 +19,7 @@
 #include <random>
 #include <vector>
 
-#include "qmv_mma.h"
+#include "qmm_gemm.h"
 
 using namespace jq;
 using namespace jq::gpu::mma;
@@ -42,68 +45,123 @@ static T* dev_random(size_t n, std::mt19937& rng, uint32_t mask) {
 
 static int failures = 0;
 
-static void run_case(int fmt, int bits, int group, int scale_dt, int x_dt, int64_t E, int64_t N,
-                     int64_t K, int64_t M, const std::vector<int32_t>* ids, int dedupe) {
-  std::mt19937 rng(1234 + (int)N + (int)K + fmt * 7 + bits);
-  const int64_t words = K * bits / 32, groups = K / group;
-  const int ssz = scale_dt == kU8 ? 1 : (scale_dt == kF32 ? 4 : 2);
-  const int esz = x_dt == kF32 ? 4 : 2;
-  const int64_t S = ids ? (int64_t)ids->size() : E;
+constexpr int kUnwritten = 0xff;  // y's bytes before a launch: a NaN no kernel writes
+
+struct Case {
+  int fmt, bits, group, scale_dt, x_dt;
+};
+
+// Random buffers of exactly the problem's size: S slots of M rows (Sx x rows),
+// E experts [N, K].
+static QmvProblem make_problem(const Case& c, int64_t E, int64_t N, int64_t K, int64_t S,
+                               int64_t Sx, int64_t M, const std::vector<int32_t>* ids) {
+  std::mt19937 rng(1234 + (int)N + (int)K + c.fmt * 7 + c.bits);
+  const int64_t words = K * c.bits / 32, groups = K / c.group;
+  const int ssz = c.scale_dt == kU8 ? 1 : (c.scale_dt == kF32 ? 4 : 2);
+  const int esz = c.x_dt == kF32 ? 4 : 2;
   QmvProblem q{};
-  q.fmt = fmt;
-  q.bits = bits;
-  q.group = group;
+  q.fmt = c.fmt;
+  q.bits = c.bits;
+  q.group = c.group;
   q.S = S;
   q.M = M;
   q.N = N;
   q.K = K;
   q.E = E;
-  q.Sx = S;
-  q.x_div = 1;
+  q.Sx = Sx;
+  q.x_div = S / Sx;
   q.words = words;
   q.groups = groups;
-  q.x_dt = x_dt;
-  q.scale_dt = scale_dt;
+  q.x_dt = c.x_dt;
+  q.scale_dt = c.scale_dt;
   // scales: small positive values (bf16/f16/f32 bit patterns of ~0.01..1; E8M0 codes 100..140)
   std::vector<uint8_t> sh(E * N * groups * ssz);
   for (size_t i = 0; i < sh.size() / ssz; ++i) {
     const float v = 0.01f + (rng() % 1000) / 1000.0f;
     uint32_t b;
     memcpy(&b, &v, 4);
-    if (ssz == 1) sh[i] = (uint8_t)(fmt == kNvfp4 ? 40 + rng() % 60 : 100 + rng() % 40);
+    if (ssz == 1) sh[i] = (uint8_t)(c.fmt == kNvfp4 ? 40 + rng() % 60 : 100 + rng() % 40);
     else if (ssz == 2) {
-      const uint16_t h = scale_dt == kBF16 ? (uint16_t)(b >> 16) : f32_to_f16(v);
+      const uint16_t h = c.scale_dt == kBF16 ? (uint16_t)(b >> 16) : f32_to_f16(v);
       memcpy(&sh[2 * i], &h, 2);
     } else memcpy(&sh[4 * i], &b, 4);
   }
   void* scales = nullptr;
   CK(cudaMalloc(&scales, sh.size()));
   CK(cudaMemcpy(scales, sh.data(), sh.size(), cudaMemcpyHostToDevice));
-  void* biases = nullptr;
-  if (fmt == kAffine) {
+  q.scales = scales;
+  if (c.fmt == kAffine) {
+    void* biases = nullptr;
     CK(cudaMalloc(&biases, sh.size()));
     CK(cudaMemcpy(biases, sh.data(), sh.size(), cudaMemcpyHostToDevice));
+    q.biases = biases;
   }
-  float gs_h = 0.5f;
-  float* gs = nullptr;
-  if (fmt == kNvfp4) {
+  if (c.fmt == kNvfp4) {
+    const float gs_h = 0.5f;
+    float* gs = nullptr;
     CK(cudaMalloc(&gs, 4));
     CK(cudaMemcpy(gs, &gs_h, 4, cudaMemcpyHostToDevice));
+    q.global_scale = gs;
   }
   q.data = dev_random<uint32_t>(E * N * words, rng, 0xffffffffu);
-  q.scales = scales;
-  q.biases = biases;
-  q.global_scale = gs;
-  q.x = dev_random<uint16_t>(S * M * K * esz / 2, rng, 0x3bffu);  // small finite values
-  int32_t* idx = nullptr;
+  q.x = dev_random<uint16_t>(Sx * M * K * esz / 2, rng, 0x3bffu);  // small finite values
   if (ids) {
+    int32_t* idx = nullptr;
     CK(cudaMalloc(&idx, 4 * ids->size()));
     CK(cudaMemcpy(idx, ids->data(), 4 * ids->size(), cudaMemcpyHostToDevice));
+    q.indices = idx;
   }
-  q.indices = idx;
   void* y = nullptr;
   CK(cudaMalloc(&y, S * M * N * esz));
+  CK(cudaMemset(y, kUnwritten, S * M * N * esz));  // unwritten elements show
   q.y = y;
+  return q;
+}
+
+struct Output {
+  std::vector<float> v;
+  std::vector<bool> unwritten;
+};
+
+// y as float32 (and where it still has the bytes of before the launch), then every
+// buffer freed.
+static Output finish(QmvProblem& q) {
+  CK(cudaDeviceSynchronize());
+  const int64_t count = q.S * q.M * q.N;
+  const int esz = q.x_dt == kF32 ? 4 : 2;
+  std::vector<uint8_t> yh(count * esz);
+  CK(cudaMemcpy(yh.data(), q.y, yh.size(), cudaMemcpyDeviceToHost));
+  Output out{std::vector<float>(count), std::vector<bool>(count)};
+  for (int64_t i = 0; i < count; ++i) {
+    bool same = true;
+    for (int b = 0; b < esz; ++b) same = same && yh[esz * i + b] == kUnwritten;
+    out.unwritten[i] = same;
+    if (q.x_dt == kF32) memcpy(&out.v[i], &yh[4 * i], 4);
+    else {
+      uint16_t h;
+      memcpy(&h, &yh[2 * i], 2);
+      out.v[i] = q.x_dt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+  }
+  for (const void* p : {(const void*)q.data, q.scales, q.biases, (const void*)q.global_scale,
+                        q.x, (const void*)q.indices, (const void*)q.y})
+    if (p) cudaFree((void*)p);
+  return out;
+}
+
+static void fail(const char* what, int fmt, int bits, long long row) {
+  ++failures;
+  if (failures < 5) printf("  %s: fmt %d bits %d row %lld\n", what, fmt, bits, row);
+}
+
+// (random MXFP8 codes include NaN/Inf codes, so only rows that must be NaN or zero
+// are checked there)
+static bool any_code_nan(int fmt) { return fmt == kMxfp8E5M2 || fmt == kMxfp8E4M3; }
+
+static void run_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M,
+                     const std::vector<int32_t>* ids, int dedupe) {
+  const int64_t S = ids ? (int64_t)ids->size() : E;
+  QmvProblem q = make_problem(c, E, N, K, S, S, M, ids);
   Problem P;
   P.q = q;
   P.tiles = (N + 15) / 16;
@@ -111,46 +169,63 @@ static void run_case(int fmt, int bits, int group, int scale_dt, int x_dt, int64
   P.chunks = K / 64;
   P.dedupe = ids != nullptr && dedupe > 0;
   const int nt = (ids ? (dedupe > 8 ? 2 : 1) : (M > 8 ? 2 : 1));
-  CK(x_dt == kF32 ? launch_qmv_mma_f32(P, nt, 0)
-                  : x_dt == kF16 ? launch_qmv_mma_f16(P, nt, 0) : launch_qmv_mma_bf16(P, nt, 0));
-  CK(cudaDeviceSynchronize());
-  std::vector<uint8_t> yh(S * M * N * esz);
-  CK(cudaMemcpy(yh.data(), y, yh.size(), cudaMemcpyDeviceToHost));
+  CK(c.x_dt == kF32 ? launch_qmv_mma_f32(P, nt, 0)
+                    : c.x_dt == kF16 ? launch_qmv_mma_f16(P, nt, 0) : launch_qmv_mma_bf16(P, nt, 0));
+  const Output y = finish(q);
   for (int64_t s = 0; s < S; ++s) {
     const bool bad = ids && ((*ids)[s] < 0 || (*ids)[s] >= E);
     for (int64_t j = 0; j < M * N; ++j) {
       const int64_t i = s * M * N + j;
-      float v;
-      if (x_dt == kF32) memcpy(&v, &yh[4 * i], 4);
-      else {
-        uint16_t h;
-        memcpy(&h, &yh[2 * i], 2);
-        v = x_dt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
-      }
-      if (bad != (bool)isnan(v) && !(fmt == kMxfp8E5M2 || fmt == kMxfp8E4M3)) {
-        // (random MXFP8 codes include NaN/Inf codes, so only bad rows are checked there)
-        ++failures;
-        if (failures < 5) printf("  NaN mismatch fmt %d bits %d slot %lld elem %lld\n", fmt, bits,
-                                 (long long)s, (long long)j);
-        break;
-      }
-      if (bad && !isnan(v)) {
-        ++failures;
+      const bool nan = isnan(y.v[i]);
+      if (y.unwritten[i] || (bad ? !nan : (nan && !any_code_nan(c.fmt)))) {
+        fail("NaN mismatch", c.fmt, c.bits, s);
         break;
       }
     }
   }
-  cudaFree((void*)q.data);
-  cudaFree(scales);
-  if (biases) cudaFree(biases);
+}
+
+// The GEMM: qmm over E matrices of M rows (sizes == nullptr) or ragged_qmm of T = M rows.
+static void run_gemm_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M,
+                          const std::vector<int32_t>* sizes) {
+  const int64_t S = sizes ? 1 : E;
+  QmvProblem q = make_problem(c, E, N, K, S, S, M, nullptr);
+  int32_t* gs = nullptr;
+  if (sizes) {
+    CK(cudaMalloc(&gs, 4 * E));
+    CK(cudaMemcpy(gs, sizes->data(), 4 * E, cudaMemcpyHostToDevice));
+  }
+  GemmProblem P;
+  P.q = q;
+  P.tiles = (N + 15) / 16;
+  P.full_tiles = N / 16;
+  P.chunks = K / 64;
+  P.group_sizes = gs;
+  P.row_blocks = sizes ? (M + kBlockM - 1) / kBlockM + E : E * ((M + kBlockM - 1) / kBlockM);
+  P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
+  CK(c.x_dt == kF16 ? launch_qmm_gemm_f16(P, 0) : launch_qmm_gemm_bf16(P, 0));
+  const Output y = finish(q);
   if (gs) cudaFree(gs);
-  cudaFree((void*)q.x);
-  if (idx) cudaFree(idx);
-  cudaFree(y);
+  int64_t total = 0;
+  if (sizes)
+    for (int32_t v : *sizes) total += v > 0 ? v : 0;
+  for (int64_t r = 0; r < S * M; ++r) {
+    const bool zero_row = sizes && r >= total;
+    for (int64_t n = 0; n < N; ++n) {
+      const float v = y.v[r * N + n];
+      if (y.unwritten[r * N + n] || (zero_row ? v != 0.0f : isnan(v) && !any_code_nan(c.fmt))) {
+        fail(zero_row ? "row past the groups not zero" : "NaN or unwritten", c.fmt, c.bits, r);
+        break;
+      }
+    }
+  }
 }
 
 int main() {
   const std::vector<int32_t> ids = {0, 4, -1, 4, 5, 0, 0, 2, 1, 1, 4, 99, 3, 3, 3, 3, 3, 3, 3, 3, 3};
+  const std::vector<std::vector<int32_t>> ragged_sizes = {
+      {0, 70, 0, 60, 0}, {0, 0, 150, 0, 0}, {10, 0, 65, 3, 1}, {150, 100, 0, 30, 0},
+      {100, -5, 50, 0, 50}};
   const int xdts[3] = {kBF16, kF16, kF32};
   for (int xi = 0; xi < 3; ++xi) {
     const int xd = xdts[xi];
@@ -158,11 +233,15 @@ int main() {
     const int cases[][4] = {{kAffine, 4, 64, kBF16}, {kAffine, 4, 32, kF32}, {kAffine, 3, 64, kF16},
                             {kAffine, 8, 64, kBF16}, {kMxfp4, 4, 32, kU8},  {kMxfp6E2M3, 6, 32, kU8},
                             {kMxfp8E5M2, 8, 32, kU8}, {kNvfp4, 4, 16, kU8}, {kFp4, 4, 16, kF32}};
-    for (const auto& c : cases) {
-      for (int64_t m : {1, 9, 16}) run_case(c[0], c[1], c[2], c[3], xd, 3, 37, 192, m, nullptr, 0);
-      run_case(c[0], c[1], c[2], c[3], xd, 5, 21, 64 * 5, 1, &ids, 0);    // odd N x groups
-      run_case(c[0], c[1], c[2], c[3], xd, 5, 48, 128, 1, &ids, 7);       // dedupe, 8 rows
-      run_case(c[0], c[1], c[2], c[3], xd, 5, 33, 128, 1, &ids, 12);      // dedupe, 16 rows
+    for (const auto& cc : cases) {
+      const Case c{cc[0], cc[1], cc[2], cc[3], xd};
+      for (int64_t m : {1, 9, 16}) run_case(c, 3, 37, 192, m, nullptr, 0);
+      run_case(c, 5, 21, 64 * 5, 1, &ids, 0);    // odd N x groups
+      run_case(c, 5, 48, 128, 1, &ids, 7);       // dedupe, 8 rows
+      run_case(c, 5, 33, 128, 1, &ids, 12);      // dedupe, 16 rows
+      if (xd == kF32) continue;                  // the GEMM takes 16-bit x
+      for (int64_t m : {17, 64, 100}) run_gemm_case(c, 2, 37, 192, m, nullptr);
+      for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 37, 192, 150, &sizes);
     }
   }
   printf(failures ? "FAILED (%d)\n" : "ALL OK\n", failures);

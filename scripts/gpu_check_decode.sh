@@ -3,7 +3,8 @@
 # (sm_90 only), GPU tests, compute-sanitizer memcheck of the new kernel (bad ids
 # included), benchmarks (copy bandwidth, torch peers), a short table last.
 #   bash scripts/gpu_check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
-# JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES.
+# JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES;
+# JQ_TESTS (test files) and JQ_BENCH (scenario) are set by gpu_check_prefill.sh.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 
@@ -24,11 +25,11 @@ fi
 
 if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
   step "GPU tests"
-  timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs -x tests/test_decode_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+  timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs ${JQ_TESTS:-tests/test_decode_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
-  step "compute-sanitizer memcheck on qmv_mma_kernel (hip_src/sanitize_mma_driver.hip, no JAX)"
+  step "compute-sanitizer memcheck on the cuda_mma kernels (hip_src/sanitize_mma_driver.hip, no JAX)"
   nvcc -x cu -std=c++17 -O2 --expt-relaxed-constexpr -gencode=arch=compute_90,code=sm_90 \
     -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
@@ -62,6 +63,6 @@ if [ -n "${JQ_WARPS_SWEEP:-}" ]; then
 fi
 
 step "benchmarks"
-timeout ${JQ_BENCH_TIMEOUT:-420} $PY -m jaxquant bench decode --only "${JQ_BENCH_ONLY:-qmm,peers,moe,step}" \
-  ${JQ_BENCH_MODES:+--modes $JQ_BENCH_MODES} 2>&1 | tee "$OUT/bench.log" | grep -v "^WARNING" | tail -n 80
+timeout ${JQ_BENCH_TIMEOUT:-420} $PY -m jaxquant bench ${JQ_BENCH:-decode} \
+  ${JQ_BENCH_ONLY:+--only $JQ_BENCH_ONLY} ${JQ_BENCH_MODES:+--modes $JQ_BENCH_MODES} 2>&1 | tee "$OUT/bench.log" | grep -v "^WARNING" | tail -n 80
 step "done"

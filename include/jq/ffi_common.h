@@ -195,7 +195,7 @@ inline ffi::Error make_qmv(const ffi::AnyBuffer& x, const ffi::AnyBuffer& data,
                            const ffi::AnyBuffer& scales, const ffi::AnyBuffer& biases,
                            const ffi::AnyBuffer& gs, const ffi::AnyBuffer& indices,
                            const ffi::AnyBuffer& y, int64_t fmt, int64_t bits, int64_t group,
-                           QmvProblem* p) {
+                           QmvProblem* p, bool own_slot_map = false) {
   if (auto e = check_format(fmt, bits, group); e.failure()) return e;
   p->fmt = (int32_t)fmt;
   p->bits = (int32_t)bits;
@@ -230,14 +230,16 @@ inline ffi::Error make_qmv(const ffi::AnyBuffer& x, const ffi::AnyBuffer& data,
     return invalid("x's first axis (" + std::to_string(p->Sx) +
                    ") must divide the number of slots S=" + std::to_string(p->S));
   p->x_div = p->Sx > 0 ? p->S / p->Sx : 1;
-  if (indices.element_count() != 0) {
+  if (!own_slot_map && indices.element_count() != 0) {
     auto id = indices.dimensions();
     if (indices.element_type() != ffi::DataType::S32 || id.size() != 1 || id[0] != p->S)
       return invalid("indices must be int32 [S=" + std::to_string(p->S) + "]; got " +
                      dtype_name(indices.element_type()) + " " + dims_str(id));
     p->indices = static_cast<const int32_t*>(indices.untyped_data());
   } else {
-    if (p->S != p->E)
+    // own_slot_map: the caller maps slots to experts (ragged_qmm: by group sizes;
+    // `indices` is not read)
+    if (!own_slot_map && p->S != p->E)
       return invalid("without indices the slots map to the experts: S=" + std::to_string(p->S) +
                      " must equal E=" + std::to_string(p->E));
     p->indices = nullptr;

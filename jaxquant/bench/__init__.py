@@ -16,7 +16,8 @@ import sys
 
 # name -> module (imported when the command line is built).
 SCENARIOS = {"qmm": "jaxquant.bench.qmm", "norm": "jaxquant.bench.norm",
-             "moe": "jaxquant.bench.moe", "decode": "jaxquant.bench.decode"}
+             "moe": "jaxquant.bench.moe", "decode": "jaxquant.bench.decode",
+             "prefill": "jaxquant.bench.prefill"}
 
 
 class _Parser(argparse.ArgumentParser):

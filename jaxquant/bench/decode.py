@@ -109,6 +109,22 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
     return results
 
 
+def _time_torch(fn, per_call, iters=7, inner=10):
+    """timeit's method for a torch callable (CUDA synchronized once per sample)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times) / per_call
+
+
 def bench_torch_peers(bw, out, copies=8):
     try:
         import torch
@@ -124,19 +140,7 @@ def bench_torch_peers(bw, out, copies=8):
         ws = [0.05 * torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g)
               for _ in range(copies)]
 
-        def time_torch(fn, per_call, iters=7, inner=10):
-            fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    fn()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) / inner)
-            return statistics.median(times) / per_call
-
-        us = time_torch(lambda: [torch.nn.functional.linear(x, w) for w in ws], copies) * 1e6
+        us = _time_torch(lambda: [torch.nn.functional.linear(x, w) for w in ws], copies) * 1e6
         res[(k, n, "torch bf16 linear")] = us
         _line(out, f"1, {k}, {n}", "torch bf16 F.linear", f"{us:.1f}",
               f"{100 * n * k * 2 / (us * 1e-6) / bw:.0f}%")
@@ -152,7 +156,7 @@ def bench_torch_peers(bw, out, copies=8):
                 sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/64, N, 2]
                 q_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
                 packs.append((torch._convert_weight_to_int4pack(q_u8, 8), sz))
-            us = time_torch(lambda: [torch._weight_int4pack_mm(x, p, 64, sz) for p, sz in packs],
+            us = _time_torch(lambda: [torch._weight_int4pack_mm(x, p, 64, sz) for p, sz in packs],
                             copies) * 1e6
             nbytes = n * k // 2 + n * (k // 64) * 4
             res[(k, n, "torch int4pack")] = us

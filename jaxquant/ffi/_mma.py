@@ -1,11 +1,16 @@
-"""The tensor-core decode GEMV of the CUDA library (hip_src/qmv_mma.h) as
-lowerings of qmm and gather_qmm for weights in the `cuda_mma` layout
-(`jq.prepack(qw)` on an NVIDIA GPU; jaxquant/layouts/cuda_mma.py).
+"""The CUDA library's tensor-core kernels on the `cuda_mma` layout
+(`jq.prepack(qw)` on an NVIDIA GPU; jaxquant/layouts/cuda_mma.py) as lowerings
+of qmm, gather_qmm and ragged_qmm (x @ W.T).
 
-It takes x @ W.T with at most MMA_MAX_M rows of x per weight matrix and every
-gather_qmm slot; the weight is read once for all of them (M = 1..16 cost about
-the same). Other cases on a `cuda_mma` weight go to the other kernels or the
-reference, which unpack the layout first (correct, slower).
+- The decode GEMV (hip_src/qmv_mma.h): qmm with at most MMA_MAX_M rows of x per
+  weight matrix and every gather_qmm slot; the weight is read once for all of
+  them (M = 1..16 cost about the same).
+- The prefill GEMM (hip_src/qmm_gemm.h): qmm with more rows (16-bit x) and
+  ragged_qmm, whose row blocks skip empty groups on the device. ragged_qmm with
+  few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
+
+Other cases on a `cuda_mma` weight go to the other kernels or the reference,
+which unpack the layout first (correct, slower).
 """
 
 from __future__ import annotations
@@ -17,17 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import dispatch
+from jaxquant.ffi import configs
 from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
 from jaxquant.layouts import cuda_mma
 from jaxquant.quantized_array import QuantizedArray
 
 TARGET = "jaxquant_qmv_mma"
+GEMM_TARGET = "jaxquant_qmm_gemm"
 MMA_MAX_M = 16  # rows of x per weight matrix: the MMA's N (8 or 16)
 # Priority against the other kernels on CUDA (pallas 0, the canonical ffi GEMV -1):
 # only this kernel reads the layout, so it is first wherever it applies.
 PRIORITY = 10
 
 _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_GEMM_X_DTYPES = _X_DTYPES[1:]
 
 
 def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
@@ -42,6 +50,18 @@ def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
     idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         x3, *_qw_operands(qw3), idx, **_format_attrs(qw3), dedupe=np.int64(dedupe))
+
+
+def qmm_gemm_call(x3, qw3: QuantizedArray, group_sizes=None):
+    """qmm: x3 [Sx, M, K] with qw3 [E, N, K] -> [E, M, N]; ragged_qmm (group_sizes
+    int32 [E]): x3 [1, T, K] -> [1, T, N], rows past sum(group_sizes) zero.
+    x3 float16 or bfloat16; qw3 in the cuda_mma layout."""
+    e, n, _ = qw3.shape
+    s = 1 if group_sizes is not None else e
+    out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
+    gs = group_sizes if group_sizes is not None else jnp.zeros((0,), jnp.int32)
+    return jax.ffi.ffi_call(GEMM_TARGET, out, vmap_method="sequential")(
+        x3, *_qw_operands(qw3), gs, **_format_attrs(qw3))
 
 
 def _qw_ok(qw):
@@ -62,16 +82,28 @@ def qmm_applies(x, qw, *, transpose, precision, platform):
             and 0 < _rows_per_matrix(x, qw) <= MMA_MAX_M and qw.shape[-2] > 0)
 
 
-def qmm_impl(x, qw, *, transpose, precision, platform):
-    nb = qw.ndim - 2
-    b = math.prod(qw.shape[:nb])
-    m, k, n = _rows_per_matrix(x, qw), x.shape[-1], qw.shape[-2]
-    flat = lambda a: None if a is None else a.reshape(b, *a.shape[nb:])
-    qw3 = QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), qw.global_scale,
-                         mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
-                         layout=qw.layout)
-    y = qmv_mma_call(x.reshape(b, m, k), qw3)
-    return y.reshape(*x.shape[:-1], n)
+def gemm_qmm_applies(x, qw, *, transpose, precision, platform):
+    m = _rows_per_matrix(x, qw)
+    return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _GEMM_X_DTYPES
+            and MMA_MAX_M < m <= configs.MMA_GEMM_MAX_M and qw.shape[-2] > 0)
+
+
+def _qmm_on(call):
+    """qmm's impl on `call(x3 [B, M, K], qw3 [B, N, K]) -> [B, M, N]`."""
+    def impl(x, qw, *, transpose, precision, platform):
+        nb = qw.ndim - 2
+        b = math.prod(qw.shape[:nb])
+        m, k, n = _rows_per_matrix(x, qw), x.shape[-1], qw.shape[-2]
+        flat = lambda a: None if a is None else a.reshape(b, *a.shape[nb:])
+        qw3 = QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), qw.global_scale,
+                             mode=qw.mode, bits=qw.bits, group_size=qw.group_size,
+                             dtype=qw.dtype, layout=qw.layout)
+        return call(x.reshape(b, m, k), qw3).reshape(*x.shape[:-1], n)
+    return impl
+
+
+qmm_impl = _qmm_on(qmv_mma_call)
+gemm_qmm_impl = _qmm_on(qmm_gemm_call)
 
 
 def gather_qmm_applies(x, qw, indices, *, transpose, precision, platform):
@@ -90,9 +122,31 @@ def gather_qmm_impl(x, qw, indices, *, transpose, precision, platform):
     return y.reshape(t, slots, qw.shape[1])
 
 
+def ragged_qmm_applies(x, qw, group_sizes, *, transpose, precision, platform):
+    t = x.shape[0]
+    dtypes = _X_DTYPES if t <= configs.RAGGED_GATHER_MAX_T else _GEMM_X_DTYPES
+    return (_qw_ok(qw) and transpose and x.ndim == 2 and jnp.dtype(x.dtype) in dtypes
+            and qw.shape[1] > 0 and group_sizes.shape == (qw.shape[0],))
+
+
+def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
+    t = x.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    if t > configs.RAGGED_GATHER_MAX_T:
+        return qmm_gemm_call(x[None], qw, sizes)[0]
+    # few rows: each row is a gather slot of its group's expert (ids stay on the
+    # device); rows past the groups get id E (a NaN row), then zero
+    ends = jnp.cumsum(sizes)
+    ids = jnp.searchsorted(ends, jnp.arange(t, dtype=ends.dtype), side="right")
+    y = qmv_mma_call(x[:, None, :], qw, ids.astype(jnp.int32), dedupe=min(t, MMA_MAX_M))
+    past = jnp.arange(t) >= ends[-1]
+    return jnp.where(past[:, None], jnp.zeros((), y.dtype), y[:, 0, :])
+
+
 def register(lib) -> None:
-    """Register the CUDA library's tensor-core GEMV (its own handler symbol,
-    jq_gpu_qmv_mma, beside the targets every library lists) and its lowerings;
+    """Register the CUDA library's tensor-core kernels (their own handler symbols,
+    jq_gpu_qmv_mma and jq_gpu_qmm_gemm, beside the targets every library lists)
+    and their lowerings;
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
     (built before it existed) leaves everything as it was."""
     try:
@@ -103,4 +157,11 @@ def register(lib) -> None:
     dispatch.register("qmm", "ffi", ("cuda",), qmm_impl, qmm_applies, priority=PRIORITY)
     dispatch.register("gather_qmm", "ffi", ("cuda",), gather_qmm_impl, gather_qmm_applies,
                       priority=PRIORITY)
+    if hasattr(lib.handle, "jq_gpu_qmm_gemm"):  # the prefill GEMM (a newer library)
+        jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.handle.jq_gpu_qmm_gemm),
+                                    platform="CUDA")
+        dispatch.register("qmm", "ffi", ("cuda",), gemm_qmm_impl, gemm_qmm_applies,
+                          priority=PRIORITY)
+        dispatch.register("ragged_qmm", "ffi", ("cuda",), ragged_qmm_impl, ragged_qmm_applies,
+                          priority=PRIORITY)
     cuda_mma.make_default_on("cuda")

@@ -14,6 +14,12 @@ from same-run measurements (benchmarks/RESULTS.md).
   dequantize-GEMV (jaxquant/ffi/_ops.py: qmm); past it qmm is the ffi
   dequantize + XLA's dot, which wins once the weight's decode is amortized over
   enough rows.
+- MMA_GEMM_MAX_M: the most rows of x per weight matrix that qmm on a `cuda_mma`
+  weight runs as the tensor-core GEMM (hip_src/qmm_gemm.h; above MMA_MAX_M);
+  past it the reference (XLA's dequantize fusion + cuBLAS) wins.
+- RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
+  rows runs as gather_qmm on the decode GEMV (each row a slot, rows of one
+  expert read it once); more rows take the GEMM.
 - auto_*: where automatic choice takes the ffi kernel (an explicit
   backend="ffi" gets every case the kernel supports). qmm: the fused GEMV only
   (above GEMV_MAX_M rows the ffi dequantize + XLA's dot is 0.5-0.7x the
@@ -35,6 +41,9 @@ PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
 GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
 
 NORM_MIN_ELEMENTS = 1 << 16
+
+MMA_GEMM_MAX_M = 1 << 30  # (to be measured)
+RAGGED_GATHER_MAX_T = 64
 
 
 def gemv_rows(x, qw, *, transpose, platform) -> int | None:

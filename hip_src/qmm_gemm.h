@@ -1,0 +1,382 @@
+// The prefill GEMM on NVIDIA tensor cores (CUDA only, sm_80+): qmm with more
+// than 16 rows of x per weight matrix, and ragged_qmm, on the `cuda_mma`
+// layout of the decode GEMV (qmv_mma.h), whose decode, scales and MMA it uses:
+// one prepacked weight serves decode and prefill.
+//
+// A block computes 16 R rows of N (R warps along N; 8 / R warps split K) for
+// kBlockM = 64 rows of x. Per chunk of 64 k a warp decodes its lane's unit once
+// into A registers and runs 4 k-steps x 8 n-tiles of mma.sync.m16n8k16: the
+// decode is amortized over 64 rows of x instead of 8 or 16. x goes global ->
+// shared with 16-byte cp.async (zero-filled past the block's rows), row m's
+// 16-byte segment s stored at s ^ (m & 7) so a warp's 8-byte B loads take two
+// wavefronts (the least for 256 bytes); the weights go to per-lane stage slots
+// as in the GEMV. kGemmStages chunks are in flight; scales are loaded one chunk
+// ahead into registers; one barrier per chunk. The warps' partial sums meet in shared memory and the
+// block writes y rows of 16 R consecutive n.
+//
+// ragged_qmm: the row blocks are a device-side schedule. Group e covers
+// ceil(rows_e / 64) blocks, an empty group none; grid row j (of ceil(T / 64) + E)
+// finds its group with a warp scan over group_sizes, so the cost follows the rows
+// and the experts used, not E. The grid rows past the last group's zero the rows
+// past sum(group_sizes): there is always at least one (sum of ceil(rows_e / 64)
+// < T / 64 + E). Group sizes are clamped to [0, T - start]: rows past T do not
+// exist (as in lax.ragged_dot), a negative size is an empty group.
+#pragma once
+
+#include "qmv_mma.h"
+
+#if defined(JQ_PLATFORM_CUDA)
+
+namespace jq {
+namespace gpu {
+namespace mma {
+
+constexpr int kBlockM = 64;                           // rows of x per block: 8 MMA n-tiles
+constexpr int kGemmWarps = 8;
+constexpr int kGemmStages = 4;
+constexpr int kXChunkBytes = kBlockM * kChunkK * 2;  // one chunk of the block's x rows
+constexpr int kRedStride = kBlockM + 4;              // partial sums [warp][row][m], padded
+static_assert(kGemmWarps * 32 * 2 == kBlockM * 8, "each thread copies two 16-byte pieces of x per chunk");
+
+struct GemmProblem {
+  QmvProblem q;       // qmm: S = E matrices, x [Sx, M, K], y [S, M, N];
+                      // ragged: E experts, x [1, T, K], y [1, T, N] (M = T)
+  int64_t tiles, full_tiles, chunks;
+  int64_t row_blocks;  // grid rows: qmm S * ceil(M / 64); ragged ceil(T / 64) + E
+  int row_tiles;       // R: 16-row tiles per block, 2, 4 or 8
+  const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
+};
+
+// The dynamic shared memory: kGemmStages x [x: KS chunks][weights: warps x 32 lanes x
+// BITS words]; the partial sums reuse it at the end.
+struct GemmShared {
+  int x_bytes, stage_bytes, bytes;
+  __host__ __device__ static GemmShared of(int ks, int bits) {
+    GemmShared l;
+    l.x_bytes = ks * kXChunkBytes;
+    l.stage_bytes = l.x_bytes + kGemmWarps * 32 * bits * 4;
+    const int red = kGemmWarps * kTileRows * kRedStride * 4;
+    l.bytes = kGemmStages * l.stage_bytes > red ? kGemmStages * l.stage_bytes : red;
+    return l;
+  }
+};
+
+// What one block computes: expert e's product for rows [x0, x0 + rows) of x into
+// rows [y0, y0 + rows) of y; or (e < 0, ragged) spare block `spare` of `spares`,
+// which zeroes its share of the rows [tail, T).
+struct RowBlock {
+  int64_t e, x0, y0, tail, spare, spares;
+  int rows;
+};
+
+__device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+
+// Grid row j of ragged_qmm (warp 0; lane 0 has set b->e = -1 first).
+__device__ __forceinline__ void ragged_row_block(const GemmProblem& pr, int64_t j, int lane, RowBlock* b) {
+  const QmvProblem& p = pr.q;
+  const int64_t T = p.M;
+  int64_t rows_before = 0, blocks_before = 0;
+  for (int64_t base = 0; base < p.E; base += 32) {
+    const int64_t e = base + lane;
+    int64_t size = e < p.E ? (int64_t)pr.group_sizes[e] : 0;
+    size = size < 0 ? 0 : (size > T ? T : size);
+    const int64_t incl = warp_inclusive_sum(size, lane);
+    const int64_t start = min(rows_before + incl - size, T), end = min(start + size, T);
+    const int64_t blocks = (end - start + kBlockM - 1) / kBlockM;
+    const int64_t bincl = warp_inclusive_sum(blocks, lane);
+    const int64_t first = blocks_before + bincl - blocks;
+    if (j >= first && j < first + blocks) {
+      b->e = e;
+      b->x0 = b->y0 = start + (j - first) * kBlockM;
+      b->rows = (int)min((int64_t)kBlockM, end - b->x0);
+    }
+    rows_before = min(rows_before + __shfl_sync(0xffffffffu, incl, 31), T);
+    blocks_before += __shfl_sync(0xffffffffu, bincl, 31);
+  }
+  if (lane == 0) {
+    b->tail = rows_before;
+    b->spare = j - blocks_before;
+    b->spares = pr.row_blocks - blocks_before;
+  }
+}
+
+// x's 16-bit elements [row m][k in the chunk], swizzled 16-byte segments.
+__device__ __forceinline__ int x_offset(int m, int byte_in_row) {
+  return m * 128 + ((((byte_in_row >> 4) ^ m) & 7) << 4) + (byte_in_row & 15);
+}
+
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(in ? 16 : 0));
+}
+
+// A group's scale of one row as a float (E8M0 exactly, NaN for code 255).
+template <class C>
+__device__ __forceinline__ float scale_value(uint32_t sraw, int32_t sdt, float gsv) {
+  if constexpr (C::kScale == kScaleE8M0) {
+    return sraw == 255u ? quiet_nan() : bits_to_f32(sraw ? sraw << 23 : 0x00400000u);
+  } else if constexpr (C::kScale == kScaleE4M3) {
+    return scale_e4m3((uint8_t)sraw) * gsv;
+  } else {
+    return raw_to_float(sraw, sdt);
+  }
+}
+
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c, bool f16) {
+  uint32_t d;
+  if (f16) asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  else asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// One chunk of a warp: its lane's unit `w` decoded once into A registers and
+// scaled there (w = q * s (+ b) rounded to x's dtype, as the reference's
+// dequantize does), then 4 k-steps x 8 n-tiles of MMAs against the chunk of x in
+// shared memory, accumulated in float32 over all of K: no per-group work on the
+// 32 accumulators (applying the scales to them cost ~10x the MMAs' issue slots).
+template <class C, int XDT, int P, int SDT, class Scales>
+__device__ __forceinline__ void gemm_chunk(const uint32_t* w, const Scales& sc,
+                                           const uint8_t* xs, const int (&b_off)[4], float gsv,
+                                           float (&acc)[8][4]) {
+  constexpr bool F16 = XDT == kF16;
+  constexpr bool AFFINE = C::kFmt == kAffine;
+  constexpr int SPP = 4 / P;
+  uint32_t a[4][4];
+  a_regs<C, F16, false, 0>(w, a[0]);
+  a_regs<C, F16, false, 1>(w, a[1]);
+  a_regs<C, F16, false, 2>(w, a[2]);
+  a_regs<C, F16, false, 3>(w, a[3]);
+#pragma unroll
+  for (int pc = 0; pc < P; ++pc) {
+    uint32_t s2[2], b2[2];  // rows g and g + 8: (scale, scale) and (bias, bias) pairs
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sv = scale_value<C>(sc.get(pc, 0, h), SDT, gsv);
+      s2[h] = F16 ? pack_f16x2(sv, sv) : pack_bf16x2(sv, sv);
+      if constexpr (AFFINE) {
+        const float bv = raw_to_float(sc.get(pc, 1, h), SDT);
+        b2[h] = F16 ? pack_f16x2(bv, bv) : pack_bf16x2(bv, bv);
+      }
+    }
+#pragma unroll
+    for (int st = pc * SPP; st < (pc + 1) * SPP; ++st)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)  // register j holds row g + 8 (j & 1)
+        a[st][j] = AFFINE ? hfma2(a[st][j], s2[j & 1], b2[j & 1], F16)
+                          : (F16 ? hmul2_f16(a[st][j], s2[j & 1]) : hmul2_bf16(a[st][j], s2[j & 1]));
+  }
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    const uint8_t* xst = xs + b_off[st];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {  // n-tile nt: 8 rows of x further (an immediate offset)
+      const uint2 b = *reinterpret_cast<const uint2*>(xst + nt * 8 * 128);
+      mma16816<F16>(acc[nt], a[st], b.x, b.y);
+    }
+  }
+}
+
+template <class C, int XDT, int P, int SDT>
+__global__ void __launch_bounds__(kGemmWarps * 32, 2) qmm_gemm_kernel(GemmProblem pr) {
+  constexpr int BITS = C::kBits;
+  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  const QmvProblem& p = pr.q;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ RowBlock blk_s;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int R = pr.row_tiles, KS = kGemmWarps / R;
+  const int ks = warp / R, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = (int64_t)blockIdx.x * R * kTileRows;
+  const int ncols = R * kTileRows;
+
+  // --- the block's rows ------------------------------------------------------
+  if (warp == 0) {
+    if (lane == 0) {
+      blk_s.e = -1;
+      if (pr.group_sizes == nullptr) {  // qmm: matrix s, rows mb * 64 ...
+        const int64_t per = (p.M + kBlockM - 1) / kBlockM;
+        const int64_t s = blockIdx.y / per, mb = blockIdx.y % per;
+        blk_s.e = s;
+        blk_s.x0 = (s / p.x_div) * p.M + mb * kBlockM;
+        blk_s.y0 = s * p.M + mb * kBlockM;
+        blk_s.rows = (int)min((int64_t)kBlockM, p.M - mb * kBlockM);
+      }
+    }
+    __syncwarp();
+    if (pr.group_sizes != nullptr) ragged_row_block(pr, blockIdx.y, lane, &blk_s);
+  }
+  __syncthreads();
+  const RowBlock blk = blk_s;
+  if (blk.e < 0) {  // ragged: zero this block's share of the rows past the groups
+    for (int64_t r0 = blk.tail + blk.spare * kBlockM; r0 < p.M; r0 += blk.spares * kBlockM)
+      for (int idx = threadIdx.x; idx < kBlockM * ncols; idx += blockDim.x) {
+        const int64_t row = r0 + idx / ncols, n = n0 + idx % ncols;
+        if (row < p.M && n < p.N) store_out(p.y, row * p.N + n, p.x_dt, 0.0f);
+      }
+    return;
+  }
+
+  // --- the K loop --------------------------------------------------------------
+  const GemmShared lay = GemmShared::of(KS, BITS);
+  const int64_t tile = (int64_t)blockIdx.x * R + warp % R;
+  const bool has_tile = tile < pr.tiles, full = tile < pr.full_tiles;
+  const TileCursor cur = full ? tile_cursor<false>(p, blk.e, tile, BITS, ssz, lane)
+                              : tile_cursor<true>(p, blk.e, tile, BITS, ssz, lane);
+  int gshift = 0;  // group sizes are powers of two
+  while ((1 << gshift) < p.group) ++gshift;
+  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
+  const int chunks = (int)pr.chunks, iters = (chunks + KS - 1) / KS;
+  const uint32_t smem_s = (uint32_t)__cvta_generic_to_shared(smem);
+  const char* xg = static_cast<const char*>(p.x);
+
+  // this thread's share of each chunk of x: 16-byte segment `seg` of rows m0 and m0 + 32
+  const int m0 = threadIdx.x >> 3, seg = threadIdx.x & 7;
+  const char* xsrc[2];
+  uint32_t xdst[2];
+  bool xin[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = m0 + 32 * h;
+    xin[h] = m < blk.rows;  // else: zero-filled from the block's first row (a valid address)
+    xsrc[h] = xg + ((blk.x0 + (xin[h] ? m : 0)) * p.K + seg * 8) * 2;
+    xdst[h] = (uint32_t)x_offset(m, seg * 16);
+  }
+  auto issue = [&](int i) {
+    const uint32_t st = smem_s + (i % kGemmStages) * lay.stage_bytes;
+    for (int kc = 0; kc < KS; ++kc) {
+      const int c = i * KS + kc, cc = c < chunks ? c : chunks - 1;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        cp_async16_zfill(st + kc * kXChunkBytes + xdst[h], xsrc[h] + cc * (kChunkK * 2),
+                         xin[h] && c < chunks);
+    }
+    const int c = i * KS + ks;
+    if (full && c < chunks)
+      unit_to_shared<BITS>(st + lay.x_bytes + (warp * 32 + lane) * BITS * 4,
+                           cur.w + (int64_t)c * (32 * BITS));
+  };
+
+  // the lane's B loads of k-step st: row g, bytes 32 st + 8t of the chunk, swizzled
+  int b_off[4];
+#pragma unroll
+  for (int st = 0; st < 4; ++st) b_off[st] = x_offset(g, 32 * st + 8 * t);
+  float acc[8][4];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kGemmStages - 1; ++i) {
+    if (i < iters) issue(i);
+    cp_async_commit();
+  }
+  ChunkScales<C, P, false, SDT> sc;
+  if (full && ks < chunks) sc.load(p, cur, ks, gshift, g);
+  for (int i = 0; i < iters; ++i) {
+    cp_async_wait<kGemmStages - 2>();  // this thread's copies of stage i have landed
+    // ... and everyone's; and every warp is done with stage i - 1, refilled here
+    __syncthreads();
+    if (i + kGemmStages - 1 < iters) issue(i + kGemmStages - 1);
+    cp_async_commit();
+    const int c = i * KS + ks;
+    ChunkScales<C, P, false, SDT> sc_next = sc;
+    if (full && c + KS < chunks) sc_next.load(p, cur, c + KS, gshift, g);
+    const uint8_t* st = smem + (i % kGemmStages) * lay.stage_bytes;
+    if (has_tile && c < chunks) {
+      uint32_t w[BITS];
+      if (full) {
+        load_unit<BITS, false>(
+            reinterpret_cast<const uint32_t*>(st + lay.x_bytes) + (warp * 32 + lane) * BITS, w);
+        gemm_chunk<C, XDT, P, SDT>(w, sc, st + ks * kXChunkBytes, b_off, gsv, acc);
+      } else {  // the partial last tile: canonical rows, bounds-checked
+        tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
+        ChunkScales<C, P, true, SDT> tsc;
+        tsc.load(p, cur, c, gshift, g);
+        gemm_chunk<C, XDT, P, SDT>(w, tsc, st + ks * kXChunkBytes, b_off, gsv, acc);
+      }
+    }
+    sc = sc_next;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // --- partial sums of the K-split warps, then rows of 16 R consecutive n -------
+  float(*red)[kTileRows][kRedStride] = reinterpret_cast<float(*)[kTileRows][kRedStride]>(smem);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = acc[nt][i];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < blk.rows * ncols; idx += blockDim.x) {
+    const int m = idx / ncols, col = idx % ncols;
+    const int64_t n = n0 + col;
+    if (n >= p.N) continue;
+    float v = 0.0f;
+    for (int k2 = 0; k2 < KS; ++k2) v += red[k2 * R + col / kTileRows][col % kTileRows][m];
+    store_out(p.y, (blk.y0 + m) * p.N + n, p.x_dt, v);
+  }
+}
+
+// Row tiles per block: the widest (least x traffic) that still gives every SM two
+// blocks; narrower blocks split K among more warps. $JAXQUANT_GEMM_ROW_TILES (2, 4
+// or 8) overrides it for benchmark sweeps.
+inline int gemm_row_tiles(int64_t tiles, int64_t row_blocks) {
+  static const int forced = [] {
+    const char* env = getenv("JAXQUANT_GEMM_ROW_TILES");
+    const int r = env ? atoi(env) : 0;
+    return (r == 2 || r == 4 || r == 8) ? r : 0;
+  }();
+  if (forced) return forced;
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && n > 0
+               ? n : 132;
+  }();
+  for (int r : {8, 4})
+    if ((tiles + r - 1) / r * row_blocks >= 2 * sms) return r;
+  return 2;
+}
+
+// The launch policy of the format switches in qmv_mma.h (launch_affine / launch_float).
+struct GemmLaunch {
+  template <class C, int XDT, int NT, int P, int SDT>
+  static hipError_t run(const GemmProblem& pr, hipStream_t stream) {
+    if constexpr (XDT == kF32) {
+      return hipErrorInvalidValue;  // float32 x: not this kernel (qmm_gemm.hip refuses it)
+    } else {
+      constexpr int kMost = kGemmStages * (4 * kXChunkBytes + kGemmWarps * 32 * 8 * 4);
+      static const bool attr_set =
+          cudaFuncSetAttribute(qmm_gemm_kernel<C, XDT, P, SDT>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kMost) == cudaSuccess;
+      if (!attr_set) return hipErrorInvalidValue;
+      const GemmShared lay = GemmShared::of(kGemmWarps / pr.row_tiles, C::kBits);
+      dim3 grid((unsigned)((pr.tiles + pr.row_tiles - 1) / pr.row_tiles), (unsigned)pr.row_blocks);
+      qmm_gemm_kernel<C, XDT, P, SDT><<<grid, kGemmWarps * 32, lay.bytes, stream>>>(pr);
+      return hipGetLastError();
+    }
+  }
+};
+
+#define JQ_GEMM_DECLARE(DT)                                                             \
+  hipError_t launch_qmm_gemm_affine_##DT(const GemmProblem& pr, hipStream_t stream);    \
+  hipError_t launch_qmm_gemm_float_##DT(const GemmProblem& pr, hipStream_t stream);     \
+  inline hipError_t launch_qmm_gemm_##DT(const GemmProblem& pr, hipStream_t stream) {   \
+    return pr.q.fmt == kAffine ? launch_qmm_gemm_affine_##DT(pr, stream)                \
+                               : launch_qmm_gemm_float_##DT(pr, stream);               \
+  }
+JQ_GEMM_DECLARE(bf16)
+JQ_GEMM_DECLARE(f16)
+#undef JQ_GEMM_DECLARE
+
+}  // namespace mma
+}  // namespace gpu
+}  // namespace jq
+#endif  // JQ_PLATFORM_CUDA

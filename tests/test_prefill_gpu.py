@@ -1,0 +1,154 @@
+"""The tensor-core prefill GEMM (hip_src/qmm_gemm.h) on an NVIDIA GPU, on the
+cuda_mma layout: qmm with M > 16 for every mode and 16-bit activation dtype
+against the float64 oracle (N with a canonical tail, K of 1..many chunks,
+batched weights), ragged_qmm's edge cases (empty groups, all rows in one group,
+T not a multiple of the row block, rows past sum(group_sizes) zero, sizes past
+T), its few-rows path through the decode GEMV, and `auto` picking both.
+Skipped without a CUDA GPU and library (scripts/gpu_check_prefill.sh runs it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import dispatch
+from jaxquant.ffi import configs
+from tests.common import MODES, assert_matmul_close, deq64, rand
+from tests.test_decode_gpu import _cuda, _packed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU and the CUDA library")]
+
+X16 = (jnp.float16, jnp.bfloat16)
+
+
+def _gemm_used(f, *args):
+    return "jaxquant_qmm_gemm" in jax.jit(f).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_qmm_every_mode_and_dtype(mode, bits):
+    # N = 37: two tiles and a canonical tail of 5 rows; K = 192: 3 chunks, fewer than
+    # the K-split warps of a narrow block; M = 17 .. 200: partial row blocks
+    qw, packed = _packed(mode, bits, (37, 192), key=bits)
+    w64 = deq64(qw)
+    for dt in X16:
+        for m in (17, 64, 200):
+            x = rand(m, (m, 192), dt)
+            y = jq.qmm(x, packed, backend="ffi")
+            assert y.dtype == jnp.dtype(dt)
+            assert_matmul_close(y, x, w64, jnp.dtype(dt))
+    assert _gemm_used(lambda x, q: jq.qmm(x, q, backend="ffi"), x, packed)
+
+
+@pytest.mark.parametrize("mode,bits,group", [("affine", 4, 32), ("affine", 4, 128),
+                                             ("fp4", 4, 16), ("nvfp4", 4, 16)])
+def test_qmm_long_k_wide_n_batched(mode, bits, group):
+    # 2 matrices [2, 700, 2048]: 44 tiles (a tail of 12 rows), 32 chunks; the row
+    # tiles per block follow the grid size, so several block widths run
+    qw, packed = _packed(mode, bits, (2, 700, 2048), key=5, group_size=group)
+    w64 = deq64(qw)
+    for m in (33, 300):
+        x = rand(m, (2, m, 2048), jnp.bfloat16)
+        assert_matmul_close(jq.qmm(x, packed, backend="ffi"), x, w64, jnp.bfloat16)
+
+
+def _ragged64(x, w64, sizes):
+    """float64 oracle: row t uses the expert of its group; rows past the groups 0."""
+    t = x.shape[0]
+    owner = np.full(t, -1)
+    start = 0
+    for e, s in enumerate(np.maximum(np.asarray(sizes), 0)):
+        owner[start:min(start + s, t)] = e
+        start = min(start + s, t)
+    want = np.zeros((t, w64.shape[1]))
+    x64 = np.asarray(x, np.float64)
+    for e in range(w64.shape[0]):
+        rows = owner == e
+        want[rows] = x64[rows] @ w64[e].T
+    return want, owner
+
+
+def _check_ragged(y, x, w64, sizes, dtype):
+    want, owner = _ragged64(x, w64, sizes)
+    y = np.asarray(y, np.float64)
+    assert y.shape == want.shape
+    np.testing.assert_array_equal(y[owner < 0], 0.0)
+    for e in range(w64.shape[0]):
+        rows = owner == e
+        if rows.any():
+            assert_matmul_close(y[rows], np.asarray(x, np.float64)[rows], w64[e], dtype)
+
+
+RAGGED_CASES = {
+    "even": [40, 40, 40, 40, 40],
+    "empty groups": [0, 70, 0, 130, 0],
+    "all in one": [0, 0, 200, 0, 0],
+    "rows past the groups": [10, 0, 65, 3, 1],
+    "sizes past T": [150, 100, 0, 30, 0],
+    "negative size is empty": [100, -5, 50, 0, 50],
+}
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES)
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("nvfp4", 4),
+                                       ("mxfp8_e4m3", 8), ("affine", 3)])
+def test_ragged_gemm_edge_cases(case, mode, bits):
+    qw, packed = _packed(mode, bits, (5, 40, 256), key=13)
+    w64 = deq64(qw)
+    sizes = jnp.asarray(RAGGED_CASES[case], jnp.int32)
+    t = 200  # > RAGGED_GATHER_MAX_T: the GEMM; 4 row blocks, the last partial
+    assert t > configs.RAGGED_GATHER_MAX_T
+    for dt in X16:
+        x = rand(t, (t, 256), dt)
+        y = jq.ragged_qmm(x, packed, sizes, backend="ffi")
+        _check_ragged(y, x, w64, RAGGED_CASES[case], jnp.dtype(dt))
+    assert _gemm_used(lambda x, q, s: jq.ragged_qmm(x, q, s, backend="ffi"), x, packed, sizes)
+
+
+@pytest.mark.parametrize("dt", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_ragged_few_rows_through_the_gemv(dt):
+    qw, packed = _packed("mxfp4", 4, (6, 40, 256), key=17)
+    w64 = deq64(qw)
+    for sizes in ([0, 3, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0], [0, 0, 2, 0, 0, 0], [4, 9, 0, 0, 0, 3]):
+        t = 4 if sum(sizes) <= 4 else 16
+        x = rand(t, (t, 256), dt)
+        y = jq.ragged_qmm(x, packed, jnp.asarray(sizes, jnp.int32), backend="ffi")
+        _check_ragged(y, x, w64, sizes, jnp.dtype(dt))
+
+
+def test_ragged_matches_the_reference_on_gpt_oss_shape():
+    # gpt-oss-20b's expert shape (K = 2880: 45 chunks, an odd count), T = 512
+    qw, packed = _packed("mxfp4", 4, (8, 576, 2880), key=23)
+    sizes = jnp.asarray([64, 0, 100, 200, 0, 48, 0, 100], jnp.int32)
+    x = rand(24, (512, 2880), jnp.bfloat16)
+    y = jq.ragged_qmm(x, packed, sizes, backend="ffi")
+    _check_ragged(y, x, deq64(qw), np.asarray(sizes), jnp.bfloat16)
+
+
+def test_auto_picks_the_gemm():
+    qw, packed = _packed("affine", 4, (64, 128))
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    impl = dispatch.select("qmm", None, "cuda", (x, packed), dict(transpose=True, precision=None))
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    _, experts = _packed("mxfp4", 4, (3, 64, 128))
+    sizes = jax.ShapeDtypeStruct((3,), jnp.int32)
+    impl = dispatch.select("ragged_qmm", None, "cuda", (x, experts, sizes),
+                           dict(transpose=True, precision=None))
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    assert _gemm_used(jq.qmm, jnp.ones((64, 128), jnp.bfloat16), packed)
+
+
+def test_bad_group_sizes_are_refused():
+    _, experts = _packed("mxfp4", 4, (3, 64, 128))
+    x = rand(1, (100, 128), jnp.bfloat16)
+    with pytest.raises(Exception, match="group_sizes"):
+        from jaxquant.ffi._mma import qmm_gemm_call
+        jax.block_until_ready(qmm_gemm_call(x[None], experts, jnp.ones((4,), jnp.int32)))
+    with pytest.raises(Exception, match="float16 or bfloat16"):
+        from jaxquant.ffi._mma import qmm_gemm_call
+        jax.block_until_ready(qmm_gemm_call(x[None].astype(jnp.float32), experts,
+                                            jnp.ones((3,), jnp.int32)))
