@@ -324,8 +324,9 @@ __global__ void __launch_bounds__(kGemmWarps * 32, 2) qmm_gemm_kernel(GemmProble
   }
 }
 
-// Row tiles per block: the widest (least x traffic) that still gives every SM two
-// blocks; narrower blocks split K among more warps. $JAXQUANT_GEMM_ROW_TILES (2, 4
+// Row tiles per block: the widest (least x traffic) that still gives the SMs 1.5
+// blocks each; narrower blocks split K among more warps. (H100, M = 64 at
+// 4096 -> 14336: R = 2 / 4 / 8 took 99 / 76 / 103 us.) $JAXQUANT_GEMM_ROW_TILES (2, 4
 // or 8) overrides it for benchmark sweeps.
 inline int gemm_row_tiles(int64_t tiles, int64_t row_blocks) {
   static const int forced = [] {
@@ -341,7 +342,7 @@ inline int gemm_row_tiles(int64_t tiles, int64_t row_blocks) {
                ? n : 132;
   }();
   for (int r : {8, 4})
-    if ((tiles + r - 1) / r * row_blocks >= 2 * sms) return r;
+    if ((tiles + r - 1) / r * row_blocks * 2 >= 3 * sms) return r;
   return 2;
 }
 

@@ -83,9 +83,12 @@ def qmm_applies(x, qw, *, transpose, precision, platform):
 
 
 def gemm_qmm_applies(x, qw, *, transpose, precision, platform):
-    m = _rows_per_matrix(x, qw)
     return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _GEMM_X_DTYPES
-            and MMA_MAX_M < m <= configs.MMA_GEMM_MAX_M and qw.shape[-2] > 0)
+            and _rows_per_matrix(x, qw) > MMA_MAX_M and qw.shape[-2] > 0)
+
+
+def gemm_qmm_auto(x, qw, *, transpose, precision, platform):
+    return _rows_per_matrix(x, qw) <= configs.MMA_GEMM_MAX_M
 
 
 def _qmm_on(call):
@@ -161,7 +164,7 @@ def register(lib) -> None:
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.handle.jq_gpu_qmm_gemm),
                                     platform="CUDA")
         dispatch.register("qmm", "ffi", ("cuda",), gemm_qmm_impl, gemm_qmm_applies,
-                          priority=PRIORITY)
+                          priority=PRIORITY, auto=gemm_qmm_auto)
         dispatch.register("ragged_qmm", "ffi", ("cuda",), ragged_qmm_impl, ragged_qmm_applies,
                           priority=PRIORITY)
     cuda_mma.make_default_on("cuda")

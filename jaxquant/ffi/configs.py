@@ -14,12 +14,16 @@ from same-run measurements (benchmarks/RESULTS.md).
   dequantize-GEMV (jaxquant/ffi/_ops.py: qmm); past it qmm is the ffi
   dequantize + XLA's dot, which wins once the weight's decode is amortized over
   enough rows.
-- MMA_GEMM_MAX_M: the most rows of x per weight matrix that qmm on a `cuda_mma`
-  weight runs as the tensor-core GEMM (hip_src/qmm_gemm.h; above MMA_MAX_M);
-  past it the reference (XLA's dequantize fusion + cuBLAS) wins.
+- MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
+  runs qmm on a `cuda_mma` weight as the tensor-core GEMM (hip_src/qmm_gemm.h;
+  above MMA_MAX_M); past it the reference (the layout unpacked in XLA's
+  dequantize fusion, then cuBLAS) is faster. H100, (4096 -> 14336), affine4:
+  M = 64 GEMM 76 us vs reference 155 us; M = 512 454 vs 211; M = 4096 3356 vs
+  891 (benchmarks/RESULTS.md, "Prefill").
 - RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
   rows runs as gather_qmm on the decode GEMV (each row a slot, rows of one
-  expert read it once); more rows take the GEMM.
+  expert read it once); more rows take the GEMM. H100, gpt-oss-20b experts
+  (E = 32, 2880 -> 5760): T = 4 GEMV 53 us vs GEMM 89; T = 32 213 vs 486.
 - auto_*: where automatic choice takes the ffi kernel (an explicit
   backend="ffi" gets every case the kernel supports). qmm: the fused GEMV only
   (above GEMV_MAX_M rows the ffi dequantize + XLA's dot is 0.5-0.7x the
@@ -42,7 +46,7 @@ GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
 
 NORM_MIN_ELEMENTS = 1 << 16
 
-MMA_GEMM_MAX_M = 1 << 30  # (to be measured)
+MMA_GEMM_MAX_M = 64
 RAGGED_GATHER_MAX_T = 64
 
 
