@@ -3,7 +3,7 @@
 
   python -m jaxquant bench prefill [--only qmm,ragged] [--modes affine4,mxfp4]
 
-- qmm: M = 64, 512, 4096 at (K, N) = (4096, 14336): the ffi GEMM on `jq.prepack`ed
+- qmm: M = 64, 512, 4096 at (K, N) = (4096, 14336) (--shapes): the ffi GEMM on `jq.prepack`ed
   weights, `auto` on canonical weights (XLA's dequantize fusion + cuBLAS), bf16
   dense (cuBLAS) and, where torch is importable, torch's bf16 F.linear, with
   TFLOP/s and the ratio to bf16 dense.
@@ -30,8 +30,7 @@ from jaxquant.bench.decode import _line, _many, _nbytes, _quantize, _time_torch,
 from jaxquant.bench.harness import copy_bandwidth
 from jaxquant.ffi import configs
 
-QMM_MS = (64, 512, 4096)
-QMM_SHAPE = (4096, 14336)  # (K, N)
+QMM_SHAPES = ((64, 4096, 14336), (512, 4096, 14336), (4096, 4096, 14336))  # (M, K, N)
 RAGGED_TS = (4, 32, 512, 4096)
 RAGGED_LAYER = (32, 2880, 5760)  # gpt-oss-20b: E, K, N
 
@@ -41,18 +40,22 @@ def _rel_err(y, want):
     return float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))
 
 
-def bench_qmm(bw, out, modes, copies):
+def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
     from jaxquant.quantize import dequantize_reference
 
-    k, n = QMM_SHAPE
     _line(out, "qmm: M, K, N", "mode", "impl", "us", "TFLOP/s", "vs bf16 dense", "rel.err")
-    ws = [(0.05 * jax.random.normal(jax.random.key(i), (n, k), jnp.float32)).astype(jnp.bfloat16)
-          for i in range(copies)]
-    qws = {mode: [_quantize(mode, w) for w in ws] for mode in modes}
-    prep = jax.jit(jq.prepack, static_argnames="layout")
-    packed = {mode: [prep(q, layout="cuda_mma") for q in qs] for mode, qs in qws.items()}
     res = {}
-    for m in QMM_MS:
+    weights = {}
+    for m, k, n in shapes:
+        if (k, n) not in weights:  # quantized once per weight shape
+            weights.clear()
+            ws = [(0.05 * jax.random.normal(jax.random.key(i), (n, k), jnp.float32)
+                   ).astype(jnp.bfloat16) for i in range(copies)]
+            qws = {mode: [_quantize(mode, w) for w in ws] for mode in modes}
+            prep = jax.jit(jq.prepack, static_argnames="layout")
+            packed = {mode: [prep(q, layout="cuda_mma") for q in qs] for mode, qs in qws.items()}
+            weights[k, n] = ws, qws, packed
+        ws, qws, packed = weights[k, n]
         case = f"{m}, {k}, {n}"
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
         tflops = lambda us: f"{2 * m * n * k / (us * 1e-6) / 1e12:.0f}"
@@ -168,6 +171,10 @@ def add_arguments(parser, cpu):
                         help="parts to run: qmm, ragged (default: %(default)s)")
     parser.add_argument("--modes", default="affine4,mxfp4",
                         help="quantization modes (default: %(default)s)")
+    parser.add_argument(
+        "--shapes", type=harness.int_tuples(3, "M,K,N"), default=QMM_SHAPES,
+        help="qmm products, 'M,K,N;M,K,N': x is [M, K], the weight [N, K] (default: %s)"
+             % "; ".join(",".join(map(str, s)) for s in QMM_SHAPES))
     harness.common_options(parser, copies=8, iters=7, target_ms=20.0)
 
 
@@ -179,7 +186,7 @@ def run(args, out):
     modes = args.modes.split(",")
     parts = args.only.split(",")
     if "qmm" in parts:
-        bench_qmm(bw, out, modes, args.copies)
+        bench_qmm(bw, out, modes, args.copies, args.shapes)
     if "ragged" in parts:
         bench_ragged(bw, out, modes, args.copies)
     return [], bw
