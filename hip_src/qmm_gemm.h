@@ -136,19 +136,17 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c, bo
   return d;
 }
 
-// One chunk of a warp: its lane's unit `w` decoded once into A registers and
-// scaled there (w = q * s (+ b) rounded to x's dtype, as the reference's
-// dequantize does), then 4 k-steps x 8 n-tiles of MMAs against the chunk of x in
-// shared memory, accumulated in float32 over all of K: no per-group work on the
-// 32 accumulators (applying the scales to them cost ~10x the MMAs' issue slots).
+// A tile's A registers of one chunk: the lane's unit `w` decoded and scaled there
+// (w = q * s (+ b) rounded to x's dtype, as the reference's dequantize rounds it).
+// Scaling the A registers, not the 8 n-tiles' accumulators per group, keeps the
+// per-group work off the MMA loop (on the accumulators it cost ~10x the MMAs' issue
+// slots).
 template <class C, int XDT, int P, int SDT, class Scales>
-__device__ __forceinline__ void gemm_chunk(const uint32_t* w, const Scales& sc,
-                                           const uint8_t* xs, const int (&b_off)[4], float gsv,
-                                           float (&acc)[8][4]) {
+__device__ __forceinline__ void scaled_a(const uint32_t* w, const Scales& sc, float gsv,
+                                         uint32_t (&a)[4][4]) {
   constexpr bool F16 = XDT == kF16;
   constexpr bool AFFINE = C::kFmt == kAffine;
   constexpr int SPP = 4 / P;
-  uint32_t a[4][4];
   a_regs<C, F16, false, 0>(w, a[0]);
   a_regs<C, F16, false, 1>(w, a[1]);
   a_regs<C, F16, false, 2>(w, a[2]);
@@ -172,13 +170,23 @@ __device__ __forceinline__ void gemm_chunk(const uint32_t* w, const Scales& sc,
         a[st][j] = AFFINE ? hfma2(a[st][j], s2[j & 1], b2[j & 1], F16)
                           : (F16 ? hmul2_f16(a[st][j], s2[j & 1]) : hmul2_bf16(a[st][j], s2[j & 1]));
   }
+}
+
+// One chunk of a warp: the scaled A registers, then 4 k-steps x 8 n-tiles of MMAs
+// against the chunk of x in shared memory, float32 accumulation over all of K.
+template <class C, int XDT, int P, int SDT, class Scales>
+__device__ __forceinline__ void gemm_chunk(const uint32_t* w, const Scales& sc,
+                                           const uint8_t* xs, const int (&b_off)[4], float gsv,
+                                           float (&acc)[8][4]) {
+  uint32_t a[4][4];
+  scaled_a<C, XDT, P, SDT>(w, sc, gsv, a);
 #pragma unroll
   for (int st = 0; st < 4; ++st) {
     const uint8_t* xst = xs + b_off[st];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {  // n-tile nt: 8 rows of x further (an immediate offset)
       const uint2 b = *reinterpret_cast<const uint2*>(xst + nt * 8 * 128);
-      mma16816<F16>(acc[nt], a[st], b.x, b.y);
+      mma16816<XDT == kF16>(acc[nt], a[st], b.x, b.y);
     }
   }
 }
@@ -324,6 +332,49 @@ __global__ void __launch_bounds__(kGemmWarps * 32, 2) qmm_gemm_kernel(GemmProble
   }
 }
 
+// The cuda_mma layout's dequantize, for qmm with many rows (then cuBLAS): w [E, N,
+// K] in x's dtype (16-bit), canonical order, the values the GEMM multiplies. One warp
+// per (tile, chunk): its lane decodes and scales its unit like the GEMM (scaled_a)
+// and stores rows g and g + 8, 4 consecutive k per k-step (8 bytes; 4 lanes write
+// 32 contiguous bytes). pr.q.y is w; x, M and S are unused.
+template <class C, int XDT, int P, int SDT>
+__global__ void __launch_bounds__(256) dequant_mma_kernel(GemmProblem pr) {
+  constexpr int BITS = C::kBits;
+  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  const QmvProblem& p = pr.q;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t wid = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (wid >= pr.tiles * pr.chunks) return;
+  const int64_t tile = wid / pr.chunks, e = blockIdx.y;
+  const int c = (int)(wid % pr.chunks);
+  int gshift = 0;
+  while ((1 << gshift) < p.group) ++gshift;
+  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
+  uint32_t w[BITS], a[4][4];
+  if (tile < pr.full_tiles) {
+    const TileCursor cur = tile_cursor<false>(p, e, tile, BITS, ssz, lane);
+    load_unit<BITS>(cur.w + (int64_t)c * (32 * BITS), w);
+    ChunkScales<C, P, false, SDT> sc;
+    sc.load(p, cur, c, gshift, g);
+    scaled_a<C, XDT, P, SDT>(w, sc, gsv, a);
+  } else {
+    const TileCursor cur = tile_cursor<true>(p, e, tile, BITS, ssz, lane);
+    tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
+    ChunkScales<C, P, true, SDT> sc;
+    sc.load(p, cur, c, gshift, g);
+    scaled_a<C, XDT, P, SDT>(w, sc, gsv, a);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // row g + 8h: registers h (k 4t, 4t+1) and h + 2 (4t+2, 4t+3)
+    const int64_t n = tile * kTileRows + g + 8 * h;
+    if (n >= p.N) continue;
+    uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.y) + (e * p.N + n) * p.K +
+                                          (int64_t)c * kChunkK + 4 * t);
+#pragma unroll
+    for (int st = 0; st < 4; ++st) out[4 * st] = make_uint2(a[st][h], a[st][h + 2]);
+  }
+}
+
 // Row tiles per block: the widest (least x traffic) that still gives the SMs 1.5
 // blocks each; narrower blocks split K among more warps. (H100, M = 64 at
 // 4096 -> 14336: R = 2 / 4 / 8 took 99 / 76 / 103 us.) $JAXQUANT_GEMM_ROW_TILES (2, 4
@@ -366,12 +417,33 @@ struct GemmLaunch {
   }
 };
 
+// The launch policy of the layout's dequantize (qmm_gemm.h: dequant_mma_kernel).
+struct DequantMmaLaunch {
+  template <class C, int XDT, int NT, int P, int SDT>
+  static hipError_t run(const GemmProblem& pr, hipStream_t stream) {
+    if constexpr (XDT == kF32) {
+      return hipErrorInvalidValue;  // 16-bit outputs only (qmv_mma.hip refuses float32)
+    } else {
+      const int64_t warps = pr.tiles * pr.chunks;
+      dim3 grid((unsigned)((warps + 7) / 8), (unsigned)pr.q.E);
+      dequant_mma_kernel<C, XDT, P, SDT><<<grid, 256, 0, stream>>>(pr);
+      return hipGetLastError();
+    }
+  }
+};
+
 #define JQ_GEMM_DECLARE(DT)                                                             \
   hipError_t launch_qmm_gemm_affine_##DT(const GemmProblem& pr, hipStream_t stream);    \
   hipError_t launch_qmm_gemm_float_##DT(const GemmProblem& pr, hipStream_t stream);     \
   inline hipError_t launch_qmm_gemm_##DT(const GemmProblem& pr, hipStream_t stream) {   \
     return pr.q.fmt == kAffine ? launch_qmm_gemm_affine_##DT(pr, stream)                \
                                : launch_qmm_gemm_float_##DT(pr, stream);               \
+  }                                                                                     \
+  hipError_t launch_dequant_mma_affine_##DT(const GemmProblem& pr, hipStream_t stream); \
+  hipError_t launch_dequant_mma_float_##DT(const GemmProblem& pr, hipStream_t stream);  \
+  inline hipError_t launch_dequant_mma_##DT(const GemmProblem& pr, hipStream_t stream) { \
+    return pr.q.fmt == kAffine ? launch_dequant_mma_affine_##DT(pr, stream)             \
+                               : launch_dequant_mma_float_##DT(pr, stream);            \
   }
 JQ_GEMM_DECLARE(bf16)
 JQ_GEMM_DECLARE(f16)

@@ -8,6 +8,8 @@
 //     data, scales, biases, global_scale, group_sizes -> y. group_sizes empty:
 //     qmm over S = E matrices, y [S, M, N]; int32 [E]: ragged_qmm, x [1, T, K],
 //     y [1, T, N].
+//   jaxquant_dequant_mma (qmm_gemm.h): data, scales, biases, global_scale ->
+//     w [..., N, K] (16-bit, canonical order), the values the GEMM multiplies.
 #include <string>
 
 #include "jq/ffi_common.h"
@@ -112,3 +114,57 @@ static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmm_gemm, qmm_gemm_impl, bind_layout_kernel());
+
+static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                                   ffi::AnyBuffer biases, ffi::AnyBuffer gs,
+                                   ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t bits,
+                                   int64_t group_size) {
+  jq::DequantProblem d;
+  if (auto e = jq::make_dequant(data, scales, biases, gs, *out, fmt, bits, group_size, &d);
+      e.failure())
+    return e;
+  if (d.out_dt == jq::kF32)
+    return jq::invalid("the cuda_mma dequantize writes float16 or bfloat16; got float32");
+  if (d.gs_count > 1)
+    return jq::invalid("the cuda_mma dequantize takes one global scale");
+#if defined(JQ_PLATFORM_CUDA)
+  using namespace jq::gpu::mma;
+  if (d.rows == 0 || d.k == 0) return ffi::Error::Success();
+  if (d.k % kChunkK != 0)
+    return jq::invalid("the cuda_mma layout needs K a multiple of 64; got K=" +
+                       std::to_string(d.k));
+  GemmProblem P{};
+  jq::QmvProblem& q = P.q;
+  q.fmt = d.fmt;
+  q.bits = d.bits;
+  q.group = d.group;
+  q.E = d.rows / d.n;
+  q.N = d.n;
+  q.K = d.k;
+  q.words = d.words;
+  q.groups = d.groups;
+  q.x_dt = d.out_dt;
+  q.data = d.data;
+  q.scales = d.scales;
+  q.scale_dt = d.scale_dt;
+  q.biases = d.biases;
+  q.global_scale = d.global_scale;
+  q.y = d.out;
+  P.tiles = (q.N + kTileRows - 1) / kTileRows;
+  P.full_tiles = q.N / kTileRows;
+  P.chunks = q.K / kChunkK;
+  if (q.E > 65535 || (P.tiles * P.chunks + 7) / 8 > 2147483647)
+    return jq::invalid("too many matrices for one launch: " + std::to_string(q.E));
+  JQ_LAUNCH_CHECK(q.x_dt == jq::kF16 ? launch_dequant_mma_f16(P, stream)
+                                     : launch_dequant_mma_bf16(P, stream),
+                  "the cuda_mma dequantize");
+  return ffi::Error::Success();
+#else
+  (void)stream;
+  return ffi::Error::Unimplemented("jaxquant ffi: the cuda_mma dequantize is CUDA only");
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_dequant_mma, dequant_mma_impl,
+                              jq::format_attrs(jq::ffi_rets<1>(jq::ffi_args<4>(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<hipStream_t>>()))));

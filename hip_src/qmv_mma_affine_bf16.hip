@@ -1,6 +1,6 @@
 // The kernels on the cuda_mma layout for the affine formats with bf16 activations:
-// the decode GEMV (qmv_mma.h) and the prefill GEMM (qmm_gemm.h). One translation
-// unit per family and dtype, built in parallel.
+// the decode GEMV (qmv_mma.h), the prefill GEMM and the layout's dequantize
+// (qmm_gemm.h). One translation unit per family and dtype, built in parallel.
 #include "qmm_gemm.h"
 
 #if defined(JQ_PLATFORM_CUDA)
@@ -14,6 +14,10 @@ hipError_t launch_qmv_mma_affine_bf16(const Problem& pr, int nt, hipStream_t str
 
 hipError_t launch_qmm_gemm_affine_bf16(const GemmProblem& pr, hipStream_t stream) {
   return launch_affine<GemmLaunch, kBF16>(pr, 1, stream);
+}
+
+hipError_t launch_dequant_mma_affine_bf16(const GemmProblem& pr, hipStream_t stream) {
+  return launch_affine<DequantMmaLaunch, kBF16>(pr, 1, stream);
 }
 
 }  // namespace mma

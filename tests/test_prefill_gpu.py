@@ -152,3 +152,31 @@ def test_bad_group_sizes_are_refused():
         from jaxquant.ffi._mma import qmm_gemm_call
         jax.block_until_ready(qmm_gemm_call(x[None].astype(jnp.float32), experts,
                                             jnp.ones((3,), jnp.int32)))
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_dequantize_on_the_layout(mode, bits):
+    # N = 37 (a canonical tail), K = 192: the values the GEMM multiplies, in x's dtype:
+    # the codes times the scale (plus bias) rounded once to that dtype; the scale
+    # itself is rounded to it first (exact for bfloat16 / E8M0 scales)
+    qw, packed = _packed(mode, bits, (2, 37, 192), key=31)
+    w64 = deq64(qw)
+    for dt in X16:
+        got = jq.dequantize(packed, dtype=dt, backend="ffi")
+        assert got.dtype == jnp.dtype(dt) and got.shape == qw.shape
+        eps = float(jnp.finfo(dt).eps)
+        err = np.abs(np.asarray(got, np.float64) - w64)
+        assert np.all(err <= 2 * eps * np.abs(w64) + eps * np.abs(w64).max()), err.max()
+    hlo = jax.jit(lambda q: jq.dequantize(q, dtype=jnp.bfloat16)).lower(packed).as_text()
+    assert "jaxquant_dequant_mma" in hlo
+
+
+def test_auto_past_the_gemm_dequantizes_then_cublas():
+    qw, packed = _packed("mxfp4", 4, (300, 256), key=37)
+    m = configs.MMA_GEMM_MAX_M + 36
+    x = rand(38, (m, 256), jnp.bfloat16)
+    hlo = jax.jit(jq.qmm).lower(x, packed).as_text()
+    assert "jaxquant_dequant_mma" in hlo and "jaxquant_qmm_gemm" not in hlo
+    assert_matmul_close(jax.jit(jq.qmm)(x, packed), x, deq64(qw), jnp.bfloat16)
+    # an explicit backend="ffi" gets the GEMM at any M
+    assert _gemm_used(lambda x, q: jq.qmm(x, q, backend="ffi"), x, packed)

@@ -8,6 +8,9 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
 - The prefill GEMM (hip_src/qmm_gemm.h): qmm with more rows (16-bit x) and
   ragged_qmm, whose row blocks skip empty groups on the device. ragged_qmm with
   few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
+- The layout's dequantize (hip_src/qmm_gemm.h) for `jq.dequantize` into a 16-bit
+  dtype and, under automatic choice, for qmm with more than
+  configs.MMA_GEMM_MAX_M rows: the dequantized weight, then XLA's dot (cuBLAS).
 
 Other cases on a `cuda_mma` weight go to the other kernels or the reference,
 which unpack the layout first (correct, slower).
@@ -25,10 +28,12 @@ from jaxquant import dispatch
 from jaxquant.ffi import configs
 from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
 from jaxquant.layouts import cuda_mma
+from jaxquant.ops.qmm import qmm_reference
 from jaxquant.quantized_array import QuantizedArray
 
 TARGET = "jaxquant_qmv_mma"
 GEMM_TARGET = "jaxquant_qmm_gemm"
+DEQUANT_TARGET = "jaxquant_dequant_mma"
 MMA_MAX_M = 16  # rows of x per weight matrix: the MMA's N (8 or 16)
 # Priority against the other kernels on CUDA (pallas 0, the canonical ffi GEMV -1):
 # only this kernel reads the layout, so it is first wherever it applies.
@@ -64,6 +69,14 @@ def qmm_gemm_call(x3, qw3: QuantizedArray, group_sizes=None):
         x3, *_qw_operands(qw3), gs, **_format_attrs(qw3))
 
 
+def dequantize_mma_call(qw: QuantizedArray, dtype, *, platform=None):
+    """qw [..., N, K] in the cuda_mma layout -> [..., N, K] in `dtype` (float16 or
+    bfloat16), canonical order: the values the GEMM multiplies."""
+    out = jax.ShapeDtypeStruct(qw.shape, jnp.dtype(dtype))
+    return jax.ffi.ffi_call(DEQUANT_TARGET, out, vmap_method="broadcast_all")(
+        *_qw_operands(qw), **_format_attrs(qw))
+
+
 def _qw_ok(qw):
     if not isinstance(qw, QuantizedArray) or qw.layout != cuda_mma.NAME:
         return False
@@ -89,6 +102,20 @@ def gemm_qmm_applies(x, qw, *, transpose, precision, platform):
 
 def gemm_qmm_auto(x, qw, *, transpose, precision, platform):
     return _rows_per_matrix(x, qw) <= configs.MMA_GEMM_MAX_M
+
+
+def dequantize_applies(qw, *, dtype, platform):
+    return _qw_ok(qw) and jnp.dtype(dtype) in _GEMM_X_DTYPES
+
+
+def cublas_qmm_auto(x, qw, *, transpose, precision, platform):
+    return _rows_per_matrix(x, qw) > configs.MMA_GEMM_MAX_M
+
+
+def cublas_qmm_impl(x, qw, *, transpose, precision, platform):
+    """The weight dequantized by the layout's kernel, then XLA's dot (cuBLAS)."""
+    return qmm_reference(x, qw, transpose=transpose, precision=precision,
+                         dequantize=dequantize_mma_call)
 
 
 def _qmm_on(call):
@@ -147,8 +174,9 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
 
 
 def register(lib) -> None:
-    """Register the CUDA library's tensor-core kernels (their own handler symbols,
-    jq_gpu_qmv_mma and jq_gpu_qmm_gemm, beside the targets every library lists)
+    """Register the CUDA library's kernels on the layout (their own handler symbols,
+    jq_gpu_qmv_mma, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
+    every library lists)
     and their lowerings;
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
     (built before it existed) leaves everything as it was."""
@@ -167,4 +195,13 @@ def register(lib) -> None:
                           priority=PRIORITY, auto=gemm_qmm_auto)
         dispatch.register("ragged_qmm", "ffi", ("cuda",), ragged_qmm_impl, ragged_qmm_applies,
                           priority=PRIORITY)
+    if hasattr(lib.handle, "jq_gpu_dequant_mma"):
+        jax.ffi.register_ffi_target(DEQUANT_TARGET,
+                                    jax.ffi.pycapsule(lib.handle.jq_gpu_dequant_mma),
+                                    platform="CUDA")
+        dispatch.register("dequantize", "ffi", ("cuda",), dequantize_mma_call,
+                          dequantize_applies, priority=PRIORITY)
+        # many rows: below the GEMM, which an explicit backend="ffi" gets
+        dispatch.register("qmm", "ffi", ("cuda",), cublas_qmm_impl, gemm_qmm_applies,
+                          priority=PRIORITY - 1, auto=cublas_qmm_auto)
     cuda_mma.make_default_on("cuda")

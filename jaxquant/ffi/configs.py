@@ -16,10 +16,10 @@ from same-run measurements (benchmarks/RESULTS.md).
   enough rows.
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
   runs qmm on a `cuda_mma` weight as the tensor-core GEMM (hip_src/qmm_gemm.h;
-  above MMA_MAX_M); past it the reference (the layout unpacked in XLA's
-  dequantize fusion, then cuBLAS) is faster. H100, (4096 -> 14336), affine4:
-  M = 64 GEMM 76 us vs reference 155 us; M = 512 454 vs 211; M = 4096 3356 vs
-  891 (benchmarks/RESULTS.md, "Prefill").
+  above MMA_MAX_M); past it the layout's dequantize kernel, then XLA's dot
+  (cuBLAS), is faster. H100, (4096 -> 14336), affine4: M = 64 GEMM 76 us vs the
+  reference (XLA's dequantize fusion + cuBLAS) 155 us; M = 512 454 vs 211;
+  M = 4096 3356 vs 891 (benchmarks/RESULTS.md, "Prefill").
 - RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
   rows runs as gather_qmm on the decode GEMV (each row a slot, rows of one
   expert read it once); more rows take the GEMM. H100, gpt-oss-20b experts
