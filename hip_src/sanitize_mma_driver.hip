@@ -9,9 +9,10 @@
 // (unaligned expert bases), float32 scales, M = 1 / 9 / 16, every x dtype,
 // gather with repeated experts (dedupe) and ids outside [0, E) (NaN rows); the
 // GEMM with M = 17 / 64 / 100 and ragged group sizes with empty groups, sizes
-// past T, rows past the groups (zero). Values are checked by
-// tests/test_decode_gpu.py and test_prefill_gpu.py; here: NaN rows exactly where
-// the ids are bad, zero rows past the groups. Not part of the library.
+// past T, rows past the groups (zero); the layout's dequantize. Values are checked
+// by tests/test_decode_gpu.py and test_prefill_gpu.py; here: NaN rows exactly where
+// the ids are bad, zero rows past the groups, every output element written. Not
+// part of the library.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -221,6 +222,24 @@ static void run_gemm_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_
   }
 }
 
+// The layout's dequantize: w [E, N, K] (make_problem's y of S = E slots of M = K
+// rows holds exactly E * N * K elements): every element written.
+static void run_dequant_case(const Case& c, int64_t E, int64_t N, int64_t K) {
+  QmvProblem q = make_problem(c, E, N, K, E, E, K, nullptr);
+  GemmProblem P{};
+  P.q = q;
+  P.tiles = (N + 15) / 16;
+  P.full_tiles = N / 16;
+  P.chunks = K / 64;
+  CK(c.x_dt == kF16 ? launch_dequant_mma_f16(P, 0) : launch_dequant_mma_bf16(P, 0));
+  const Output y = finish(q);
+  for (size_t i = 0; i < y.v.size(); ++i)
+    if (y.unwritten[i] || (isnan(y.v[i]) && !any_code_nan(c.fmt))) {
+      fail("dequantize: NaN or unwritten", c.fmt, c.bits, (long long)i);
+      break;
+    }
+}
+
 int main() {
   const std::vector<int32_t> ids = {0, 4, -1, 4, 5, 0, 0, 2, 1, 1, 4, 99, 3, 3, 3, 3, 3, 3, 3, 3, 3};
   const std::vector<std::vector<int32_t>> ragged_sizes = {
@@ -242,6 +261,7 @@ int main() {
       if (xd == kF32) continue;                  // the GEMM takes 16-bit x
       for (int64_t m : {17, 64, 100}) run_gemm_case(c, 2, 37, 192, m, nullptr);
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 37, 192, 150, &sizes);
+      run_dequant_case(c, 2, 37, 192);
     }
   }
   printf(failures ? "FAILED (%d)\n" : "ALL OK\n", failures);
