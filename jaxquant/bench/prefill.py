@@ -3,10 +3,12 @@
 
   python -m jaxquant bench prefill [--only qmm,ragged] [--modes affine4,mxfp4]
 
-- qmm: M = 64, 512, 4096 at (K, N) = (4096, 14336) (--shapes): the ffi GEMM on `jq.prepack`ed
-  weights, `auto` on canonical weights (XLA's dequantize fusion + cuBLAS), bf16
-  dense (cuBLAS) and, where torch is importable, torch's bf16 F.linear, with
-  TFLOP/s and the ratio to bf16 dense.
+- qmm: M = 64, 512, 4096 at (K, N) = (4096, 14336) (--shapes): the ffi GEMM on
+  `jq.prepack`ed weights, `auto` on prepacked weights (the GEMM up to
+  configs.MMA_GEMM_MAX_M rows, then the layout's dequantize + cuBLAS) and on
+  canonical ones (XLA's dequantize fusion + cuBLAS), the reference on prepacked
+  weights, bf16 dense (cuBLAS) and, where torch is importable, torch's bf16
+  F.linear, with TFLOP/s and the ratio to bf16 dense.
 - ragged: ragged_qmm on gpt-oss-20b's expert stack (E = 32, 2880 -> 5760) with T =
   4, 32, 512, 4096 rows spread evenly over the experts (T < E: one row each for
   the first T): the ffi kernel (prepacked), `auto` on canonical weights, bf16
@@ -69,6 +71,7 @@ def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
         for mode in modes:
             want = x.astype(jnp.float32) @ dequantize_reference(qws[mode][0], jnp.float32).T
             for impl, q, backend in (("ffi mma gemm (prepacked)", packed[mode], "ffi"),
+                                     ("auto (prepacked)", packed[mode], None),
                                      ("auto (canonical)", qws[mode], None),
                                      ("reference (prepacked)", packed[mode], "reference")):
                 f = lambda x, q, b=backend: jq.qmm(x, q, backend=b)
