@@ -334,44 +334,64 @@ __global__ void __launch_bounds__(kGemmWarps * 32, 2) qmm_gemm_kernel(GemmProble
 
 // The cuda_mma layout's dequantize, for qmm with many rows (then cuBLAS): w [E, N,
 // K] in x's dtype (16-bit), canonical order, the values the GEMM multiplies. One warp
-// per (tile, chunk): its lane decodes and scales its unit like the GEMM (scaled_a)
-// and stores rows g and g + 8, 4 consecutive k per k-step (8 bytes; 4 lanes write
-// 32 contiguous bytes). pr.q.y is w; x, M and S are unused.
+// per tile and kDequantChunks chunks, all their loads issued before the first
+// decode (bytes in flight: one chunk per warp left it latency-bound); a lane decodes
+// and scales its unit like the GEMM (scaled_a) and stores rows g and g + 8, 4
+// consecutive k per k-step (8 bytes; 4 lanes write 32 contiguous bytes). pr.q.y is
+// w; x, M and S are unused.
+constexpr int kDequantChunks = 4;
+
 template <class C, int XDT, int P, int SDT>
 __global__ void __launch_bounds__(256) dequant_mma_kernel(GemmProblem pr) {
   constexpr int BITS = C::kBits;
   constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
   const QmvProblem& p = pr.q;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t per_tile = (pr.chunks + kDequantChunks - 1) / kDequantChunks;
   const int64_t wid = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (wid >= pr.tiles * pr.chunks) return;
-  const int64_t tile = wid / pr.chunks, e = blockIdx.y;
-  const int c = (int)(wid % pr.chunks);
+  if (wid >= pr.tiles * per_tile) return;
+  const int64_t tile = wid / per_tile, e = blockIdx.y;
+  const int c0 = (int)(wid % per_tile) * kDequantChunks;
   int gshift = 0;
   while ((1 << gshift) < p.group) ++gshift;
   const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
-  uint32_t w[BITS], a[4][4];
+  uint32_t a[kDequantChunks][4][4];
   if (tile < pr.full_tiles) {
     const TileCursor cur = tile_cursor<false>(p, e, tile, BITS, ssz, lane);
-    load_unit<BITS>(cur.w + (int64_t)c * (32 * BITS), w);
-    ChunkScales<C, P, false, SDT> sc;
-    sc.load(p, cur, c, gshift, g);
-    scaled_a<C, XDT, P, SDT>(w, sc, gsv, a);
+    uint32_t w[kDequantChunks][BITS];
+    ChunkScales<C, P, false, SDT> sc[kDequantChunks];
+#pragma unroll
+    for (int i = 0; i < kDequantChunks; ++i)
+      if (c0 + i < pr.chunks) {
+        load_unit<BITS>(cur.w + (int64_t)(c0 + i) * (32 * BITS), w[i]);
+        sc[i].load(p, cur, c0 + i, gshift, g);
+      }
+#pragma unroll
+    for (int i = 0; i < kDequantChunks; ++i)
+      if (c0 + i < pr.chunks) scaled_a<C, XDT, P, SDT>(w[i], sc[i], gsv, a[i]);
   } else {
     const TileCursor cur = tile_cursor<true>(p, e, tile, BITS, ssz, lane);
-    tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
-    ChunkScales<C, P, true, SDT> sc;
-    sc.load(p, cur, c, gshift, g);
-    scaled_a<C, XDT, P, SDT>(w, sc, gsv, a);
+#pragma unroll
+    for (int i = 0; i < kDequantChunks; ++i)
+      if (c0 + i < pr.chunks) {
+        uint32_t w[BITS];
+        tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c0 + i, lane, w);
+        ChunkScales<C, P, true, SDT> sc;
+        sc.load(p, cur, c0 + i, gshift, g);
+        scaled_a<C, XDT, P, SDT>(w, sc, gsv, a[i]);
+      }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // row g + 8h: registers h (k 4t, 4t+1) and h + 2 (4t+2, 4t+3)
     const int64_t n = tile * kTileRows + g + 8 * h;
     if (n >= p.N) continue;
     uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.y) + (e * p.N + n) * p.K +
-                                          (int64_t)c * kChunkK + 4 * t);
+                                          (int64_t)c0 * kChunkK + 4 * t);
 #pragma unroll
-    for (int st = 0; st < 4; ++st) out[4 * st] = make_uint2(a[st][h], a[st][h + 2]);
+    for (int i = 0; i < kDequantChunks; ++i)
+      if (c0 + i < pr.chunks)
+#pragma unroll
+        for (int st = 0; st < 4; ++st) out[16 * i + 4 * st] = make_uint2(a[i][st][h], a[i][st][h + 2]);
   }
 }
 
@@ -424,7 +444,7 @@ struct DequantMmaLaunch {
     if constexpr (XDT == kF32) {
       return hipErrorInvalidValue;  // 16-bit outputs only (qmv_mma.hip refuses float32)
     } else {
-      const int64_t warps = pr.tiles * pr.chunks;
+      const int64_t warps = pr.tiles * ((pr.chunks + kDequantChunks - 1) / kDequantChunks);
       dim3 grid((unsigned)((warps + 7) / 8), (unsigned)pr.q.E);
       dequant_mma_kernel<C, XDT, P, SDT><<<grid, 256, 0, stream>>>(pr);
       return hipGetLastError();
