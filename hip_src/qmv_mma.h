@@ -742,10 +742,11 @@ struct GemvLaunch {
   }
 };
 
-// The format switches, shared by the kernels on this layout: L::run<C, XDT, NT, P,
-// SDT>(pr, stream) with the codec C, x's dtype, n-tiles NT, groups per chunk P
-// (only the group sizes each format allows) and the scales' dtype SDT (uint8
-// codes, or for float-scale formats bfloat16, half, float32).
+// The launch of the kernels on this layout, shared by them: launch_formats picks the
+// codec C (jq::dispatch_format), then L::run<C, XDT, NT, P, SDT>(pr, stream) with x's
+// dtype, n-tiles NT, groups per chunk P (only the group sizes each format allows)
+// and the scales' dtype SDT (uint8 codes, or for float-scale formats bfloat16,
+// half, float32).
 template <class L, class C, int XDT, int NT, int P, class Pr>
 static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
   if constexpr (C::kScale != kScaleFloat) {
@@ -780,35 +781,16 @@ static hipError_t launch_c(const Pr& pr, int nt, hipStream_t stream) {
   return nt == 1 ? launch_nt<L, C, XDT, 1>(pr, stream) : launch_nt<L, C, XDT, 2>(pr, stream);
 }
 
-// The affine and the small-float formats for activations of dtype XDT (one
-// translation unit each: qmv_mma_<family>_<dtype>.hip, so nvcc builds them in parallel).
-template <class L, int XDT, class Pr>
-static hipError_t launch_affine(const Pr& pr, int nt, hipStream_t stream) {
-  switch (pr.q.bits) {
-#if !defined(JQ_MMA_CHECK_ONLY)  // compile checks build the 4-bit kernels only
-    case 2: return launch_c<L, Codec<kAffine, 2>, XDT>(pr, nt, stream);
-    case 3: return launch_c<L, Codec<kAffine, 3>, XDT>(pr, nt, stream);
-    case 5: return launch_c<L, Codec<kAffine, 5>, XDT>(pr, nt, stream);
-    case 6: return launch_c<L, Codec<kAffine, 6>, XDT>(pr, nt, stream);
-    case 8: return launch_c<L, Codec<kAffine, 8>, XDT>(pr, nt, stream);
-#endif
-    default: return launch_c<L, Codec<kAffine, 4>, XDT>(pr, nt, stream);
-  }
-}
-
-template <class L, int XDT, class Pr>
-static hipError_t launch_float(const Pr& pr, int nt, hipStream_t stream) {
-  switch (pr.q.fmt) {
-#if !defined(JQ_MMA_CHECK_ONLY)
-    case kMxfp6E2M3: return launch_c<L, Codec<kMxfp6E2M3, 6>, XDT>(pr, nt, stream);
-    case kMxfp6E3M2: return launch_c<L, Codec<kMxfp6E3M2, 6>, XDT>(pr, nt, stream);
-    case kMxfp8E4M3: return launch_c<L, Codec<kMxfp8E4M3, 8>, XDT>(pr, nt, stream);
-    case kMxfp8E5M2: return launch_c<L, Codec<kMxfp8E5M2, 8>, XDT>(pr, nt, stream);
-    case kNvfp4: return launch_c<L, Codec<kNvfp4, 4>, XDT>(pr, nt, stream);
-    case kFp4: return launch_c<L, Codec<kFp4, 4>, XDT>(pr, nt, stream);
-#endif
-    default: return launch_c<L, Codec<kMxfp4, 4>, XDT>(pr, nt, stream);
-  }
+// The one switch on formats (jq::dispatch_format) over the formats in FORMATS: the
+// affine and the small-float families build in separate translation units
+// (qmv_mma_<family>_<dtype>.hip, so nvcc builds them in parallel).
+template <class L, int XDT, uint32_t FORMATS, class Pr>
+static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
+  hipError_t err = hipErrorInvalidValue;  // (a pair no format allows: checked before)
+  dispatch_format<FORMATS>(pr.q.fmt, pr.q.bits, [&](auto codec) {
+    err = launch_c<L, decltype(codec), XDT>(pr, nt, stream);
+  });
+  return err;
 }
 
 #define JQ_MMA_DECLARE(DT)                                                              \

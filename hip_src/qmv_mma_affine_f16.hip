@@ -9,15 +9,15 @@ namespace gpu {
 namespace mma {
 
 hipError_t launch_qmv_mma_affine_f16(const Problem& pr, int nt, hipStream_t stream) {
-  return launch_affine<GemvLaunch, kF16>(pr, nt, stream);
+  return launch_formats<GemvLaunch, kF16, kAffineFormats>(pr, nt, stream);
 }
 
 hipError_t launch_qmm_gemm_affine_f16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_affine<GemmLaunch, kF16>(pr, 1, stream);
+  return launch_formats<GemmLaunch, kF16, kAffineFormats>(pr, 1, stream);
 }
 
 hipError_t launch_dequant_mma_affine_f16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_affine<DequantMmaLaunch, kF16>(pr, 1, stream);
+  return launch_formats<DequantMmaLaunch, kF16, kAffineFormats>(pr, 1, stream);
 }
 
 }  // namespace mma

@@ -9,15 +9,15 @@ namespace gpu {
 namespace mma {
 
 hipError_t launch_qmv_mma_float_bf16(const Problem& pr, int nt, hipStream_t stream) {
-  return launch_float<GemvLaunch, kBF16>(pr, nt, stream);
+  return launch_formats<GemvLaunch, kBF16, kFloatFormats>(pr, nt, stream);
 }
 
 hipError_t launch_qmm_gemm_float_bf16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_float<GemmLaunch, kBF16>(pr, 1, stream);
+  return launch_formats<GemmLaunch, kBF16, kFloatFormats>(pr, 1, stream);
 }
 
 hipError_t launch_dequant_mma_float_bf16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_float<DequantMmaLaunch, kBF16>(pr, 1, stream);
+  return launch_formats<DequantMmaLaunch, kBF16, kFloatFormats>(pr, 1, stream);
 }
 
 }  // namespace mma

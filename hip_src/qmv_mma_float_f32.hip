@@ -9,7 +9,7 @@ namespace gpu {
 namespace mma {
 
 hipError_t launch_qmv_mma_float_f32(const Problem& pr, int nt, hipStream_t stream) {
-  return launch_float<GemvLaunch, kF32>(pr, nt, stream);
+  return launch_formats<GemvLaunch, kF32, kFloatFormats>(pr, nt, stream);
 }
 
 }  // namespace mma
