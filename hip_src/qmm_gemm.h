@@ -147,10 +147,7 @@ __device__ __forceinline__ void scaled_a(const uint32_t* w, const Scales& sc, fl
   constexpr bool F16 = XDT == kF16;
   constexpr bool AFFINE = C::kFmt == kAffine;
   constexpr int SPP = 4 / P;
-  a_regs<C, F16, false, 0>(w, a[0]);
-  a_regs<C, F16, false, 1>(w, a[1]);
-  a_regs<C, F16, false, 2>(w, a[2]);
-  a_regs<C, F16, false, 3>(w, a[3]);
+  chunk_a_regs<C, F16, false>(w, a);
 #pragma unroll
   for (int pc = 0; pc < P; ++pc) {
     uint32_t s2[2], b2[2];  // rows g and g + 8: (scale, scale) and (bias, bias) pairs

@@ -182,6 +182,15 @@ __device__ __forceinline__ void a_regs(const uint32_t* w, uint32_t* a) {
   a[3] = a_reg<C, F16, FOLD, S, 3>(w);
 }
 
+// The A registers of a whole chunk (4 k-steps) from the lane's unit.
+template <class C, bool F16, bool FOLD>
+__device__ __forceinline__ void chunk_a_regs(const uint32_t* w, uint32_t (&a)[4][4]) {
+  a_regs<C, F16, FOLD, 0>(w, a[0]);
+  a_regs<C, F16, FOLD, 1>(w, a[1]);
+  a_regs<C, F16, FOLD, 2>(w, a[2]);
+  a_regs<C, F16, FOLD, 3>(w, a[3]);
+}
+
 // The lane's unit of a chunk of the partial last tile, which stays canonical
 // (rows of N that do not fill a tile): the same codes gathered from the rows'
 // bit streams, bounds-checked.
@@ -365,10 +374,7 @@ __device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCur
       }
     }
   uint32_t a[4][4];
-  a_regs<C, F16, FOLD, 0>(w, a[0]);
-  a_regs<C, F16, FOLD, 1>(w, a[1]);
-  a_regs<C, F16, FOLD, 2>(w, a[2]);
-  a_regs<C, F16, FOLD, 3>(w, a[3]);
+  chunk_a_regs<C, F16, FOLD>(w, a);
 #pragma unroll
   for (int pc = 0; pc < P; ++pc) {
 #pragma unroll

@@ -271,11 +271,17 @@ def add_arguments(parser, cpu):
     harness.common_options(parser, copies=8, iters=7, target_ms=20.0)
 
 
-def run(args, out):
+def start(out):
+    """The device and copy-bandwidth lines every NVIDIA scenario starts with; bytes/s."""
     dev = jax.devices()[0]
     out(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
     bw = copy_bandwidth()
     out(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    return bw
+
+
+def run(args, out):
+    bw = start(out)
     parts = args.only.split(",")
     global SHAPES
     SHAPES = tuple(tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";"))

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
-from jaxquant.bench.decode import _line, _many, _nbytes, _quantize, _time_torch, _timeit
-from jaxquant.bench.harness import copy_bandwidth
+from jaxquant.bench.decode import _line, _many, _nbytes, _quantize, _time_torch, _timeit, start
 from jaxquant.ffi import configs
 
 QMM_SHAPES = ((64, 4096, 14336), (512, 4096, 14336), (4096, 4096, 14336))  # (M, K, N)
@@ -182,10 +181,7 @@ def add_arguments(parser, cpu):
 
 
 def run(args, out):
-    dev = jax.devices()[0]
-    out(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
-    bw = copy_bandwidth()
-    out(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    bw = start(out)
     modes = args.modes.split(",")
     parts = args.only.split(",")
     if "qmm" in parts:
