@@ -1,0 +1,335 @@
+// Kernel-level timing of the decode GEMV's variants (qmv_mma.h), no JAX: each
+// variant of the kernel's tunables (stages in flight, x staged before or after
+// the first weight copies, warps per block, x from shared memory or L1) at the
+// issue's shapes, launched back to back with one sync (DESIGN §7's kernel
+// throughput), next to a device-to-device copy of 1 GiB in the same process.
+// Variants that sum in the same order must give the same bits as the first: the
+// driver checks that too. Not part of the library; built and run by
+// scripts/gpu_tune_decode.sh (or by hand, here with no GPU, then run there):
+//   nvcc -x cu -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90,code=sm_90 \
+//        -Iinclude -Ihip_src hip_src/tune_mma_driver.hip -o tune_mma_driver
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "qmv_mma.h"
+
+using namespace jq;
+using namespace jq::gpu::mma;
+
+#define CK(x)                                                                           \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      printf("error %s at line %d\n", cudaGetErrorString(e_), __LINE__);                \
+      exit(1);                                                                          \
+    }                                                                                   \
+  } while (0)
+
+static void* dev_random(size_t bytes, std::mt19937& rng, uint32_t mask) {
+  std::vector<uint32_t> h((bytes + 3) / 4);
+  for (auto& v : h) v = rng() & mask;
+  void* d = nullptr;
+  CK(cudaMalloc(&d, 4 * h.size()));
+  CK(cudaMemcpy(d, h.data(), 4 * h.size(), cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct Shape {
+  const char* name;
+  int fmt, group, scale_dt;  // 4-bit formats only
+  int64_t M, K, N;
+};
+
+// Copies of the weights cycled through, more bytes than L2 holds (50 MB on an H100),
+// so that every call reads them from DRAM as a model's layers do.
+constexpr double kRotateBytes = 256e6;
+
+struct Setup {
+  std::vector<Problem> prs;  // one per copy of the weights
+  double bytes;              // weights + scales (+ biases) read per call
+};
+
+static Setup make(const Shape& s) {
+  std::mt19937 rng(7);
+  const int ssz = s.scale_dt == kU8 ? 1 : 2;
+  QmvProblem q{};
+  q.fmt = s.fmt;
+  q.bits = 4;
+  q.group = s.group;
+  q.S = 1;
+  q.M = s.M;
+  q.N = s.N;
+  q.K = s.K;
+  q.E = 1;
+  q.Sx = 1;
+  q.x_div = 1;
+  q.words = s.K * 4 / 32;
+  q.groups = s.K / s.group;
+  q.x_dt = kBF16;
+  q.scale_dt = s.scale_dt;
+  const size_t wbytes = s.N * s.K / 2, sbytes = s.N * q.groups * ssz;
+  q.x = dev_random(s.M * s.K * 2, rng, 0x3bff3bffu);
+  void* y = nullptr;
+  CK(cudaMalloc(&y, s.M * s.N * 4));
+  q.y = y;
+  Setup st{};
+  st.bytes = (double)wbytes + (s.fmt == kAffine ? 2.0 : 1.0) * sbytes;
+  const int copies = (int)(kRotateBytes / st.bytes) + 1;
+  for (int c = 0; c < copies; ++c) {
+    // every copy the same values (the outputs agree), at its own address
+    std::mt19937 wrng(11);
+    q.data = static_cast<const uint32_t*>(dev_random(wbytes, wrng, 0xffffffffu));
+    // scales: small bf16 values or E8M0 codes 0..15 (scaled sums stay finite); biases likewise
+    q.scales = dev_random(sbytes, wrng, s.scale_dt == kU8 ? 0x0f0f0f0fu : 0x00ff00ffu);
+    if (s.fmt == kAffine) q.biases = dev_random(sbytes, wrng, 0x00ff00ffu);
+    Problem pr{};
+    pr.q = q;
+    pr.tiles = (s.N + kTileRows - 1) / kTileRows;
+    pr.full_tiles = s.N / kTileRows;
+    pr.chunks = s.K / kChunkK;
+    st.prs.push_back(pr);
+  }
+  return st;
+}
+
+struct Result {
+  double us;
+  std::vector<uint16_t> y;
+};
+
+static bool g_pdl = false;  // launch as programmatic dependents (cudaLaunchKernelEx)
+
+template <class K, class... A>
+static void launch(K kernel, dim3 grid, dim3 block, size_t smem, A... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_pdl ? 1 : 0;
+  CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+template <class C, int NT, int P, int SDT, int S, bool EARLY>
+static Result run(const Setup& st, int warps, bool x_shared, int iters) {
+  std::vector<Problem> prs = st.prs;
+  for (auto& p : prs) {
+    p.x_rows = (int)p.q.M;
+    p.x_stride = (int)(p.q.K * 2 + 16);
+    if (!x_shared || (int64_t)p.x_rows * p.x_stride > kMaxXSharedBytes) p.x_stride = 0;  // as launch_s
+  }
+  const Problem& pr = prs[0];
+  x_shared = pr.x_stride > 0;
+  const size_t nc = prs.size();
+  const SharedLayout lay = SharedLayout::of<C, P, S>(pr.x_rows, pr.x_stride, warps);
+  auto kernel = qmv_mma_kernel<C, kBF16, NT, P, SDT, S, EARLY>;
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  dim3 grid((unsigned)pr.tiles, 1, 1), block((unsigned)(32 * warps));
+  for (int i = 0; i < 20; ++i) launch(kernel, grid, block, lay.bytes, prs[i % nc]);
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int r = 0; r < 7; ++r) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < iters; ++i) launch(kernel, grid, block, lay.bytes, prs[i % nc]);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(1e3 * ms / iters);
+  }
+  CK(cudaGetLastError());
+  std::sort(t.begin(), t.end());
+  Result res;
+  res.us = t[t.size() / 2];
+  res.y.resize(pr.q.M * pr.q.N);
+  CK(cudaMemcpy(res.y.data(), pr.q.y, 2 * res.y.size(), cudaMemcpyDeviceToHost));
+  int blocks = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * warps, lay.bytes));
+  printf("    S=%d early=%d warps=%d x=%-6s%s  %7.2f us  blocks/SM %2d", S, (int)EARLY, warps,
+         x_shared ? "shared" : "L1", g_pdl ? " pdl" : "", res.us, blocks);
+  return res;
+}
+
+static double copy_gbs() {
+  const size_t n = 1ull << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, n));
+  CK(cudaMalloc(&b, n));
+  CK(cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < 10; ++i) CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * n * 10 / (ms * 1e-3) / 1e9;
+}
+
+template <class C, int NT, int P, int SDT>
+static void sweep(const Shape& s, double gbs) {
+  const Setup st = make(s);
+  printf("%s M=%lld K=%lld N=%lld: %.1f MB (%zu copies), %.2f us at copy bandwidth\n", s.name,
+         (long long)s.M, (long long)s.K, (long long)s.N, st.bytes / 1e6, st.prs.size(),
+         st.bytes / gbs / 1e3);
+  const int iters = 200;
+  const int w0 = (int)warps_for(st.prs[0].chunks);
+  auto report = [&](const Result& r, const Result& ref, bool same_order) {
+    const bool same = r.y == ref.y;
+    printf("  %5.1f%% of copy%s\n", 100.0 * st.bytes / (r.us * 1e-6) / (gbs * 1e9),
+           same_order ? (same ? "  (bits = first)" : "  BITS DIFFER FROM THE FIRST") : "");
+    if (same_order && !same) exit(3);
+  };
+  const Result ref = run<C, NT, P, SDT, Stages<4>::value, false>(st, w0, true, iters);
+  report(ref, ref, true);
+  report(run<C, NT, P, SDT, 4, true>(st, w0, true, iters), ref, true);
+  report(run<C, NT, P, SDT, 6, true>(st, w0, true, iters), ref, true);
+  report(run<C, NT, P, SDT, 8, true>(st, w0, true, iters), ref, true);
+  report(run<C, NT, P, SDT, 4, true>(st, w0, false, iters), ref, true);
+  report(run<C, NT, P, SDT, 8, true>(st, w0, false, iters), ref, true);
+  for (int w : {2, 4, 8})
+    if (w != w0) {
+      report(run<C, NT, P, SDT, 4, true>(st, w, true, iters), ref, false);
+      report(run<C, NT, P, SDT, 8, true>(st, w, true, iters), ref, false);
+    }
+}
+
+// References at the same size: an empty kernel of the same grid (launch and drain
+// alone), a kernel that only reads the weight bytes (16-byte loads, 4 in flight
+// per thread), both back to back like the GEMV.
+__global__ void empty_kernel(int) {}
+__global__ void read_kernel(const uint4* p, int64_t n, uint32_t* out) {
+  uint32_t acc = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = __ldcs(p + i + j * stride);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) out[0] = acc;  // keeps the loads
+}
+
+template <class K, class... A>
+static double time_us(int iters, K kernel, dim3 grid, dim3 block, A... args) {
+  for (int i = 0; i < 10; ++i) launch(kernel, grid, block, 0, args...);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  CK(cudaEventRecord(a));
+  for (int i = 0; i < iters; ++i) launch(kernel, grid, block, 0, args...);
+  CK(cudaEventRecord(b));
+  CK(cudaEventSynchronize(b));
+  float ms;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  return 1e3 * ms / iters;
+}
+
+static void references(double gbs) {
+  uint32_t* out;
+  CK(cudaMalloc(&out, 4));
+  printf("empty kernel, 896 x 128 threads: %.2f us\n",
+         time_us(500, empty_kernel, dim3(896), dim3(128), 0));
+  for (double mb : {2.0, 8.0, 33.0, 132.0}) {
+    const int64_t n = (int64_t)(mb * 1e6 / 16);
+    const int copies = (int)(kRotateBytes / (mb * 1e6)) + 1;
+    std::vector<uint4*> bufs;
+    for (int c = 0; c < copies; ++c) {
+      uint4* p;
+      CK(cudaMalloc(&p, n * 16));
+      CK(cudaMemset(p, c, n * 16));
+      bufs.push_back(p);
+    }
+    for (int blocks_per_sm : {4, 8, 16}) {
+      const int grid = 132 * blocks_per_sm;
+      for (int i = 0; i < 10; ++i) launch(read_kernel, dim3(grid), dim3(256), 0, (const uint4*)bufs[i % copies], n, out);
+      cudaEvent_t a, b;
+      CK(cudaEventCreate(&a));
+      CK(cudaEventCreate(&b));
+      CK(cudaEventRecord(a));
+      const int iters = 200;
+      for (int i = 0; i < iters; ++i)
+        launch(read_kernel, dim3(grid), dim3(256), 0, (const uint4*)bufs[i % copies], n, out);
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      const double us = 1e3 * ms / iters;
+      printf("read-only kernel %6.1f MB, %4d x 256 threads: %7.2f us = %5.1f%% of copy\n", mb, grid,
+             us, 100.0 * mb * 1e6 / (us * 1e-6) / (gbs * 1e9));
+    }
+    for (auto p : bufs) CK(cudaFree(p));
+  }
+}
+
+// Time against bytes at fixed N: the slope is the kernel's streaming rate, the
+// intercept its fixed cost per launch (ramp, prologue, epilogue, launch gap).
+template <class C, int P, int SDT>
+static void scaling(const char* name, int fmt, int group, int sdt, int64_t N, double gbs) {
+  printf("%s M=1 N=%lld, time against K (production variant):\n", name, (long long)N);
+  for (int64_t K : {256, 512, 1024, 2048, 4096, 8192, 16384}) {
+    const Setup st = make({name, fmt, group, sdt, 1, K, N});
+    printf("  K=%5lld %6.1f MB  copy %6.2f us:", (long long)K, st.bytes / 1e6, st.bytes / gbs / 1e3);
+    const Result r = run<C, 1, P, SDT, Stages<4>::value, true>(st, (int)warps_for(K / kChunkK), true, 200);
+    printf("\n");
+    (void)r;
+  }
+}
+
+int main(int argc, char** argv) {
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const double gbs = copy_gbs();
+  printf("# %s, %d SMs; copy bandwidth %.0f GB/s (cudaMemcpy D2D, 1 GiB)\n", prop.name,
+         prop.multiProcessorCount, gbs);
+  using A4 = Codec<kAffine, 4>;
+  using F4 = Codec<kMxfp4, 4>;
+  if (argc > 1 && strcmp(argv[1], "pdl") == 0) {
+    references(gbs);
+    g_pdl = true;
+    printf("-- programmatic dependent launches:\n");
+    references(gbs);
+    for (bool pdl : {false, true}) {
+      g_pdl = pdl;
+      scaling<A4, 1, kBF16>("affine4 g64", kAffine, 64, kBF16, 14336, gbs);
+      scaling<F4, 2, kU8>("mxfp4", kMxfp4, 32, kU8, 14336, gbs);
+    }
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "scaling") == 0) {
+    scaling<A4, 1, kBF16>("affine4 g64", kAffine, 64, kBF16, 14336, gbs);
+    scaling<F4, 2, kU8>("mxfp4", kMxfp4, 32, kU8, 14336, gbs);
+    scaling<A4, 1, kBF16>("affine4 g64", kAffine, 64, kBF16, 4096, gbs);
+    return 0;
+  }
+  sweep<A4, 1, 1, kBF16>({"affine4 g64", kAffine, 64, kBF16, 1, 4096, 14336}, gbs);
+  sweep<F4, 1, 2, kU8>({"mxfp4", kMxfp4, 32, kU8, 1, 4096, 14336}, gbs);
+  sweep<A4, 1, 1, kBF16>({"affine4 g64", kAffine, 64, kBF16, 1, 14336, 4096}, gbs);
+  sweep<F4, 1, 2, kU8>({"mxfp4", kMxfp4, 32, kU8, 1, 14336, 4096}, gbs);
+  sweep<A4, 1, 1, kBF16>({"affine4 g64", kAffine, 64, kBF16, 8, 4096, 14336}, gbs);
+  sweep<A4, 2, 1, kBF16>({"affine4 g64", kAffine, 64, kBF16, 16, 4096, 14336}, gbs);
+  sweep<F4, 1, 2, kU8>({"mxfp4 gpt-oss expert", kMxfp4, 32, kU8, 1, 2880, 5760}, gbs);
+  sweep<F4, 1, 2, kU8>({"mxfp4 qwen3 expert", kMxfp4, 32, kU8, 1, 2048, 1536}, gbs);
+  return 0;
+}
