@@ -451,7 +451,9 @@ __device__ __forceinline__ void unit_to_shared(uint32_t dst, const uint32_t* src
 // scales: copied by a few lanes, read by all after a __syncwarp.
 template <int BITS>
 struct Stages {
-  static constexpr int value = BITS > 4 ? 3 : 4;  // keeps static shared memory < 48 KB
+  // more stages measured slower at 4 bits (hip_src/tune_mma_driver.hip: 6 and 8 lose
+  // 0.5-3 us on an H100); fewer above 4 bits keep the blocks per SM
+  static constexpr int value = BITS > 4 ? 3 : 4;
 };
 template <int P>
 struct ScaleStage {
