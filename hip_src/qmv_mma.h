@@ -422,6 +422,9 @@ __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
 __device__ __forceinline__ void grid_dependents_may_launch() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
@@ -627,7 +630,7 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
 }
 
 template <class C, int XDT, int NT, int P, int SDT, int S = Stages<C::kBits>::value,
-          bool EARLY = true>
+          bool EARLY = true, int PF = S - 1>
 __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   constexpr int CAP = 8 * NT;  // rows of x per segment
   const QmvProblem& p = pr.q;
@@ -646,9 +649,21 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   const int g = lane >> 2, t = lane & 3;
   const int64_t tile = blockIdx.x;
   const int64_t s = blockIdx.y;
-  // Launched as a programmatic dependent (launch_s: sm_90), the block starts while
-  // the kernel before it drains; every input may be that kernel's output, so nothing
-  // is read before it has finished (a no-op in an ordinary launch).
+  // Launched as a programmatic dependent (launch_s: sm_90), the block may start
+  // while the kernel before it still runs. Every input may be that kernel's output,
+  // so nothing is read before grid_dependency_wait() returns (a no-op in an ordinary
+  // launch). What may happen before: the warp's first PF chunks of a qmm
+  // weight tile are prefetched into L2. A prefetch is only a hint and L2 is where
+  // every SM's writes meet, so a line the kernel before writes later is read as
+  // written.
+  if constexpr (PF > 0) {
+    if (p.indices == nullptr && tile < pr.full_tiles) {  // gather: the expert is an input
+      const int mine = (int)((pr.chunks - warp + warps - 1) / warps);
+      const uint32_t* unit = p.data + (s * p.N + tile * kTileRows) * p.words + lane * C::kBits;
+      for (int i = 0; i < PF && i < mine; ++i)
+        prefetch_l2(unit + (int64_t)(warp + i * warps) * (32 * C::kBits));
+    }
+  }
   grid_dependency_wait();
 
   // --- the segment: expert and rows of x / y -------------------------------
@@ -729,7 +744,9 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
                                                           stage_x, acc);
   }
 
-  grid_dependents_may_launch();  // the next kernel's blocks may start on free SM slots
+  // the next GEMV's blocks may start on the SM slots this grid leaves free (they wait
+  // for its end in grid_dependency_wait; letting them start at the top measured slower)
+  grid_dependents_may_launch();
   // --- the warps' partial sums meet in shared memory (over the stages) ------
   __syncthreads();
 #pragma unroll

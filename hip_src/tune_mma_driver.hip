@@ -118,7 +118,7 @@ static void launch(K kernel, dim3 grid, dim3 block, size_t smem, A... args) {
   CK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
-template <class C, int NT, int P, int SDT, int S, bool EARLY>
+template <class C, int NT, int P, int SDT, int S, bool EARLY, int PF = S - 1>
 static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   std::vector<Problem> prs = st.prs;
   for (auto& p : prs) {
@@ -130,7 +130,7 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   x_shared = pr.x_stride > 0;
   const size_t nc = prs.size();
   const SharedLayout lay = SharedLayout::of<C, P, S>(pr.x_rows, pr.x_stride, warps);
-  auto kernel = qmv_mma_kernel<C, kBF16, NT, P, SDT, S, EARLY>;
+  auto kernel = qmv_mma_kernel<C, kBF16, NT, P, SDT, S, EARLY, PF>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   dim3 grid((unsigned)pr.tiles, 1, 1), block((unsigned)(32 * warps));
   for (int i = 0; i < 20; ++i) launch(kernel, grid, block, lay.bytes, prs[i % nc]);
@@ -156,8 +156,9 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   CK(cudaMemcpy(res.y.data(), pr.q.y, 2 * res.y.size(), cudaMemcpyDeviceToHost));
   int blocks = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * warps, lay.bytes));
-  printf("    S=%d early=%d warps=%d x=%-6s%s  %7.2f us  blocks/SM %2d", S, (int)EARLY, warps,
-         x_shared ? "shared" : "L1", g_pdl ? " pdl" : "", res.us, blocks);
+  printf("    S=%d early=%d warps=%d x=%-6s%s%s  %7.2f us  blocks/SM %2d", S, (int)EARLY, warps,
+         x_shared ? "shared" : "L1", g_pdl ? " pdl" : "", PF ? " l2pf" : "", res.us, blocks);
+  if (PF) printf(" (%d chunks)", PF);
   return res;
 }
 
@@ -291,9 +292,15 @@ static void scaling(const char* name, int fmt, int group, int sdt, int64_t N, do
   for (int64_t K : {256, 512, 1024, 2048, 4096, 8192, 16384}) {
     const Setup st = make({name, fmt, group, sdt, 1, K, N});
     printf("  K=%5lld %6.1f MB  copy %6.2f us:", (long long)K, st.bytes / 1e6, st.bytes / gbs / 1e3);
-    const Result r = run<C, 1, P, SDT, Stages<4>::value, true>(st, (int)warps_for(K / kChunkK), true, 200);
+    const int w = (int)warps_for(K / kChunkK);
+    run<C, 1, P, SDT, Stages<4>::value, true, 0>(st, w, true, 200);
+    printf("\n%40s", "");
+    run<C, 1, P, SDT, Stages<4>::value, true>(st, w, true, 200);
+    printf("\n%40s", "");
+    run<C, 1, P, SDT, Stages<4>::value, true, 8>(st, w, true, 200);
+    printf("\n%40s", "");
+    run<C, 1, P, SDT, Stages<4>::value, true, 64>(st, w, true, 200);
     printf("\n");
-    (void)r;
   }
 }
 

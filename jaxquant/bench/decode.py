@@ -213,7 +213,11 @@ def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
 
     def layer(x, w, nw, mm):
         h = jq.rms_norm(x, nw)
-        a = jax.nn.silu(mm(h, w["gate"])) * mm(h, w["up"])
+        if "gate_up" in w:  # one product over the concatenated weights, then a split
+            g, u = jnp.split(mm(h, w["gate_up"]), 2, axis=-1)
+        else:
+            g, u = mm(h, w["gate"]), mm(h, w["up"])
+        a = jax.nn.silu(g) * u
         return x + mm(a.astype(x.dtype), w["down"])
 
     def unrolled(mm):
@@ -239,21 +243,30 @@ def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
             times.append((time.perf_counter() - t0) / inner)
         return statistics.median(times) * 1e6
 
+    # gate and up as one [2f, d] weight per layer (quantized whole: its rows are the
+    # same groups as the two halves', so the products equal the separate ones)
+    fused = {"gate_up": jnp.concatenate([dense["gate"], dense["up"]], axis=1),
+             "down": dense["down"]}
     dense_mm = lambda h, w: h @ w.T
     res = {}
-    for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
-        res[("bf16", loop)] = per_step(make(dense_mm), x0, dense, norm_w)
-        _line(out, "bf16 dense", loop, f"{res['bf16', loop]:.0f}", "1.00x")
+    for label, ws in (("bf16 dense", dense), ("bf16 dense, gate+up fused", fused)):
+        for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
+            res[(label, loop)] = per_step(make(dense_mm), x0, ws, norm_w)
+            _line(out, label, loop, f"{res[label, loop]:.0f}",
+                  f"{res['bf16 dense', loop] / res[label, loop]:.2f}x")
     for mode in modes:
-        qws = {nm: _quantize(mode, w) for nm, w in dense.items()}
-        packed = {nm: jq.prepack(q, layout="cuda_mma") for nm, q in qws.items()}
-        for label, ws in (("prepacked (ffi mma)", packed), ("canonical (auto)", qws)):
-            for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
-                us = per_step(make(lambda h, q: jq.qmm(h, q)), x0, ws, norm_w)
-                res[(mode, label, loop)] = us
-                _line(out, f"{mode} {label}", loop, f"{us:.0f}",
-                      f"{res['bf16', loop] / us:.2f}x")
-        del qws, packed
+        for wlabel, wd in (("", dense), (", gate+up fused", fused)):
+            qws = {nm: _quantize(mode, w) for nm, w in wd.items()}
+            packed = {nm: jq.prepack(q, layout="cuda_mma") for nm, q in qws.items()}
+            runs = [("prepacked (ffi mma)", packed)] + ([("canonical (auto)", qws)] if not wlabel
+                                                         else [])
+            for label, ws in runs:
+                for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
+                    us = per_step(make(lambda h, q: jq.qmm(h, q)), x0, ws, norm_w)
+                    res[(mode, label + wlabel, loop)] = us
+                    _line(out, f"{mode} {label}{wlabel}", loop, f"{us:.0f}",
+                          f"{res['bf16 dense', loop] / us:.2f}x")
+            del qws, packed
     return res
 
 
