@@ -19,7 +19,6 @@ which unpack the layout first (correct, slower).
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -174,24 +173,6 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
     return jnp.where(past[:, None], jnp.zeros((), y.dtype), y[:, 0, :])
 
 
-def _register_target(name, fn) -> None:
-    """An ffi target of these kernels, marked command-buffer compatible: each handler
-    only validates shapes and launches kernels on XLA's stream (no sync, no allocation,
-    no host decision on device data), so XLA may record it into the CUDA graph it
-    replays (its command buffer) instead of running it as a separate host step, which
-    measured ~20 us of host time per call on an H100 machine (docs/decode.md)."""
-    from jax._src.lib import xla_client
-
-    traits = getattr(getattr(xla_client, "CustomCallTargetTraits", None),
-                     "COMMAND_BUFFER_COMPATIBLE", None)
-    kw = {} if traits is None or not _CMD_BUFFER else {"traits": traits}
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="CUDA", **kw)
-
-
-# $JAXQUANT_CMD_BUFFER=0 registers the targets without the trait (for measurements).
-_CMD_BUFFER = os.environ.get("JAXQUANT_CMD_BUFFER", "1") != "0"
-
-
 def register(lib) -> None:
     """Register the CUDA library's kernels on the layout (their own handler symbols,
     jq_gpu_qmv_mma, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
@@ -200,20 +181,24 @@ def register(lib) -> None:
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
     (built before it existed) leaves everything as it was."""
     try:
-        _register_target(TARGET, lib.handle.jq_gpu_qmv_mma)
+        fn = lib.handle.jq_gpu_qmv_mma
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="CUDA")
     except Exception:  # noqa: BLE001 - no kernel: the layout stays opt-in
         return
     dispatch.register("qmm", "ffi", ("cuda",), qmm_impl, qmm_applies, priority=PRIORITY)
     dispatch.register("gather_qmm", "ffi", ("cuda",), gather_qmm_impl, gather_qmm_applies,
                       priority=PRIORITY)
     if hasattr(lib.handle, "jq_gpu_qmm_gemm"):  # the prefill GEMM (a newer library)
-        _register_target(GEMM_TARGET, lib.handle.jq_gpu_qmm_gemm)
+        jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.handle.jq_gpu_qmm_gemm),
+                                    platform="CUDA")
         dispatch.register("qmm", "ffi", ("cuda",), gemm_qmm_impl, gemm_qmm_applies,
                           priority=PRIORITY, auto=gemm_qmm_auto)
         dispatch.register("ragged_qmm", "ffi", ("cuda",), ragged_qmm_impl, ragged_qmm_applies,
                           priority=PRIORITY)
     if hasattr(lib.handle, "jq_gpu_dequant_mma"):
-        _register_target(DEQUANT_TARGET, lib.handle.jq_gpu_dequant_mma)
+        jax.ffi.register_ffi_target(DEQUANT_TARGET,
+                                    jax.ffi.pycapsule(lib.handle.jq_gpu_dequant_mma),
+                                    platform="CUDA")
         dispatch.register("dequantize", "ffi", ("cuda",), dequantize_mma_call,
                           dequantize_applies, priority=PRIORITY)
         # many rows: below the GEMM, which an explicit backend="ffi" gets
