@@ -103,6 +103,7 @@ struct Result {
 };
 
 static bool g_pdl = false;  // launch as programmatic dependents (cudaLaunchKernelEx)
+static int g_carveout = -1;  // cudaFuncAttributePreferredSharedMemoryCarveout (-1: the default)
 
 template <class K, class... A>
 static void launch(K kernel, dim3 grid, dim3 block, size_t smem, A... args) {
@@ -132,6 +133,7 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   const SharedLayout lay = SharedLayout::of<C, P, S>(pr.x_rows, pr.x_stride, warps);
   auto kernel = qmv_mma_kernel<C, kBF16, NT, P, SDT, S, EARLY, PF>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, g_carveout));
   dim3 grid((unsigned)pr.tiles, 1, 1), block((unsigned)(32 * warps));
   for (int i = 0; i < 20; ++i) launch(kernel, grid, block, lay.bytes, prs[i % nc]);
   CK(cudaDeviceSynchronize());
@@ -156,8 +158,9 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   CK(cudaMemcpy(res.y.data(), pr.q.y, 2 * res.y.size(), cudaMemcpyDeviceToHost));
   int blocks = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * warps, lay.bytes));
-  printf("    S=%d early=%d warps=%d x=%-6s%s%s  %7.2f us  blocks/SM %2d", S, (int)EARLY, warps,
-         x_shared ? "shared" : "L1", g_pdl ? " pdl" : "", PF ? " l2pf" : "", res.us, blocks);
+  printf("    S=%d early=%d warps=%d x=%-6s%s%s carveout %3d  %7.2f us  blocks/SM %2d", S,
+         (int)EARLY, warps, x_shared ? "shared" : "L1", g_pdl ? " pdl" : "", PF ? " l2pf" : "",
+         g_carveout, res.us, blocks);
   if (PF) printf(" (%d chunks)", PF);
   return res;
 }
@@ -321,6 +324,28 @@ int main(int argc, char** argv) {
       g_pdl = pdl;
       scaling<A4, 1, kBF16>("affine4 g64", kAffine, 64, kBF16, 14336, gbs);
       scaling<F4, 2, kU8>("mxfp4", kMxfp4, 32, kU8, 14336, gbs);
+    }
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "carveout") == 0) {  // M = 8, 16: x from L1, L1's share
+    g_pdl = true;
+    const Shape shapes[] = {{"affine4 g64", kAffine, 64, kBF16, 8, 4096, 14336},
+                            {"affine4 g64", kAffine, 64, kBF16, 16, 4096, 14336},
+                            {"affine4 g64", kAffine, 64, kBF16, 16, 14336, 4096}};
+    for (const Shape& s : shapes) {
+      const Setup st = make(s);
+      printf("%s M=%lld K=%lld N=%lld: %.1f MB, %.2f us at copy bandwidth\n", s.name,
+             (long long)s.M, (long long)s.K, (long long)s.N, st.bytes / 1e6,
+             st.bytes / gbs / 1e3);
+      const int w0 = warps_for(st.prs[0].chunks);
+      for (int co : {-1, 0, 10, 25, 50, 100}) {
+        g_carveout = co;
+        for (int w : {2, w0}) {
+          const double us = s.M > 8 ? run<A4, 2, 1, kBF16, 4, true>(st, w, false, 200).us
+                                    : run<A4, 1, 1, kBF16, 4, true>(st, w, false, 200).us;
+          printf("  %5.1f%% of copy\n", 100.0 * st.bytes / (us * 1e-6) / (gbs * 1e9));
+        }
+      }
     }
     return 0;
   }
