@@ -63,7 +63,17 @@ static auto bind_layout_kernel() {
       jq::ffi_args<6>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<hipStream_t>>())));
 }
 
+// Command-buffer compatible: the handlers only validate shapes and launch kernels on
+// XLA's stream (no sync, no allocation, no host read of device data), so XLA records
+// them into the CUDA graph it replays instead of calling them on every execution: an
+// XLA FFI call costs ~12-20 us of host time otherwise, against ~6 us for one replayed
+// in the graph (H100, benchmarks/h100_decode4_ffi_host_cost.txt; docs/decode.md).
+// jq_gpu_qmv_mma_uncaptured, the same handler without the trait, is what
+// $JAXQUANT_CMD_BUFFER=0 registers (for measurements).
+#define JQ_CAPTURABLE {ffi::Traits::kCmdBufferCompatible}
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma, qmv_mma_impl,
+                              bind_layout_kernel().Attr<int64_t>("dedupe"), JQ_CAPTURABLE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma_uncaptured, qmv_mma_impl,
                               bind_layout_kernel().Attr<int64_t>("dedupe"));
 static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
                                 ffi::AnyBuffer scales, ffi::AnyBuffer biases, ffi::AnyBuffer gs,
@@ -113,7 +123,8 @@ static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmm_gemm, qmm_gemm_impl, bind_layout_kernel());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmm_gemm, qmm_gemm_impl, bind_layout_kernel(),
+                              JQ_CAPTURABLE);
 
 static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales,
                                    ffi::AnyBuffer biases, ffi::AnyBuffer gs,
@@ -167,4 +178,5 @@ static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi:
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_dequant_mma, dequant_mma_impl,
                               jq::format_attrs(jq::ffi_rets<1>(jq::ffi_args<4>(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<hipStream_t>>()))));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<hipStream_t>>()))),
+                              JQ_CAPTURABLE);

@@ -19,6 +19,7 @@ which unpack the layout first (correct, slower).
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +182,10 @@ def register(lib) -> None:
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
     (built before it existed) leaves everything as it was."""
     try:
-        fn = lib.handle.jq_gpu_qmv_mma
+        # the handlers carry XLA's command-buffer trait (hip_src/qmv_mma.hip);
+        # $JAXQUANT_CMD_BUFFER=0 registers the GEMV without it, for measurements
+        plain = os.environ.get("JAXQUANT_CMD_BUFFER") == "0"
+        fn = lib.handle.jq_gpu_qmv_mma_uncaptured if plain else lib.handle.jq_gpu_qmv_mma
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="CUDA")
     except Exception:  # noqa: BLE001 - no kernel: the layout stays opt-in
         return
