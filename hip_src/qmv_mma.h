@@ -346,13 +346,15 @@ struct ChunkScales {
   }
 };
 
-// One chunk: x (B) loads, the decode of the lane's unit `w` into A registers, the
-// MMAs per group piece and the scales into acc.
-template <class C, int XDT, int NT, int P, bool TAIL, int SDT>
-__device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCursor& cur, int c,
-                                              const uint32_t* w,
-                                              const ChunkScales<C, P, TAIL, SDT>& sc, float gsv,
-                                              float (&acc)[NT][4]) {
+// One chunk of TB tiles (the block's, same k): x (B) loads once for all of them,
+// then per tile the decode of the lane's unit w[j] into A registers and the MMAs;
+// per group piece sum(x) (affine: one MMA with an all-ones A) is shared by the
+// tiles, and the scales go into acc[j]. A tile's float ops do not depend on TB.
+template <class C, int XDT, int NT, int P, bool TAIL, int SDT, int TB>
+__device__ __forceinline__ void compute_chunk(const TileCursor& cur, int c,
+                                              const uint32_t (&w)[TB][C::kBits],
+                                              const ChunkScales<C, P, TAIL, SDT> (&sc)[TB],
+                                              float gsv, float (&acc)[TB][NT][4]) {
   constexpr bool F16 = XDT == kF16;
   constexpr int NB = XDT == kF32 ? 4 : 2;
   constexpr int ESZ = XDT == kF32 ? 4 : 2;
@@ -368,27 +370,35 @@ __device__ __forceinline__ void compute_chunk(const QmvProblem& p, const TileCur
       // a generic load: x is staged in shared memory or read from L1/L2
       load_b<XDT>(cur.x[nt] + (c * kChunkK + 16 * st) * ESZ, b[st][nt]);
     }
-  uint32_t a[4][4];
-  chunk_a_regs<C, F16, FOLD>(w, a);
+  uint32_t a[TB][4][4];
+#pragma unroll
+  for (int j = 0; j < TB; ++j) chunk_a_regs<C, F16, FOLD>(w[j], a[j]);
 #pragma unroll
   for (int pc = 0; pc < P; ++pc) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      float q[4] = {0.0f, 0.0f, 0.0f, 0.0f}, xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if constexpr (C::kFmt == kAffine) {
 #pragma unroll
-      for (int st = pc * SPP; st < (pc + 1) * SPP; ++st) {
-        mma16816<F16>(q, a[st], b[st][nt][0], b[st][nt][1]);
-        if constexpr (XDT == kF32) mma16816<F16>(q, a[st], b[st][nt][2], b[st][nt][3]);
-        if constexpr (C::kFmt == kAffine) {
+        for (int st = pc * SPP; st < (pc + 1) * SPP; ++st) {
           const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
           mma16816<F16>(xs, ones, b[st][nt][0], b[st][nt][1]);
           if constexpr (XDT == kF32) mma16816<F16>(xs, ones, b[st][nt][2], b[st][nt][3]);
         }
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        scale_into<C>(acc[nt][i], q[i], xs[i], sc.get(pc, 0, i >> 1), sc.get(pc, 1, i >> 1),
-                      SDT, gsv, MAGIC);
+      for (int j = 0; j < TB; ++j) {
+        float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int st = pc * SPP; st < (pc + 1) * SPP; ++st) {
+          mma16816<F16>(q, a[j][st], b[st][nt][0], b[st][nt][1]);
+          if constexpr (XDT == kF32) mma16816<F16>(q, a[j][st], b[st][nt][2], b[st][nt][3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          scale_into<C>(acc[j][nt][i], q[i], xs[i], sc[j].get(pc, 0, i >> 1),
+                        sc[j].get(pc, 1, i >> 1), SDT, gsv, MAGIC);
+      }
     }
   }
 }
@@ -488,50 +498,58 @@ __device__ __forceinline__ uint32_t smem_raw(const uint8_t* base, int i, int32_t
   return reinterpret_cast<const uint16_t*>(base)[i];
 }
 
-// The block's dynamic shared memory, sized for its warps (a block of 4 warps
-// takes what it uses, not kMaxWarps' worth: more blocks fit on an SM):
-// [x rows][weight stages: warps x S x 32 lanes x BITS words][scale stages].
-// The warps' partial sums (warps x 16 x 16 floats) reuse the weight stages once
-// every copy has landed: a warp's stages are S x 128 x BITS >= 1 KB bytes.
+// The block's dynamic shared memory, sized for its warps and tiles (a block of 4
+// warps takes what it uses, not kMaxWarps' worth: more blocks fit on an SM):
+// [x rows][weight stages: warps x S x TB x 32 lanes x BITS words][scale stages].
+// The warps' partial sums (TB x warps x 16 x 16 floats) reuse the weight stages
+// once every copy has landed: a warp's stages of a tile are S x 128 x BITS >= 1 KB.
 struct SharedLayout {
   int stage_off, scale_off, bytes;
-  template <class C, int P, int S>
+  template <class C, int P, int S, int TB = 1>
   __host__ __device__ static SharedLayout of(int x_rows, int x_stride, int warps) {
     SharedLayout l;
     l.stage_off = x_stride > 0 ? x_rows * x_stride : 0;  // x_stride is a multiple of 16
-    l.scale_off = l.stage_off + warps * S * 32 * C::kBits * 4;
-    l.bytes = l.scale_off + warps * S * 2 * ScaleStage<P>::bytes;
+    l.scale_off = l.stage_off + warps * S * TB * 32 * C::kBits * 4;
+    l.bytes = l.scale_off + warps * S * TB * 2 * ScaleStage<P>::bytes;
     return l;
   }
 };
 static_assert(Stages<2>::value * 32 * 2 * 4 >= kTileRows * 16 * 4,
               "a warp's weight stages hold its partial sums");
 
-// The warp's share of one tile: acc[nt][i] (C fragment layout) over its chunks
-// warp, warp + W, ... TAIL: the partial last tile, read from its canonical rows.
+// The warp's share of the block's tiles tile0 .. tile0 + ntile - 1 (ntile <= TB):
+// acc[j][nt][i] (C fragment layout) over its chunks warp, warp + W, ... TAIL: the
+// partial last tile (TB = 1), read from its canonical rows.
 // stage_x() (block-wide: it ends in __syncthreads) fills x_smem; with EARLY the
 // first S - 1 chunks' copies are issued before it, so that DRAM works while x
-// comes in from L2.
-template <class C, int XDT, int NT, int P, bool TAIL, int SDT, int S, bool EARLY, class StageX>
-__device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, int64_t tile,
-                                                int mcount, const int64_t* xrow_s,
-                                                uint32_t* stage_smem, uint8_t* scale_smem,
-                                                const char* x_smem, StageX&& stage_x,
-                                                float (&acc)[NT][4]) {
+// comes in from L2. The block's tiles share each x load (M > 8: x is read from
+// L1/L2, and a tile's 16 rows are worth less than its M x K x bytes).
+template <class C, int XDT, int NT, int P, bool TAIL, int SDT, int S, bool EARLY, int TB,
+          class StageX>
+__device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, int64_t tile0,
+                                                 int ntile, int mcount, const int64_t* xrow_s,
+                                                 uint32_t* stage_smem, uint8_t* scale_smem,
+                                                 const char* x_smem, StageX&& stage_x,
+                                                 float (&acc)[TB][NT][4]) {
   constexpr int BITS = C::kBits;
   constexpr int ESZ = XDT == kF32 ? 4 : 2;
+  using Scales = ChunkScales<C, P, TAIL, SDT>;
   const QmvProblem& p = pr.q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
-  TileCursor cur = tile_cursor<TAIL>(p, e, tile, BITS, ssz, lane);
+  // tiles past ntile (the block's last group of full tiles may be short) alias
+  // tile0: their copies read nothing and their sums are never stored
+  TileCursor cur[TB];
+#pragma unroll
+  for (int j = 0; j < TB; ++j)
+    cur[j] = tile_cursor<TAIL>(p, e, j < ntile ? tile0 + j : tile0, BITS, ssz, lane);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int m = g + 8 * nt < mcount ? g + 8 * nt : 0;
-    cur.x[nt] = x_smem ? x_smem + (int64_t)m * pr.x_stride + 4 * t * ESZ
-                       : static_cast<const char*>(p.x) + (xrow_s[m] * p.K + 4 * t) * ESZ;
+    cur[0].x[nt] = x_smem ? x_smem + (int64_t)m * pr.x_stride + 4 * t * ESZ
+                          : static_cast<const char*>(p.x) + (xrow_s[m] * p.K + 4 * t) * ESZ;
   }
-  const int64_t row0 = e * p.N + tile * kTileRows;  // the tile's first row in [E * N]
   int gshift = 0;  // group sizes are powers of two
   while ((1 << gshift) < p.group) ++gshift;
   const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
@@ -541,39 +559,53 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
 
   if constexpr (TAIL || !EARLY) stage_x();
   if constexpr (TAIL) {
+    static_assert(TB == 1, "the partial last tile is a block's only tile");
     for (int i = 0; i < mine; ++i) {
       const int c = warp + i * warps;
-      uint32_t w[BITS];
-      tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
-      ChunkScales<C, P, TAIL, SDT> sc;
-      sc.load(p, cur, c, gshift, g);
-      compute_chunk<C, XDT, NT, P, TAIL, SDT>(p, cur, c, w, sc, gsv, acc);
+      uint32_t w[1][BITS];
+      tail_unit<BITS>(cur[0].w, p.words, cur[0].valid_rows, c, lane, w[0]);
+      Scales sc[1];
+      sc[0].load(p, cur[0], c, gshift, g);
+      compute_chunk<C, XDT, NT, P, TAIL, SDT, 1>(cur[0], c, w, sc, gsv, acc);
     }
   } else {
-    // this lane's stage slots: [stage][BITS words], private to the lane
-    uint32_t* slots = stage_smem + ((warp * S) * 32 + lane) * BITS;
+    // this lane's stage slots: [stage][tile][BITS words], private to the lane
+    uint32_t* slots = stage_smem + ((warp * S * TB) * 32 + lane) * BITS;
     const uint32_t slots_s = (uint32_t)__cvta_generic_to_shared(slots);
-    constexpr int kSlotStride = 32 * BITS;  // words between a lane's stages
-    // the warp's scale stages: [stage][scale, bias][ScaleStage bytes]
+    constexpr int kSlotStride = 32 * BITS;  // words between a lane's slots
+    // the warp's scale stages: [stage][tile][scale, bias][ScaleStage bytes]
     constexpr int kSB = ScaleStage<P>::bytes;
-    uint8_t* sstage = scale_smem + warp * S * 2 * kSB;
+    uint8_t* sstage = scale_smem + warp * S * TB * 2 * kSB;
     const uint32_t sstage_s = (uint32_t)__cvta_generic_to_shared(sstage);
-    const char* s_tile = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
-    const char* b_tile =
-        p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : s_tile;
-    const uintptr_t align = reinterpret_cast<uintptr_t>(s_tile) | reinterpret_cast<uintptr_t>(b_tile);
+    const char* s_tile[TB];
+    const char* b_tile[TB];
+#pragma unroll
+    for (int j = 0; j < TB; ++j) {
+      const int64_t row0 = e * p.N + (j < ntile ? tile0 + j : tile0) * kTileRows;
+      s_tile[j] = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
+      b_tile[j] = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz
+                           : s_tile[j];
+    }
     // scales through the pipeline when 4-byte copies can reach them (expert bases
-    // of odd N x groups x bytes are not); else loaded one chunk ahead
+    // of odd N x groups x bytes are not); else loaded one chunk ahead. The tiles
+    // of a block are 16 rows apart: they share tile0's alignment.
+    const uintptr_t align =
+        reinterpret_cast<uintptr_t>(s_tile[0]) | reinterpret_cast<uintptr_t>(b_tile[0]);
     const bool async_scales = (align & 3) == 0;
     // chunk i of the warp's, issued S - 1 ahead; past its last, a copy that reads
     // nothing (of chunk 0, a valid address): no branch in the loop
     auto issue = [&](int i, bool scales) {
       const bool read = i < mine;
       const int cc = read ? warp + i * warps : 0;
-      unit_to_shared<BITS>(slots_s + (i % S) * kSlotStride * 4, cur.w + cc * (32 * BITS), read);
-      if (scales)
-        scales_to_shared<C, P, ssz>(sstage_s + (i % S) * 2 * kSB, s_tile, b_tile, cc, gshift,
-                                    lane, read);
+#pragma unroll
+      for (int j = 0; j < TB; ++j) {
+        const bool rj = read && j < ntile;
+        const int slot = (i % S) * TB + j;
+        unit_to_shared<BITS>(slots_s + slot * kSlotStride * 4, cur[j].w + cc * (32 * BITS), rj);
+        if (scales)
+          scales_to_shared<C, P, ssz>(sstage_s + slot * 2 * kSB, s_tile[j], b_tile[j], cc,
+                                      gshift, lane, rj);
+      }
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) {
@@ -585,42 +617,56 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
     // memory one chunk ahead. Two loops, so that neither carries the other's code.
     auto loop = [&](auto async_tag) {
       constexpr bool ASYNC = decltype(async_tag)::value;
-      ChunkScales<C, P, TAIL, SDT> sc;
-      if (!ASYNC && mine > 0) sc.load(p, cur, warp, gshift, g);
+      Scales sc[TB];
+      if (!ASYNC && mine > 0)
+#pragma unroll
+        for (int j = 0; j < TB; ++j) sc[j].load(p, cur[j], warp, gshift, g);
       for (int i = 0; i < mine; ++i) {
         const int c = warp + i * warps;
         issue(i + S - 1, ASYNC);
         cp_async_commit();
-        ChunkScales<C, P, TAIL, SDT> sc_next = sc;
-        if (!ASYNC && i + 1 < mine) sc_next.load(p, cur, c + warps, gshift, g);
+        Scales sc_next[TB];
+        if (!ASYNC) {
+#pragma unroll
+          for (int j = 0; j < TB; ++j) {
+            sc_next[j] = sc[j];
+            if (i + 1 < mine) sc_next[j].load(p, cur[j], c + warps, gshift, g);
+          }
+        }
         cp_async_wait<S - 1>();
         __syncwarp();
-        if constexpr (ASYNC) {
-          const uint8_t* st = sstage + (i % S) * 2 * kSB;
+        uint32_t w[TB][BITS];
 #pragma unroll
-          for (int pc = 0; pc < P; ++pc)
+        for (int j = 0; j < TB; ++j) {
+          const int slot = (i % S) * TB + j;
+          if constexpr (ASYNC) {
+            const uint8_t* st = sstage + slot * 2 * kSB;
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
-              if (k == 1 && C::kFmt != kAffine) break;
-              // rows g and g + 8 side by side: one shared-memory load
-              const uint8_t* pairp = st + k * kSB + (pc * 16 + 2 * g) * ssz;
-              if constexpr (SDT == kF32) {
-                const uint2 v = *reinterpret_cast<const uint2*>(pairp);
-                sc.r[pc][k][0] = v.x;
-                sc.r[pc][k][1 % ChunkScales<C, P, TAIL, SDT>::SW] = v.y;
-              } else if constexpr (SDT == kU8) {
-                const uint32_t v = *reinterpret_cast<const uint16_t*>(pairp);
-                sc.r[pc][k][0] = (v & 0xffu) | ((v & 0xff00u) << 8);
-              } else {
-                sc.r[pc][k][0] = *reinterpret_cast<const uint32_t*>(pairp);
+            for (int pc = 0; pc < P; ++pc)
+#pragma unroll
+              for (int k = 0; k < 2; ++k) {
+                if (k == 1 && C::kFmt != kAffine) break;
+                // rows g and g + 8 side by side: one shared-memory load
+                const uint8_t* pairp = st + k * kSB + (pc * 16 + 2 * g) * ssz;
+                if constexpr (SDT == kF32) {
+                  const uint2 v = *reinterpret_cast<const uint2*>(pairp);
+                  sc[j].r[pc][k][0] = v.x;
+                  sc[j].r[pc][k][1 % Scales::SW] = v.y;
+                } else if constexpr (SDT == kU8) {
+                  const uint32_t v = *reinterpret_cast<const uint16_t*>(pairp);
+                  sc[j].r[pc][k][0] = (v & 0xffu) | ((v & 0xff00u) << 8);
+                } else {
+                  sc[j].r[pc][k][0] = *reinterpret_cast<const uint32_t*>(pairp);
+                }
               }
-            }
+          }
+          load_unit<BITS, false>(slots + slot * kSlotStride, w[j]);
         }
-        uint32_t w[BITS];
-        load_unit<BITS, false>(slots + (i % S) * kSlotStride, w);
         __syncwarp();  // every lane has read stage i % S before it is refilled
-        compute_chunk<C, XDT, NT, P, TAIL, SDT>(p, cur, c, w, sc, gsv, acc);
-        if constexpr (!ASYNC) sc = sc_next;
+        compute_chunk<C, XDT, NT, P, TAIL, SDT, TB>(cur[0], c, w, sc, gsv, acc);
+        if constexpr (!ASYNC)
+#pragma unroll
+          for (int j = 0; j < TB; ++j) sc[j] = sc_next[j];
       }
     };
     if (async_scales) loop(std::true_type{});
@@ -629,8 +675,11 @@ __device__ __forceinline__ void accumulate_tile(const Problem& pr, int64_t e, in
   }
 }
 
+// TB: full tiles per block (1, or 2 for M > 8: see tiles_per_block). Blocks
+// 0 .. ceil(full_tiles / TB) - 1 take TB consecutive full tiles each (the last
+// maybe fewer), the block after them the partial last tile, if any.
 template <class C, int XDT, int NT, int P, int SDT, int S = Stages<C::kBits>::value,
-          bool EARLY = true, int PF = S - 1>
+          bool EARLY = true, int PF = S - 1, int TB = 1>
 __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   constexpr int CAP = 8 * NT;  // rows of x per segment
   const QmvProblem& p = pr.q;
@@ -640,14 +689,19 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   // Dynamic shared memory, sized by the launch for the block's warps (SharedLayout):
   // x rows | weight stages | scale stages; the warps' partial sums reuse the stages.
   extern __shared__ __align__(16) uint8_t smem_dyn[];
-  const SharedLayout lay = SharedLayout::of<C, P, S>(pr.x_rows, pr.x_stride, blockDim.x >> 5);
+  const SharedLayout lay =
+      SharedLayout::of<C, P, S, TB>(pr.x_rows, pr.x_stride, blockDim.x >> 5);
   uint32_t* stage_smem = reinterpret_cast<uint32_t*>(smem_dyn + lay.stage_off);
   uint8_t* scale_smem = smem_dyn + lay.scale_off;
+  // the partial sums: [tile j * warps + warp][row][column]
   float(*red)[kTileRows][16] = reinterpret_cast<float(*)[kTileRows][16]>(smem_dyn + lay.stage_off);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t tile = blockIdx.x;
+  const int64_t full_blocks = (pr.full_tiles + TB - 1) / TB;
+  const bool tail = (int64_t)blockIdx.x >= full_blocks;  // the partial last tile
+  const int64_t tile0 = tail ? pr.full_tiles : (int64_t)blockIdx.x * TB;
+  const int ntile = tail ? 1 : (int)min((int64_t)TB, pr.full_tiles - tile0);
   const int64_t s = blockIdx.y;
   // Launched as a programmatic dependent (launch_s: sm_90), the block may start
   // while the kernel before it still runs. Every input may be that kernel's output,
@@ -657,15 +711,17 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   // every SM's writes meet, so a line the kernel before writes later is read as
   // written.
   if constexpr (PF > 0) {
-    if (p.indices == nullptr && tile < pr.full_tiles) {  // gather: the expert is an input
+    if (p.indices == nullptr && !tail) {  // gather: the expert is an input
       const int mine = (int)((pr.chunks - warp + warps - 1) / warps);
-      const uint32_t* unit = p.data + (s * p.N + tile * kTileRows) * p.words + lane * C::kBits;
-      for (int i = 0; i < PF && i < mine; ++i)
-        prefetch_l2(unit + (int64_t)(warp + i * warps) * (32 * C::kBits));
+      for (int j = 0; j < ntile; ++j) {
+        const uint32_t* unit =
+            p.data + (s * p.N + (tile0 + j) * kTileRows) * p.words + lane * C::kBits;
+        for (int i = 0; i < PF && i < mine; ++i)
+          prefetch_l2(unit + (int64_t)(warp + i * warps) * (32 * C::kBits));
+      }
     }
   }
   grid_dependency_wait();
-
   // --- the segment: expert and rows of x / y -------------------------------
   int64_t e = s;
   if (p.indices != nullptr) e = p.indices[s];
@@ -713,11 +769,13 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   const int mcount = mcount_s;
   if (mcount == 0) return;  // another block computes this slot
 
-  float acc[NT][4];
+  float acc[TB][NT][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int j = 0; j < TB; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][nt][i] = 0.0f;
 
   // the segment's rows of x, once per block (every warp reads all of K)
   const char* x_smem = pr.x_stride > 0 ? reinterpret_cast<const char*>(smem_dyn) : nullptr;
@@ -734,14 +792,14 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
     __syncthreads();
   };
   if (valid) {
-    if (tile < pr.full_tiles)
-      accumulate_tile<C, XDT, NT, P, false, SDT, S, EARLY>(pr, e, tile, mcount, xrow_s,
-                                                           stage_smem, scale_smem, x_smem,
-                                                           stage_x, acc);
-    else
-      accumulate_tile<C, XDT, NT, P, true, SDT, S, EARLY>(pr, e, tile, mcount, xrow_s,
-                                                          stage_smem, scale_smem, x_smem,
-                                                          stage_x, acc);
+    if (!tail) {
+      accumulate_tiles<C, XDT, NT, P, false, SDT, S, EARLY, TB>(
+          pr, e, tile0, ntile, mcount, xrow_s, stage_smem, scale_smem, x_smem, stage_x, acc);
+    } else {
+      float (&acc1)[1][NT][4] = *reinterpret_cast<float(*)[1][NT][4]>(&acc[0]);
+      accumulate_tiles<C, XDT, NT, P, true, SDT, S, EARLY, 1>(
+          pr, e, tile0, 1, mcount, xrow_s, stage_smem, scale_smem, x_smem, stage_x, acc1);
+    }
   }
 
   // the next GEMV's blocks may start on the SM slots this grid leaves free (they wait
@@ -750,16 +808,19 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   // --- the warps' partial sums meet in shared memory (over the stages) ------
   __syncthreads();
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int j = 0; j < TB; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = acc[nt][i];
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        red[j * warps + warp][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = acc[j][nt][i];
   __syncthreads();
-  for (int idx = threadIdx.x; idx < kTileRows * mcount; idx += blockDim.x) {
-    const int r = idx % kTileRows, m = idx / kTileRows;
-    const int64_t n = tile * kTileRows + r;
+  for (int idx = threadIdx.x; idx < ntile * kTileRows * mcount; idx += blockDim.x) {
+    const int r = idx % kTileRows, m = (idx / kTileRows) % mcount, j = idx / (kTileRows * mcount);
+    const int64_t n = (tile0 + j) * kTileRows + r;
     if (n >= p.N) continue;
     float v = 0.0f;
-    for (int wi = 0; wi < warps; ++wi) v += red[wi][r][m];
+    for (int wi = 0; wi < warps; ++wi) v += red[j * warps + wi][r][m];
     store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
   }
 }
@@ -797,27 +858,47 @@ inline int warps_for(int64_t chunks) {
   return chunks >= 4 ? 2 : 1;
 }
 
-template <class C, int XDT, int NT, int P, int SDT>
-static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
-  const int warps = warps_for(pr.chunks);
-  dim3 grid((unsigned)pr.tiles, (unsigned)pr.q.S, 1), block((unsigned)(32 * warps));
-  const int esz = XDT == kF32 ? 4 : 2;
-  Problem prx = pr;
-  prx.x_rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
-  prx.x_stride = (int)(pr.q.K * esz + 16);
-  if ((int64_t)prx.x_rows * prx.x_stride > kMaxXSharedBytes)  // x from L1/L2 instead:
-    prx.x_stride = 0;  // staged, it would cost blocks per SM
-  const SharedLayout lay = SharedLayout::of<C, P, Stages<C::kBits>::value>(prx.x_rows, prx.x_stride, warps);
-  static const bool attr_set = [] {
-    constexpr int kMost = kMaxXSharedBytes + kMaxWarps * Stages<C::kBits>::value *
-                                                 (32 * C::kBits * 4 + 2 * ScaleStage<P>::bytes);
-    return cudaFuncSetAttribute(qmv_mma_kernel<C, XDT, NT, P, SDT>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, kMost) == cudaSuccess;
+// Full tiles per block. With M > 8 a block's x (M x K, read through L1/L2 when it
+// does not fit kMaxXSharedBytes) outweighs its tile's weights (16 x K codes), so
+// two tiles per block share each x load (and affine's sum(x) MMA); with the grid
+// halved the bytes in flight per warp double, so the memory parallelism stays.
+// Kept at 1 where half the tiles would leave SMs idle. A tile's float ops do not
+// depend on it. $JAXQUANT_MMA_TILES (1 or 2) overrides it for benchmark sweeps.
+inline int tiles_per_block(int nt, int64_t full_tiles, int64_t slots) {
+  static const int forced = [] {
+    const char* env = getenv("JAXQUANT_MMA_TILES");
+    const int v = env ? atoi(env) : 0;
+    return (v == 1 || v == 2) ? v : 0;
+  }();
+  // M <= 8 keeps one tile per block (measured within 0.9-1.3x of M = 1 so; one
+  // kernel per format instead of two)
+  if (nt != 2) return 1;
+  if (forced) return forced;
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
+    return n;
+  }();
+  return (full_tiles / 2) * slots >= 2 * (int64_t)sms ? 2 : 1;
+}
+
+template <class C, int XDT, int NT, int P, int SDT, int TB>
+static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
+  constexpr int S = Stages<C::kBits>::value;
+  auto kernel = qmv_mma_kernel<C, XDT, NT, P, SDT, S, true, S - 1, TB>;
+  const SharedLayout lay = SharedLayout::of<C, P, S, TB>(prx.x_rows, prx.x_stride, warps);
+  static const bool attr_set = [kernel] {
+    constexpr int kMost =
+        kMaxXSharedBytes + kMaxWarps * S * TB * (32 * C::kBits * 4 + 2 * ScaleStage<P>::bytes);
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMost) ==
+           cudaSuccess;
   }();
   if (!attr_set) return hipErrorInvalidValue;
+  const int64_t blocks = (prx.full_tiles + TB - 1) / TB + (prx.tiles - prx.full_tiles);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
+  cfg.gridDim = dim3((unsigned)blocks, (unsigned)prx.q.S, 1);
+  cfg.blockDim = dim3((unsigned)(32 * warps));
   cfg.dynamicSmemBytes = lay.bytes;
   cfg.stream = stream;
   cudaLaunchAttribute pdl[1];
@@ -825,7 +906,26 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = pdl;
   cfg.numAttrs = programmatic_launch() ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, qmv_mma_kernel<C, XDT, NT, P, SDT>, prx);
+  return cudaLaunchKernelEx(&cfg, kernel, prx);
+}
+
+template <class C, int XDT, int NT, int P, int SDT>
+static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
+  const int warps = warps_for(pr.chunks);
+  const int esz = XDT == kF32 ? 4 : 2;
+  Problem prx = pr;
+  prx.x_rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
+  prx.x_stride = (int)(pr.q.K * esz + 16);
+  if ((int64_t)prx.x_rows * prx.x_stride > kMaxXSharedBytes)  // x from L1/L2 instead:
+    prx.x_stride = 0;  // staged, it would cost blocks per SM
+  // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6
+  // bits, with 16-bit x and 8/16-bit scales (ptxas -v, sm_90); 8-bit weights
+  // weigh twice as much against x anyway
+  if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32) {
+    if (tiles_per_block(NT, pr.full_tiles, pr.q.S) == 2)
+      return launch_tb<C, XDT, NT, P, SDT, 2>(prx, warps, stream);
+  }
+  return launch_tb<C, XDT, NT, P, SDT, 1>(prx, warps, stream);
 }
 
 // The decode GEMV's launch policy for the format switches below (the prefill

@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <random>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "qmv_mma.h"
@@ -119,7 +121,7 @@ static void launch(K kernel, dim3 grid, dim3 block, size_t smem, A... args) {
   CK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
-template <class C, int NT, int P, int SDT, int S, bool EARLY, int PF = S - 1>
+template <class C, int NT, int P, int SDT, int S, bool EARLY, int PF = S - 1, int TB = 1>
 static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   std::vector<Problem> prs = st.prs;
   for (auto& p : prs) {
@@ -130,11 +132,12 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   const Problem& pr = prs[0];
   x_shared = pr.x_stride > 0;
   const size_t nc = prs.size();
-  const SharedLayout lay = SharedLayout::of<C, P, S>(pr.x_rows, pr.x_stride, warps);
-  auto kernel = qmv_mma_kernel<C, kBF16, NT, P, SDT, S, EARLY, PF>;
+  const SharedLayout lay = SharedLayout::of<C, P, S, TB>(pr.x_rows, pr.x_stride, warps);
+  auto kernel = qmv_mma_kernel<C, kBF16, NT, P, SDT, S, EARLY, PF, TB>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, g_carveout));
-  dim3 grid((unsigned)pr.tiles, 1, 1), block((unsigned)(32 * warps));
+  const int64_t grid_x = (pr.full_tiles + TB - 1) / TB + (pr.tiles - pr.full_tiles);
+  dim3 grid((unsigned)grid_x, 1, 1), block((unsigned)(32 * warps));
   for (int i = 0; i < 20; ++i) launch(kernel, grid, block, lay.bytes, prs[i % nc]);
   CK(cudaDeviceSynchronize());
   cudaEvent_t a, b;
@@ -158,9 +161,9 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   CK(cudaMemcpy(res.y.data(), pr.q.y, 2 * res.y.size(), cudaMemcpyDeviceToHost));
   int blocks = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * warps, lay.bytes));
-  printf("    S=%d early=%d warps=%d x=%-6s%s%s carveout %3d  %7.2f us  blocks/SM %2d", S,
-         (int)EARLY, warps, x_shared ? "shared" : "L1", g_pdl ? " pdl" : "", PF ? " l2pf" : "",
-         g_carveout, res.us, blocks);
+  printf("    S=%d early=%d warps=%d tiles/block=%d x=%-6s%s%s carveout %3d  %7.2f us  blocks/SM %2d",
+         S, (int)EARLY, warps, TB, x_shared ? "shared" : "L1", g_pdl ? " pdl" : "",
+         PF ? " l2pf" : "", g_carveout, res.us, blocks);
   if (PF) printf(" (%d chunks)", PF);
   return res;
 }
@@ -347,6 +350,42 @@ int main(int argc, char** argv) {
         }
       }
     }
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "tiles") == 0) {  // M = 8, 16: 1 or 2 tiles per block
+    g_pdl = true;
+    auto tiles = [&](auto codec, auto nt, auto p, auto sdt, const Shape& s) {
+      using C = decltype(codec);
+      constexpr int NT = decltype(nt)::value, P = decltype(p)::value, SDT = decltype(sdt)::value;
+      const Setup st = make(s);
+      printf("%s M=%lld K=%lld N=%lld: %.1f MB, %.2f us at copy bandwidth\n", s.name,
+             (long long)s.M, (long long)s.K, (long long)s.N, st.bytes / 1e6,
+             st.bytes / gbs / 1e3);
+      const double mb = st.bytes / 1e6;
+      const int w0 = warps_for(st.prs[0].chunks);
+      for (int w : {w0, 2}) {
+        const Result ref = run<C, NT, P, SDT, 4, true, 3, 1>(st, w, true, 200);
+        printf("  %5.1f%% of copy\n", 100.0 * mb * 1e6 / (ref.us * 1e-6) / (gbs * 1e9));
+        const Result two = run<C, NT, P, SDT, 4, true, 3, 2>(st, w, true, 200);
+        printf("  %5.1f%% of copy%s\n", 100.0 * mb * 1e6 / (two.us * 1e-6) / (gbs * 1e9),
+               two.y == ref.y ? "  (bits = 1 tile/block)" : "  BITS DIFFER FROM 1 TILE/BLOCK");
+        if (two.y != ref.y) exit(3);
+      }
+    };
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
+    using U8 = std::integral_constant<int, kU8>;
+    using B16 = std::integral_constant<int, kBF16>;
+    for (int64_t M : {1, 8})
+      for (auto kn : {std::pair<int64_t, int64_t>{4096, 14336}, {14336, 4096}}) {
+        tiles(A4{}, I1{}, I1{}, B16{}, {"affine4 g64", kAffine, 64, kBF16, M, kn.first, kn.second});
+        tiles(F4{}, I1{}, I2{}, U8{}, {"mxfp4", kMxfp4, 32, kU8, M, kn.first, kn.second});
+      }
+    for (int64_t M : {9, 16})
+      for (auto kn : {std::pair<int64_t, int64_t>{4096, 14336}, {14336, 4096}}) {
+        tiles(A4{}, I2{}, I1{}, B16{}, {"affine4 g64", kAffine, 64, kBF16, M, kn.first, kn.second});
+        tiles(F4{}, I2{}, I2{}, U8{}, {"mxfp4", kMxfp4, 32, kU8, M, kn.first, kn.second});
+      }
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "scaling") == 0) {

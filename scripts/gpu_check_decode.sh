@@ -3,7 +3,8 @@
 # (sm_90 only), GPU tests, compute-sanitizer memcheck of the new kernel (bad ids
 # included), benchmarks (copy bandwidth, torch peers), a short table last.
 #   bash scripts/gpu_check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
-# JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES;
+# JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_SKIP_BENCH=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES;
+# JQ_TILES_SWEEP="1 2": qmm at M = 1, 8, 16 with $JAXQUANT_MMA_TILES forced to each;
 # JQ_TESTS (test files) and JQ_BENCH (scenario) are set by gpu_check_prefill.sh.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -26,6 +27,11 @@ fi
 if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
   step "GPU tests"
   timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs ${JQ_TESTS:-tests/test_decode_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+  if [ -z "${JQ_TESTS:-}" ]; then
+    step "GPU tests, two tiles per block wherever M > 8 (JAXQUANT_MMA_TILES=2)"
+    JAXQUANT_MMA_TILES=2 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_gpu.py \
+      -k "every_mode or long_k or gather or scan" 2>&1 | tee "$OUT/gpu_tests_tiles2.log" | tail -n 5
+  fi
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
@@ -34,9 +40,12 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
     -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
-    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$OUT/sanitize_mma_driver" \
-      > "$OUT/sanitizer_memcheck.log" 2>&1
-    echo "compute-sanitizer --tool memcheck rc=$?"; grep -E "ERROR SUMMARY|ALL OK|FAILED" "$OUT/sanitizer_memcheck.log" | tail -n 3
+    for tiles in default 2; do  # 2: two tiles per block wherever M > 8
+      JAXQUANT_MMA_TILES=${tiles/default/} timeout 240 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 "$OUT/sanitize_mma_driver" > "$OUT/sanitizer_memcheck_tiles_$tiles.log" 2>&1
+      echo "compute-sanitizer --tool memcheck (tiles per block: $tiles) rc=$?"
+      grep -E "ERROR SUMMARY|ALL OK|FAILED" "$OUT/sanitizer_memcheck_tiles_$tiles.log" | tail -n 3
+    done
     rm -f "$OUT/sanitize_mma_driver"
   }
 fi
@@ -62,6 +71,16 @@ if [ -n "${JQ_WARPS_SWEEP:-}" ]; then
   done
 fi
 
+if [ -n "${JQ_TILES_SWEEP:-}" ]; then
+  step "sweep: tiles per block (JAXQUANT_MMA_TILES), M = 1, 8, 16, affine4/mxfp4"
+  for t in $JQ_TILES_SWEEP; do
+    echo "--- JAXQUANT_MMA_TILES=$t"
+    JAXQUANT_MMA_TILES=$t timeout 150 $PY -m jaxquant bench decode --only qmm --modes affine4,mxfp4 \
+      --ms 1,8,16 2>&1 | grep -E "ffi mma|bf16 dense" | tee -a "$OUT/tiles_sweep.txt"
+  done
+fi
+
+[ "${JQ_SKIP_BENCH:-0}" = 1 ] && { step "done"; exit 0; }
 step "benchmarks"
 timeout ${JQ_BENCH_TIMEOUT:-420} $PY -m jaxquant bench ${JQ_BENCH:-decode} \
   ${JQ_BENCH_ONLY:+--only $JQ_BENCH_ONLY} ${JQ_BENCH_MODES:+--modes $JQ_BENCH_MODES} 2>&1 | tee "$OUT/bench.log" | grep -v "^WARNING" | tail -n 80

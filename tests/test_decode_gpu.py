@@ -69,6 +69,46 @@ def test_long_k_few_tiles(mode, bits):
         np.testing.assert_array_equal(np.asarray(y[3:4], np.float32), np.asarray(one, np.float32))
 
 
+@pytest.mark.parametrize("mode,bits", [m for m in MODES if m[0] in
+                                       ("affine", "mxfp4", "nvfp4", "mxfp6_e3m2")])
+def test_two_tiles_per_block(mode, bits):
+    # M > 8 on N = 16 * 529 + 5 rows: enough tiles that a block takes two of them
+    # (tiles_per_block in hip_src/qmv_mma.h), an odd count of full tiles (the last
+    # block has one) and a canonical tail; each row still equals its M = 1 product
+    qw, packed = _packed(mode, bits, (16 * 529 + 5, 256), key=5)
+    w64 = deq64(qw)
+    for dt in DTYPES:
+        x = rand(9, (16, 256), dt)
+        for m in (9, 16):
+            y = jq.qmm(x[:m], packed, backend="ffi")
+            assert_matmul_close(y, x[:m], w64, jnp.dtype(dt))
+            one = jq.qmm(x[m - 1:m], packed, backend="ffi")
+            np.testing.assert_array_equal(np.asarray(y[m - 1:m], np.float32),
+                                          np.asarray(one, np.float32))
+
+
+def test_gather_two_tiles_per_block():
+    # 32 slots over 3 experts: segments of up to 16 slots (two MMA column tiles),
+    # N = 16 * 45 + 3: 32 x 22 blocks of two tiles, the last full tile alone, a tail
+    e, n, k, t, topk = 3, 16 * 45 + 3, 128, 16, 2
+    qw, packed = _packed("mxfp4", 4, (e, n, k), key=9)
+    w64 = deq64(qw)
+    idx = np.random.default_rng(3).integers(0, e, size=(t, topk))
+    idx[4, 1] = -1
+    x = rand(4, (t, k), jnp.bfloat16)
+    y = np.asarray(jq.gather_qmm(x, packed, jnp.asarray(idx, jnp.int32), backend="ffi"),
+                   np.float32)
+    for i in range(t):
+        for j in range(topk):
+            ex = int(idx[i, j])
+            if ex < 0:
+                assert np.all(np.isnan(y[i, j]))
+                continue
+            assert_matmul_close(y[i, j], x[i], w64[ex], jnp.bfloat16)
+            one = jq.qmm(x[i:i + 1], packed[ex], backend="ffi")
+            np.testing.assert_array_equal(y[i, j], np.asarray(one, np.float32)[0])
+
+
 @pytest.mark.parametrize("mode,bits,group", [("affine", 4, 32), ("affine", 4, 128),
                                              ("affine", 8, 128), ("fp4", 4, 16), ("fp4", 4, 64)])
 def test_group_sizes(mode, bits, group):
