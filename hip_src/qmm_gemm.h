@@ -43,7 +43,9 @@ struct GemmProblem {
                       // ragged: E experts, x [1, T, K], y [1, T, N] (M = T)
   int64_t tiles, full_tiles, chunks;
   int64_t row_blocks;  // grid rows: qmm S * ceil(M / 64); ragged ceil(T / 64) + E
-  int row_tiles;       // R: 16-row tiles per block, 2, 4 or 8
+  int row_tiles;       // R: 16-row tiles per block, 2, 4 or 8 (the mma.sync kernel)
+  int block_m;         // rows of x per block: kBlockM (mma.sync), 128 or 256 (wgmma)
+  bool wgmma;          // the Hopper kernel (qmm_wgmma.h), else the mma.sync one
   const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
 };
 
@@ -78,10 +80,11 @@ __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v, int lane) {
   return v;
 }
 
-// Grid row j of ragged_qmm (warp 0; lane 0 has set b->e = -1 first).
+// Grid row j of ragged_qmm (warp 0; lane 0 has set b->e = -1 first), blocks of
+// pr.block_m rows.
 __device__ __forceinline__ void ragged_row_block(const GemmProblem& pr, int64_t j, int lane, RowBlock* b) {
   const QmvProblem& p = pr.q;
-  const int64_t T = p.M;
+  const int64_t T = p.M, BM = pr.block_m;
   int64_t rows_before = 0, blocks_before = 0;
   for (int64_t base = 0; base < p.E; base += 32) {
     const int64_t e = base + lane;
@@ -89,13 +92,13 @@ __device__ __forceinline__ void ragged_row_block(const GemmProblem& pr, int64_t 
     size = size < 0 ? 0 : (size > T ? T : size);
     const int64_t incl = warp_inclusive_sum(size, lane);
     const int64_t start = min(rows_before + incl - size, T), end = min(start + size, T);
-    const int64_t blocks = (end - start + kBlockM - 1) / kBlockM;
+    const int64_t blocks = (end - start + BM - 1) / BM;
     const int64_t bincl = warp_inclusive_sum(blocks, lane);
     const int64_t first = blocks_before + bincl - blocks;
     if (j >= first && j < first + blocks) {
       b->e = e;
-      b->x0 = b->y0 = start + (j - first) * kBlockM;
-      b->rows = (int)min((int64_t)kBlockM, end - b->x0);
+      b->x0 = b->y0 = start + (j - first) * BM;
+      b->rows = (int)min(BM, end - b->x0);
     }
     rows_before = min(rows_before + __shfl_sync(0xffffffffu, incl, 31), T);
     blocks_before += __shfl_sync(0xffffffffu, bincl, 31);
@@ -105,6 +108,51 @@ __device__ __forceinline__ void ragged_row_block(const GemmProblem& pr, int64_t 
     b->spare = j - blocks_before;
     b->spares = pr.row_blocks - blocks_before;
   }
+}
+
+// The block's rows of x and y (warp 0; the block syncs after): qmm matrix s, rows
+// mb * block_m ...; ragged_qmm grid row blockIdx.y of the schedule.
+__device__ __forceinline__ void row_block(const GemmProblem& pr, int lane, RowBlock* b) {
+  const QmvProblem& p = pr.q;
+  const int64_t BM = pr.block_m;
+  if (lane == 0) {
+    b->e = -1;
+    if (pr.group_sizes == nullptr) {
+      const int64_t per = (p.M + BM - 1) / BM;
+      const int64_t s = blockIdx.y / per, mb = blockIdx.y % per;
+      b->e = s;
+      b->x0 = (s / p.x_div) * p.M + mb * BM;
+      b->y0 = s * p.M + mb * BM;
+      b->rows = (int)min(BM, p.M - mb * BM);
+    }
+  }
+  __syncwarp();
+  if (pr.group_sizes != nullptr) ragged_row_block(pr, blockIdx.y, lane, b);
+}
+
+// A ragged spare block (blk.e < 0): zero its share of the rows past the groups, in
+// the block's columns n0 .. n0 + ncols - 1.
+__device__ __forceinline__ void zero_spare_rows(const GemmProblem& pr, const RowBlock& blk,
+                                                int64_t n0, int ncols) {
+  const QmvProblem& p = pr.q;
+  const int64_t BM = pr.block_m;
+  for (int64_t r0 = blk.tail + blk.spare * BM; r0 < p.M; r0 += blk.spares * BM)
+    for (int idx = threadIdx.x; idx < BM * ncols; idx += blockDim.x) {
+      const int64_t row = r0 + idx / ncols, n = n0 + idx % ncols;
+      if (row < p.M && n < p.N) store_out(p.y, row * p.N + n, p.x_dt, 0.0f);
+    }
+}
+
+// The block's rows (row_block by warp 0, shared through `slot`; the block syncs). A
+// ragged spare block zeroes its share of the rows past the groups instead: false.
+__device__ __forceinline__ bool block_rows(const GemmProblem& pr, RowBlock* slot, int64_t n0,
+                                           int ncols, RowBlock& blk) {
+  if ((threadIdx.x >> 5) == 0) row_block(pr, threadIdx.x & 31, slot);
+  __syncthreads();
+  blk = *slot;
+  if (blk.e >= 0) return true;
+  zero_spare_rows(pr, blk, n0, ncols);
+  return false;
 }
 
 // x's 16-bit elements [row m][k in the chunk], swizzled 16-byte segments.
@@ -201,32 +249,8 @@ __global__ void __launch_bounds__(kGemmWarps * 32, 2) qmm_gemm_kernel(GemmProble
   const int64_t n0 = (int64_t)blockIdx.x * R * kTileRows;
   const int ncols = R * kTileRows;
 
-  // --- the block's rows ------------------------------------------------------
-  if (warp == 0) {
-    if (lane == 0) {
-      blk_s.e = -1;
-      if (pr.group_sizes == nullptr) {  // qmm: matrix s, rows mb * 64 ...
-        const int64_t per = (p.M + kBlockM - 1) / kBlockM;
-        const int64_t s = blockIdx.y / per, mb = blockIdx.y % per;
-        blk_s.e = s;
-        blk_s.x0 = (s / p.x_div) * p.M + mb * kBlockM;
-        blk_s.y0 = s * p.M + mb * kBlockM;
-        blk_s.rows = (int)min((int64_t)kBlockM, p.M - mb * kBlockM);
-      }
-    }
-    __syncwarp();
-    if (pr.group_sizes != nullptr) ragged_row_block(pr, blockIdx.y, lane, &blk_s);
-  }
-  __syncthreads();
-  const RowBlock blk = blk_s;
-  if (blk.e < 0) {  // ragged: zero this block's share of the rows past the groups
-    for (int64_t r0 = blk.tail + blk.spare * kBlockM; r0 < p.M; r0 += blk.spares * kBlockM)
-      for (int idx = threadIdx.x; idx < kBlockM * ncols; idx += blockDim.x) {
-        const int64_t row = r0 + idx / ncols, n = n0 + idx % ncols;
-        if (row < p.M && n < p.N) store_out(p.y, row * p.N + n, p.x_dt, 0.0f);
-      }
-    return;
-  }
+  RowBlock blk;
+  if (!block_rows(pr, &blk_s, n0, ncols, blk)) return;
 
   // --- the K loop --------------------------------------------------------------
   const GemmShared lay = GemmShared::of(KS, BITS);
@@ -465,6 +489,46 @@ struct DequantMmaLaunch {
 JQ_GEMM_DECLARE(bf16)
 JQ_GEMM_DECLARE(f16)
 #undef JQ_GEMM_DECLARE
+
+// The Hopper GEMM (qmm_wgmma.h, built for sm_90a in qmm_wgmma.hip): whether it can
+// run on the current device (compute capability 9.0 and the library holds its
+// code; $JAXQUANT_GEMM_KERNEL=mma turns it off), and its launches.
+bool wgmma_usable();
+hipError_t launch_qmm_wgmma_bf16(const GemmProblem& pr, hipStream_t stream);
+hipError_t launch_qmm_wgmma_f16(const GemmProblem& pr, hipStream_t stream);
+
+// The GEMM's plan, for P with q, tiles, full_tiles, chunks and group_sizes set: the
+// kernel (wgmma where usable, else mma.sync), its rows of x per block and grid rows.
+// wgmma blocks take 256 rows of x from 256 rows per matrix (or per expert, on average),
+// else 128: the decode's cost per MMA halves (H100, 4096 -> 14336, affine4 / mxfp4:
+// M = 512 117 / 127 us against 169 / 187 with 128 rows; M = 4096 860 / 894 against
+// 1189 / 1251).
+inline void plan_gemm(GemmProblem& P) {
+  const QmvProblem& q = P.q;
+  const bool ragged = P.group_sizes != nullptr;
+  // wgmma copies each tile's scales with 4-byte cp.async: every tile base aligned
+  const int ssz = q.scale_dt == kU8 ? 1 : (q.scale_dt == kF32 ? 4 : 2);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(q.scales) |
+                         reinterpret_cast<uintptr_t>(q.biases)) & 3) == 0 &&
+                       (q.N * q.groups * ssz) % 4 == 0;
+  P.wgmma = aligned && wgmma_usable();
+  static const int forced_bm = [] {  // $JAXQUANT_WGMMA_BN (128 or 256), for sweeps
+    const char* env = getenv("JAXQUANT_WGMMA_BN");
+    const int v = env ? atoi(env) : 0;
+    return (v == 128 || v == 256) ? v : 0;
+  }();
+  const int64_t rows = ragged ? q.M / (q.E > 0 ? q.E : 1) : q.M;  // per matrix (expert)
+  P.block_m = !P.wgmma ? kBlockM : forced_bm ? forced_bm : rows >= 256 ? 256 : 128;
+  const int64_t per = (q.M + P.block_m - 1) / P.block_m;
+  P.row_blocks = ragged ? per + q.E : q.S * per;
+  P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
+}
+
+inline hipError_t launch_gemm(const GemmProblem& P, hipStream_t stream) {
+  if (P.wgmma)
+    return P.q.x_dt == kF16 ? launch_qmm_wgmma_f16(P, stream) : launch_qmm_wgmma_bf16(P, stream);
+  return P.q.x_dt == kF16 ? launch_qmm_gemm_f16(P, stream) : launch_qmm_gemm_bf16(P, stream);
+}
 
 }  // namespace mma
 }  // namespace gpu

@@ -294,6 +294,12 @@ __device__ __forceinline__ uint32_t load_raw16(const void* base, int64_t i, int3
                    : (uint32_t)JQ_LDG(static_cast<const uint16_t*>(base) + i);
 }
 
+// A chunk's scales (and biases) in shared memory: [scale, bias][bytes] (scales_to_shared).
+template <int P>
+struct ScaleStage {
+  static constexpr int bytes = 64 * P;  // 16 rows x P groups x at most 4 bytes
+};
+
 // Scales (and biases) of one chunk for the lane's rows g and g + 8: P group
 // pieces. WIDE: float32 scales, two registers per pair of rows; else the pair's
 // two codes share one register (row g low half, row g + 8 high half).
@@ -338,6 +344,29 @@ struct ChunkScales {
         }
       }
     }
+  }
+
+  // The chunk's scales (and biases) from a stage that scales_to_shared filled:
+  // [scale, bias][ScaleStage bytes], rows g and g + 8 side by side (one load).
+  __device__ __forceinline__ void load_shared(const uint8_t* st, int g) {
+    constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+#pragma unroll
+    for (int pc = 0; pc < P; ++pc)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        if (k == 1 && C::kFmt != kAffine) break;
+        const uint8_t* pairp = st + k * ScaleStage<P>::bytes + (pc * 16 + 2 * g) * ssz;
+        if constexpr (SDT == kF32) {
+          const uint2 v = *reinterpret_cast<const uint2*>(pairp);
+          r[pc][k][0] = v.x;
+          r[pc][k][1 % SW] = v.y;
+        } else if constexpr (SDT == kU8) {
+          const uint32_t v = *reinterpret_cast<const uint16_t*>(pairp);
+          r[pc][k][0] = (v & 0xffu) | ((v & 0xff00u) << 8);
+        } else {
+          r[pc][k][0] = *reinterpret_cast<const uint32_t*>(pairp);
+        }
+      }
   }
 
   __device__ __forceinline__ uint32_t get(int pc, int k, int h) const {
@@ -467,10 +496,6 @@ struct Stages {
   // more stages measured slower at 4 bits (hip_src/tune_mma_driver.hip: 6 and 8 lose
   // 0.5-3 us on an H100); fewer above 4 bits keep the blocks per SM
   static constexpr int value = BITS > 4 ? 3 : 4;
-};
-template <int P>
-struct ScaleStage {
-  static constexpr int bytes = 64 * P;  // 16 rows x P groups x at most 4 bytes
 };
 
 // The scales (and biases) of chunk c, [group piece][g][row half], to shared memory:
@@ -639,27 +664,7 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
 #pragma unroll
         for (int j = 0; j < TB; ++j) {
           const int slot = (i % S) * TB + j;
-          if constexpr (ASYNC) {
-            const uint8_t* st = sstage + slot * 2 * kSB;
-#pragma unroll
-            for (int pc = 0; pc < P; ++pc)
-#pragma unroll
-              for (int k = 0; k < 2; ++k) {
-                if (k == 1 && C::kFmt != kAffine) break;
-                // rows g and g + 8 side by side: one shared-memory load
-                const uint8_t* pairp = st + k * kSB + (pc * 16 + 2 * g) * ssz;
-                if constexpr (SDT == kF32) {
-                  const uint2 v = *reinterpret_cast<const uint2*>(pairp);
-                  sc[j].r[pc][k][0] = v.x;
-                  sc[j].r[pc][k][1 % Scales::SW] = v.y;
-                } else if constexpr (SDT == kU8) {
-                  const uint32_t v = *reinterpret_cast<const uint16_t*>(pairp);
-                  sc[j].r[pc][k][0] = (v & 0xffu) | ((v & 0xff00u) << 8);
-                } else {
-                  sc[j].r[pc][k][0] = *reinterpret_cast<const uint32_t*>(pairp);
-                }
-              }
-          }
+          if constexpr (ASYNC) sc[j].load_shared(sstage + slot * 2 * kSB, g);
           load_unit<BITS, false>(slots + slot * kSlotStride, w[j]);
         }
         __syncwarp();  // every lane has read stage i % S before it is refilled

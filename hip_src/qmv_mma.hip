@@ -108,14 +108,11 @@ static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   P.full_tiles = q.N / kTileRows;
   P.chunks = q.K / kChunkK;
   P.group_sizes = ragged ? static_cast<const int32_t*>(group_sizes.untyped_data()) : nullptr;
-  P.row_blocks = ragged ? (q.M + kBlockM - 1) / kBlockM + q.E : q.S * ((q.M + kBlockM - 1) / kBlockM);
+  plan_gemm(P);
   if (P.row_blocks > 65535)
     return jq::invalid("too many rows for one launch: " + std::to_string(P.row_blocks) +
-                       " blocks of 64");
-  P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
-  JQ_LAUNCH_CHECK(q.x_dt == jq::kF16 ? launch_qmm_gemm_f16(P, stream)
-                                     : launch_qmm_gemm_bf16(P, stream),
-                  "the tensor-core GEMM");
+                       " blocks of " + std::to_string(P.block_m));
+  JQ_LAUNCH_CHECK(launch_gemm(P, stream), "the tensor-core GEMM");
   return ffi::Error::Success();
 #else
   (void)stream;

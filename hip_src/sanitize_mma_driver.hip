@@ -202,9 +202,8 @@ static void run_gemm_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_
   P.full_tiles = N / 16;
   P.chunks = K / 64;
   P.group_sizes = gs;
-  P.row_blocks = sizes ? (M + kBlockM - 1) / kBlockM + E : E * ((M + kBlockM - 1) / kBlockM);
-  P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
-  CK(c.x_dt == kF16 ? launch_qmm_gemm_f16(P, 0) : launch_qmm_gemm_bf16(P, 0));
+  plan_gemm(P);  // wgmma on sm_90 unless $JAXQUANT_GEMM_KERNEL=mma
+  CK(launch_gemm(P, 0));
   const Output y = finish(q);
   if (gs) cudaFree(gs);
   int64_t total = 0;
@@ -261,6 +260,9 @@ int main() {
       if (xd == kF32) continue;                  // the GEMM takes 16-bit x
       for (int64_t m : {17, 64, 100}) run_gemm_case(c, 2, 37, 192, m, nullptr);
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 37, 192, 150, &sizes);
+      // N = 136, K = 256: every tile's scales 4-byte aligned (the wgmma kernel on sm_90)
+      for (int64_t m : {17, 64, 100, 130}) run_gemm_case(c, 2, 136, 256, m, nullptr);
+      for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 136, 256, 150, &sizes);
       run_dequant_case(c, 2, 37, 192);
     }
   }

@@ -4,7 +4,8 @@
 # included), benchmarks (copy bandwidth, torch peers), a short table last.
 #   bash scripts/gpu_check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
 # JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_SKIP_BENCH=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES;
-# JQ_TILES_SWEEP="1 2": qmm at M = 1, 8, 16 with $JAXQUANT_MMA_TILES forced to each;
+# JQ_SWEEP="VAR=a VAR=b": a benchmark once per setting (JQ_SWEEP_ARGS, default qmm at M = 1, 8,
+#   16: JQ_SWEEP="JAXQUANT_MMA_TILES=1 JAXQUANT_MMA_TILES=2");
 # JQ_TESTS (test files) and JQ_BENCH (scenario) are set by gpu_check_prefill.sh.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -32,6 +33,11 @@ if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
     JAXQUANT_MMA_TILES=2 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_gpu.py \
       -k "every_mode or long_k or gather or scan" 2>&1 | tee "$OUT/gpu_tests_tiles2.log" | tail -n 5
   fi
+  if [[ "${JQ_TESTS:-}" == *test_prefill_gpu* ]]; then
+    step "GPU tests, the mma.sync GEMM where the wgmma one would run (JAXQUANT_GEMM_KERNEL=mma)"
+    JAXQUANT_GEMM_KERNEL=mma timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_prefill_gpu.py \
+      -k "qmm or ragged" 2>&1 | tee "$OUT/gpu_tests_mma_gemm.log" | tail -n 5
+  fi
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
@@ -40,11 +46,14 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
     -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
-    for tiles in default 2; do  # 2: two tiles per block wherever M > 8
-      JAXQUANT_MMA_TILES=${tiles/default/} timeout 240 compute-sanitizer --tool memcheck \
-        --error-exitcode 9 "$OUT/sanitize_mma_driver" > "$OUT/sanitizer_memcheck_tiles_$tiles.log" 2>&1
-      echo "compute-sanitizer --tool memcheck (tiles per block: $tiles) rc=$?"
-      grep -E "ERROR SUMMARY|ALL OK|FAILED" "$OUT/sanitizer_memcheck_tiles_$tiles.log" | tail -n 3
+    # defaults (the wgmma GEMM on sm_90, 128 rows of x per block at these sizes), then
+    # two tiles per GEMV block wherever M > 8 with the mma.sync GEMM, then 256 rows
+    for setting in ${JQ_SANITIZER_SETTINGS:-JAXQUANT_DEFAULTS=1 "JAXQUANT_MMA_TILES=2 JAXQUANT_GEMM_KERNEL=mma" JAXQUANT_WGMMA_BN=256}; do
+      log="$OUT/sanitizer_memcheck_${setting%%=*}.log"
+      env $setting timeout 240 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 "$OUT/sanitize_mma_driver" > "$log" 2>&1
+      echo "compute-sanitizer --tool memcheck ($setting) rc=$?"
+      grep -E "ERROR SUMMARY|ALL OK|FAILED" "$log" | tail -n 3
     done
     rm -f "$OUT/sanitize_mma_driver"
   }
@@ -71,12 +80,12 @@ if [ -n "${JQ_WARPS_SWEEP:-}" ]; then
   done
 fi
 
-if [ -n "${JQ_TILES_SWEEP:-}" ]; then
-  step "sweep: tiles per block (JAXQUANT_MMA_TILES), M = 1, 8, 16, affine4/mxfp4"
-  for t in $JQ_TILES_SWEEP; do
-    echo "--- JAXQUANT_MMA_TILES=$t"
-    JAXQUANT_MMA_TILES=$t timeout 150 $PY -m jaxquant bench decode --only qmm --modes affine4,mxfp4 \
-      --ms 1,8,16 2>&1 | grep -E "ffi mma|bf16 dense" | tee -a "$OUT/tiles_sweep.txt"
+if [ -n "${JQ_SWEEP:-}" ]; then
+  step "sweep: $JQ_SWEEP"
+  for kv in $JQ_SWEEP; do
+    echo "--- $kv"
+    env "$kv" timeout ${JQ_SWEEP_TIMEOUT:-150} $PY -m jaxquant bench ${JQ_SWEEP_ARGS:-decode --only qmm --modes affine4,mxfp4 --ms 1,8,16} \
+      2>&1 | grep -vE "^WARNING|^\[" | tee -a "$OUT/sweep.txt"
   done
 fi
 

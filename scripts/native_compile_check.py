@@ -15,8 +15,8 @@ rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   gfx942), which builds every variant launch_qmv can launch, as the real build
   does; the summary lists the qmv_kernel variants found in each object
   ("qmv_kernels") and those hip_src/qmv_impl.h launches ("qmv_launch_variants").
-cuda: nvcc compiles every hip_src/*.hip for sm_80 and sm_90 (what CMake does
-  when it builds libjaxquant_cuda.so).
+cuda: nvcc compiles every hip_src/*.hip for sm_80 and sm_90, qmm_wgmma.hip for
+  sm_90a (what CMake does when it builds libjaxquant_cuda.so).
 
 Jobs run in parallel (one per core). Exit status 0 when everything that was
 attempted compiled. The last line is a JSON summary.
@@ -43,6 +43,8 @@ HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "qmv_affine.hip", "qmv_float.hip", "n
 ROCM_ONLY_FILES = ["cdna4_qmm.hip"]
 # The tensor-core decode GEMV (mma.sync, cp.async): CUDA only, as in CMakeLists.txt.
 CUDA_ONLY_FILES = sorted(p.name for p in (ROOT / "hip_src").glob("qmv_mma*.hip"))
+# The Hopper prefill GEMM (wgmma): sm_90a only, as in CMakeLists.txt.
+SM90A_FILES = ["qmm_wgmma.hip"]
 ROCM_ARCHS = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201"]
 CUDA_ARCHS = ["80", "90"]
 # The GEMV files are built for these ROCm archs without -DJQ_QMV_DEFAULT_CONFIGS_ONLY:
@@ -132,11 +134,13 @@ def qmv_kernels_in(obj: pathlib.Path) -> dict[str, list[str]]:
 
 
 def cuda_jobs(nvcc, archs, out_dir):
+    base = [nvcc, "-x", "cu", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
+            "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    common = [nvcc, "-x", "cu", "-std=c++17", "-O3", "--expt-relaxed-constexpr", *gencode,
-              "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
-    return [(f"cuda:{f}", common + ["-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
-            for f in HIP_FILES + CUDA_ONLY_FILES]
+    job = lambda f, arch_flags: (f"cuda:{f}", base + arch_flags + [
+        "-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
+    return ([job(f, gencode) for f in HIP_FILES + CUDA_ONLY_FILES] +
+            [job(f, ["-gencode=arch=compute_90a,code=sm_90a"]) for f in SM90A_FILES])
 
 
 def probe_rocm_arch(clang, arch) -> str | None:

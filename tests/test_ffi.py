@@ -20,7 +20,7 @@ import pytest
 import jaxquant as jq
 import jaxquant.ffi as jf
 from jaxquant import dispatch, formats
-from jaxquant.ffi import _loader, _ops
+from jaxquant.ffi import _loader, _ops, configs
 from tests import oracle
 from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
                           rand, rms64)
@@ -508,7 +508,6 @@ def test_kernel_choice_table():
     """configs holds the choice for every platform: what auto takes (GPU: the GEMVs only;
     CPU: also dequantize and large norms), and every kernel is registered for the loaded
     platform with its priority and `platform` passed by the dispatcher."""
-    from jaxquant.ffi import configs
     sa = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)
     qw = jax.eval_shape(lambda w: quantize_for("mxfp4", 4, w), sa((64, 128)))
     for platform, max_m in configs.GEMV_MAX_M.items():
@@ -760,3 +759,19 @@ def test_zero_sized_calls():
     x = rand(51, (2, 64))
     assert ffi(jq.qmm, x, qw).shape == (2, 0)
     assert ffi(jq.rms_norm, jnp.zeros((0, 8))).shape == (0, 8)
+
+
+def test_gemm_rows_follow_the_kernel_the_device_runs(monkeypatch):
+    # the wgmma GEMM (compute capability 9.0) beats dequantize + cuBLAS up to
+    # MMA_GEMM_MAX_M_SM90 rows; it needs every tile's scales 4-byte aligned (else
+    # the mma.sync GEMM runs, which wins up to MMA_GEMM_MAX_M only), like plan_gemm
+    aligned = jq.quantize(jnp.ones((40, 256), jnp.bfloat16), mode="affine")      # 40 x 4 x 2 B
+    odd = jq.quantize(jnp.ones((37, 192), jnp.bfloat16), mode="affine")          # 37 x 3 x 2 B
+    mx = jq.quantize(jnp.ones((36, 128), jnp.bfloat16), mode="mxfp4")            # 36 x 4 x 1 B
+    for cap, want in (("9.0", configs.MMA_GEMM_MAX_M_SM90), ("8.0", configs.MMA_GEMM_MAX_M),
+                      (None, configs.MMA_GEMM_MAX_M)):
+        monkeypatch.setattr(configs, "_cuda_capability", lambda cap=cap: cap)
+        assert configs.mma_gemm_max_m(aligned) == want
+        assert configs.mma_gemm_max_m(mx) == want
+        assert configs.mma_gemm_max_m(odd) == configs.MMA_GEMM_MAX_M
+    assert configs.MMA_GEMM_MAX_M_SM90 > configs.MMA_GEMM_MAX_M

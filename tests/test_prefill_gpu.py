@@ -44,6 +44,20 @@ def test_qmm_every_mode_and_dtype(mode, bits):
     assert _gemm_used(lambda x, q: jq.qmm(x, q, backend="ffi"), x, packed)
 
 
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_qmm_every_mode_aligned_scales(mode, bits):
+    # N = 136 (8 full tiles and a canonical tail of 8: two blocks of the Hopper kernel,
+    # the second mostly past N), K = 256: every tile's scales 4-byte aligned, which the
+    # wgmma kernel (hip_src/qmm_wgmma.h) needs; on an H100 it runs this (N = 37 above
+    # takes the mma.sync kernel), $JAXQUANT_GEMM_KERNEL=mma runs the other
+    qw, packed = _packed(mode, bits, (136, 256), key=bits + 40)
+    w64 = deq64(qw)
+    for dt in X16:
+        for m in (17, 64, 65, 130):
+            x = rand(m + 1, (m, 256), dt)
+            assert_matmul_close(jq.qmm(x, packed, backend="ffi"), x, w64, jnp.dtype(dt))
+
+
 @pytest.mark.parametrize("mode,bits,group", [("affine", 4, 32), ("affine", 4, 128),
                                              ("fp4", 4, 16), ("nvfp4", 4, 16)])
 def test_qmm_long_k_wide_n_batched(mode, bits, group):
@@ -173,7 +187,7 @@ def test_dequantize_on_the_layout(mode, bits):
 
 def test_auto_past_the_gemm_dequantizes_then_cublas():
     qw, packed = _packed("mxfp4", 4, (300, 256), key=37)
-    m = configs.MMA_GEMM_MAX_M + 36
+    m = configs.mma_gemm_max_m(packed) + 36
     x = rand(38, (m, 256), jnp.bfloat16)
     hlo = jax.jit(jq.qmm).lower(x, packed).as_text()
     assert "jaxquant_dequant_mma" in hlo and "jaxquant_qmm_gemm" not in hlo

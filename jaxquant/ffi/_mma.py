@@ -10,7 +10,7 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
   few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
 - The layout's dequantize (hip_src/qmm_gemm.h) for `jq.dequantize` into a 16-bit
   dtype and, under automatic choice, for qmm with more than
-  configs.MMA_GEMM_MAX_M rows: the dequantized weight, then XLA's dot (cuBLAS).
+  configs.mma_gemm_max_m rows: the dequantized weight, then XLA's dot (cuBLAS).
 
 Other cases on a `cuda_mma` weight go to the other kernels or the reference,
 which unpack the layout first (correct, slower).
@@ -102,7 +102,7 @@ def gemm_qmm_applies(x, qw, *, transpose, precision, platform):
 
 
 def gemm_qmm_auto(x, qw, *, transpose, precision, platform):
-    return _rows_per_matrix(x, qw) <= configs.MMA_GEMM_MAX_M
+    return _rows_per_matrix(x, qw) <= configs.mma_gemm_max_m(qw)
 
 
 def dequantize_applies(qw, *, dtype, platform):
@@ -110,7 +110,7 @@ def dequantize_applies(qw, *, dtype, platform):
 
 
 def cublas_qmm_auto(x, qw, *, transpose, precision, platform):
-    return _rows_per_matrix(x, qw) > configs.MMA_GEMM_MAX_M
+    return _rows_per_matrix(x, qw) > configs.mma_gemm_max_m(qw)
 
 
 def cublas_qmm_impl(x, qw, *, transpose, precision, platform):

@@ -17,9 +17,14 @@ from same-run measurements (benchmarks/RESULTS.md).
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
   runs qmm on a `cuda_mma` weight as the tensor-core GEMM (hip_src/qmm_gemm.h;
   above MMA_MAX_M); past it the layout's dequantize kernel, then XLA's dot
-  (cuBLAS), is faster. H100, (4096 -> 14336), affine4: M = 64 GEMM 76 us vs the
-  reference (XLA's dequantize fusion + cuBLAS) 155 us; M = 512 454 vs 211;
-  M = 4096 3356 vs 891 (benchmarks/RESULTS.md, "Prefill").
+  (cuBLAS), is faster. mma.sync GEMM (GPUs other than compute capability 9.0),
+  H100, (4096 -> 14336), affine4: M = 64 GEMM 76 us vs the reference (XLA's
+  dequantize fusion + cuBLAS) 155 us; M = 512 454 vs 211; M = 4096 3356 vs 891.
+  MMA_GEMM_MAX_M_SM90: the same for the wgmma GEMM (hip_src/qmm_wgmma.h; compute
+  capability 9.0, scales 4-byte aligned per tile: plan_gemm in qmm_gemm.h). H100,
+  affine4 / mxfp4, GEMM vs dequantize + cuBLAS: M = 64 46-48 / 51-53 vs 67-84 us;
+  M = 512 117 / 127 vs 168-171; M = 1024 238 / 250 vs ~240 (cuBLAS at 1024 rows
+  interpolated); M = 4096 858 / 895 vs 862 / 806 (benchmarks/RESULTS.md, "Prefill").
 - RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
   rows runs as gather_qmm on the decode GEMV (each row a slot, rows of one
   expert read it once); more rows take the GEMM. H100, gpt-oss-20b experts
@@ -38,7 +43,11 @@ from same-run measurements (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import functools
 import math
+
+import jax
+import jax.numpy as jnp
 
 PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
 
@@ -47,7 +56,25 @@ GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
 NORM_MIN_ELEMENTS = 1 << 16
 
 MMA_GEMM_MAX_M = 64
+MMA_GEMM_MAX_M_SM90 = 1024
 RAGGED_GATHER_MAX_T = 64
+
+
+def mma_gemm_max_m(qw) -> int:
+    """MMA_GEMM_MAX_M for the GEMM that runs `qw` on the default CUDA device: the wgmma
+    one on compute capability 9.0 where every tile's scales are 4-byte aligned (the
+    C++ side's choice, plan_gemm), else the mma.sync one."""
+    n, groups = qw.scales.shape[-2:]
+    aligned = n * groups * jnp.dtype(qw.scales.dtype).itemsize % 4 == 0
+    return MMA_GEMM_MAX_M_SM90 if aligned and _cuda_capability() == "9.0" else MMA_GEMM_MAX_M
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability() -> str | None:
+    try:
+        return str(getattr(jax.devices("cuda")[0], "compute_capability", None))
+    except RuntimeError:  # no CUDA backend
+        return None
 
 
 def gemv_rows(x, qw, *, transpose, platform) -> int | None:

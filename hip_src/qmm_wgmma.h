@@ -1,0 +1,370 @@
+// The prefill GEMM on Hopper (sm_90a only): qmm with more than 16 rows of x per
+// weight matrix, and ragged_qmm, on the `cuda_mma` layout, with wgmma.
+//
+// The weight is wgmma's A operand, from registers: in a warpgroup, warp r holds
+// rows 16r .. 16r + 15 of the 64-row A tile in the fragment layout of
+// mma.sync.m16n8k16's A, which is the layout's unit of a lane (docs/decode.md).
+// So warp r decodes and scales its own 16-row tile exactly as the mma.sync GEMM
+// does (qmm_gemm.h: scaled_a) and the warpgroup multiplies 64 weight rows by BN
+// rows of x per k-step, x (B) read by the tensor cores from shared memory.
+//
+// A block is two warpgroups, 128 weight rows (8 tiles) x BN (128 or 256) rows of x.
+// Per chunk of 64 k, several stages deep: one thread has the tensor-memory accelerator
+// (TMA) copy the chunk of x into wgmma's 128-byte-swizzled K-major layout (rows past
+// x's end read as zeros; an mbarrier per stage counts its bytes in), and each lane
+// copies its weight unit to a slot of its own with cp.async. Nothing written
+// through the generic proxy is read by wgmma, so no proxy fence sits in the loop
+// (one would wait for every cp.async in flight). The layout's unit orders each
+// k-step's k for the GEMV's 8-byte B loads (lane t holds k 4t .. 4t + 3 where the
+// MMA takes 2t, 2t + 1, 2t + 8, 2t + 9); two shuffles and a byte permute per k-step
+// put the codes in the MMA's order before the decode (mma_order_unit), so x stays as
+// it is in memory. A warp decodes chunk i into one of two A-register sets while the
+// tensor cores still run chunk i - 1's wgmmas (wait_group 1 before the next
+// barrier), so the decode hides under the MMAs. The accumulators (64 x BN float32
+// per warpgroup) stay in registers over all of K; at the end they go through shared
+// memory to coalesced 16-byte rows of y.
+//
+// ragged_qmm uses the mma.sync GEMM's device-side row schedule (ragged_row_block)
+// with BN-row blocks.
+#pragma once
+
+#include <utility>
+
+#include "qmm_gemm.h"
+
+#if defined(JQ_PLATFORM_CUDA)
+#include <cuda.h>
+
+namespace jq {
+namespace gpu {
+namespace mma {
+
+constexpr int kWgMaxStages = 6;
+constexpr int kWgWarps = 8;                         // two warpgroups
+constexpr int kWgRows = kWgWarps * kTileRows;       // weight rows per block
+constexpr int kWgOutStride = kWgRows * 2 + 16;      // bytes per row of y staged in shared memory
+
+// A stage: [x: BN rows x 128 bytes][weights: warps x 32 lanes x BITS words]
+// [scales: warps x (scale, bias) x ScaleStage bytes], 1024-aligned (wgmma's swizzle).
+template <int BN, int BITS, int P>
+struct WgShared {
+  static constexpr int x_bytes = BN * 128;
+  static constexpr int w_bytes = kWgWarps * 32 * BITS * 4;
+  static constexpr int s_bytes = kWgWarps * 2 * ScaleStage<P>::bytes;
+  static constexpr int stage_bytes = (x_bytes + w_bytes + s_bytes + 1023) / 1024 * 1024;
+  // stages: x and weights stages - 2 chunks ahead (BN = 256: 4, in ~160 KB)
+  static constexpr int stages = BN == 256 ? 4 : kWgMaxStages;
+  static constexpr int out_bytes = BN * kWgOutStride;
+  static constexpr int bytes =
+      (stages * stage_bytes > out_bytes ? stages * stage_bytes : out_bytes) + 1024;
+};
+
+// wgmma's shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups
+// 1024 bytes apart (the leading-dimension offset is unused for this swizzle: 1).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// The stages' mbarriers: x's TMA copies complete on them (transaction bytes).
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// A box of the 2-D tensor map (k0, row0) -> shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int k0,
+                                            int row0, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(map), "r"(k0), "r"(row0), "r"(bar)
+      : "memory");
+}
+
+// The lane's unit with each k-step's codes in the MMA's k order: lane (g, t) takes the
+// codes of k-pair t (k 2t, 2t + 1 of the k-step) from lane (g, t / 2) and of pair t + 4
+// from lane (g, 2 + t / 2), the half t & 1 of theirs (the layout gives lane t pairs
+// 2t and 2t + 1). 4 and 8 bits: one byte permute per word; other widths code by code.
+template <int BITS, int I>
+__device__ __forceinline__ void put_code(const uint32_t* u, const uint32_t* v, bool odd,
+                                         uint32_t* out) {
+  constexpr int j = I & 3, base = I & ~3;  // code I is half (I >> 2) & 1 of register j
+  const uint32_t* src = (j >> 1) ? v : u;  // register j: row j & 1, pair slot j >> 1
+  const uint32_t c = odd ? unit_code<BITS, base + (j & 1) + 2>(src)
+                         : unit_code<BITS, base + (j & 1)>(src);
+  constexpr int start = I * BITS, word = start / 32, shift = start % 32;
+  out[word] |= c << shift;
+  if constexpr (shift + BITS > 32) out[word + 1] |= c >> (32 - shift);
+}
+template <int BITS, int... I>
+__device__ __forceinline__ void put_codes(const uint32_t* u, const uint32_t* v, bool odd,
+                                          uint32_t* out, std::integer_sequence<int, I...>) {
+  (put_code<BITS, I>(u, v, odd, out), ...);
+}
+
+template <int BITS>
+__device__ __forceinline__ void mma_order_unit(uint32_t (&w)[BITS], int lane) {
+  const int t = lane & 3, src = (lane & ~3) | (t >> 1);
+  const bool odd = t & 1;
+  uint32_t u[BITS], v[BITS];
+#pragma unroll
+  for (int i = 0; i < BITS; ++i) {
+    u[i] = __shfl_sync(0xffffffffu, w[i], src);
+    v[i] = __shfl_sync(0xffffffffu, w[i], src + 2);
+  }
+  if constexpr (BITS == 4) {  // word s, byte 2h + slot: the nibbles of rows g, g + 8
+    const uint32_t sel = odd ? 0x7351u : 0x6240u;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) w[s] = __byte_perm(u[s], v[s], sel);
+  } else if constexpr (BITS == 8) {  // word 2s + h, byte 2 slot + row
+    const uint32_t sel = odd ? 0x7632u : 0x5410u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = __byte_perm(u[i], v[i], sel);
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) w[i] = 0u;
+    put_codes<BITS>(u, v, odd, w, std::make_integer_sequence<int, 32>{});
+  }
+}
+
+// d[64 x BN] += a[64 x 16] (registers) * b[16 x BN] (shared memory, K-major), float32
+// accumulators: d[i] is row 16 r + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1)
+// of the warpgroup's tile (warp r, lane 4 g + t).
+#define JQ_WG_ACC_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define JQ_WG_ACC_128 JQ_WG_ACC_64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define JQ_WG_AB_64 "{%64, %65, %66, %67}, %68"
+#define JQ_WG_AB_128 "{%128, %129, %130, %131}, %132"
+// 64 accumulator operands from d[o]
+#define JQ_WG_OUT_AT(d, o) \
+    "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7]), \
+    "+f"(d[o + 8]), "+f"(d[o + 9]), "+f"(d[o + 10]), "+f"(d[o + 11]), "+f"(d[o + 12]), "+f"(d[o + 13]), "+f"(d[o + 14]), "+f"(d[o + 15]), \
+    "+f"(d[o + 16]), "+f"(d[o + 17]), "+f"(d[o + 18]), "+f"(d[o + 19]), "+f"(d[o + 20]), "+f"(d[o + 21]), "+f"(d[o + 22]), "+f"(d[o + 23]), \
+    "+f"(d[o + 24]), "+f"(d[o + 25]), "+f"(d[o + 26]), "+f"(d[o + 27]), "+f"(d[o + 28]), "+f"(d[o + 29]), "+f"(d[o + 30]), "+f"(d[o + 31]), \
+    "+f"(d[o + 32]), "+f"(d[o + 33]), "+f"(d[o + 34]), "+f"(d[o + 35]), "+f"(d[o + 36]), "+f"(d[o + 37]), "+f"(d[o + 38]), "+f"(d[o + 39]), \
+    "+f"(d[o + 40]), "+f"(d[o + 41]), "+f"(d[o + 42]), "+f"(d[o + 43]), "+f"(d[o + 44]), "+f"(d[o + 45]), "+f"(d[o + 46]), "+f"(d[o + 47]), \
+    "+f"(d[o + 48]), "+f"(d[o + 49]), "+f"(d[o + 50]), "+f"(d[o + 51]), "+f"(d[o + 52]), "+f"(d[o + 53]), "+f"(d[o + 54]), "+f"(d[o + 55]), \
+    "+f"(d[o + 56]), "+f"(d[o + 57]), "+f"(d[o + 58]), "+f"(d[o + 59]), "+f"(d[o + 60]), "+f"(d[o + 61]), "+f"(d[o + 62]), "+f"(d[o + 63])
+#define JQ_WG_OUT_64(d) JQ_WG_OUT_AT(d, 0)
+#define JQ_WG_OUT_128(d) JQ_WG_OUT_AT(d, 0), JQ_WG_OUT_AT(d, 64)
+#define JQ_WGMMA(N, R, TY)                                                                      \
+  __device__ __forceinline__ void wgmma_##TY(float (&d)[R], const uint32_t (&a)[4], uint64_t b) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " {" JQ_WG_ACC_##R \
+                 "}, " JQ_WG_AB_##R ", p, 1, 1, 0;\n}\n"                                        \
+                 : JQ_WG_OUT_##R(d)                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                         \
+  }
+JQ_WGMMA(128, 64, bf16)
+JQ_WGMMA(128, 64, f16)
+JQ_WGMMA(256, 128, bf16)
+JQ_WGMMA(256, 128, f16)
+#undef JQ_WGMMA
+
+template <int XDT, int R>
+__device__ __forceinline__ void wgmma(float (&d)[R], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (XDT == kF16) wgmma_f16(d, a, b);
+  else wgmma_bf16(d, a, b);
+}
+
+// The kernel's parameters: the problem and the tensor map of x (rows [Sx * M or T, K]).
+struct WgParams {
+  GemmProblem pr;
+  CUtensorMap x_map;
+};
+
+template <class C, int XDT, int P, int SDT, int BN>
+__global__ void __launch_bounds__(kWgWarps * 32, 1)
+    qmm_wgmma_kernel(const __grid_constant__ WgParams prm) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BITS = C::kBits;
+  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  using Lay = WgShared<BN, BITS, P>;
+  constexpr int S = Lay::stages;
+  const GemmProblem& pr = prm.pr;
+  const QmvProblem& p = pr.q;
+  extern __shared__ __align__(16) uint8_t smem_dyn[];
+  __shared__ RowBlock blk_s;
+  __shared__ __align__(8) uint64_t x_full[kWgMaxStages];  // x of the stage has landed
+  // wgmma's swizzle is of address bits: the stages start 1024-aligned
+  const uint32_t dyn_s = (uint32_t)__cvta_generic_to_shared(smem_dyn);
+  uint8_t* smem = smem_dyn + ((1024u - (dyn_s & 1023u)) & 1023u);
+  const uint32_t smem_s = (uint32_t)__cvta_generic_to_shared(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = (int64_t)blockIdx.x * kWgRows;
+
+  const uint32_t full_s = (uint32_t)__cvta_generic_to_shared(x_full);
+  if (threadIdx.x == 32) {
+    for (int i = 0; i < S; ++i) mbar_init(full_s + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  RowBlock blk;
+  if (!block_rows(pr, &blk_s, n0, kWgRows, blk)) return;
+
+  // --- the K loop --------------------------------------------------------------
+  const int64_t tile = (int64_t)blockIdx.x * kWgWarps + warp;
+  const bool has_tile = tile < pr.tiles, full = tile < pr.full_tiles;
+  const TileCursor cur = full ? tile_cursor<false>(p, blk.e, tile, BITS, ssz, lane)
+                              : tile_cursor<true>(p, blk.e, has_tile ? tile : 0, BITS, ssz, lane);
+  int gshift = 0;  // group sizes are powers of two
+  while ((1 << gshift) < p.group) ++gshift;
+  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
+  const int chunks = (int)pr.chunks;
+  const uint32_t wslot = (uint32_t)Lay::x_bytes + (warp * 32 + lane) * BITS * 4;
+  // the warp's scales go through the stages too (plan_gemm takes this kernel only when
+  // every tile's scales are 4-byte aligned): a global load one chunk ahead would stall
+  // each chunk for a DRAM latency
+  const uint32_t sslot = (uint32_t)(Lay::x_bytes + Lay::w_bytes) + warp * 2 * ScaleStage<P>::bytes;
+  const int64_t row0 = blk.e * p.N + (full ? tile : 0) * kTileRows;
+  const char* s_tile = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
+  const char* b_tile = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : s_tile;
+  auto issue = [&](int c) {
+    const uint32_t st = smem_s + (c % S) * Lay::stage_bytes;
+    if (threadIdx.x == 0) {
+      const uint32_t bar = full_s + 8 * (c % S);
+      mbar_expect_tx(bar, Lay::x_bytes);
+      tma_load_2d(st, &prm.x_map, c * kChunkK, (int)blk.x0, bar);
+    }
+    if (full) {
+      unit_to_shared<BITS>(st + wslot, cur.w + (int64_t)c * (32 * BITS));
+      scales_to_shared<C, P, ssz>(st + sslot, s_tile, b_tile, c, gshift, lane);
+    }
+  };
+
+  constexpr int R = BN / 2;
+  float acc[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int c = 0; c < S - 2; ++c) {
+    if (c < chunks) issue(c);
+    cp_async_commit();
+  }
+  // chunk c with A-register set `a`: the copies of chunk c + S - 2 issued into
+  // the stage of chunk c - 2 (its wgmmas are done: each warp waited for them before
+  // this barrier), chunk c decoded while chunk c - 1's wgmmas run, then its own.
+  auto step = [&](int c, uint32_t(&a)[4][4]) {
+    cp_async_wait<S - 3>();  // this lane's weight unit of chunk c has landed
+    mbar_wait(full_s + 8 * (c % S), (c / S) & 1);  // and x
+    __syncthreads();  // every warp is done with chunk c - 2's stage: refill it
+    if (c + S - 2 < chunks) issue(c + S - 2);
+    cp_async_commit();
+    const uint8_t* st = smem + (c % S) * Lay::stage_bytes;
+    uint32_t w[BITS];
+    if (full) {
+      load_unit<BITS, false>(reinterpret_cast<const uint32_t*>(st + wslot), w);
+      mma_order_unit<BITS>(w, lane);
+      ChunkScales<C, P, false, SDT> sc;
+      sc.load_shared(st + sslot, g);
+      scaled_a<C, XDT, P, SDT>(w, sc, gsv, a);
+    } else if (has_tile) {  // the partial last tile: canonical rows, bounds-checked
+      tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
+      mma_order_unit<BITS>(w, lane);
+      ChunkScales<C, P, true, SDT> tsc;
+      tsc.load(p, cur, c, gshift, g);
+      scaled_a<C, XDT, P, SDT>(w, tsc, gsv, a);
+    } else {  // past N: zeros (the shuffles above are warp-wide, this warp takes none)
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[s][j] = 0u;
+    }
+    const uint32_t xs = smem_s + (c % S) * Lay::stage_bytes;
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma<XDT>(acc, a[s], wg_desc(xs + 32 * s));
+    wg_commit();
+    wg_wait<1>();
+  };
+  uint32_t a0[4][4], a1[4][4];
+  for (int c = 0; c < chunks; c += 2) {
+    step(c, a0);
+    if (c + 1 < chunks) step(c + 1, a1);
+  }
+  wg_wait<0>();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // --- y through shared memory: [m][128 weight rows] in x's dtype, then rows ------
+  uint8_t* out = smem;
+#pragma unroll
+  for (int i = 0; i < R; i += 2) {
+    const int m = 8 * (i >> 2) + 2 * t, row = 16 * warp + g + 8 * ((i >> 1) & 1);
+    const uint32_t v = XDT == kF16 ? pack_f16x2(acc[i], acc[i + 1]) : pack_bf16x2(acc[i], acc[i + 1]);
+    *reinterpret_cast<uint16_t*>(out + m * kWgOutStride + row * 2) = (uint16_t)(v & 0xffffu);
+    *reinterpret_cast<uint16_t*>(out + (m + 1) * kWgOutStride + row * 2) = (uint16_t)(v >> 16);
+  }
+  __syncthreads();
+  const int ncols = (int)min((int64_t)kWgRows, p.N - n0);
+  uint16_t* y = static_cast<uint16_t*>(p.y);
+  if (ncols == kWgRows && (p.N & 7) == 0) {  // 16-byte rows
+    for (int idx = threadIdx.x; idx < blk.rows * (kWgRows / 8); idx += blockDim.x) {
+      const int m = idx / (kWgRows / 8), v8 = idx % (kWgRows / 8);
+      *reinterpret_cast<uint4*>(y + (blk.y0 + m) * p.N + n0 + 8 * v8) =
+          *reinterpret_cast<const uint4*>(out + m * kWgOutStride + 16 * v8);
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < blk.rows * kWgRows; idx += blockDim.x) {
+      const int m = idx / kWgRows, col = idx % kWgRows;
+      if (col < ncols)
+        y[(blk.y0 + m) * p.N + n0 + col] =
+            *reinterpret_cast<const uint16_t*>(out + m * kWgOutStride + col * 2);
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// x [rows, K] as a TMA tensor map: boxes of 64 k x bn rows, 128-byte swizzle, rows
+// past the end read as zeros (qmm_wgmma.hip).
+bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map);
+
+// The launch policy of the format switches in qmv_mma.h, for this kernel.
+struct WgmmaLaunch {
+  template <class C, int XDT, int NT, int P, int SDT>
+  static hipError_t run(const GemmProblem& pr, hipStream_t stream) {
+    if constexpr (XDT == kF32) {
+      return hipErrorInvalidValue;  // float32 x: not this kernel (the handler refuses it)
+    } else {
+      return pr.block_m == 256 ? go<C, XDT, P, SDT, 256>(pr, stream)
+                               : go<C, XDT, P, SDT, 128>(pr, stream);
+    }
+  }
+  template <class C, int XDT, int P, int SDT, int BN>
+  static hipError_t go(const GemmProblem& pr, hipStream_t stream) {
+    using Lay = WgShared<BN, C::kBits, P>;
+    auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, BN>;
+    static const bool attr_set =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::bytes) ==
+        cudaSuccess;
+    if (!attr_set) return hipErrorInvalidValue;
+    WgParams prm;
+    prm.pr = pr;
+    if (!x_tensor_map(pr, BN, XDT == kF16, &prm.x_map)) return hipErrorInvalidValue;
+    dim3 grid((unsigned)((pr.tiles + kWgWarps - 1) / kWgWarps), (unsigned)pr.row_blocks);
+    kernel<<<grid, kWgWarps * 32, Lay::bytes, stream>>>(prm);
+    return hipGetLastError();
+  }
+};
+
+}  // namespace mma
+}  // namespace gpu
+}  // namespace jq
+#endif  // JQ_PLATFORM_CUDA

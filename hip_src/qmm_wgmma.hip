@@ -1,0 +1,76 @@
+// The Hopper prefill GEMM (qmm_wgmma.h) for every format and 16-bit x. Built for
+// sm_90a alone (wgmma is an sm_90a feature; CMakeLists.txt gives this file its own
+// architecture list), so the handler checks the device before it launches.
+#include <stdlib.h>
+#include <string.h>
+
+#include <cudaTypedefs.h>
+
+#include "qmm_wgmma.h"
+
+#if defined(JQ_PLATFORM_CUDA)
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(JQ_NO_WGMMA)
+#error "qmm_wgmma.hip is built for sm_90a only"
+#endif
+
+namespace jq {
+namespace gpu {
+namespace mma {
+
+#if defined(JQ_NO_WGMMA)  // nvcc < 12: no sm_90a
+bool wgmma_usable() { return false; }
+hipError_t launch_qmm_wgmma_bf16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+hipError_t launch_qmm_wgmma_f16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+#else
+bool wgmma_usable() {
+  static const bool usable = [] {
+    const char* env = getenv("JAXQUANT_GEMM_KERNEL");
+    if (env != nullptr && strcmp(env, "mma") == 0) return false;
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+      return false;
+    return major == 9 && minor == 0;
+  }();
+  return usable;
+}
+
+bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
+  // the driver's encoder, through the runtime (no link to libcuda)
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return (PFN_cuTensorMapEncodeTiled_v12000) nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const QmvProblem& q = pr.q;
+  const cuuint64_t dims[2] = {(cuuint64_t)q.K, (cuuint64_t)(q.Sx * q.M)};
+  const cuuint64_t strides[1] = {(cuuint64_t)q.K * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)kChunkK, (cuuint32_t)bn};
+  const cuuint32_t elem[2] = {1, 1};
+  return encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                const_cast<void*>(q.x), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+hipError_t launch_qmm_wgmma_bf16(const GemmProblem& pr, hipStream_t stream) {
+  return pr.q.fmt == kAffine ? launch_formats<WgmmaLaunch, kBF16, kAffineFormats>(pr, 1, stream)
+                             : launch_formats<WgmmaLaunch, kBF16, kFloatFormats>(pr, 1, stream);
+}
+
+hipError_t launch_qmm_wgmma_f16(const GemmProblem& pr, hipStream_t stream) {
+  return pr.q.fmt == kAffine ? launch_formats<WgmmaLaunch, kF16, kAffineFormats>(pr, 1, stream)
+                             : launch_formats<WgmmaLaunch, kF16, kFloatFormats>(pr, 1, stream);
+}
+#endif
+
+}  // namespace mma
+}  // namespace gpu
+}  // namespace jq
+#endif
