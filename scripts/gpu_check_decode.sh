@@ -50,7 +50,7 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
     # two tiles per GEMV block wherever M > 8 with the mma.sync GEMM, then 256 rows
     for setting in ${JQ_SANITIZER_SETTINGS:-JAXQUANT_DEFAULTS=1 "JAXQUANT_MMA_TILES=2 JAXQUANT_GEMM_KERNEL=mma" JAXQUANT_WGMMA_BN=256}; do
       log="$OUT/sanitizer_memcheck_${setting%%=*}.log"
-      env $setting timeout 240 compute-sanitizer --tool memcheck \
+      env $setting timeout ${JQ_SANITIZER_TIMEOUT:-240} compute-sanitizer --tool memcheck \
         --error-exitcode 9 "$OUT/sanitize_mma_driver" > "$log" 2>&1
       echo "compute-sanitizer --tool memcheck ($setting) rc=$?"
       grep -E "ERROR SUMMARY|ALL OK|FAILED" "$log" | tail -n 3
