@@ -421,20 +421,10 @@ __global__ void __launch_bounds__(256) dequant_mma_kernel(GemmProblem pr) {
 // 4096 -> 14336: R = 2 / 4 / 8 took 99 / 76 / 103 us.) $JAXQUANT_GEMM_ROW_TILES (2, 4
 // or 8) overrides it for benchmark sweeps.
 inline int gemm_row_tiles(int64_t tiles, int64_t row_blocks) {
-  static const int forced = [] {
-    const char* env = getenv("JAXQUANT_GEMM_ROW_TILES");
-    const int r = env ? atoi(env) : 0;
-    return (r == 2 || r == 4 || r == 8) ? r : 0;
-  }();
+  static const int forced = env_choice("JAXQUANT_GEMM_ROW_TILES", {2, 4, 8});
   if (forced) return forced;
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && n > 0
-               ? n : 132;
-  }();
   for (int r : {8, 4})
-    if ((tiles + r - 1) / r * row_blocks * 2 >= 3 * sms) return r;
+    if ((tiles + r - 1) / r * row_blocks * 2 >= 3 * sm_count()) return r;
   return 2;
 }
 
@@ -512,11 +502,7 @@ inline void plan_gemm(GemmProblem& P) {
                          reinterpret_cast<uintptr_t>(q.biases)) & 3) == 0 &&
                        (q.N * q.groups * ssz) % 4 == 0;
   P.wgmma = aligned && wgmma_usable();
-  static const int forced_bm = [] {  // $JAXQUANT_WGMMA_BN (128 or 256), for sweeps
-    const char* env = getenv("JAXQUANT_WGMMA_BN");
-    const int v = env ? atoi(env) : 0;
-    return (v == 128 || v == 256) ? v : 0;
-  }();
+  static const int forced_bm = env_choice("JAXQUANT_WGMMA_BN", {128, 256});  // sweeps
   const int64_t rows = ragged ? q.M / (q.E > 0 ? q.E : 1) : q.M;  // per matrix (expert)
   P.block_m = !P.wgmma ? kBlockM : forced_bm ? forced_bm : rows >= 256 ? 256 : 128;
   const int64_t per = (q.M + P.block_m - 1) / P.block_m;

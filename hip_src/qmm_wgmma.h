@@ -9,20 +9,22 @@
 // rows of x per k-step, x (B) read by the tensor cores from shared memory.
 //
 // A block is two warpgroups, 128 weight rows (8 tiles) x BN (128 or 256) rows of x.
-// Per chunk of 64 k, several stages deep: one thread has the tensor-memory accelerator
-// (TMA) copy the chunk of x into wgmma's 128-byte-swizzled K-major layout (rows past
-// x's end read as zeros; an mbarrier per stage counts its bytes in), and each lane
-// copies its weight unit to a slot of its own with cp.async. Nothing written
-// through the generic proxy is read by wgmma, so no proxy fence sits in the loop
-// (one would wait for every cp.async in flight). The layout's unit orders each
-// k-step's k for the GEMV's 8-byte B loads (lane t holds k 4t .. 4t + 3 where the
-// MMA takes 2t, 2t + 1, 2t + 8, 2t + 9); two shuffles and a byte permute per k-step
-// put the codes in the MMA's order before the decode (mma_order_unit), so x stays as
-// it is in memory. A warp decodes chunk i into one of two A-register sets while the
-// tensor cores still run chunk i - 1's wgmmas (wait_group 1 before the next
-// barrier), so the decode hides under the MMAs. The accumulators (64 x BN float32
-// per warpgroup) stay in registers over all of K; at the end they go through shared
-// memory to coalesced 16-byte rows of y.
+// Per chunk of 64 k, several stages deep: one thread has the tensor-memory
+// accelerator (TMA) copy the chunk of x into wgmma's 128-byte-swizzled K-major layout
+// (rows past x's end read as zeros; an mbarrier per stage counts its bytes in), each
+// lane copies its weight unit to a slot of its own and a few lanes the warp's scales,
+// with cp.async. Nothing written through the generic proxy is read by wgmma, so no
+// proxy fence sits in the loop (one would wait for every cp.async in flight). The
+// layout's unit orders each k-step's k for the GEMV's 8-byte B loads (lane t holds k
+// 4t .. 4t + 3 where the MMA takes 2t, 2t + 1, 2t + 8, 2t + 9); two shuffles and a
+// byte permute per word put the codes in the MMA's order before the decode
+// (mma_order_unit), so x stays as it is in memory. A warp decodes chunk i into one of
+// two A-register sets while the tensor cores still run chunk i - 1's wgmmas
+// (wait_group 1 before the next barrier), so decode and MMAs overlap; the decode's
+// instructions (~100 of a warp's ~175 per chunk) are what limits the kernel
+// (docs/prefill.md). The accumulators (64 x BN float32 per warpgroup) stay in
+// registers over all of K; at the end they go through shared memory to coalesced
+// 16-byte rows of y.
 //
 // ragged_qmm uses the mma.sync GEMM's device-side row schedule (ragged_row_block)
 // with BN-row blocks.

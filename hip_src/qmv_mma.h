@@ -35,6 +35,7 @@
 
 #include <stdlib.h>
 
+#include <initializer_list>
 #include <type_traits>
 
 #include "gpu_common.h"
@@ -830,6 +831,28 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   }
 }
 
+// $NAME when it is one of `allowed` (a value benchmark sweeps force), else 0.
+inline int env_choice(const char* name, std::initializer_list<int> allowed) {
+  const char* env = getenv(name);
+  const int v = env ? atoi(env) : 0;
+  for (int a : allowed)
+    if (v == a) return v;
+  return 0;
+}
+
+// The current device's SM count (132, an H100's, if it cannot be read).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+                   cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+                   v > 0
+               ? v
+               : 132;
+  }();
+  return n;
+}
+
 // Launch the GEMV as a programmatic dependent (sm_90+): its blocks start while the
 // kernel before it in the stream drains, and wait in grid_dependency_wait() before
 // reading anything. Measured on an H100 (hip_src/tune_mma_driver.hip, back to back):
@@ -852,11 +875,7 @@ inline bool programmatic_launch() {
 // bit for bit on this kernel too).
 // $JAXQUANT_MMA_WARPS (1, 2, 4 or 8) overrides it for benchmark sweeps.
 inline int warps_for(int64_t chunks) {
-  static const int forced = [] {
-    const char* env = getenv("JAXQUANT_MMA_WARPS");
-    const int w = env ? atoi(env) : 0;
-    return (w == 1 || w == 2 || w == 4 || w == 8) ? w : 0;
-  }();
+  static const int forced = env_choice("JAXQUANT_MMA_WARPS", {1, 2, 4, 8});
   if (forced) return forced;
   if (chunks >= 128) return 8;
   if (chunks >= 16) return 4;
@@ -870,22 +889,12 @@ inline int warps_for(int64_t chunks) {
 // Kept at 1 where half the tiles would leave SMs idle. A tile's float ops do not
 // depend on it. $JAXQUANT_MMA_TILES (1 or 2) overrides it for benchmark sweeps.
 inline int tiles_per_block(int nt, int64_t full_tiles, int64_t slots) {
-  static const int forced = [] {
-    const char* env = getenv("JAXQUANT_MMA_TILES");
-    const int v = env ? atoi(env) : 0;
-    return (v == 1 || v == 2) ? v : 0;
-  }();
+  static const int forced = env_choice("JAXQUANT_MMA_TILES", {1, 2});
   // M <= 8 keeps one tile per block (measured within 0.9-1.3x of M = 1 so; one
   // kernel per format instead of two)
   if (nt != 2) return 1;
   if (forced) return forced;
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-    return n;
-  }();
-  return (full_tiles / 2) * slots >= 2 * (int64_t)sms ? 2 : 1;
+  return (full_tiles / 2) * slots >= 2 * (int64_t)sm_count() ? 2 : 1;
 }
 
 template <class C, int XDT, int NT, int P, int SDT, int TB>
