@@ -494,7 +494,7 @@ __device__ __forceinline__ void unit_to_shared(uint32_t dst, const uint32_t* src
 // scales: copied by a few lanes, read by all after a __syncwarp.
 template <int BITS>
 struct Stages {
-  // more stages measured slower at 4 bits (hip_src/tune_mma_driver.hip: 6 and 8 lose
+  // more stages measured slower at 4 bits (tools/cuda/tune_mma_driver.hip: 6 and 8 lose
   // 0.5-3 us on an H100); fewer above 4 bits keep the blocks per SM
   static constexpr int value = BITS > 4 ? 3 : 4;
 };
@@ -855,7 +855,7 @@ inline int sm_count() {
 
 // Launch the GEMV as a programmatic dependent (sm_90+): its blocks start while the
 // kernel before it in the stream drains, and wait in grid_dependency_wait() before
-// reading anything. Measured on an H100 (hip_src/tune_mma_driver.hip, back to back):
+// reading anything. Measured on an H100 (tools/cuda/tune_mma_driver.hip, back to back):
 // 1.6 us less per call at every size, 33 MB 18.4 -> 16.8 us. $JAXQUANT_PDL=0 turns it off.
 inline bool programmatic_launch() {
   static const bool on = [] {
