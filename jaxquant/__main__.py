@@ -30,6 +30,11 @@ def report(n: int = 1024, k: int = 4096) -> None:
             continue
         why = dispatch.unavailable_reason(name)
         print(f"  backend {name:9s} {'available' if why is None else 'unavailable: ' + why}")
+        if name == "ffi":  # which native libraries this install has, or why not (the build's words)
+            from jaxquant import ffi
+            for platform, lib in ffi.libraries().items():
+                print(f"    library {platform:4s} "
+                      f"{'loaded from ' + str(lib.path) if lib.handle is not None else lib.error}")
     for name, why in not_built.items():  # apart: not part of this build at all
         print(f"  (not built on this platform: {name}: {why})")
     w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32)

@@ -1,7 +1,7 @@
 """Compile checks of hip_src/ for the GPUs CI has no device for (DESIGN.md §5):
 ROCm (gfx90a, gfx942, gfx950 where the compiler knows it, gfx1100, gfx1201)
 with clang + the HIP headers (scripts/install_hip_toolchain.sh), and CUDA
-(sm_80, sm_90) with nvcc. Each skips, with the reason, where its compiler
+(sm_80, sm_90, sm_90a) with nvcc. Each skips, with the reason, where its compiler
 is absent."""
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ NVCC = shutil.which("nvcc") or (shutil.which("/usr/local/bin/nvcc"))
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 def test_cuda_library_compiled():
-    """With nvcc present, `pip install -e .` builds libjaxquant_cuda.so (sm_80, sm_90):
-    check it has every handler; if this install skipped it, compile the sources here."""
+    """Where this install built libjaxquant_cuda.so (nvcc and an NVIDIA GPU at build
+    time, or JAXQUANT_ENABLE_CUDA=ON): check it has every handler. Elsewhere (CI, a
+    machine without a GPU) compile every CUDA source here for sm_80 and sm_90 (sm_90a:
+    the wgmma GEMM), ptxas at -O0 (scripts/native_compile_check.py; docs/building.md)."""
     lib = jf.libraries()["cuda"]
     if lib.path is not None:
         handle = ctypes.CDLL(str(lib.path))
