@@ -1002,6 +1002,22 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
   return err;
 }
 
+// One kernel a translation unit where CMake builds the library: CMakeLists.txt compiles
+// each qmv_mma_<family>_<dtype>.hip once per launcher it defines (JQ_MMA_PART =
+// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT; qmm_wgmma.hip: JQ_MMA_BF16 or JQ_MMA_F16),
+// so the longest compile, which bounds a parallel build, is one kernel's, not three.
+// Without JQ_MMA_PART a file defines all of them (the compile checks, a hand build).
+#define JQ_MMA_GEMV 1
+#define JQ_MMA_GEMM 2
+#define JQ_MMA_DEQUANT 3
+#define JQ_MMA_BF16 4
+#define JQ_MMA_F16 5
+#if defined(JQ_MMA_PART)
+#define JQ_MMA_BUILDS(part) (JQ_MMA_PART == (part))
+#else
+#define JQ_MMA_BUILDS(part) 1
+#endif
+
 #define JQ_MMA_DECLARE(DT)                                                              \
   hipError_t launch_qmv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream); \
   hipError_t launch_qmv_mma_float_##DT(const Problem& pr, int nt, hipStream_t stream);  \
