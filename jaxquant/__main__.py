@@ -15,6 +15,11 @@ import time
 
 
 def report(n: int = 1024, k: int = 4096) -> None:
+    """python -m jaxquant report: the JAX devices, which jaxquant backends are built and
+    available here (and why not), and per format (mode, bits, group size) the bits per
+    weight and the quantize -> dequantize error on a standard normal [1024, 4096] float32
+    matrix: relative error |w - deq(q(w))| / |w|, the largest absolute error, and the
+    round trip's time in ms (jitted, after a warm-up). Takes no arguments."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -67,6 +72,13 @@ def main(argv: list[str]) -> int:
         from jaxquant import bench
         return bench.main(argv[1:]) or 0
     if argv and argv[0] == "report":
+        if argv[1:] in (["-h"], ["--help"]):
+            print(report.__doc__)
+            return 0
+        if argv[1:]:
+            print(f"python -m jaxquant report: error: it takes no arguments; got "
+                  f"{' '.join(argv[1:])} (see python -m jaxquant report --help)", file=sys.stderr)
+            return 2
         report()
         return 0
     from jaxquant import demo

@@ -380,11 +380,13 @@ def _expert_local(op, leaves, tree, backend, params, expert_axes):
         return jnp.where(mine[..., None], y, jnp.zeros((), y.dtype))
     # ragged_qmm: this shard's rows are contiguous, from `start`; rotate them to
     # row 0, run the local experts' groups, rotate back (rows past them are zero).
-    group_sizes = third
+    # The sizes as cut at T first (negative ones 0), so no group wraps round to row 0.
+    from jaxquant.ops.common import ragged_group_ends
+    rows = x.shape[0]
+    ends = ragged_group_ends(third, rows)
+    group_sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
     local_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, e_local)
     start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < first, group_sizes, 0))
-    rows = x.shape[0]
-    start = jnp.minimum(start, rows).astype(jnp.int32)
     y = op.bind(jnp.roll(x, -start, axis=0), qw, local_sizes, backend=backend, **params)
     return jnp.roll(y, start, axis=0)
 

@@ -128,6 +128,10 @@ def main():
                             (put(xr, P()), put_q(qe, P("tp")), put(sizes, P())))
     out["ragged_ep_col"] = case(jq.ragged_qmm, (xr, qe, sizes),
                                 (put(xr, P()), put_q(qe, P("tp", "data")), put(sizes, P())))
+    # traced sizes with a negative one and a sum past T (30 of 20): 0, cut at T, no wrap
+    bad = jnp.array([5, -1, 4, 2, 6, 0, 6, 7], jnp.int32)
+    out["ragged_ep_bad_sizes"] = case(jq.ragged_qmm, (xr, qe, bad),
+                                      (put(xr, P()), put_q(qe, P("tp")), put(bad, P())))
 
     # norms on rows
     h = rand(9, (16, 256))

@@ -43,6 +43,7 @@ def test_no_collective(cases, name):
 
 @pytest.mark.parametrize("name", [f"qmm_row_{m}" for m in ("affine", "mxfp4", "nvfp4")]
                          + ["gather_ep", "gather_ep_row", "ragged_ep", "ragged_ep_col",
+                            "ragged_ep_bad_sizes",
                             "qmm_col_grad"])
 def test_one_all_reduce(cases, name):
     # partial sums in another order: float32 rounding over K=512
