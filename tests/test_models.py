@@ -118,42 +118,51 @@ def test_nvfp4_parts_with_their_own_global_scales_stay_separate():
 
 @pytest.mark.parametrize("family,mode", [("llama", "affine4"), ("gpt_oss", "mxfp4"),
                                          ("gpt_oss", None)])
-def test_layer_loops_agree(family, mode):
-    """lax.scan over the stacks, the unrolled loop over static slices, and separate
-    per-layer buffers (unstack_layers) give the same logits, prefill and decode."""
+def test_per_layer_buffers_equal_the_stacked_layers(family, mode):
+    """Per-layer buffers (a Python loop over layers) and stacked layers (lax.scan):
+    the same values from init_params and quantize_params in either form, and the
+    same logits and tokens, prefill and decode."""
     cfg = tiny(family, dtype="float32")
-    params = models.init_params(cfg, jax.random.key(9))
-    if mode:
-        params = models.quantize_params(params, mode)
-    prompt = jax.random.randint(jax.random.key(10), (1, 12), 0, cfg.vocab_size)
-    gen = jax.jit(models.generate, static_argnums=(0, 3, 4, 5))
-    want = gen(cfg, params, prompt, 3, None, "scan")
-    logits = jax.jit(models.prefill, static_argnums=(0, 3, 4, 5))
-    ref = logits(cfg, params, prompt, 16, None, "scan")[0]
-    split = models.unstack_layers(params)
+    stacked = models.init_params(cfg, jax.random.key(9), per_layer=False)
+    split = models.init_params(cfg, jax.random.key(9), per_layer=True)
     assert isinstance(split["layers"], tuple) and len(split["layers"]) == cfg.num_layers
-    for p, loop in ((params, "unroll"), (split, "unroll"), (split, "auto")):
-        np.testing.assert_allclose(logits(cfg, p, prompt, 16, None, loop)[0], ref,
-                                   rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(gen(cfg, p, prompt, 3, None, loop), want)
-    with pytest.raises(ValueError, match="layer_loop"):
-        models.prefill(cfg, params, prompt, 16, None, "while")
-    with pytest.raises(ValueError, match="stacked"):
-        models.prefill(cfg, split, prompt, 16, None, "scan")
+    if mode:
+        q_split = models.quantize_params(stacked, mode, per_layer=True)  # straight from a stack
+        stacked = models.quantize_params(stacked, mode, per_layer=False)
+        split = models.quantize_params(split, mode, per_layer=True)
+        assert isinstance(q_split["layers"], tuple)
+        for a, b in zip(jax.tree_util.tree_leaves(q_split), jax.tree_util.tree_leaves(split)):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree_util.tree_leaves(models.unstack_layers(stacked)),
+                    jax.tree_util.tree_leaves(split)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree_util.tree_leaves(models.stack_layers(split)),
+                    jax.tree_util.tree_leaves(stacked)):
+        np.testing.assert_array_equal(a, b)
+    prompt = jax.random.randint(jax.random.key(10), (1, 12), 0, cfg.vocab_size)
+    gen = jax.jit(models.generate, static_argnums=(0, 3))
+    logits = jax.jit(models.prefill, static_argnums=(0, 3))
+    np.testing.assert_allclose(logits(cfg, split, prompt, 16)[0],
+                               logits(cfg, stacked, prompt, 16)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(gen(cfg, split, prompt, 3), gen(cfg, stacked, prompt, 3))
+    with pytest.raises(ValueError, match="layers"):
+        models.prefill(cfg, dict(split, layers=split["layers"][:1]), prompt, 16)
 
 
-def test_layer_loop_and_experts_by_layer_defaults():
-    from jaxquant.models.decoder import resolve_experts_by_layer, resolve_layer_loop
+def test_defaults_follow_the_device():
+    from jaxquant.models.decoder import default_per_layer, resolve_experts_by_layer
+    assert default_per_layer() == (jax.default_backend() != "cpu")
     cfg = tiny("gpt_oss")
     params = models.init_params(cfg, jax.random.key(11))
-    layers = params["layers"]
-    assert resolve_layer_loop("auto", layers) == ("scan" if jax.default_backend() == "cpu"
-                                                  else "unroll")
+    assert models.decoder.is_per_layer(params) == default_per_layer()
+    layers = models.init_params(cfg, jax.random.key(11), per_layer=False)["layers"]
     assert not resolve_experts_by_layer(cfg, layers, None)  # float experts: no kernel
-    q = models.quantize_params(params, "mxfp4")["layers"]
-    assert resolve_experts_by_layer(cfg, q, None)  # quantized, one device
+    q = models.quantize_params(params, "mxfp4", per_layer=False)["layers"]
+    assert resolve_experts_by_layer(cfg, q, None)  # quantized, stacked, one device
     assert not resolve_experts_by_layer(cfg, q, False)
     assert resolve_experts_by_layer(cfg, layers, True)
+    split = models.quantize_params(params, "mxfp4", per_layer=True)["layers"]
+    assert not resolve_experts_by_layer(cfg, split, True)  # each layer's experts its own
     # placed on several devices: tests/sharding_cases.py (model_gpt_oss) checks it is off
 
 
@@ -553,5 +562,9 @@ def test_mlx_checkpoint(tmp_path):
     mlx.update(jq.io.to_mlx_tensors(jq.quantize(jnp.asarray(t[odd + ".weight"]), mode="affine",
                                                 bits=8, group_size=64), odd))
     _write(tmp_path / "mixed", dict(config, quantization=bad), mlx)
-    with pytest.raises(ValueError, match="w_down"):
-        checkpoint.load(tmp_path / "mixed")
+    with pytest.raises(ValueError, match="w_down"):  # stacked: one format per matrix
+        checkpoint.load(tmp_path / "mixed", per_layer=False)
+    cfg, mixed = checkpoint.load(tmp_path / "mixed", per_layer=True)  # per layer: any
+    assert [lay["w_down"].bits for lay in mixed["layers"]] == [4, 8]
+    logits = _logits(cfg, mixed)
+    assert logits.shape == (2, 6, 64) and bool(jnp.all(jnp.isfinite(logits)))

@@ -31,8 +31,8 @@ import numpy as np
 
 import jaxquant as jq
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import (MATRICES, fuse_layer, prepack_params, quantize_args,
-                                     quantize_matrix)
+from jaxquant.models.decoder import (MATRICES, default_per_layer, fuse_layer, prepack_params,
+                                     quantize_args, quantize_matrix, stack_layers)
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -71,41 +71,30 @@ class _Tensors:
 
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str | None = None,
-         fuse: bool = True):
+         fuse: bool = True, per_layer: bool | None = None):
     """(Config, params) from a checkpoint directory. mode: quantize float matrices
     on load (None keeps them float); dtype: the activation / float weight dtype;
     layout: the kernel layout of the quantized matrices (None: the default
     device's fastest, as jq.prepack; "canonical" keeps the exchange layout);
-    fuse: q/k/v and gate/up as one matrix each (models.fuse_params)."""
+    fuse: q/k/v and gate/up as one matrix each (models.fuse_params);
+    per_layer: the layers as separate buffers, read one at a time (None: the
+    default device's fastest form, models.decoder.default_per_layer); stacked,
+    a matrix must have one format in every layer."""
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     cfg = from_hf(hf, dtype=dtype)
     tensors = _Tensors(path)
     quant = _Quantizer(mode, hf.get("quantization"), dtype)
-    layers = [_layer(cfg, tensors, quant, i, fuse) for i in range(cfg.num_layers)]
-    params = {"layers": _stack_layers(layers),
+    layers = tuple(_layer(cfg, tensors, quant, i, fuse) for i in range(cfg.num_layers))
+    params = {"layers": layers,
               "embed": quant.matrix(tensors, "model.embed_tokens"),
               "final_norm": quant.float(tensors["model.norm.weight"])}
     if not cfg.tie_embeddings:
         head = quant.matrix(tensors, "lm_head")
         params["lm_head"] = quant.quantize(head) if lm_head else head
+    if not (default_per_layer() if per_layer is None else per_layer):
+        params = stack_layers(params)
     return cfg, prepack_params(params, layout)
-
-
-def _stack_layers(layers):
-    """Per-layer dicts -> one dict of [L, ...] stacks (what lax.scan runs over)."""
-    out = {}
-    for key in layers[0]:
-        parts = [lay[key] for lay in layers]
-        kinds = {(p.mode, p.bits, p.group_size) if isinstance(p, QuantizedArray) else "float"
-                 for p in parts}
-        if len(kinds) > 1:
-            raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
-                             f"; the decoder stacks layers for lax.scan, so a matrix must have "
-                             f"one format across layers (mixed-precision recipes that vary it "
-                             f"per layer are not supported)")
-        out[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
-    return out
 
 
 class _Quantizer:

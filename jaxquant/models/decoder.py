@@ -297,28 +297,26 @@ def embed(params, tokens):
 
 
 EXPERT_STACKS = ("e_gate_up", "e_gate", "e_up", "e_down")
-LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
-def _per_layer(layers) -> bool:
-    """Layers as separate buffers (a tuple of per-layer dicts: `unstack_layers`)."""
+def is_per_layer(params_or_layers) -> bool:
+    """Whether the layers are separate buffers (a tuple of per-layer dicts) rather
+    than stacked [L, ...] arrays."""
+    layers = params_or_layers
+    if isinstance(layers, dict) and "layers" in layers:
+        layers = layers["layers"]
     return isinstance(layers, (list, tuple))
 
 
-def resolve_layer_loop(layer_loop: str, layers) -> str:
-    """"scan" or "unroll" for `layer_loop` ("auto": unroll on a GPU, where XLA copies
-    a scanned layer's slice of a stacked weight before cuBLAS and Pallas calls and
-    an unrolled layer reads it in place; scan elsewhere, compiling one layer body)."""
-    if layer_loop not in LAYER_LOOPS:
-        raise ValueError(f"layer_loop={layer_loop!r} is not known; expected one of {LAYER_LOOPS}")
-    if _per_layer(layers):
-        if layer_loop == "scan":
-            raise ValueError("layer_loop='scan' needs the layers stacked; these are separate "
-                             "buffers (unstack_layers), which run unrolled")
-        return "unroll"
-    if layer_loop == "auto":
-        return "unroll" if jax.default_backend() in ("gpu", "cuda", "rocm") else "scan"
-    return layer_loop
+def default_per_layer() -> bool:
+    """The layer form that runs fastest on the default device: separate per-layer
+    buffers on a GPU, stacked arrays (one compiled layer body) elsewhere.
+
+    Measured on an H100 (Llama-3-8B dimensions, bf16, batch 1): lax.scan over
+    stacked weights 62 tok/s (XLA copies each layer's slice before cuBLAS and
+    Pallas calls), a Python loop over static slices of the stacks 40 tok/s,
+    a Python loop over per-layer buffers 150 tok/s (docs/models.md)."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def _on_several_devices(a) -> bool:
@@ -331,10 +329,11 @@ def _on_several_devices(a) -> bool:
 
 
 def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer) -> bool:
-    """experts_by_layer=None (automatic): on when the stacked experts are quantized and
-    on one device (on a mesh that splits E, the flattened [L*E] axis would not be
-    split in blocks; see `forward`)."""
-    if _per_layer(layers) or not cfg.moe:
+    """Whether `forward` indexes the stacked experts of all layers at once.
+    None (automatic): on when the stacked experts are quantized and on one device
+    (on a mesh that splits E, the flattened [L*E] axis would not be split in
+    blocks). Per-layer buffers need none of it: each layer's experts are their own."""
+    if is_per_layer(layers) or not cfg.moe:
         return False
     if experts_by_layer is not None:
         return bool(experts_by_layer)
@@ -343,68 +342,61 @@ def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer) -> bool:
                                     for leaf in jax.tree_util.tree_leaves(qw))
 
 
-def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None,
-            layer_loop: str = "auto"):
+def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None):
     """tokens [B, T] at positions [B, T] -> (logits [B, T, V] float32, cache).
 
-    layer_loop: "scan" (lax.scan over the stacked layers: one compiled layer
-    body), "unroll" (a Python loop: each layer's weights are static slices of
-    the stacks, or separate buffers after `unstack_layers`) or "auto" (unroll
-    on a GPU, scan elsewhere; see resolve_layer_loop).
+    The layer loop follows the parameters' form: per-layer buffers (a tuple of
+    per-layer dicts) run in a Python loop, each layer reading its own buffers;
+    stacked [L, ...] arrays run in lax.scan (one compiled layer body).
 
-    experts_by_layer: keep the quantized expert stacks out of the layer loop and
-    index all layers' experts at once ([L*E, N, K], expert layer*E + e), so no
-    layer copies its expert stack before the kernel (a custom call's operand is
-    materialized: ~400 MB per layer for gpt-oss-20b in MXFP4). None (default):
-    automatic, on for quantized experts on one device; True / False force it.
-    Single-device only: with experts split over a mesh axis, the flattened
-    [L*E] axis would no longer be split in blocks."""
+    experts_by_layer (stacked form only): keep the quantized expert stacks out of
+    the scan and index all layers' experts at once ([L*E, N, K], expert
+    layer*E + e), so no step copies its layer's expert stack before the kernel
+    (a custom call's operand is materialized: ~400 MB per layer for gpt-oss-20b
+    in MXFP4). None (default): automatic, on for quantized experts on one
+    device; True / False force it. Single-device only: with experts split over
+    a mesh axis, the flattened [L*E] axis would no longer be split in blocks."""
     inv_freq, factor = cfg.rope_inv_freq()
     rope_table = (jnp.asarray(inv_freq, jnp.float32), factor)
     h = embed(params, tokens).astype(jnp.dtype(cfg.dtype))
     layers = params["layers"]
-    loop = resolve_layer_loop(layer_loop, layers)
-    stacks = {}
-    if resolve_experts_by_layer(cfg, layers, experts_by_layer):
-        stacks = {k: _flatten_layers(v) for k, v in layers.items()
-                  if k in EXPERT_STACKS and isinstance(v, QuantizedArray)}
-        layers = {k: v for k, v in layers.items() if k not in stacks}
-
-    def run(p, h, cache, i, window):
-        p = dict(p, **{k: ExpertsOfLayer(v, i, cfg.num_experts) for k, v in stacks.items()})
-        return layer(cfg, p, h, positions, cache, i, window, rope_table)
-
     cache = tuple(cache)
-    if loop == "scan":
+    if is_per_layer(layers):
+        if len(layers) != cfg.num_layers:
+            raise ValueError(f"params has {len(layers)} layers; the config {cfg.num_layers}")
+        for i, (p, window) in enumerate(zip(layers, cfg.windows().tolist())):
+            h, cache = layer(cfg, p, h, positions, cache, i, window, rope_table)
+    else:
+        stacks = {}
+        if resolve_experts_by_layer(cfg, layers, experts_by_layer):
+            stacks = {k: _flatten_layers(v) for k, v in layers.items()
+                      if k in EXPERT_STACKS and isinstance(v, QuantizedArray)}
+            layers = {k: v for k, v in layers.items() if k not in stacks}
+
         def step(carry, xs):
+            h, cache = carry
             p, window, i = xs
-            return run(p, *carry, i, window), None
+            p = dict(p, **{k: ExpertsOfLayer(v, i, cfg.num_experts) for k, v in stacks.items()})
+            return layer(cfg, p, h, positions, cache, i, window, rope_table), None
 
         (h, cache), _ = lax.scan(step, (h, cache), (layers, jnp.asarray(cfg.windows()),
                                                     jnp.arange(cfg.num_layers)))
-    else:
-        for i, window in enumerate(cfg.windows().tolist()):
-            p = layers[i] if _per_layer(layers) else jax.tree_util.tree_map(
-                lambda a: a[i], layers)
-            h, cache = run(p, h, cache, i, window)
     h = jq.rms_norm(h, params["final_norm"], eps=cfg.rms_eps)
     head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     logits = linear(h, head).astype(jnp.float32)
     return logits, cache
 
 
-def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None,
-            layer_loop: str = "auto"):
+def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None):
     """prompt [B, S] -> (logits [B, S, V], cache, next token [B])."""
     b, s = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     logits, cache = forward(cfg, params, prompt, positions, init_cache(cfg, b, max_len),
-                            experts_by_layer, layer_loop)
+                            experts_by_layer)
     return logits, cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
 
-def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_layer=None,
-           layer_loop: str = "auto"):
+def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_layer=None):
     """Greedy decoding of `steps` tokens in one loop from token [B] at position
     `start`: -> (tokens [B, steps], last logits [B, V], cache)."""
     b = token.shape[0]
@@ -412,8 +404,7 @@ def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_laye
     def step(carry, i):
         token, cache, _ = carry
         pos = jnp.full((b, 1), start + i, jnp.int32)
-        logits, cache = forward(cfg, params, token[:, None], pos, cache, experts_by_layer,
-                                layer_loop)
+        logits, cache = forward(cfg, params, token[:, None], pos, cache, experts_by_layer)
         nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
         return (nxt, cache, logits[:, -1]), nxt
 
@@ -423,13 +414,11 @@ def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_laye
     return tokens.T, logits, cache
 
 
-def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None,
-             layer_loop: str = "auto"):
+def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None):
     """Greedy generation: prompt [B, S] -> [B, steps] new tokens (jit this whole)."""
-    _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer,
-                              layer_loop)
+    _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer)
     tokens, _, _ = decode(cfg, params, cache, token, prompt.shape[1], steps - 1,
-                          experts_by_layer, layer_loop)
+                          experts_by_layer)
     return jnp.concatenate([token[:, None], tokens], axis=1)
 
 
@@ -437,45 +426,62 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None,
 # Parameters.
 
 
-def init_params(cfg: Config, key, dtype=None):
+def init_params(cfg: Config, key, dtype=None, *, per_layer: bool | None = None):
     """Random parameters (normal, 1/sqrt(fan_in) scaled), float, in the layout above
-    (fused wqkv / w_gate_up / e_gate_up)."""
+    (fused wqkv / w_gate_up / e_gate_up). per_layer: the layers as separate buffers
+    drawn one at a time (None: default_per_layer()); either form holds the same
+    values for the same key."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    L, D, hd = cfg.num_layers, cfg.hidden_size, cfg.head_dim
+    per_layer = default_per_layer() if per_layer is None else per_layer
+    k_layers, k_embed, k_head = jax.random.split(key, 3)
+    layer_keys = jax.random.split(k_layers, cfg.num_layers)
+    one = functools.partial(_init_layer, cfg, dtype)
+    layers = tuple(one(k) for k in layer_keys) if per_layer else jax.vmap(one)(layer_keys)
+    d = cfg.hidden_size
+    params = {"embed": _normal(k_embed, (cfg.vocab_size, d), dtype, fan_in=1), "layers": layers,
+              "final_norm": jnp.ones((d,), dtype)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = _normal(k_head, (cfg.vocab_size, d), dtype)
+    return params
+
+
+def _normal(key, shape, dtype, fan_in=None):
+    # drawn in `dtype` itself: no float32 copy of a 20B-parameter model
+    fan_in = fan_in or shape[-1]
+    return jax.random.normal(key, shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
+
+
+def _init_layer(cfg: Config, dtype, key):
+    """One layer's random weights."""
+    D, hd = cfg.hidden_size, cfg.head_dim
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
-    keys = iter(jax.random.split(key, 32))
+    keys = iter(jax.random.split(key, 16))
 
     def w(*shape, fan_in=None):
-        # drawn in `dtype` itself: no float32 copy of a 20B-parameter model
-        fan_in = fan_in or shape[-1]
-        return jax.random.normal(next(keys), shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
+        return _normal(next(keys), shape, dtype, fan_in)
 
-    layers = {"attn_norm": jnp.ones((L, D), dtype), "mlp_norm": jnp.ones((L, D), dtype),
-              "wqkv": w(L, (hq + 2 * hkv) * hd, D), "wo": w(L, D, hq * hd)}
+    p = {"attn_norm": jnp.ones((D,), dtype), "mlp_norm": jnp.ones((D,), dtype),
+         "wqkv": w((hq + 2 * hkv) * hd, D), "wo": w(D, hq * hd)}
     if cfg.attention_bias:
-        layers["bqkv"] = w(L, (hq + 2 * hkv) * hd, fan_in=16)
-        layers["bo"] = w(L, D, fan_in=16)
+        p["bqkv"] = w((hq + 2 * hkv) * hd, fan_in=16)
+        p["bo"] = w(D, fan_in=16)
     if cfg.qk_norm:
-        layers["q_norm"] = jnp.ones((L, hd), dtype)
-        layers["k_norm"] = jnp.ones((L, hd), dtype)
+        p["q_norm"] = jnp.ones((hd,), dtype)
+        p["k_norm"] = jnp.ones((hd,), dtype)
     if cfg.moe:
         E, I = cfg.num_experts, cfg.moe_intermediate_size
-        layers["router"] = w(L, E, D)
-        layers["e_gate_up"] = w(L, E, 2 * I, D)
-        layers["e_down"] = w(L, E, D, I)
+        p["router"] = w(E, D)
+        p["e_gate_up"] = w(E, 2 * I, D)
+        p["e_down"] = w(E, D, I)
         if cfg.family == "gpt_oss":
-            layers["sinks"] = w(L, hq, fan_in=1)
-            layers["router_bias"] = w(L, E, fan_in=16)
-            layers["e_gate_up_bias"] = w(L, E, 2 * I, fan_in=16)
-            layers["e_down_bias"] = w(L, E, D, fan_in=16)
+            p["sinks"] = w(hq, fan_in=1)
+            p["router_bias"] = w(E, fan_in=16)
+            p["e_gate_up_bias"] = w(E, 2 * I, fan_in=16)
+            p["e_down_bias"] = w(E, D, fan_in=16)
     else:
         I = cfg.intermediate_size
-        layers.update(w_gate_up=w(L, 2 * I, D), w_down=w(L, D, I))
-    params = {"embed": w(cfg.vocab_size, D, fan_in=1), "layers": layers,
-              "final_norm": jnp.ones((D,), dtype)}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = w(cfg.vocab_size, D)
-    return params
+        p.update(w_gate_up=w(2 * I, D), w_down=w(D, I))
+    return p
 
 
 # fused key -> the separate keys whose rows it holds, in order (biases: the last axis)
@@ -524,7 +530,7 @@ def _split_rows(w, sizes):
 def _map_layers(fn, params):
     """params with fn applied to the layer dict (each one, when unstacked)."""
     layers = params["layers"]
-    return dict(params, layers=tuple(fn(dict(p)) for p in layers) if _per_layer(layers)
+    return dict(params, layers=tuple(fn(dict(p)) for p in layers) if is_per_layer(layers)
                 else fn(dict(layers)))
 
 
@@ -576,14 +582,32 @@ def unfuse_params(cfg: Config, params):
 
 
 def unstack_layers(params):
-    """params with the stacked layers as one dict per layer (separate buffers, run
-    unrolled: no layer reads a slice of a stack)."""
+    """params with the stacked layers as one dict per layer (separate buffers)."""
     layers = params["layers"]
-    if _per_layer(layers):
+    if is_per_layer(layers):
         return params
     n = jax.tree_util.tree_leaves(layers)[0].shape[0]
     return dict(params, layers=tuple(jax.tree_util.tree_map(lambda a: a[i], layers)
                                      for i in range(n)))
+
+
+def stack_layers(params):
+    """params with per-layer dicts stacked into [L, ...] arrays (for lax.scan). Every
+    layer's matrix must have one format (ValueError naming it otherwise)."""
+    layers = params["layers"]
+    if not is_per_layer(layers):
+        return params
+    out = {}
+    for key in layers[0]:
+        parts = [lay[key] for lay in layers]
+        kinds = {(p.mode, p.bits, p.group_size, p.layout) if isinstance(p, QuantizedArray)
+                 else "float" for p in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
+                             f"; stacked layers (lax.scan) need one format per matrix across "
+                             f"layers (per-layer buffers, per_layer=True, take any)")
+        out[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
+    return dict(params, layers=out)
 
 
 # Matrices that `quantize_params` quantizes (routers and norms stay float).
@@ -610,27 +634,43 @@ def quantize_args(mode):
 
 
 def quantize_params(params, mode: str, *, lm_head: bool = True, layout: str | None = None,
-                    fuse: bool = True):
+                    fuse: bool = True, per_layer: bool | None = None):
     """Quantize every float weight matrix (and lm_head) to `mode` (a MODES name or
     a dict of jq.quantize arguments); QuantizedArrays already there keep their
-    format (gpt-oss's MXFP4 experts). Stacked [L, ...] weights quantize per matrix.
+    format (gpt-oss's MXFP4 experts). Each layer's matrix quantizes on its own.
 
-    Kernel-ready: every quantized matrix comes back in `layout` (None: the fastest
-    layout for the default device, `jq.prepack`'s choice: cuda_mma on an NVIDIA GPU
-    with jaxquant's CUDA library, canonical elsewhere; "canonical" to opt out).
-    fuse: first concatenate q/k/v and gate/up into one matrix each (fuse_params)."""
+    Kernel-ready by default:
+    layout: every quantized matrix comes back in this kernel layout (None: the
+      fastest for the default device, `jq.prepack`'s choice: cuda_mma on an
+      NVIDIA GPU with jaxquant's CUDA library, canonical elsewhere; "canonical"
+      opts out).
+    fuse: first concatenate q/k/v and gate/up into one matrix each (fuse_params).
+    per_layer: the layers as separate buffers (None: default_per_layer(), the
+      fastest layer loop on the default device); stacked input is quantized a
+      layer at a time straight into that form."""
     kw = quantize_args(mode)
+    quantize_fn = _jitted_quantize(tuple(sorted(kw.items())))
+    per_layer = default_per_layer() if per_layer is None else per_layer
     if fuse:
         params = fuse_params(params)
 
-    def quantize(p):
-        for name in MATRICES:
-            if name in p and not isinstance(p[name], QuantizedArray):
-                p[name] = quantize_matrix(p[name], kw)
-        return p
-    out = _map_layers(quantize, params)
+    def quantize(name, w):
+        return quantize_fn(w) if name in MATRICES and not isinstance(w, QuantizedArray) else w
+
+    layers = params["layers"]
+    if is_per_layer(layers):
+        layers = tuple({k: quantize(k, v) for k, v in p.items()} for p in layers)
+    elif per_layer:
+        n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+        layers = tuple({k: quantize(k, v[i]) for k, v in layers.items()} for i in range(n))
+    else:
+        layers = {k: quantize_matrix(v, kw) if k in MATRICES and not isinstance(
+            v, QuantizedArray) else v for k, v in layers.items()}
+    out = dict(params, layers=layers)
+    if not per_layer:
+        out = stack_layers(out)
     if lm_head and "lm_head" in out and not isinstance(out["lm_head"], QuantizedArray):
-        out["lm_head"] = quantize_matrix(out["lm_head"], kw)
+        out["lm_head"] = quantize_fn(out["lm_head"])
     return prepack_params(out, layout)
 
 
