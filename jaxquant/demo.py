@@ -128,26 +128,25 @@ def run_mode(cfg, params, prompt, steps, mesh, progress):
         params = parallel.shard_params(cfg, params, mesh)
     b, s = prompt.shape
     max_len = s + steps
-    # one device: the experts of all layers indexed at once (no per-layer copy)
-    by_layer = mesh is None
-    prefill = jax.jit(models.prefill, static_argnums=(0, 3, 4))
-    decode = jax.jit(models.decode, static_argnums=(0, 5, 6), donate_argnums=(2,))
-    lowered = prefill.lower(cfg, params, prompt, max_len, by_layer).as_text()
-    _block(prefill(cfg, params, prompt, max_len, by_layer))
+    # the layer loop and experts_by_layer are chosen automatically (docs/models.md)
+    prefill = jax.jit(models.prefill, static_argnums=(0, 3))
+    decode = jax.jit(models.decode, static_argnums=(0, 5), donate_argnums=(2,))
+    lowered = prefill.lower(cfg, params, prompt, max_len).as_text()
+    _block(prefill(cfg, params, prompt, max_len))
     progress.step("prefill compiled")
     t0 = time.perf_counter()
-    logits, cache, token = _block(prefill(cfg, params, prompt, max_len, by_layer))
+    logits, cache, token = _block(prefill(cfg, params, prompt, max_len))
     t_prefill = time.perf_counter() - t0
     progress.step("prefill")
     if mesh is not None:
         cache = parallel.shard_cache(cfg, cache, mesh)
     # warm-up on a copy of the cache (decode donates it)
-    lowered += decode.lower(cfg, params, cache, token, s, steps - 1, by_layer).as_text()
+    lowered += decode.lower(cfg, params, cache, token, s, steps - 1).as_text()
     _block(decode(cfg, params, jax.tree_util.tree_map(lambda c: c.copy(), cache), token, s,
-                  steps - 1, by_layer))
+                  steps - 1))
     progress.step("decode compiled")
     t0 = time.perf_counter()
-    tokens, _, _ = _block(decode(cfg, params, cache, token, s, steps - 1, by_layer))
+    tokens, _, _ = _block(decode(cfg, params, cache, token, s, steps - 1))
     t_decode = time.perf_counter() - t0
     progress.step("decode")
     return {"logits": logits, "tokens": jax.numpy.concatenate([token[:, None], tokens], 1),

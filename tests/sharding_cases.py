@@ -159,11 +159,12 @@ def main():
 
 
 def model_cases():
-    """The decoder (jaxquant.models) on a 2 x 4 (tp x ep) mesh against one device."""
+    """The decoder (jaxquant.models) on a 2 x 4 (tp x ep) mesh against one device
+    (fused matrices split into their parts for tp), and on 1 x 4 (fused kept)."""
     from jaxquant import models
     from jaxquant.models import parallel
+    from jaxquant.models.decoder import resolve_experts_by_layer
 
-    mesh = parallel.make_mesh(2, 4)
     out = {}
     # gpt-oss-style: attention tensor-parallel, experts expert- and tensor-parallel
     cfg = models.Config(family="gpt_oss", vocab_size=256, hidden_size=128, num_layers=2,
@@ -173,21 +174,26 @@ def model_cases():
     params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "mxfp4")
     prompt = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
     run = jax.jit(lambda p, t: models.prefill(cfg, p, t, 24))
-    sharded = parallel.shard_params(cfg, params, mesh)
-    (want, cache_w, tok), (got, cache_g, _) = run(params, prompt), run(sharded, prompt)
-    text = run.lower(sharded, prompt).compile().as_text()
-    # packed weights are uint32, MX scales uint8: no all-gather may produce either
-    gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
-    case = {"err": err(got, want), "scale": float(jnp.max(jnp.abs(want))),
-            "weight_gathers": [g for g in gathers if g.startswith(("u32", "u8", "(u32", "(u8"))],
-            "all_gathers": len(gathers),
-            "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text))}
-    # decode (gather_qmm for the experts) sharded as well
-    dec = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 20, 2)[:2])
-    (tw, lw), (tg, lg) = dec(params, cache_w, tok), dec(sharded, cache_g, tok)
-    case["decode_err"] = err(lg, lw)
-    case["decode_same_tokens"] = bool(jnp.all(tw == tg))
-    out["model_gpt_oss"] = case
+    (want, cache_w, tok) = run(params, prompt)
+    for name, (tp, ep) in (("model_gpt_oss", (2, 4)), ("model_gpt_oss_ep", (1, 4))):
+        sharded = parallel.shard_params(cfg, params, parallel.make_mesh(tp, ep))
+        got, cache_g, _ = run(sharded, prompt)
+        text = run.lower(sharded, prompt).compile().as_text()
+        # packed weights are uint32, MX scales uint8: no all-gather may produce either
+        gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+        case = {"err": err(got, want), "scale": float(jnp.max(jnp.abs(want))),
+                "weight_gathers": [g for g in gathers
+                                   if g.startswith(("u32", "u8", "(u32", "(u8"))],
+                "all_gathers": len(gathers),
+                "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text)),
+                "keys": sorted(sharded["layers"]),
+                "experts_by_layer": resolve_experts_by_layer(cfg, sharded["layers"], None)}
+        if tp > 1:  # decode (gather_qmm for the experts) sharded as well
+            dec = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 20, 2)[:2])
+            (tw, lw), (tg, lg) = dec(params, cache_w, tok), dec(sharded, cache_g, tok)
+            case["decode_err"] = err(lg, lw)
+            case["decode_same_tokens"] = bool(jnp.all(tw == tg))
+        out[name] = case
     return out
 
 

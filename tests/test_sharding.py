@@ -82,3 +82,16 @@ def test_model_tp_ep(cases):
     assert case["decode_same_tokens"], case
     assert case["weight_gathers"] == [], case
     assert case["all_reduces"] >= 1, case
+    # tp splits the fused matrices back into their parts (each split on tp)
+    assert {"wq", "wk", "wv", "bq", "e_gate", "e_up", "e_gate_bias"} <= set(case["keys"])
+    assert "wqkv" not in case["keys"] and "e_gate_up" not in case["keys"]
+    # the experts of all layers flattened would not stay split on ep: off on a mesh
+    assert case["experts_by_layer"] is False
+
+
+def test_model_ep_keeps_fused_matrices(cases):
+    case = cases["model_gpt_oss_ep"]
+    assert {"wqkv", "bqkv", "e_gate_up", "e_gate_up_bias"} <= set(case["keys"])
+    assert case["err"] <= 1e-5 * case["scale"], case
+    assert case["weight_gathers"] == [], case
+    assert case["experts_by_layer"] is False
