@@ -1,7 +1,7 @@
 """Fused decode ops: rms_norm_qmm and qmm_swiglu (docs/fused.md).
 
 Each is a primitive whose reference is the composition of the unfused
-references (DESIGN.md §4: a fused op equals that composition to rounding):
+references (docs/ops.md: a fused op equals that composition to rounding):
 
 - rms_norm_qmm(x, norm_weight, qw) == qmm(rms_norm(x, norm_weight), qw): the
   normalized x is rounded to x's dtype before the product, as the unfused ops
