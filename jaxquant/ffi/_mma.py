@@ -238,7 +238,7 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
 
 def register(lib) -> None:
     """Register the CUDA library's kernels on the layout (their own handler symbols,
-    jq_gpu_qmv_mma, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
+    jq_gpu_qmv_mma, jq_gpu_qmv_mma_fused, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
     every library lists)
     and their lowerings;
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
@@ -254,28 +254,25 @@ def register(lib) -> None:
     dispatch.register("qmm", "ffi", ("cuda",), qmm_impl, qmm_applies, priority=PRIORITY)
     dispatch.register("gather_qmm", "ffi", ("cuda",), gather_qmm_impl, gather_qmm_applies,
                       priority=PRIORITY)
-    if hasattr(lib.handle, "jq_gpu_qmv_mma_fused"):  # the fused GEMVs (a newer library)
-        jax.ffi.register_ffi_target(FUSED_TARGET,
-                                    jax.ffi.pycapsule(lib.handle.jq_gpu_qmv_mma_fused),
+    # the handlers a newer library adds: symbol, target, the kernels on it
+    optional = (
+        ("jq_gpu_qmv_mma_fused", FUSED_TARGET,  # the fused GEMVs
+         (("rms_norm_qmm", rms_norm_qmm_impl, rms_norm_qmm_applies, PRIORITY, None),
+          ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY, None))),
+        ("jq_gpu_qmm_gemm", GEMM_TARGET,  # the prefill GEMM
+         (("qmm", gemm_qmm_impl, gemm_qmm_applies, PRIORITY, gemm_qmm_auto),
+          ("ragged_qmm", ragged_qmm_impl, ragged_qmm_applies, PRIORITY, None))),
+        ("jq_gpu_dequant_mma", DEQUANT_TARGET,  # the layout's dequantize
+         (("dequantize", dequantize_mma_call, dequantize_applies, PRIORITY, None),
+          # many rows: below the GEMM, which an explicit backend="ffi" gets
+          ("qmm", cublas_qmm_impl, gemm_qmm_applies, PRIORITY - 1, cublas_qmm_auto))),
+    )
+    for symbol, target, kernels in optional:
+        if not hasattr(lib.handle, symbol):
+            continue
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib.handle, symbol)),
                                     platform="CUDA")
-        dispatch.register("rms_norm_qmm", "ffi", ("cuda",), rms_norm_qmm_impl,
-                          rms_norm_qmm_applies, priority=PRIORITY)
-        dispatch.register("qmm_swiglu", "ffi", ("cuda",), qmm_swiglu_impl, qmm_swiglu_applies,
-                          priority=PRIORITY)
-    if hasattr(lib.handle, "jq_gpu_qmm_gemm"):  # the prefill GEMM (a newer library)
-        jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.handle.jq_gpu_qmm_gemm),
-                                    platform="CUDA")
-        dispatch.register("qmm", "ffi", ("cuda",), gemm_qmm_impl, gemm_qmm_applies,
-                          priority=PRIORITY, auto=gemm_qmm_auto)
-        dispatch.register("ragged_qmm", "ffi", ("cuda",), ragged_qmm_impl, ragged_qmm_applies,
-                          priority=PRIORITY)
-    if hasattr(lib.handle, "jq_gpu_dequant_mma"):
-        jax.ffi.register_ffi_target(DEQUANT_TARGET,
-                                    jax.ffi.pycapsule(lib.handle.jq_gpu_dequant_mma),
-                                    platform="CUDA")
-        dispatch.register("dequantize", "ffi", ("cuda",), dequantize_mma_call,
-                          dequantize_applies, priority=PRIORITY)
-        # many rows: below the GEMM, which an explicit backend="ffi" gets
-        dispatch.register("qmm", "ffi", ("cuda",), cublas_qmm_impl, gemm_qmm_applies,
-                          priority=PRIORITY - 1, auto=cublas_qmm_auto)
+        for primitive, impl, applies, priority, auto in kernels:
+            dispatch.register(primitive, "ffi", ("cuda",), impl, applies, priority=priority,
+                              auto=auto)
     cuda_mma.make_default_on("cuda")
