@@ -719,29 +719,39 @@ __device__ __forceinline__ float staged_x(const uint8_t* row, int64_t k) {
 // kFuseNorm: the block's `rows` staged rows of x, rms-normalized in place:
 // r = rsqrt(sum(x^2) / K + eps) per row, then (x * r) * (w + offset) in float32 (x * r
 // without a weight), rounded to x's dtype: the reference's float32 steps in its order.
-// `row_scale`: shared, one float per row.
+// Every thread takes K / blockDim elements of each row (M = 1 at K = 4096: 32 per
+// thread, a few hundred cycles while the first weight copies are in flight).
+// `norm_s`: shared, kMaxWarps x 16 partial sums, then one scale per row.
 template <int XDT>
 __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& pr, int rows,
-                                                   float* row_scale) {
+                                                   float* norm_s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int64_t K = pr.q.K;
-  for (int m = warp; m < rows; m += warps) {
+  float* row_scale = norm_s + kMaxWarps * 16;
+  for (int m = 0; m < rows; ++m) {
     const uint8_t* row = xs + (int64_t)m * pr.x_stride;
     float ss = 0.0f;
-    for (int64_t k = lane; k < K; k += 32) {
+    for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
       const float v = staged_x<XDT>(row, k);
       ss = fmaf(v, v, ss);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) row_scale[m] = rsqrtf(ss / (float)K + pr.eps);
+    if (lane == 0) norm_s[warp * 16 + m] = ss;
+  }
+  __syncthreads();
+  if ((int)threadIdx.x < rows) {
+    float ss = 0.0f;
+    for (int w = 0; w < warps; ++w) ss += norm_s[w * 16 + threadIdx.x];
+    row_scale[threadIdx.x] = rsqrtf(ss / (float)K + pr.eps);
   }
   __syncthreads();
   for (int m = 0; m < rows; ++m) {
     uint8_t* row = xs + (int64_t)m * pr.x_stride;
     for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
       float v = staged_x<XDT>(row, k) * row_scale[m];
-      if (pr.aux != nullptr) v *= raw_to_float(load_raw(pr.aux, k, pr.aux_dt), pr.aux_dt) + pr.offset;
+      if (pr.aux != nullptr)
+        v *= raw_to_float(load_raw(pr.aux, k, pr.aux_dt), pr.aux_dt) + pr.offset;
       store_out(row, k, XDT, v);
     }
   }
@@ -754,7 +764,7 @@ __device__ __forceinline__ float round_to_dtype(float v, int32_t dt) {
   return v;
 }
 
-__device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
+__device__ __forceinline__ float sigmoid_f32(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 // kFuseSwiglu: output n of act(gate, up) from the two halves' float32 sums, in the
 // reference's steps: each half rounded to x's dtype, + bias (float32), then
@@ -772,9 +782,9 @@ __device__ __forceinline__ float swiglu_out(const Problem& pr, float gate, float
   if (pr.activation == kActGptOss) {
     gate = gate > pr.limit ? pr.limit : gate;
     up = up > pr.limit ? pr.limit : (up < -pr.limit ? -pr.limit : up);
-    return (up + 1.0f) * gate * sigmoidf(gate * pr.alpha);
+    return (up + 1.0f) * gate * sigmoid_f32(gate * pr.alpha);
   }
-  return gate * sigmoidf(gate) * up;
+  return gate * sigmoid_f32(gate) * up;
 }
 
 // TB: full tiles per block (1, or 2 for M > 8: see tiles_per_block). Blocks
@@ -792,7 +802,8 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
 
   __shared__ int64_t xrow_s[16], yrow_s[16];
   __shared__ int mcount_s;
-  __shared__ float norm_scale_s[FUSE == kFuseNorm ? 16 : 1];
+  // kFuseNorm: the rows' partial sums of squares per warp, then their scales
+  __shared__ float norm_s[FUSE == kFuseNorm ? (kMaxWarps + 1) * 16 : 1];
   // Dynamic shared memory, sized by the launch for the block's warps (SharedLayout):
   // x rows | weight stages | scale stages; the warps' partial sums reuse the stages.
   extern __shared__ __align__(16) uint8_t smem_dyn[];
@@ -900,7 +911,7 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
     }
     if constexpr (FUSE == kFuseNorm) {
       __syncthreads();
-      normalize_staged_x<XDT>(smem_dyn, pr, mcount, norm_scale_s);
+      normalize_staged_x<XDT>(smem_dyn, pr, mcount, norm_s);
     }
     __syncthreads();
   };
