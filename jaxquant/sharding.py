@@ -170,6 +170,29 @@ def _norm_factors(n_rows: int, n_results: int):
     return factors
 
 
+def _rms_norm_qmm_factors(x, norm_weight, qw, *, eps, weight_offset, precision):
+    """Column-parallel like qmm over N; K does not split (the norm reduces over it
+    before the product)."""
+    f = _qmm_factors(x, qw, transpose=True, precision=precision)
+    xdims, qdims = f.operands
+    wdims = None if norm_weight is None else Dims([xdims[-1]])
+    return Factors([xdims, wdims, qdims], f.results, f.sizes,
+                   replicated=f.replicated + ("g",),
+                   priority=(1,) if norm_weight is None else (2,))  # qw's data leaf
+
+
+def _qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
+    """Rows split; N does not (a shard of the rows [0, 2I) is not a gate half and an
+    up half), nor K (the activation follows the sum)."""
+    f = _qmm_factors(x, qw, transpose=True, precision=precision)
+    xdims, qdims = f.operands
+    f.sizes["i"] = qw.shape[0] // 2
+    out = Dims(list(f.results[0][:-1]) + [("i",)])
+    bdims = None if bias is None else Dims([("r",)])
+    return Factors([xdims, qdims, bdims], [out], f.sizes,
+                   replicated=f.replicated + ("g", "r", "i"), priority=(1,))
+
+
 FACTORS = {
     "qmm": _qmm_factors,
     "gather_qmm": _gather_factors,
@@ -178,6 +201,8 @@ FACTORS = {
     "rms_norm": _norm_factors(1, 1),
     "add_rms_norm": _norm_factors(2, 2),
     "gated_rms_norm": _norm_factors(2, 1),
+    "rms_norm_qmm": _rms_norm_qmm_factors,
+    "qmm_swiglu": _qmm_swiglu_factors,
 }
 
 

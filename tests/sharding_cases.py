@@ -144,6 +144,16 @@ def main():
                                       (put(h, P("data")), put(r, P("data")), put(wn, P())))
     out["dequantize_col"] = case(jq.dequantize, (qw,), (put_q(qw, P("tp", None)),))
 
+    # fused decode ops: rms_norm_qmm column-parallel; qmm_swiglu on rows (its N, gate
+    # rows then up rows, does not split: a tp-sharded qw is gathered, with a warning)
+    wk = rand(14, (k,))
+    out["rms_norm_qmm_col"] = case(lambda x, w, q: jq.rms_norm_qmm(x, w, q), (x, wk, qw),
+                                   (put(x, P("data")), put(wk, P()), put_q(qw, P("tp", None))))
+    glu = lambda x, q: jq.qmm_swiglu(x, q, activation="gpt_oss", limit=7.0)
+    out["qmm_swiglu_rows"] = case(glu, (x, qw), (put(x, P(("data", "tp"))), put_q(qw, P())))
+    out["qmm_swiglu_col_gathered"] = case(glu, (x, qw), (put(x, P("data")),
+                                                         put_q(qw, P("tp", None))))
+
     # inside shard_map the ops run per shard on the local blocks
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:  # jax < 0.7

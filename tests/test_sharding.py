@@ -32,7 +32,7 @@ def _check(case, *, tol, collectives):
 
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
-    "dequantize_col", "shard_map_qmm"]
+    "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows"]
 
 
 @pytest.mark.parametrize("name", NO_COLLECTIVES)
@@ -55,6 +55,15 @@ def test_column_parallel_output_stays_split(cases):
     assert cases["qmm_col_affine"]["out_spec"] == ["P('data', 'tp')"]
     assert cases["qmm_batch_col"]["out_spec"] == ["P('data', None, 'tp')"]
     assert cases["rms_norm_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
+
+
+def test_fused_ops_split_as_documented(cases):
+    # rms_norm_qmm: column-parallel like qmm; qmm_swiglu: rows only (docs/fused.md)
+    assert cases["rms_norm_qmm_col"]["out_spec"] == ["P('data', 'tp')"]
+    assert cases["qmm_swiglu_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
+    case = cases["qmm_swiglu_col_gathered"]
+    assert case["err"] <= 1e-6 * case["scale"] and case["collectives"]["all-gather"] >= 1
+    assert any("qmm_swiglu" in w and "'r'" in w for w in case["warnings"]), case
 
 
 def test_k_split_inside_a_group_is_gathered_with_a_warning(cases):
