@@ -170,7 +170,21 @@ def _norm_factors(n_rows: int, n_results: int):
     return factors
 
 
+def _attention_factors(q, k_cache, v_cache, positions, window, sinks, **params):
+    # Batch, query rows and kv heads split (q's heads are (kv head, group));
+    # the softmax's keys and the head dim are reduced over inside the op.
+    b, t, hq, hd = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    sizes = {"b": b, "t": t, "h": hkv, "g": hq // hkv, "s": s, "d": hd}
+    heads = Dims([("b",), ("t",), ("h", "g"), ("d",)])
+    cache = Dims([("b",), ("s",), ("h",), ("d",)])
+    ops = [heads, cache, cache, Dims([("b",), ("t",)]), Dims([]),
+           None if sinks is None else Dims([("h", "g")])]
+    return Factors(ops, [heads], sizes, replicated=("s", "d"), priority=(1, 2))
+
+
 FACTORS = {
+    "decode_attention": _attention_factors,
     "qmm": _qmm_factors,
     "gather_qmm": _gather_factors,
     "ragged_qmm": _ragged_factors,

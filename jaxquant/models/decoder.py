@@ -127,24 +127,8 @@ def attention(cfg: Config, p, x, positions, cache_k, cache_v, window, rope_table
     start = positions[0, 0]  # the batch moves in lockstep
     cache_k = lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), start, axis=1)
     cache_v = lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), start, axis=1)
-    s = cache_k.shape[1]
-    qg = q.reshape(b, t, hkv, hq // hkv, hd).astype(jnp.float32)
-    scores = jnp.einsum("btgqd,bsgd->bgqts", qg, cache_k.astype(jnp.float32)) * hd ** -0.5
-    key_pos = jnp.arange(s)
-    qpos = positions[:, None, None, :, None]
-    visible = key_pos <= qpos
-    visible &= (window == 0) | (qpos - key_pos < window)
-    scores = jnp.where(visible, scores, -jnp.inf)
-    if "sinks" in p:  # gpt-oss: a learned logit per head that takes probability mass
-        sink = p["sinks"].astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
-        m = jnp.maximum(jnp.max(scores, -1, keepdims=True), sink)
-        e = jnp.exp(scores - m)
-        probs = e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))
-    else:
-        probs = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("bgqts,bsgd->btgqd", probs, cache_v.astype(jnp.float32))
-    o = o.reshape(b, t, hq * hd).astype(x.dtype)
-    return linear(o, p["wo"], p.get("bo")), cache_k, cache_v
+    o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"), window=window)
+    return linear(o.reshape(b, t, hq * hd), p["wo"], p.get("bo")), cache_k, cache_v
 
 
 def dense_mlp(p, x):
