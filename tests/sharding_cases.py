@@ -140,6 +140,17 @@ def main():
                                       (put(h, P("data")), put(r, P("data")), put(wn, P())))
     out["dequantize_col"] = case(jq.dequantize, (qw,), (put_q(qw, P("tp", None)),))
 
+    # decode attention: batch on data, kv heads (and their query heads, sinks) on tp
+    qa, ka, va = rand(14, (4, 2, 16, 32)), rand(15, (4, 24, 8, 32)), rand(16, (4, 24, 8, 32))
+    pa = jnp.broadcast_to(jnp.arange(18, 20, dtype=jnp.int32), (4, 2))
+    sa, wa = rand(17, (16,)), jnp.int32(5)
+    att = lambda q, k, v, p, w, s: jq.decode_attention(q, k, v, p, window=w, sinks=s)
+    heads = P("data", None, "tp")
+    out["decode_attention_heads"] = case(
+        att, (qa, ka, va, pa, wa, sa),
+        (put(qa, heads), put(ka, heads), put(va, heads), put(pa, P("data")), put(wa, P()),
+         put(sa, P("tp"))))
+
     # inside shard_map the ops run per shard on the local blocks
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:  # jax < 0.7
