@@ -11,8 +11,8 @@ from jaxquant.quantized_array import QuantizedArray
 
 __all__ = [
     "FORMATS", "QuantizedArray", "add_rms_norm", "available_backends", "backend",
-    "decode_attention", "dequantize", "formats", "gated_rms_norm", "io", "layouts", "mlx", "gather_qmm", "prepack", "qmm", "quantize",
-    "ragged_qmm", "rms_norm", "unpack_layout",
+    "decode_attention", "dequantize", "formats", "gated_rms_norm", "io", "layouts", "mlx",
+    "gather_qmm", "prepack", "qmm", "quantize", "ragged_qmm", "rms_norm", "unpack_layout",
 ]
 __version__ = "0.2.0"
 
