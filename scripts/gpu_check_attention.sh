@@ -19,14 +19,9 @@ fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   step "compute-sanitizer memcheck (one process per test)"
-  for t in "tests/test_pallas_attention_gpu.py::test_kernel_matches_oracle_and_reference[gptoss_b1_t8_window]" \
-           "tests/test_pallas_attention_gpu.py::test_no_visible_key_and_positions_past_the_cache"; do
-    log="$OUT/attention_memcheck_${t##*::}.txt"; log=${log//[\[\]]/_}
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 240 compute-sanitizer --tool memcheck \
-      --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider "$t" > "$log" 2>&1
-    echo "compute-sanitizer memcheck ${t##*::} rc=$?"
-    grep -E "passed|failed|ERROR SUMMARY" "$log" | tail -n 3
-  done
+  PY=$PY bash scripts/memcheck_tests.sh "$OUT" \
+    "tests/test_pallas_attention_gpu.py::test_kernel_matches_oracle_and_reference[gptoss_b1_t8_window]" \
+    tests/test_pallas_attention_gpu.py::test_no_visible_key_and_positions_past_the_cache
 fi
 
 if [ "${JQ_SKIP_BENCH:-0}" != 1 ]; then

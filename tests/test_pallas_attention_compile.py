@@ -52,13 +52,6 @@ def _kernels(case, platform):
     return kernels
 
 
-def _compile_all(kernels, targets):
-    for kernel in kernels:
-        for backend, arch, warp in targets:
-            compiled = cc.compile_kernel(kernel, backend, arch, warp)
-            assert len(cc.code_object(compiled)) > 0, (backend, arch)
-
-
 def test_cases_cover_one_pass_and_splits():
     splits = {pa.plan(pl, *CASES[c][:6]).splits > 1 for c in CASES for pl in ("cuda", "rocm")}
     assert splits == {True, False}
@@ -66,12 +59,12 @@ def test_cases_cover_one_pass_and_splits():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rocm_decode_attention(case):
-    _compile_all(_kernels(case, "rocm"), list(cc.ROCM_TARGETS))
+    cc.compile_all(_kernels(case, "rocm"), list(cc.ROCM_TARGETS))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cuda_decode_attention(case):
-    _compile_all(_kernels(case, "cuda"), [cc.CUDA_TARGETS[0]])
+    cc.compile_all(_kernels(case, "cuda"), [cc.CUDA_TARGETS[0]])
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])

@@ -23,7 +23,6 @@ skip_module_without_gpu("the Pallas decode-attention GPU tests "
 
 import jaxquant as jq  # noqa: E402
 import jaxquant.pallas  # noqa: E402,F401 - registers the backend
-from jaxquant.pallas import attention as pa  # noqa: E402
 from tests import oracle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
