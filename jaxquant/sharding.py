@@ -170,17 +170,19 @@ def _norm_factors(n_rows: int, n_results: int):
     return factors
 
 
-def _attention_factors(q, k_cache, v_cache, positions, window, sinks, **params):
-    # Batch, query rows and kv heads split (q's heads are (kv head, group));
-    # the softmax's keys and the head dim are reduced over inside the op.
+def _attention_factors(q, k_cache, v_cache, positions, window, sinks, layer, **params):
+    # Batch, query rows and kv heads split (q's heads are (kv head, group)); the
+    # softmax's keys, the head dim and a stack's layers (one is read) do not.
     b, t, hq, hd = q.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    s, hkv = k_cache.shape[-3], k_cache.shape[-2]
     sizes = {"b": b, "t": t, "h": hkv, "g": hq // hkv, "s": s, "d": hd}
+    if layer is not None:
+        sizes["l"] = k_cache.shape[0]
     heads = Dims([("b",), ("t",), ("h", "g"), ("d",)])
-    cache = Dims([("b",), ("s",), ("h",), ("d",)])
+    cache = Dims(([] if layer is None else [("l",)]) + [("b",), ("s",), ("h",), ("d",)])
     ops = [heads, cache, cache, Dims([("b",), ("t",)]), Dims([]),
-           None if sinks is None else Dims([("h", "g")])]
-    return Factors(ops, [heads], sizes, replicated=("s", "d"), priority=(1, 2))
+           None if sinks is None else Dims([("h", "g")]), None if layer is None else Dims([])]
+    return Factors(ops, [heads], sizes, replicated=("s", "d", "l"), priority=(1, 2))
 
 
 FACTORS = {

@@ -150,6 +150,15 @@ def main():
         att, (qa, ka, va, pa, wa, sa),
         (put(qa, heads), put(ka, heads), put(va, heads), put(pa, P("data")), put(wa, P()),
          put(sa, P("tp"))))
+    # the same over a stack of 3 layers' caches and a layer index
+    kl, vl = jnp.stack([ka, -ka, ka * 2]), jnp.stack([va, va * 2, -va])
+    att_l = lambda q, k, v, p, w, s: jq.decode_attention(q, k, v, p, window=w, sinks=s,
+                                                         layer=jnp.int32(1))
+    stacked = P(None, "data", None, "tp")
+    out["decode_attention_stacked"] = case(
+        att_l, (qa, kl, vl, pa, wa, sa),
+        (put(qa, heads), put(kl, stacked), put(vl, stacked), put(pa, P("data")), put(wa, P()),
+         put(sa, P("tp"))))
 
     # inside shard_map the ops run per shard on the local blocks
     shard_map = getattr(jax, "shard_map", None)

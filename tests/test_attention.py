@@ -187,6 +187,39 @@ def test_scan_over_layers_with_per_layer_windows():
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_layer_of_a_stacked_cache():
+    # the caches of every layer stacked [L, B, S, Hkv, hd], one read by index, in a scan
+    # over the layers (the stack is not sliced); a traced index follows
+    # lax.dynamic_index_in_dim (negative from the end, clamped)
+    q, k, v, pos, sk = _inputs(11, 2, 1, 4, 2, 12, 16, F32, 9, sinks=True)
+    ks, vs = jnp.stack([k, -k, k * 2]), jnp.stack([v, v * 3, -v])
+    windows = jnp.asarray([0, 3, 5], jnp.int32)
+
+    def step(c, xs):
+        layer, w = xs
+        return c, jq.decode_attention(q, ks, vs, pos, sinks=sk, window=w, layer=layer)
+
+    _, ys = jax.jit(lambda: jax.lax.scan(step, 0, (jnp.arange(3), windows)))()
+    for i in range(3):
+        np.testing.assert_allclose(ys[i], attention64(q, ks[i], vs[i], np.asarray(pos),
+                                                      int(windows[i]), sk), rtol=1e-5, atol=1e-5)
+    at = jax.jit(lambda i: jq.decode_attention(q, ks, vs, pos, layer=i))
+    np.testing.assert_array_equal(at(jnp.int32(-1)), at(jnp.int32(2)))
+    np.testing.assert_array_equal(at(jnp.int32(7)), at(jnp.int32(2)))
+    # vmap over queries keeps one stack (the queries become rows); over layers: the reference
+    qs = jnp.stack([q, -q])
+    y = jax.vmap(lambda q: jq.decode_attention(q, ks, vs, pos, layer=1))(qs)
+    np.testing.assert_allclose(y[1], jq.decode_attention(-q, ks[1], vs[1], pos), rtol=1e-6)
+    y = jax.vmap(lambda i: jq.decode_attention(q, ks, vs, pos, layer=i))(jnp.arange(3))
+    np.testing.assert_allclose(y[2], jq.decode_attention(q, ks[2], vs[2], pos), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"k_cache must be \[L, B=2"):
+        jq.decode_attention(q, k, v, pos, layer=0)
+    with pytest.raises(ValueError, match="layer must be >= 0"):
+        jq.decode_attention(q, ks, vs, pos, layer=-1)
+    with pytest.raises(TypeError, match="layer must be an integer"):
+        jq.decode_attention(q, ks, vs, pos, layer=1.0)
+
+
 def test_grad_through_the_reference():
     q, k, v, pos, sk = _inputs(8, 1, 1, 2, 1, 6, 8, F32, 5, sinks=True)
     loss = lambda q, k, v, s: jnp.sum(jq.decode_attention(q, k, v, pos, sinks=s) ** 2)

@@ -140,6 +140,19 @@ def test_cuda_table_in_interpret_mode():
     _check(*_both(q, k, v, pos, 0, sk, config=cfg))
 
 
+def test_layer_of_a_stacked_cache():
+    # [L, B, S, Hkv, hd] and a traced layer index: the kernel reads that layer in place,
+    # with lax.dynamic_index_in_dim's rule for indices out of range
+    q, k, v, pos, sk = _inputs(6, 2, 2, 8, 2, 45, 64, BF16, 40, True)
+    ks = jnp.stack([k, -k, k * 0.5])
+    vs = jnp.stack([v, v * 2, -v])
+    run = jax.jit(lambda q, k, v, p, i, s: pa.decode_attention(
+        q, k, v, p, window=6, sinks=s, layer=i, interpret=True))
+    for layer, want in ((1, 1), (2, 2), (-1, 2), (9, 2)):
+        got = run(q, ks, vs, pos, jnp.int32(layer), sk)
+        _check(got, _both(q, ks[want], vs[want], pos, 6, sk)[1])
+
+
 def test_large_logits_do_not_overflow():
     # scores of several hundred: the running max keeps exp finite
     q, k, v, pos, sk = _inputs(5, 1, 1, 4, 2, 40, 64, F32, 39, True)

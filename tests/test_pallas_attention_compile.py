@@ -68,6 +68,19 @@ def test_cuda_decode_attention(case):
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def test_stacked_cache_with_a_layer_index(platform):
+    # every layer's cache [L, B, S, Hkv, hd] and a traced layer, through the op
+    q, k, v, pos, w, sk = _args("gptoss_sinks_split")
+    stack = S((24,) + k.shape, k.dtype)
+    fn = lambda q, k, v, p, w, sk, i: jq.decode_attention(q, k, v, p, window=w, sinks=sk,
+                                                          layer=i)
+    kernels = cc.triton_kernels(fn, q, stack, stack, pos, w, sk, S((), jnp.int32),
+                                platform=platform)
+    targets = [("hip", "gfx942", 64)] if platform == "rocm" else [cc.CUDA_TARGETS[0]]
+    cc.compile_all(kernels, targets)
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_op_dispatches_to_pallas_on_gpus(platform):
     """jq.decode_attention under automatic choice lowers to the kernel on GPUs (a
     traced window, as in a model's layer scan)."""

@@ -32,7 +32,8 @@ def _check(case, *, tol, collectives):
 
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
-    "dequantize_col", "shard_map_qmm", "decode_attention_heads"]
+    "dequantize_col", "shard_map_qmm", "decode_attention_heads",
+    "decode_attention_stacked"]
 
 
 @pytest.mark.parametrize("name", NO_COLLECTIVES)

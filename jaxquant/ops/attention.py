@@ -7,6 +7,10 @@ already holds this step's keys (the caller writes them first). gpt-oss sinks
 (one logit per query head) enter the softmax's denominator only. Softmax and
 both contractions in float32 (float64 for float64 inputs); the output has q's
 dtype. A query with no visible key gives NaN without sinks, 0 with them.
+With `layer`, the caches are every layer's, stacked [L, B, S, Hkv, hd], and the op
+reads layer `layer` where it lies (a traced index follows lax.dynamic_index_in_dim:
+negative counts from the end, then clamped into [0, L)): a layer loop passes the
+whole stack and its index, no slice of it.
 
 The reference is the decoder's attention as it was before it called this op;
 kernels (jaxquant.pallas.attention) read the cache in place. `window` is an
@@ -20,6 +24,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
                                  jvp_through_reference, to_front_or_broadcast)
@@ -27,8 +32,11 @@ from jaxquant.primitive import Op
 from jaxquant.static_args import require_static
 
 
-def decode_attention_reference(q, k_cache, v_cache, positions, window, sinks, *, scale,
-                               precision):
+def decode_attention_reference(q, k_cache, v_cache, positions, window, sinks, layer=None, *,
+                               scale, precision):
+    if layer is not None:
+        k_cache = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
+        v_cache = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
     b, t, hq, hd = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     acc = compute_dtype(jnp.promote_types(q.dtype, k_cache.dtype))
@@ -58,23 +66,25 @@ decode_attention_op = Op("decode_attention", decode_attention_reference)
 # Public function.
 
 
-def _check_window(window):
-    if isinstance(window, jax.core.Tracer) or hasattr(window, "dtype"):
-        w = jnp.asarray(window)
-        if w.shape != () or not jnp.issubdtype(w.dtype, jnp.integer):
-            raise TypeError(f"window must be an integer scalar; got {w.dtype}{list(w.shape)}")
-        if not isinstance(window, jax.core.Tracer) and int(w) < 0:
-            raise ValueError(f"window must be >= 0 (0: no window); got {int(w)}")
-        return w
-    if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
-        raise TypeError(f"window must be an integer (0: no window); got {window!r}")
-    if window < 0:
-        raise ValueError(f"window must be >= 0 (0: no window); got {window}")
-    return jnp.asarray(window, jnp.int32)
+def _int_scalar(name, value, meaning):
+    """value as an integer scalar array (traced ones pass through); concrete values < 0
+    raise."""
+    if isinstance(value, jax.core.Tracer) or hasattr(value, "dtype"):
+        v = jnp.asarray(value)
+        if v.shape != () or not jnp.issubdtype(v.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer scalar; got {v.dtype}{list(v.shape)}")
+        if not isinstance(value, jax.core.Tracer) and int(v) < 0:
+            raise ValueError(f"{name} must be >= 0 ({meaning}); got {int(v)}")
+        return v
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer ({meaning}); got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 ({meaning}); got {value}")
+    return jnp.asarray(value, jnp.int32)
 
 
 def decode_attention(q, k_cache, v_cache, positions, *, sinks=None, window=0, scale=None,
-                     backend: str | None = None):
+                     layer=None, backend: str | None = None):
     """Attention of q [B, T, Hq, hd] over the cache k_cache / v_cache [B, S, Hkv, hd]
     (Hq a multiple of Hkv; query head h reads kv head h // (Hq // Hkv)) at query
     positions int [B, T]: key s is visible iff s <= pos and, for window > 0,
@@ -82,20 +92,25 @@ def decode_attention(q, k_cache, v_cache, positions, *, sinks=None, window=0, sc
     denominator only. scale defaults to hd ** -0.5. Float32 softmax; -> [B, T, Hq, hd]
     in q's dtype.
 
-    window may be traced (an int scalar, e.g. per-layer windows in a scan).
+    layer: the caches are all layers' [L, B, S, Hkv, hd] and layer (an int scalar;
+    traced, it follows lax.dynamic_index_in_dim) picks one, read in place (no
+    per-layer slice in a layer loop).
+    window and layer may be traced (e.g. per-layer windows in a scan).
     Static (Python values, not traced under jax.jit): scale, backend."""
     q = check_x(q, "q")
     k_cache, v_cache = check_x(k_cache, "k_cache"), check_x(v_cache, "v_cache")
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, Hq, hd]; got shape {q.shape}")
     b, t, hq, hd = q.shape
+    lead = "" if layer is None else "L, "
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.ndim != 4 or c.shape[0] != b or c.shape[3] != hd:
-            raise ValueError(f"{name} must be [B={b}, S, Hkv, hd={hd}]; got shape {c.shape}")
+        if c.ndim != 4 + (layer is not None) or c.shape[-4] != b or c.shape[-1] != hd:
+            raise ValueError(f"{name} must be [{lead}B={b}, S, Hkv, hd={hd}]; got shape "
+                             f"{c.shape}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}; got "
                          f"{v_cache.shape}")
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    s, hkv = k_cache.shape[-3], k_cache.shape[-2]
     if s == 0:
         raise ValueError(f"k_cache must hold at least one position (S > 0); got {k_cache.shape}")
     if hkv == 0 or hq % hkv:
@@ -109,13 +124,15 @@ def decode_attention(q, k_cache, v_cache, positions, *, sinks=None, window=0, sc
         sinks = check_x(sinks, "sinks")
         if sinks.shape != (hq,):
             raise ValueError(f"sinks must be [Hq] = ({hq},); got shape {sinks.shape}")
-    window = _check_window(window)
+    window = _int_scalar("window", window, "0: no window")
+    if layer is not None:
+        layer = _int_scalar("layer", layer, "an index into the caches' first axis")
     require_static("scale", scale, "decode_attention")
     if scale is None:
         scale = hd ** -0.5
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real scalar (Python or NumPy, static); got {scale!r}")
-    return decode_attention_op.bind(q, k_cache, v_cache, positions, window, sinks,
+    return decode_attention_op.bind(q, k_cache, v_cache, positions, window, sinks, layer,
                                     backend=backend, scale=float(scale),
                                     precision=default_precision())
 
@@ -125,15 +142,16 @@ def decode_attention(q, k_cache, v_cache, positions, *, sinks=None, window=0, sc
 
 
 def _attention_batch(args, dims, *, backend, scale, precision):
-    q, k, v, positions, window, sinks = args
-    qd, kd, vd, pd, wd, sd = dims
-    if wd is not None or sd is not None:
-        return None  # per-element windows or sinks: vmap of the reference
+    q, k, v, positions, window, sinks, layer = args
+    qd, kd, vd, pd, wd, sd, ld = dims
+    if wd is not None or sd is not None or ld is not None or (
+            layer is not None and (kd is not None or vd is not None)):
+        return None  # per-element windows, sinks or layers, batched stacks: vmap of the reference
     n = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     q = to_front_or_broadcast(q, qd, n)
     positions = to_front_or_broadcast(positions, pd, n)
-    bind = lambda *a: decode_attention_op.bind(*a, window, sinks, backend=backend, scale=scale,
-                                               precision=precision)
+    bind = lambda *a: decode_attention_op.bind(*a, window, sinks, layer, backend=backend,
+                                               scale=scale, precision=precision)
     if kd is None and vd is None:
         # One cache for all: the batch's queries are more query rows of it (no cache copy).
         qt = jnp.moveaxis(q, 0, 1)                         # [B, n, T, Hq, hd]

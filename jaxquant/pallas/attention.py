@@ -7,9 +7,10 @@ Entry points: `lower_decode_attention` and `supports`, registered by
 Semantics are the reference's (jaxquant/ops/attention.py, docs/ops.md): scores,
 softmax and the weighted sum of values in float32; output in q's dtype.
 
-Layout. q [B, T, Hq, hd], the caches [B, S, Hkv, hd] and the output are read and
-written where they are: no transpose or copy in XLA (positions become int32 and
-window a 1-element array, both tiny). A program owns one (batch, kv head) pair,
+Layout. q [B, T, Hq, hd], the caches [B, S, Hkv, hd] (or a stack of every layer's,
+[L, B, S, Hkv, hd], with the layer's index) and the output are read and written where
+they are: no slice, transpose or copy in XLA (positions become int32, window and layer
+1-element arrays, all tiny). A program owns one (batch, kv head) pair,
 a tile of `bt` query positions and one split of the keys. Its query rows are the
 bt positions x the kv head's G query heads (padded to `gp`, masked), so GQA
 reads each cache block once for all the heads that share it; rows = bt * gp >= 16
@@ -108,8 +109,8 @@ def plan(platform: str, b: int, t: int, hq: int, hkv: int, s: int, hd: int,
 # Which cases the kernel takes.
 
 
-def supports(q, k_cache, v_cache, positions, window, sinks, *, platform="cuda", config=None,
-             **params) -> bool:
+def supports(q, k_cache, v_cache, positions, window, sinks, layer=None, *, platform="cuda",
+             config=None, **params) -> bool:
     """Whether the kernel takes these arguments (anything with a shape and dtype, e.g.
     ShapedArrays). float64 anywhere, empty shapes, heads wider than 256 or more query
     heads per kv head than a program's rows -> no (the reference runs)."""
@@ -118,8 +119,8 @@ def supports(q, k_cache, v_cache, positions, window, sinks, *, platform="cuda", 
                for a in (q, k_cache, v_cache, sinks)):
             return False
         b, t, hq, hd = q.shape
-        s, hkv = k_cache.shape[1], k_cache.shape[2]
-        if min(b, t, hq, hd, s, hkv) == 0 or hd > 256 or hq % hkv:
+        s, hkv = k_cache.shape[-3], k_cache.shape[-2]
+        if min(b, t, hq, hd, s, hkv, k_cache.shape[0]) == 0 or hd > 256 or hq % hkv:
             return False
         cfg = config or ATTENTION_CONFIGS[platform]
         p = plan(platform, b, t, hq, hkv, s, hd, cfg)
@@ -202,10 +203,14 @@ def _store_heads(p: Plan, o_ref, out, b, g, t0, t_ok, g_ok):
     plgpu.store(o_ref.at[idx], out.reshape(p.bt, p.gp, p.hd_p).astype(o_ref.dtype), mask=mask)
 
 
-def _attention_kernel(*refs, p: Plan, scale, has_sinks, precision):
+def _attention_kernel(*refs, p: Plan, scale, has_sinks, layers, precision):
     q_ref, k_ref, v_ref, pos_ref, w_ref = refs[:5]
     s_ref = refs[5] if has_sinks else None
-    outs = refs[5 + has_sinks:]
+    outs = refs[5 + has_sinks + bool(layers):]
+    stack = ()
+    if layers:  # a stack of every layer's cache: lax.dynamic_index_in_dim's index rule
+        lyr = refs[5 + has_sinks][index(0)]
+        stack = (jnp.clip(jnp.where(lyr < 0, lyr + layers, lyr), 0, layers - 1),)
     b, g, t0, t_ok, g_ok, row_ok = _row_masks(p)
     idx, mask = _heads_at(p, b, g, t0, t_ok, g_ok)
     q = plgpu.load(q_ref.at[idx], mask=mask, other=0).reshape(p.rows, p.hd_p)
@@ -228,7 +233,7 @@ def _attention_kernel(*refs, p: Plan, scale, has_sinks, precision):
         s0 = pl.multiple_of(i * p.block_s, p.block_s)
         key_pos = s0 + iota(p.block_s)
         kv_mask = (key_pos < p.s)[:, None] & d_ok[None, :]
-        kv_idx = (b, pl.ds(s0, p.block_s), g, pl.ds(0, p.hd_p))
+        kv_idx = stack + (b, pl.ds(s0, p.block_s), g, pl.ds(0, p.hd_p))
         k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0)
         scores = _scores(q, k, precision) * scale
         visible = (key_pos[None, :] <= pos[:, None]) & (key_pos < p.s)[None, :]
@@ -283,7 +288,7 @@ def _combine_kernel(*refs, p: Plan, has_sinks):
 
 
 @functools.lru_cache(maxsize=256)
-def _pallas_fns(p: Plan, out_dtype, scale, has_sinks, precision, interpret):
+def _pallas_fns(p: Plan, out_dtype, scale, has_sinks, layers, precision, interpret):
     """The jitted pallas_calls of one static configuration: (attention, combine or None)."""
     params = plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages)
     heads = jax.ShapeDtypeStruct((p.batch, p.t, p.hkv * p.group, p.hd), out_dtype)
@@ -296,7 +301,7 @@ def _pallas_fns(p: Plan, out_dtype, scale, has_sinks, precision, interpret):
                      jax.ShapeDtypeStruct(lead + (p.rows, p.hd_p), _F32))
     attend = pl.pallas_call(
         functools.partial(_attention_kernel, p=p, scale=scale, has_sinks=has_sinks,
-                          precision=precision),
+                          layers=layers, precision=precision),
         grid=p.grid, out_shape=out_shape, compiler_params=params, interpret=interpret,
         name="jq_decode_attention")
     if p.splits == 1:
@@ -313,35 +318,38 @@ def _pallas_fns(p: Plan, out_dtype, scale, has_sinks, precision, interpret):
 # Entry points.
 
 
-def lower_decode_attention(q, k_cache, v_cache, positions, window, sinks, *, scale, precision,
-                           platform, interpret=False, config=None):
+def lower_decode_attention(q, k_cache, v_cache, positions, window, sinks, layer=None, *, scale,
+                           precision, platform, interpret=False, config=None):
     """decode_attention on the kernel for a case `supports` accepted (no checks):
-    q [B, T, Hq, hd], caches [B, S, Hkv, hd], positions int [B, T], window int
-    scalar, sinks [Hq] or None -> [B, T, Hq, hd] in q.dtype."""
+    q [B, T, Hq, hd], caches [B, S, Hkv, hd] (or [L, B, S, Hkv, hd] and an int scalar
+    layer), positions int [B, T], window int scalar, sinks [Hq] or None ->
+    [B, T, Hq, hd] in q.dtype."""
     b, t, hq, hd = q.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    s, hkv = k_cache.shape[-3], k_cache.shape[-2]
     p = plan("interpret" if interpret else platform, b, t, hq, hkv, s, hd, config)
+    layers = 0 if layer is None else k_cache.shape[0]
     attend, combine = _pallas_fns(p, jnp.dtype(q.dtype), float(scale), sinks is not None,
-                                  precision, bool(interpret))
+                                  layers, precision, bool(interpret))
     extra = () if sinks is None else (sinks,)
+    lyr = () if layer is None else (jnp.reshape(layer, (1,)).astype(jnp.int32),)
     out = attend(q, k_cache, v_cache, positions.astype(jnp.int32),
-                 jnp.reshape(window, (1,)).astype(jnp.int32), *extra)
+                 jnp.reshape(window, (1,)).astype(jnp.int32), *extra, *lyr)
     if combine is None:
         return out
     return combine(*out, *extra)
 
 
 def decode_attention(q, k_cache, v_cache, positions, *, sinks=None, window=0, scale=None,
-                     precision=None, platform="cuda", interpret=False, config=None):
+                     layer=None, precision=None, platform="cuda", interpret=False, config=None):
     """`lower_decode_attention` for direct use (the op's defaults; a ValueError where
     the kernel does not apply)."""
     window = jnp.asarray(window, jnp.int32)
-    if not supports(q, k_cache, v_cache, positions, window, sinks,
+    if not supports(q, k_cache, v_cache, positions, window, sinks, layer,
                     platform="interpret" if interpret else platform, config=config):
         raise ValueError(f"the pallas decode_attention does not take q {q.shape} {q.dtype}, "
                          f"caches {k_cache.shape} {k_cache.dtype}/{v_cache.dtype}, sinks "
                          f"{None if sinks is None else (sinks.shape, sinks.dtype)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return lower_decode_attention(q, k_cache, v_cache, positions, window, sinks, scale=scale,
-                                  precision=precision, platform=platform, interpret=interpret,
-                                  config=config)
+    return lower_decode_attention(q, k_cache, v_cache, positions, window, sinks, layer,
+                                  scale=scale, precision=precision, platform=platform,
+                                  interpret=interpret, config=config)

@@ -232,4 +232,4 @@ def auto_decode_attention(q, k_cache, *operands, platform, **params) -> bool:
     if rule is None:
         return False
     max_t = rule["max_t"]
-    return (max_t is None or q.shape[1] <= max_t) and k_cache.shape[1] >= rule["min_s"]
+    return (max_t is None or q.shape[1] <= max_t) and k_cache.shape[-3] >= rule["min_s"]
