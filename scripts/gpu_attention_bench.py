@@ -15,6 +15,8 @@ reads the visible ones only (fill < 1 and windows show the difference).
   python scripts/gpu_attention_bench.py --fill 0.5       # a half-full cache
   python scripts/gpu_attention_bench.py --sweep --cases llama3-8b:1:8192,gpt-oss-20b:1:8192
                                                         # + one-at-a-time config variants
+  python scripts/gpu_attention_bench.py --stacked --lengths 2048
+                                                        # + a layer scan: layer= vs cache[i]
   python scripts/gpu_attention_bench.py --smoke          # tiny shapes, CPU (interpret mode)
 
 Writes the table to stdout and, with $OUT set, to $OUT/attention_bench.md. The
@@ -100,6 +102,28 @@ def _chain(f, qs, ks, vs, positions, window, sinks):
                  for q, k, v in zip(qs, ks, vs))
 
 
+def _layer_scan(backend, sliced, qs, ks, vs, positions, window, sinks):
+    """A layer loop as models run one: lax.scan over the layers of stacked caches
+    [L, B, S, Hkv, hd], each step attending to its layer: by index (`layer=`, the stack
+    read in place) or by slicing the stack (`ks[i]`, an operand the kernel gets copied)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxquant as jq
+
+    def step(carry, xs):
+        q, i = xs
+        if sliced:
+            o = jq.decode_attention(q, ks[i], vs[i], positions, window=window, sinks=sinks,
+                                    backend=backend)
+        else:
+            o = jq.decode_attention(q, ks, vs, positions, window=window, sinks=sinks, layer=i,
+                                    backend=backend)
+        return carry, o
+
+    return jax.lax.scan(step, 0, (qs, jnp.arange(qs.shape[0])))[1]
+
+
 def run(args, out=print):
     import jax
     import jax.numpy as jnp
@@ -144,9 +168,17 @@ def run(args, out=print):
                     return None
                 return float(jnp.max(jnp.abs(y - ref["y"])) / jnp.max(jnp.abs(ref["y"])))
 
-            for label, f in _impls(with_sinks, window, args.t, args.sweep):
-                fn = jax.jit(functools.partial(_chain, f))
-                harness.run_case(block, fn, (qs, kc, vc, positions, jnp.int32(window), sinks),
+            timed = [(label, jax.jit(functools.partial(_chain, f)), (qs, kc, vc))
+                     for label, f in _impls(with_sinks, window, args.t, args.sweep)]
+            if args.stacked:
+                stacked = (jnp.stack(qs), jnp.stack(kc), jnp.stack(vc))
+                for backend in ("reference", "pallas") if _on_gpu() else ("reference",):
+                    for sliced in (False, True):
+                        label = f"{backend}, scan, {'stack[i]' if sliced else 'layer=i'}"
+                        timed.append((label, jax.jit(functools.partial(
+                            _layer_scan, backend, sliced)), stacked))
+            for label, fn, data in timed:
+                harness.run_case(block, fn, (*data, positions, jnp.int32(window), sinks),
                                  n_products=copies, nbytes=nbytes, case=case, x=s,
                                  family=f"{name} B={b}", mode=f"w{window}", impl=label,
                                  iters=args.iters, target_ms=args.target_ms, bw=bw,
@@ -168,6 +200,9 @@ def main(argv=None):
                    help="the last query sits at fill * S - 1 (default 1: a full cache)")
     p.add_argument("--cases", default="",
                    help="only these, 'model:B:S,...' (e.g. llama3-8b:1:8192)")
+    p.add_argument("--stacked", action="store_true",
+                   help="also time a layer scan over stacked caches: layer= (read in place) "
+                        "vs slicing the stack per layer")
     p.add_argument("--sweep", action="store_true",
                    help="also time the Pallas kernel with one config field changed at a time")
     p.add_argument("--smoke", action="store_true",

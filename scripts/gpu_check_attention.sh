@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Pallas decode-attention kernel (jq.decode_attention) on the GPU machine, in one
-# call (about 5 min on an H100): GPU tests, compute-sanitizer memcheck of one split case
+# call (about 6 min on an H100): GPU tests, compute-sanitizer memcheck of one split case
 # and one window/sinks case (the masked loads at the cache's and the heads' edges), then
 # scripts/gpu_attention_bench.py (reference vs Pallas vs cuDNN; full and half-full caches).
 # The caller has already run `pip install --no-build-isolation --no-deps -e .`.
@@ -32,6 +32,10 @@ if [ "${JQ_SKIP_BENCH:-0}" != 1 ]; then
   mkdir -p "$OUT/half"
   OUT=$OUT/half timeout 200 $PY scripts/gpu_attention_bench.py --fill 0.5 --lengths 2048,8192 \
     2>&1 | grep -E "^\||^# [a-z]" | grep -v "^\[bench\]"
+  step "benchmark: a layer scan over stacked caches (layer= read in place vs cache[i] sliced)"
+  mkdir -p "$OUT/stacked"
+  OUT=$OUT/stacked timeout 200 $PY scripts/gpu_attention_bench.py --stacked --lengths 2048 \
+    2>&1 | grep -E "^\||^# [a-z]"
   if [ "${JQ_SWEEP:-0}" = 1 ]; then
     step "config sweep (B=1, S=8192)"
     mkdir -p "$OUT/sweep"
