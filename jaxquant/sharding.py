@@ -192,8 +192,23 @@ def _qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
     return Factors([xdims, qdims, bdims], [out], f.sizes,
                    replicated=f.replicated + ("g", "r", "i"), priority=(1,))
 
+def _attention_factors(q, k_cache, v_cache, positions, window, sinks, layer, **params):
+    # Batch, query rows and kv heads split (q's heads are (kv head, group)); the
+    # softmax's keys, the head dim and a stack's layers (one is read) do not.
+    b, t, hq, hd = q.shape
+    s, hkv = k_cache.shape[-3], k_cache.shape[-2]
+    sizes = {"b": b, "t": t, "h": hkv, "g": hq // hkv, "s": s, "d": hd}
+    if layer is not None:
+        sizes["l"] = k_cache.shape[0]
+    heads = Dims([("b",), ("t",), ("h", "g"), ("d",)])
+    cache = Dims(([] if layer is None else [("l",)]) + [("b",), ("s",), ("h",), ("d",)])
+    ops = [heads, cache, cache, Dims([("b",), ("t",)]), Dims([]),
+           None if sinks is None else Dims([("h", "g")]), None if layer is None else Dims([])]
+    return Factors(ops, [heads], sizes, replicated=("s", "d", "l"), priority=(1, 2))
+
 
 FACTORS = {
+    "decode_attention": _attention_factors,
     "qmm": _qmm_factors,
     "gather_qmm": _gather_factors,
     "ragged_qmm": _ragged_factors,

@@ -153,6 +153,25 @@ def main():
     out["qmm_swiglu_rows"] = case(glu, (x, qw), (put(x, P(("data", "tp"))), put_q(qw, P())))
     out["qmm_swiglu_col_gathered"] = case(glu, (x, qw), (put(x, P("data")),
                                                          put_q(qw, P("tp", None))))
+    # decode attention: batch on data, kv heads (and their query heads, sinks) on tp
+    qa, ka, va = rand(14, (4, 2, 16, 32)), rand(15, (4, 24, 8, 32)), rand(16, (4, 24, 8, 32))
+    pa = jnp.broadcast_to(jnp.arange(18, 20, dtype=jnp.int32), (4, 2))
+    sa, wa = rand(17, (16,)), jnp.int32(5)
+    att = lambda q, k, v, p, w, s: jq.decode_attention(q, k, v, p, window=w, sinks=s)
+    heads = P("data", None, "tp")
+    out["decode_attention_heads"] = case(
+        att, (qa, ka, va, pa, wa, sa),
+        (put(qa, heads), put(ka, heads), put(va, heads), put(pa, P("data")), put(wa, P()),
+         put(sa, P("tp"))))
+    # the same over a stack of 3 layers' caches and a layer index
+    kl, vl = jnp.stack([ka, -ka, ka * 2]), jnp.stack([va, va * 2, -va])
+    att_l = lambda q, k, v, p, w, s: jq.decode_attention(q, k, v, p, window=w, sinks=s,
+                                                         layer=jnp.int32(1))
+    stacked = P(None, "data", None, "tp")
+    out["decode_attention_stacked"] = case(
+        att_l, (qa, kl, vl, pa, wa, sa),
+        (put(qa, heads), put(kl, stacked), put(vl, stacked), put(pa, P("data")), put(wa, P()),
+         put(sa, P("tp"))))
 
     # inside shard_map the ops run per shard on the local blocks
     shard_map = getattr(jax, "shard_map", None)

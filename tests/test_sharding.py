@@ -32,7 +32,8 @@ def _check(case, *, tol, collectives):
 
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
-    "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows"]
+    "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
+    "decode_attention_heads", "decode_attention_stacked"]
 
 
 @pytest.mark.parametrize("name", NO_COLLECTIVES)
@@ -55,6 +56,7 @@ def test_column_parallel_output_stays_split(cases):
     assert cases["qmm_col_affine"]["out_spec"] == ["P('data', 'tp')"]
     assert cases["qmm_batch_col"]["out_spec"] == ["P('data', None, 'tp')"]
     assert cases["rms_norm_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
+    assert cases["decode_attention_heads"]["out_spec"] == ["P('data', None, 'tp')"]
 
 
 def test_fused_ops_split_as_documented(cases):
