@@ -46,8 +46,8 @@ def test_table_on_cpu_with_the_peer(monkeypatch):
     monkeypatch.setattr(harness, "copy_bandwidth", lambda *a, **k: pytest.fail("timed on CPU"))
     lines = []
     assert bench.main(["model", "--configs", "tiny-dense", "--modes", "bf16,affine4",
-                       "--batch", "1,2", "--prefill", "8", "--peer", "torch", *TINY],
-                      out=lines.append) == 0
+                       "--batch", "1,2", "--prefill", "8", "--peer", "torch",
+                       "--peer-batch", "1,2", *TINY], out=lines.append) == 0
     header, rows = _tables(lines)[-1]
     assert header == ["config", "impl", "mode", "batch", "decode tok/s", "prefill tok/s",
                       "weights read/step", "Δlogits"]          # no bound columns on a CPU
@@ -227,3 +227,37 @@ def test_mesh_and_xla_flags_variants_in_a_subprocess():
     assert vheader[:5] == ["config", "mode", "batch", "XLA_FLAGS", "decode tok/s"]
     assert len(vrows) == 1 and "xla_cpu_enable_fast_math" in vrows[0]["XLA_FLAGS"]
     assert float(vrows[0]["decode tok/s"]) > 0 and vrows[0]["vs this process"].endswith("x")
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _torch_cuda(), reason="needs torch with CUDA and JAX on the same GPU")
+def test_peer_on_cuda_bf16_and_int4():
+    """On the GPU: the bf16 peer on the JAX arrays (DLPack views) agrees with jaxquant;
+    the int4 peer (gpt-fast's _weight_int4pack_mm) is near the bf16 one."""
+    from jaxquant.bench import torch_peer
+
+    cfg = demo.preset("small-dense")
+    params = jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size, jnp.int32)
+    logits, _, _ = models.prefill(cfg, params, prompt, 24)
+    ref = np.asarray(logits, np.float64)
+    got = {}
+    for int4 in (False, True):
+        peer = torch_peer.Peer(cfg, params, int4=int4, compile_mode="default")
+        peer.setup(2, 24)
+        p_logits, token = peer.prefill(prompt)
+        got[int4] = p_logits.double().cpu().numpy()
+        assert peer.decode(token, 16, 8).shape == (2, 8)
+        if int4:   # packed weights: about a quarter of the bf16 bytes
+            assert peer.step_bytes(2) < 0.35 * bench_model.step_bytes(cfg, params, 2)
+    scale = np.max(np.abs(ref))
+    assert np.max(np.abs(got[False] - ref)) / scale < 3e-2
+    assert np.max(np.abs(got[True] - got[False])) / scale < 0.3

@@ -130,7 +130,10 @@ def decode_run(cfg, params, prompt, tokens, kw, iters, mesh=None, profile_dir=No
     sec = _median_time(lambda *a: _block(compiled(*a)), iters, fresh)
     out = {"decode_tps": b * tokens / sec, "logits": logits[:, -1]}
     if profile_dir is not None:
-        out["profile"] = profile_decode(cfg, compiled, fresh(), tokens, profile_dir)
+        try:
+            out["profile"] = profile_decode(cfg, compiled, fresh(), tokens, profile_dir)
+        except Exception as e:  # noqa: BLE001 - the measurement stands without it
+            out["profile"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
 
 
@@ -197,11 +200,12 @@ def peer_rows(args, cfg, base, prompts, ref, out):
         except Exception as e:  # noqa: BLE001 - report and go on
             rows.append(_failed(args.config_name, PEER_IMPL, variant, 0, e))
             continue
-        for b in args.batch:
+        for b in args.peer_batch or args.batch[:1]:
             row = {"config": args.config_name, "impl": PEER_IMPL, "mode": variant, "batch": b,
                    "step_bytes": peer.step_bytes(b)}
             try:
-                prompt = np.asarray(prompts[b])
+                prompt = np.asarray(prompts[b] if b in prompts else prompts[args.batch[0]][:1]
+                                    .repeat(b, 0))
                 peer.setup(b, prompt.shape[1] + args.tokens)
                 logits, token = peer.prefill(prompt)
                 run = lambda: (peer.decode(token, prompt.shape[1], args.tokens), peer.sync())
@@ -209,7 +213,7 @@ def peer_rows(args, cfg, base, prompts, ref, out):
                 row["decode_tps"] = b * args.tokens / sec
                 if b in ref:
                     row["dlogits"] = _logit_diff(logits[:, -1].float().cpu().numpy(), ref[b])
-                if b == args.batch[0] and args.prefill:
+                if b == (args.peer_batch or args.batch)[0] and args.prefill:
                     long = np.asarray(prompts["prefill"])
                     peer.setup(1, long.shape[1])
                     row["prefill_tps"] = long.shape[1] / _median_time(
@@ -260,7 +264,9 @@ def config_rows(args, name, out):
         harness.progress(f"{name} {mode}: weights")
         try:
             if mode in FLOAT_MODES:
-                params = jax.tree_util.tree_map(lambda a: a.astype(FLOAT_MODES[mode]), base)
+                dt = jnp.dtype(FLOAT_MODES[mode])  # no copy where base has it already
+                params = jax.tree_util.tree_map(
+                    lambda a: a if a.dtype == dt else a.astype(dt), base)
             else:
                 params = _block(models.quantize_params(base, mode))
         except Exception as e:  # noqa: BLE001
@@ -286,7 +292,9 @@ def config_rows(args, name, out):
                     if b == args.batch[0] and args.prefill:
                         row["prefill_tps"] = prefill_run(cfg, placed, args.prefill,
                                                          args.forward_kw, args.iters)
-                    if "profile" in r:
+                    if isinstance(r.get("profile"), str):
+                        out(f"# profile of {name} {mode} batch {b} failed: {r['profile']}")
+                    elif "profile" in r:
                         from jaxquant.bench import profile
 
                         profile.print_breakdown(r["profile"], out,
@@ -474,6 +482,9 @@ def add_arguments(parser, cpu):
                    default="torch" if not cpu and _torch_cuda() else "none",
                    help="the torch (gpt-fast style) peer of dense configs (default: torch where "
                         "torch with CUDA is importable, else none)")
+    g.add_argument("--peer-batch", type=harness.ints, default=(),
+                   help="the peer's batch sizes (default: the first of --batch; each one is "
+                        "a torch.compile with autotuning)")
     g.add_argument("--peer-compile", choices=("max-autotune", "default", "none"),
                    default="none" if cpu else "max-autotune",
                    help="torch.compile mode of the peer's decode step; none: eager (default "

@@ -186,17 +186,21 @@ def device_events(path: str, module: str | None = None) -> tuple[list[Event], st
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e["pid"], e["tid"])] = e["args"]["name"]
     device_pids = {pid for pid, n in procs.items() if n.startswith("/device:")}
-    streams = {k for k, n in threads.items() if k[0] in device_pids and n.startswith("Stream")}
+    streams = {k for k, n in threads.items() if k[0] in device_pids
+               and n.lower().startswith("stream")}
+    # the trace's summary lines of a device repeat its kernels: never counted
+    summaries = {k for k, n in threads.items() if re.search(r"XLA|Steps|Modules|Ops", n)}
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     if device_pids:
         kind = "gpu"
-        keep = [e for e in spans if (e["pid"], e["tid"]) in streams] if streams else \
-            [e for e in spans if e["pid"] in device_pids]
+        lines = streams or {k for k in threads if k[0] in device_pids} - summaries
+        keep = [e for e in spans if (e["pid"], e["tid"]) in lines]
     else:
         kind = "cpu"
         keep = [e for e in spans if "hlo_op" in e.get("args", {})]
     if module is not None and any("hlo_module" in e.get("args", {}) for e in keep):
-        keep = [e for e in keep if e.get("args", {}).get("hlo_module", module) == module]
+        keep = [e for e in keep
+                if e.get("args", {}).get("hlo_module", module).startswith(module)]
     out = [Event(e["name"], float(e["ts"]), float(e["dur"]), e.get("args", {}).get("hlo_op", ""))
            for e in keep]
     return sorted(out, key=lambda e: e.ts), kind
