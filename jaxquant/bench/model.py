@@ -550,4 +550,7 @@ SCENARIO = {"help": "whole models (llama3-8b, gpt-oss-20b dims): decode and pref
                     "of the weight-read bound, a torch (gpt-fast style) peer, profile, mesh",
             "add_arguments": add_arguments, "run": run, "xlabel": "batch",
             # the torch peer and the XLA_FLAGS subprocesses share the GPU with this process
-            "env": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}}
+            # (JAX allocates as it goes), and gpt-oss-20b's bf16 weights (42 GB) stay
+            # resident beside a quantized copy and, with --mesh, a shard
+            "env": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}}
