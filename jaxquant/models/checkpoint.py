@@ -65,8 +65,12 @@ class _Tensors:
 
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
-    """(Config, params) from a checkpoint directory. mode: quantize float matrices
-    on load (None keeps them float); dtype: the activation / float weight dtype."""
+    """(Config, params) from a checkpoint directory (or a single .gguf file:
+    models.gguf_checkpoint). mode: quantize float matrices on load (None keeps
+    them float); dtype: the activation / float weight dtype."""
+    if os.fspath(path).endswith(".gguf"):
+        from jaxquant.models import gguf_checkpoint
+        return gguf_checkpoint.load(path, mode, dtype=dtype, lm_head=lm_head)
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     cfg = from_hf(hf, dtype=dtype)
