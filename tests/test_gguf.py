@@ -261,8 +261,7 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.experts_per_token)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    else:
-        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
     if cfg.family == "gpt_oss":
         w.add_sliding_window(cfg.sliding_window)
     w.add_tokenizer_model(tokenizer)
@@ -367,7 +366,7 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
 
 
 def greedy(cfg, params, steps=6):
-    prompt = jnp.asarray(RNG.integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    prompt = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
     gen = jax.jit(models.generate, static_argnums=(0, 3))
     logits, _, _ = jax.jit(models.prefill, static_argnums=(0, 3))(cfg, params, prompt, 8)
     return np.asarray(gen(cfg, params, prompt, steps)), np.asarray(logits)

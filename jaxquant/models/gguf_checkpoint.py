@@ -86,8 +86,8 @@ def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
               num_kv_heads=int(a("attention.head_count_kv", heads)),
               head_dim=int(a("attention.key_length", hidden // heads)),
               intermediate_size=int(a("feed_forward_length", 0)),
-              rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-              rope_theta=float(a("rope.freq_base", 10000.0)),
+              rms_eps=_decimal(a("attention.layer_norm_rms_epsilon", 1e-6)),
+              rope_theta=_decimal(a("rope.freq_base", 10000.0)),
               rope_scaling=_rope_scaling(a),
               tie_embeddings="output.weight" not in f,
               attention_bias="blk.0.attn_q.bias" in f,
@@ -107,6 +107,12 @@ def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
     return Config(**kw)
 
 
+def _decimal(x) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-5, not
+    9.999999747378752e-06): the value the config it was converted from had."""
+    return float(str(np.float32(x)))
+
+
 def _rows(f: GGUFFile, name: str) -> int:
     return int(f.tensors[name].shape[-1])  # GGUF dims are reversed: the last is the row count
 
@@ -115,12 +121,12 @@ def _rope_scaling(a) -> tuple:
     kind = a("rope.scaling.type")
     if kind in (None, "none"):
         return ()
-    rs = {"rope_type": kind, "factor": float(a("rope.scaling.factor", 1.0))}
+    rs = {"rope_type": kind, "factor": _decimal(a("rope.scaling.factor", 1.0))}
     if a("rope.scaling.original_context_length") is not None:
         rs["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
     for key in ("beta_fast", "beta_slow"):
         if a(f"rope.scaling.yarn_{key}") is not None:
-            rs[key] = float(a(f"rope.scaling.yarn_{key}"))
+            rs[key] = _decimal(a(f"rope.scaling.yarn_{key}"))
     return tuple(sorted(rs.items()))
 
 
