@@ -178,6 +178,9 @@ def main(argv=None) -> int:
           f"{args.tokens} new tokens" + (f"; mesh tp={mesh.shape['tp']} x ep={mesh.shape['ep']}"
                                          if mesh else ""))
     if tokenizer is not None and args.prompt:
+        if not hasattr(tokenizer, "encode"):
+            ap.error("--prompt needs a tokenizer that encodes text; a GGUF file's vocabulary "
+                     "only decodes (drop --prompt: the prompt is then random token ids)")
         ids = tokenizer.encode(args.prompt).ids
         prompt = jnp.asarray([ids] * args.batch, jnp.int32)
     else:
@@ -245,7 +248,14 @@ def _bytes(n: int) -> str:
 
 
 def _tokenizer(path):
-    """tokenizer.json through the optional `tokenizers` package, else None."""
+    """A .gguf file's own vocabulary (decoding only), or tokenizer.json through the
+    optional `tokenizers` package, else None."""
+    if os.fspath(path).endswith(".gguf"):
+        from jaxquant.models import gguf_checkpoint
+        try:
+            return gguf_checkpoint.tokenizer(path)
+        except ValueError:  # a tokenizer model it cannot decode: ids only
+            return None
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
         return None

@@ -238,6 +238,24 @@ def tiny(family, **kw):
     return models.Config(**base)
 
 
+def llama3_rope_factors(cfg, factor=8.0, low=1.0, high=4.0, old=64):
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors (rope_freqs.weight)."""
+    base, dim = cfg.rope_theta, cfg.head_dim
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wavelen, high_wavelen = old / low, old / high
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)
+
+
 def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
     """Random float weights in HF's conventions -> a GGUF in llama.cpp's; returns the
     float params that gguf's dequantization of the file gives, in HF's conventions."""
@@ -277,6 +295,8 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
     q = qtypes.get
     wr.add("token_embd.weight", params["embed"], q("embed", "Q8_0"))
     wr.add("output_norm.weight", params["final_norm"])
+    if cfg.rope_freq_factors:
+        wr.add("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, np.float32))
     if not cfg.tie_embeddings:
         wr.add("output.weight", params["lm_head"], q("lm_head", "Q8_0"))
     llama = arch == "llama"
@@ -378,6 +398,8 @@ CASES = {
                    {"wq": "Q5_0", "wk": "Q5_1", "wv": "Q4_1", "w_down": ["Q8_0", "Q4_0"]}),
     "qwen2": ("qwen2", tiny("llama", attention_bias=True), {"embed": "Q4_0", "lm_head": "F16"}),
     "qwen3": ("qwen3", tiny("qwen3"), {"wo": "Q8_0"}),
+    "llama3_rope": ("llama", tiny("llama", rope_freq_factors=tuple(
+        float(v) for v in llama3_rope_factors(tiny("llama")))), {}),
     "qwen3moe": ("qwen3moe", tiny("qwen3_moe"), {"e_down": "Q8_0"}),
     "gpt-oss": ("gpt-oss", tiny("gpt_oss"), {}),
     "llama_k_quants": ("llama", tiny("llama", hidden_size=256, head_dim=64, intermediate_size=512),
@@ -426,6 +448,19 @@ def test_llama_permutation_is_undone(tmp_path):
     hf = jax.tree_util.tree_map(np.asarray, models.init_params(cfg, jax.random.key(3)))
     np.testing.assert_array_equal(np.asarray(params["layers"]["wq"]), hf["layers"]["wq"])
     np.testing.assert_array_equal(np.asarray(params["layers"]["wk"]), hf["layers"]["wk"])
+
+
+def test_rope_freqs_give_llama3_frequencies():
+    """ggml's freq_factors from convert_hf_to_gguf equal HF's llama3 rope scaling."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    hf = tiny("llama", rope_scaling=tuple(sorted(scaling.items())))
+    factors = tuple(float(v) for v in llama3_rope_factors(hf))
+    assert len(set(factors)) > 2  # the three regimes are all present
+    gg = tiny("llama", rope_freq_factors=factors)
+    np.testing.assert_allclose(gg.rope_inv_freq()[0], hf.rope_inv_freq()[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="rope_freq_factors"):
+        tiny("llama", rope_freq_factors=(1.0,))
 
 
 def test_mode_quantizes_only_float_matrices(tmp_path):

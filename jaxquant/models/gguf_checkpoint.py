@@ -92,9 +92,8 @@ def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
               tie_embeddings="output.weight" not in f,
               attention_bias="blk.0.attn_q.bias" in f,
               qk_norm="blk.0.attn_q_norm.weight" in f, dtype=dtype)
-    if "rope_freqs.weight" in f:
-        raise ValueError("this GGUF has rope_freqs.weight (Llama 3.1-style rope scaling baked "
-                         "into per-frequency factors), which the decoder's Config cannot hold yet")
+    if "rope_freqs.weight" in f:  # Llama 3's scaling, baked into per-frequency divisors
+        kw["rope_freq_factors"] = tuple(float(v) for v in np.asarray(f.tensor("rope_freqs.weight")))
     if family in ("qwen3_moe", "gpt_oss"):
         kw.update(num_experts=int(a("expert_count")), experts_per_token=int(a("expert_used_count")),
                   moe_intermediate_size=int(a("expert_feed_forward_length")),
