@@ -278,6 +278,11 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
     w.add_feed_forward_length(cfg.intermediate_size)
     if cfg.family == "gpt_oss":
         w.add_sliding_window(cfg.sliding_window)
+    rs = dict(cfg.rope_scaling)
+    if rs:  # as convert_hf_to_gguf writes HF's rope_scaling (yarn)
+        w.add_rope_scaling_type(gguf.RopeScalingType(rs["rope_type"]))
+        w.add_rope_scaling_factor(rs["factor"])
+        w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
     w.add_tokenizer_model(tokenizer)
     if tokenizer == "gpt2":
         tokens = ["<|bos|>", "Hello", "\u0120world", "\u00e2\u0122\u013b"]  # ’ byte-level
@@ -397,7 +402,9 @@ CASES = {
     "llama3_rope": ("llama", tiny("llama", rope_freq_factors=tuple(
         float(v) for v in llama3_rope_factors(tiny("llama")))), {}),
     "qwen3moe": ("qwen3moe", tiny("qwen3_moe"), {"e_down": "Q8_0"}),
-    "gpt-oss": ("gpt-oss", tiny("gpt_oss"), {}),
+    "gpt-oss": ("gpt-oss", tiny("gpt_oss", rope_scaling=tuple(sorted(dict(
+        rope_type="yarn", factor=32.0, original_max_position_embeddings=64,
+        truncate=False).items()))), {}),
     "llama_k_quants": ("llama", tiny("llama", hidden_size=256, head_dim=64, intermediate_size=512),
                        {"wq": "Q4_K", "wk": "Q5_K", "wv": "Q6_K", "wo": "Q4_K", "w_gate": "Q5_K",
                         "w_up": "Q4_K", "w_down": ["Q4_K", "Q6_K"], "embed": "Q6_K",

@@ -88,7 +88,7 @@ def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
               intermediate_size=int(a("feed_forward_length", 0)),
               rms_eps=_decimal(a("attention.layer_norm_rms_epsilon", 1e-6)),
               rope_theta=_decimal(a("rope.freq_base", 10000.0)),
-              rope_scaling=_rope_scaling(a),
+              rope_scaling=_rope_scaling(a, arch),
               tie_embeddings="output.weight" not in f,
               attention_bias="blk.0.attn_q.bias" in f,
               qk_norm="blk.0.attn_q_norm.weight" in f, dtype=dtype)
@@ -116,11 +116,14 @@ def _rows(f: GGUFFile, name: str) -> int:
     return int(f.tensors[name].shape[-1])  # GGUF dims are reversed: the last is the row count
 
 
-def _rope_scaling(a) -> tuple:
+def _rope_scaling(a, arch: str) -> tuple:
+    """Hugging Face's rope_scaling from {arch}.rope.scaling.*."""
     kind = a("rope.scaling.type")
     if kind in (None, "none"):
         return ()
     rs = {"rope_type": kind, "factor": _decimal(a("rope.scaling.factor", 1.0))}
+    if arch == "gpt-oss":  # its config.json's YaRN keeps the fractional correction range
+        rs["truncate"] = False
     if a("rope.scaling.original_context_length") is not None:
         rs["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
     for key in ("beta_fast", "beta_slow"):
