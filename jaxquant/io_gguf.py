@@ -149,7 +149,6 @@ def _decode_affine(name: str, blocks: np.ndarray):
             has_m = name.endswith("_1")
             d = _f16(blocks[..., 0:2])
             off = 4 if has_m else 2
-            codes = None
             if name.startswith("Q5"):
                 qh = _qh_bits(blocks[..., off:off + 4], 32)
                 off += 4

@@ -498,3 +498,48 @@ def test_unsupported_architecture_is_refused(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="falcon"):
         checkpoint.load(str(path))
+
+
+# ---------------------------------------------------------------------------
+# The kernels on imported arrays (float16 and float32 scales and biases).
+
+
+def imported(name, shape):
+    if name in QUANTIZABLE:
+        raw = gq.quantize(weights(shape), T[name])
+    else:
+        raw = k_quant_bytes(name, shape[0], shape[1])
+    return jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.bfloat16)
+
+
+def _gpu():
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "Q4_K", "Q5_K"])
+def test_every_backend_here_runs_imported_arrays(name):
+    """jq.qmm on each available backend (the ffi kernels on the CPU, the Pallas and
+    native GPU kernels on a GPU), canonical and prepacked, against the float64 product
+    of gguf's dequantization."""
+    from tests.common import assert_matmul_close
+    qw = imported(name, (40, 512))
+    w64 = np.asarray(jq.dequantize(qw, dtype=jnp.float32), np.float64)
+    x = jax.random.normal(jax.random.key(2), (3, 512), jnp.bfloat16)
+    for backend in [b for b in jq.available_backends() if b != "metal"]:
+        dev = jax.tree_util.tree_map(jnp.asarray, qw)
+        for w in (dev, jq.prepack(dev)):
+            assert_matmul_close(jq.qmm(x, w, backend=backend), x, w64, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("m", [1, 16, 128])
+def test_gpu_kernels_on_imported_arrays(name, m):
+    """Decode (M = 1, 16) and prefill (M = 128) shapes on the default (auto) kernels."""
+    from tests.common import assert_matmul_close
+    qw = jax.tree_util.tree_map(jnp.asarray, imported(name, (256, 1024)))
+    w64 = np.asarray(jq.dequantize(qw, dtype=jnp.float32), np.float64)
+    x = jax.random.normal(jax.random.key(m), (m, 1024), jnp.bfloat16)
+    assert_matmul_close(jax.jit(jq.qmm)(x, jq.prepack(qw)), x, w64, jnp.bfloat16)
+    assert_matmul_close(jax.jit(jq.qmm)(x, qw), x, w64, jnp.bfloat16)
