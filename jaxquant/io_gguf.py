@@ -15,7 +15,9 @@ float numpy array where no jaxquant mode holds the type:
 | MXFP4     | 32    | e2m1 * 2**(e-127)                | mxfp4 (`io.from_ggml_mxfp4`)            |
 | Q4_K      | 256   | (d*sc) * q - (dmin*m), 8 x 32    | affine 4-bit g32, float32 scale d*sc, bias -(dmin*m) |
 | Q5_K      | 256   | as Q4_K with 5-bit q             | affine 5-bit g32, float32 scale and bias|
-| Q6_K      | 256   | (d*sc) * (q - 32), 16 x 16       | float32 values (no mode: 16-element groups) |
+| Q3_K      | 256   | d*(sc-32) * q, q in [-4, 3], 16 x 16 | fp4 g16 (each q is an E2M1 value), float32 scale d*(sc-32) |
+| Q2_K      | 256   | (d*sc) * q - (dmin*m), 16 x 16   | float32 values (no mode: 16-element groups with a bias) |
+| Q6_K      | 256   | (d*sc) * (q - 32), 16 x 16       | float32 values (no mode: 6-bit codes in 16-element groups) |
 | F32/F16/BF16 | 1  | as stored                        | float numpy array of that dtype         |
 
 Why these are exact: ggml computes in float32, and every product above is exact
@@ -31,9 +33,9 @@ when they do not overflow float16), else float32; the K-quants' are float32
 Differences from ggml, all at non-finite or zero values: a block whose d (or
 m, dmin) is Inf or NaN dequantizes to NaN in every element (jaxquant's rule
 for non-finite groups; ggml gives Inf*q); ggml's d*0 with a negative d is -0,
-jaxquant's +0. Q6_K (and Q2_K, Q3_K, with 16-element sub-blocks) have no
-jaxquant mode: affine groups are 32..128 (docs/formats.md). Q6_K is decoded to
-its exact float32 values; the other types are refused with ValueError.
+jaxquant's +0. Q6_K and Q2_K have no jaxquant mode (affine groups are 32..128,
+docs/formats.md; fp4's elements hold Q3_K's q in [-4, 3] but not theirs): they
+are decoded to their exact float32 values. The IQ types are refused (ValueError).
 
 Block layouts (ggml-common.h; element j of a 32-block, 0-based):
 - Q4_0: fp16 d, qs[16]: element j in the low nibble of qs[j], j+16 in the high.
@@ -46,7 +48,7 @@ Block layouts (ggml-common.h; element j of a 32-block, 0-based):
   qs[32i:32i+32], 2i+1 in the high nibbles.
 - Q5_K: as Q4_K, then qh[32] before qs: bit i of qh[l] is the 5th bit of
   element l of sub-block i.
-- Q6_K: ql[128], qh[64], int8 scales[16], fp16 d (see `_q6_k_values`).
+- Q2_K, Q3_K, Q6_K: see `_q2_k_values`, `_q3_k_parts`, `_q6_k_values`.
 
 `to_gguf_tensor(qw, ggml_type)` is the inverse for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 and MXFP4 (an array the importer made, or any whose scales and biases have that
@@ -71,14 +73,13 @@ GGML_TYPES = {
     "F32": (0, 1, 4), "F16": (1, 1, 2), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
     "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "Q2_K": (10, 256, 84),
     "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
-    "Q6_K": (14, 256, 210), "BF16": (30, 1, 2), "MXFP4": (39, 32, 17),
+    "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18), "BF16": (30, 1, 2), "MXFP4": (39, 32, 17),
 }
 _BY_NUMBER = {num: name for name, (num, _, _) in GGML_TYPES.items()}
 _FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 #: ggml type -> affine bits, for the types imported as affine group-32 arrays.
 _AFFINE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
-_FLOAT_VALUES = ("Q6_K",)  # decoded to exact float32 values
-_SUPPORTED = tuple(_FLOATS) + tuple(_AFFINE_BITS) + ("MXFP4",) + _FLOAT_VALUES
+_SUPPORTED = tuple(_FLOATS) + tuple(_AFFINE_BITS) + ("MXFP4", "Q3_K", "Q2_K", "Q6_K")
 
 
 def type_name(ggml_type) -> str:
@@ -195,6 +196,53 @@ def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
     return values.reshape(*lead[:-1], -1)
 
 
+#: Q3_K's q in [-4, 3] (index q + 4) -> its E2M1 code: every such integer is an E2M1 value.
+_E2M1_OF_INT = np.array([0b1110, 0b1101, 0b1100, 0b1010, 0b0000, 0b0010, 0b0100, 0b0101],
+                        np.uint8)
+
+
+def _q3_k_parts(blocks: np.ndarray):
+    """Q3_K [..., nb, 110] -> (q int8 [..., nb*16, 16] in [-4, 3], float32 scale
+    d * (sc - 32) [..., nb*16]), as ggml's dequantize_row_q3_K: element 32i + l has
+    low bits qs[32*(i//4) + l] >> 2*(i%4), and subtracts 4 where bit i of hmask[l] is
+    0; sub-block j's 6-bit sc is the nibble j%8 of scales[j%8] (high for j >= 8) with
+    bits 2*(j//4)..+1 of scales[8 + j%4] on top."""
+    lead = blocks.shape[:-1]
+    hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    d = _f16(blocks[..., 108:110])
+    low = packed[..., 0:8].reshape(*lead, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    high = packed[..., 8:12].reshape(*lead, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    sc = ((low & 0x0F).reshape(*lead, 16) | ((high & 0x03).reshape(*lead, 16) << 4))
+    ql = (qs.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    hbit = (hmask.reshape(*lead, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    q = ql.reshape(*lead, 256).astype(np.int8) - 4 * (1 - hbit.reshape(*lead, 256)).astype(np.int8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = d[..., None] * (sc.astype(np.int8) - 32).astype(np.float32)
+    return q.reshape(*lead[:-1], -1, 16), scale.reshape(*lead[:-1], -1)
+
+
+def _q2_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Q2_K [..., nb, 84] -> float32 [..., nb*256], as ggml's dequantize_row_q2_K:
+    scales[16] (low nibble sc, high nibble m, per 16 elements), qs[64] (element
+    32i + l in bits 2*(i%4) of qs[32*(i//4) + l]), fp16 d, dmin;
+    value = (d*sc) * q - (dmin*m)."""
+    lead = blocks.shape[:-1]
+    scales, qs = blocks[..., 0:16], blocks[..., 16:80]
+    d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
+    q = (qs.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    q = q.reshape(*lead, 16, 16).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dl = (d[..., None] * (scales & 0x0F).astype(np.float32))[..., None]
+        ml = (dmin[..., None] * (scales >> 4).astype(np.float32))[..., None]
+        values = dl * q - ml
+    return values.reshape(*lead[:-1], -1)
+
+
+#: The types no mode holds (16-element sub-blocks with a bias, or 6-bit signed codes):
+#: decoded to their exact float32 values.
+_FLOAT_VALUES = {"Q2_K": _q2_k_values, "Q6_K": _q6_k_values}
+
+
 def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint8 codes [..., K] (each < 2**bits) -> docs/formats.md's uint32 stream [..., K*bits/32]."""
     if bits == 8:
@@ -250,8 +298,8 @@ def from_gguf_tensor(raw, ggml_type, shape, *, dtype=None):
     """
     name = type_name(ggml_type)
     if name not in _SUPPORTED:
-        raise ValueError(f"ggml_type={name!r} has no exact jaxquant import (its 16-element "
-                         f"sub-blocks fit no mode); supported: {list(_SUPPORTED)}")
+        raise ValueError(f"ggml_type={name!r} has no jaxquant import; supported: "
+                         f"{list(_SUPPORTED)}")
     shape = _check_shape(shape, name)
     if not hasattr(raw, "shape") or not hasattr(raw, "dtype"):
         raise TypeError(f"raw must be an array (numpy or jax); got {type(raw).__name__}")
@@ -276,8 +324,13 @@ def from_gguf_tensor(raw, ggml_type, shape, *, dtype=None):
     blocks = raw.reshape(*shape[:-1], shape[-1] // block, nbytes)
     if name == "MXFP4":
         return _io.from_ggml_mxfp4(blocks.reshape(*shape[:-1], row), shape[-1], dtype=dtype)
-    if name == "Q6_K":
-        return _q6_k_values(blocks)
+    if name in _FLOAT_VALUES:
+        return _FLOAT_VALUES[name](blocks)
+    if name == "Q3_K":
+        q, scales = _q3_k_parts(blocks)
+        data = _pack_codes(_E2M1_OF_INT[q + 4].reshape(*shape), 4)
+        return QuantizedArray(data, scales, mode="fp4", bits=4, group_size=16,
+                              dtype=_io._logical_dtype(dtype))
     bits = _AFFINE_BITS[name]
     codes, scales, biases = _decode_affine(name, blocks)
     data = _pack_codes(codes.reshape(*shape), bits)

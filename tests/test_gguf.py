@@ -34,7 +34,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: 
 GGUF_VERSION = importlib.metadata.version("gguf")  # tested with 0.19.0
 RNG = np.random.default_rng(29)
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"]  # gguf.quants.quantize writes these
-K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]                              # gguf only dequantizes these
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]              # gguf only dequantizes these
 
 
 def assert_same_numbers(got, ref):
@@ -69,10 +69,9 @@ def k_quant_bytes(name, rows, k):
     d = (RNG.standard_normal((rows, k // 256, 2)) * 1e-3).astype(np.float16)
     d[0, 0] = np.float16(6e-8)  # a float16 subnormal
     d = d.view(np.uint8).reshape(rows, k // 256, 4)
-    if name == "Q6_K":
-        raw[..., 208:210] = d[..., :2]
-    else:
-        raw[..., 0:4] = d
+    where = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}.get(name, 0)  # fp16 d (and dmin)
+    width = 2 if name in ("Q3_K", "Q6_K") else 4
+    raw[..., where:where + width] = d[..., :width]
     return raw.reshape(rows, -1)
 
 
@@ -106,8 +105,10 @@ def test_k_quants_dequantize_like_gguf(name, shape):
     raw = k_quant_bytes(name, rows, shape[-1]).reshape(*shape[:-1], -1)
     got = jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.float32)
     ref = gq.dequantize(raw, T[name])
-    if name == "Q6_K":  # no mode holds 16-element sub-blocks: exact float32 values
+    if name in ("Q2_K", "Q6_K"):  # no mode holds them: exact float32 values
         assert isinstance(got, np.ndarray)
+    elif name == "Q3_K":  # q in [-4, 3]: E2M1 values, 16-element groups
+        assert (got.mode, got.group_size, got.scales.dtype) == ("fp4", 16, np.float32)
     else:
         assert (got.mode, got.bits, got.group_size) == ("affine", int(name[1]), 32)
         assert got.scales.dtype == got.biases.dtype == np.float32
@@ -153,7 +154,7 @@ def test_float_tensors_load_as_float(name, dtype):
 
 
 @pytest.mark.parametrize("call,exc,match", [
-    (lambda r: jq.io.from_gguf_tensor(r, "Q2_K", (1, 256)), ValueError, "Q2_K"),
+    (lambda r: jq.io.from_gguf_tensor(r, "IQ4_NL", (1, 256)), ValueError, "IQ4_NL"),
     (lambda r: jq.io.from_gguf_tensor(r, "Q9_9", (1, 256)), ValueError, "Q9_9"),
     (lambda r: jq.io.from_gguf_tensor(r, 99, (1, 256)), ValueError, "99"),
     (lambda r: jq.io.from_gguf_tensor(r, 2.0, (1, 256)), TypeError, "ggml_type"),
@@ -406,8 +407,8 @@ CASES = {
         rope_type="yarn", factor=32.0, original_max_position_embeddings=64,
         truncate=False).items()))), {}),
     "llama_k_quants": ("llama", tiny("llama", hidden_size=256, head_dim=64, intermediate_size=512),
-                       {"wq": "Q4_K", "wk": "Q5_K", "wv": "Q6_K", "wo": "Q4_K", "w_gate": "Q5_K",
-                        "w_up": "Q4_K", "w_down": ["Q4_K", "Q6_K"], "embed": "Q6_K",
+                       {"wq": "Q4_K", "wk": "Q5_K", "wv": "Q6_K", "wo": "Q3_K", "w_gate": "Q5_K",
+                        "w_up": "Q2_K", "w_down": ["Q4_K", "Q6_K"], "embed": "Q6_K",
                         "lm_head": "Q4_K"}),
 }
 
@@ -424,7 +425,8 @@ def test_gguf_file_decodes_like_its_float_model(tmp_path, case):
         assert isinstance(lay[key], QuantizedArray)  # stayed quantized
     if cfg.family == "gpt_oss":
         assert lay["e_gate_up"].mode == "mxfp4" and lay["e_gate_up"].shape == (2, 4, 128, 64)
-    if case == "llama_k_quants":  # Q6_K has no mode: float; Q4_K/Q6_K layers: float too
+    if case == "llama_k_quants":  # Q6_K, Q2_K have no mode: float; Q4_K/Q6_K layers too
+        assert lay["wo"].mode == "fp4" and not isinstance(lay["w_up"], QuantizedArray)
         assert not isinstance(lay["wv"], QuantizedArray)
         assert not isinstance(lay["w_down"], QuantizedArray)
     if case == "llama_tied":  # Q8_0 and Q4_0 layers of w_down: widened to 8 bits, exact
@@ -516,7 +518,7 @@ def _gpu():
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K"])
 def test_every_backend_here_runs_imported_arrays(name):
     """jq.qmm on each available backend (the ffi kernels on the CPU, the Pallas and
     native GPU kernels on a GPU), canonical and prepacked, against the float64 product
@@ -533,7 +535,7 @@ def test_every_backend_here_runs_imported_arrays(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a GPU")
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "MXFP4", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("m", [1, 16, 128])
 def test_gpu_kernels_on_imported_arrays(name, m):
     """Decode (M = 1, 16) and prefill (M = 128) shapes on the default (auto) kernels."""

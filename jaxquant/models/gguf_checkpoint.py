@@ -5,9 +5,9 @@ Architectures (`general.architecture`): llama (also Mistral's GGUFs), qwen2,
 qwen3, qwen3moe, gpt-oss. The GGUF metadata gives the Config; tensors are read
 through `jq.io.from_gguf_tensor`, layer by layer, and stay in their quantized
 form (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as exact affine group-32 arrays,
-MXFP4 as mxfp4); float tensors (F32/F16/BF16, and Q6_K, which no jaxquant mode
-holds, as its exact values) are cast to `dtype`, or quantized to `mode` when
-one is given, like a float checkpoint's.
+Q3_K as fp4 group 16, MXFP4 as mxfp4); float tensors (F32/F16/BF16, and Q2_K,
+Q6_K, which no jaxquant mode holds, as their exact values) are cast to `dtype`,
+or quantized to `mode` when one is given, like a float checkpoint's.
 
 What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone exactly:
 - llama: Q and K rows were permuted for ggml's adjacent-pair rope (`permute`:
@@ -22,8 +22,9 @@ What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone exactly:
 A matrix's layers are stacked for lax.scan, so they need one format. Where a
 file mixes types across layers (llama.cpp's Q4_K_M puts some layers' ffn_down
 and attn_v in Q6_K): affine layers of different widths are widened to the
-widest (codes and float32 scales unchanged: exact); layers with no quantized
-form (Q6_K) make that matrix float (`dtype`) in every layer, or `mode` if given.
+widest (codes and float32 scales unchanged: exact); any other mix (a Q6_K
+layer, fp4 beside affine) makes that matrix float (`dtype`) in every layer, or
+`mode` if given.
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ class _Loader:
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
     """(Config, params) from a .gguf file. mode: quantize the float matrices
-    (F16/F32/BF16/Q6_K) on load; quantized GGUF tensors stay as they are."""
+    (F16/F32/BF16/Q2_K/Q6_K) on load; quantized GGUF tensors stay as they are."""
     f = GGUFFile(path)
     cfg = config_from_gguf(f, dtype=dtype)
     ld = _Loader(f, cfg, mode)
