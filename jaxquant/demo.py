@@ -217,13 +217,21 @@ def main(argv=None) -> int:
             ap.error(f"--modes: {m!r} is not known; choose from bf16, {', '.join(MODES)}")
     if args.tokens < 2 or args.prompt_len < 1 or args.batch < 1:
         ap.error("--tokens must be >= 2, --prompt-len and --batch >= 1")
-    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+    gguf_file = args.checkpoint and args.checkpoint.endswith(".gguf")
+    if gguf_file and not os.path.isfile(args.checkpoint):
+        ap.error(f"--checkpoint {args.checkpoint!r}: no such GGUF file")
+    if (args.checkpoint and not gguf_file
+            and not os.path.isfile(os.path.join(args.checkpoint, "config.json"))):
         ap.error(f"--checkpoint {args.checkpoint!r} is not a checkpoint directory (no "
-                 f"config.json there); give the folder holding config.json and *.safetensors")
+                 f"config.json there); give the folder holding config.json and *.safetensors, "
+                 f"or a .gguf file")
     if args.prompt is not None and not args.checkpoint:
         ap.error("--prompt needs --checkpoint DIR (random weights have no tokenizer); "
                  "without it the prompt is --prompt-len random tokens")
     tokenizer = _tokenizer(args.checkpoint) if args.checkpoint else None
+    if args.prompt is not None and tokenizer is not None and not hasattr(tokenizer, "encode"):
+        ap.error("--prompt needs a tokenizer that encodes text; a GGUF file's vocabulary "
+                 "only decodes (drop --prompt: the prompt is then random token ids)")
     if args.prompt is not None and tokenizer is None:
         ap.error(f"--prompt needs {os.path.join(args.checkpoint, 'tokenizer.json')} and the "
                  f"`tokenizers` package (pip install tokenizers)")
@@ -349,7 +357,14 @@ def _bytes(n: int) -> str:
 
 
 def _tokenizer(path):
-    """tokenizer.json through the optional `tokenizers` package, else None."""
+    """A .gguf file's own vocabulary (decoding only), or tokenizer.json through the
+    optional `tokenizers` package, else None."""
+    if os.fspath(path).endswith(".gguf"):
+        from jaxquant.models import gguf_checkpoint
+        try:
+            return gguf_checkpoint.tokenizer(path)
+        except ValueError:  # a tokenizer model it cannot decode: ids only
+            return None
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
         return None

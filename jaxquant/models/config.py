@@ -34,6 +34,7 @@ class Config:
     rms_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: tuple = ()          # sorted (key, value) pairs of HF's rope_scaling
+    rope_freq_factors: tuple = ()     # per frequency divisors (a GGUF's rope_freqs tensor)
     tie_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
@@ -55,6 +56,9 @@ class Config:
         if self.moe and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be in "
                              f"[1, num_experts={self.num_experts}]")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; "
+                             f"expected head_dim/2 = {self.head_dim // 2}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
                              f"{self.num_layers} layers")
@@ -72,9 +76,12 @@ class Config:
     def rope_inv_freq(self) -> tuple[np.ndarray, float]:
         """RoPE inverse frequencies [head_dim/2] and the attention factor that scales
         cos/sin (1 but for YaRN): default, "llama3" and "yarn" scaling, as in
-        Hugging Face transformers."""
+        Hugging Face transformers; rope_freq_factors divide the frequencies (ggml's
+        freq_factors, how GGUF files carry Llama 3's scaling)."""
         dim, base = self.head_dim, self.rope_theta
         inv = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        if self.rope_freq_factors:
+            inv = inv / np.asarray(self.rope_freq_factors, np.float64)
         rs = dict(self.rope_scaling)
         kind = rs.get("rope_type", rs.get("type", "default"))
         if kind in ("default", None):
