@@ -256,7 +256,8 @@ def llama3_rope_factors(cfg, factor=8.0, low=1.0, high=4.0, old=64):
 def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
     """Random float weights in HF's conventions -> a GGUF in llama.cpp's; returns the
     float params that gguf's dequantization of the file gives, in HF's conventions."""
-    params = jax.tree_util.tree_map(np.asarray, models.init_params(cfg, jax.random.key(3)))
+    params = jax.tree_util.tree_map(np.asarray, models.unfuse_params(
+        cfg, models.init_params(cfg, jax.random.key(3), per_layer=False)))
     lay = params["layers"]
     for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):  # norms off 1: they matter
         if name in lay:
@@ -327,11 +328,10 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
             wr.add(pre + "attn_sinks.weight", L["sinks"])
             wr.add(pre + "ffn_gate_inp.weight", L["router"])
             wr.add(pre + "ffn_gate_inp.bias", L["router_bias"])
-            gu, gub = L["e_gate_up"], L["e_gate_up_bias"]  # HF: gate, up interleaved on rows
-            wr.add(pre + "ffn_gate_exps.weight", gu[:, 0::2], "MXFP4")
-            wr.add(pre + "ffn_up_exps.weight", gu[:, 1::2], "MXFP4")
-            wr.add(pre + "ffn_gate_exps.bias", gub[:, 0::2])
-            wr.add(pre + "ffn_up_exps.bias", gub[:, 1::2])
+            wr.add(pre + "ffn_gate_exps.weight", L["e_gate"], "MXFP4")
+            wr.add(pre + "ffn_up_exps.weight", L["e_up"], "MXFP4")
+            wr.add(pre + "ffn_gate_exps.bias", L["e_gate_bias"])
+            wr.add(pre + "ffn_up_exps.bias", L["e_up_bias"])
             wr.add(pre + "ffn_down_exps.weight", L["e_down"], "MXFP4")
             wr.add(pre + "ffn_down_exps.bias", L["e_down_bias"])
         elif cfg.family == "qwen3_moe":
@@ -358,7 +358,8 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
              "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
              "sinks": "attn_sinks.weight", "e_gate": "ffn_gate_exps.weight",
              "e_up": "ffn_up_exps.weight", "e_down": "ffn_down_exps.weight",
-             "e_down_bias": "ffn_down_exps.bias",
+             "e_down_bias": "ffn_down_exps.bias", "e_gate_bias": "ffn_gate_exps.bias",
+             "e_up_bias": "ffn_up_exps.bias",
              "mlp_norm": "post_attention_norm.weight" if cfg.family == "gpt_oss"
              else "ffn_norm.weight"}
     layers = {}
@@ -366,21 +367,11 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
         per = []
         for i in range(cfg.num_layers):
             pre = f"blk.{i}."
-            if key in ("e_gate_up", "e_gate_up_bias"):
-                sfx = ".weight" if key == "e_gate_up" else ".bias"
-                g, u = r[pre + "ffn_gate_exps" + sfx], r[pre + "ffn_up_exps" + sfx]
-                a = np.empty(g.shape[:-2] + (2 * g.shape[-2], g.shape[-1]) if sfx == ".weight"
-                             else g.shape[:-1] + (2 * g.shape[-1],), np.float32)
-                if sfx == ".weight":
-                    a[..., 0::2, :], a[..., 1::2, :] = g, u
-                else:
-                    a[..., 0::2], a[..., 1::2] = g, u
-            else:
-                a = r[pre + names[key]]
-                if llama and key == "wq":
-                    a = inverse(cfg.num_heads, cfg.num_heads, a)
-                if llama and key == "wk":
-                    a = inverse(cfg.num_heads, cfg.num_kv_heads, a)
+            a = r[pre + names[key]]
+            if llama and key == "wq":
+                a = inverse(cfg.num_heads, cfg.num_heads, a)
+            if llama and key == "wk":
+                a = inverse(cfg.num_heads, cfg.num_kv_heads, a)
             per.append(a)
         layers[key] = np.stack(per)
     ref["layers"] = layers
@@ -418,13 +409,13 @@ def test_gguf_file_decodes_like_its_float_model(tmp_path, case):
     arch, cfg, qtypes = CASES[case]
     path = tmp_path / "model.gguf"
     ref = write_model(path, arch, cfg, qtypes)
-    got_cfg, params = checkpoint.load(str(path), dtype="float32")
+    got_cfg, params = checkpoint.load(str(path), dtype="float32", fuse=False, per_layer=False)
     assert got_cfg == cfg
     lay = params["layers"]
     for key in ("wq", "wk", "wo"):
         assert isinstance(lay[key], QuantizedArray)  # stayed quantized
     if cfg.family == "gpt_oss":
-        assert lay["e_gate_up"].mode == "mxfp4" and lay["e_gate_up"].shape == (2, 4, 128, 64)
+        assert lay["e_gate"].mode == "mxfp4" and lay["e_gate"].shape == (2, 4, 64, 64)
     if case == "llama_k_quants":  # Q6_K, Q2_K have no mode: float; Q4_K/Q6_K layers too
         assert lay["wo"].mode == "fp4" and not isinstance(lay["w_up"], QuantizedArray)
         assert not isinstance(lay["wv"], QuantizedArray)
@@ -439,6 +430,10 @@ def test_gguf_file_decodes_like_its_float_model(tmp_path, case):
     np.testing.assert_array_equal(values(params["embed"]), np.asarray(ref["embed"]))
     toks, logits = greedy(cfg, params)
     ref_toks, ref_logits = greedy(cfg, ref)
+    # and as checkpoint.load gives it by default: fused (gate rows then up rows), the
+    # same function
+    _, fused = checkpoint.load(str(path), dtype="float32")
+    np.testing.assert_array_equal(greedy(cfg, fused)[0], ref_toks)
     np.testing.assert_array_equal(toks, ref_toks)
     # float32 sums in another order (qmm vs einsum): relative to the logits' scale
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-4,
@@ -451,8 +446,9 @@ def test_llama_permutation_is_undone(tmp_path):
     cfg = tiny("llama")
     path = tmp_path / "m.gguf"
     write_model(path, "llama", cfg, {"wq": "F32", "wk": "F32"})
-    _, params = checkpoint.load(str(path), dtype="float32")
-    hf = jax.tree_util.tree_map(np.asarray, models.init_params(cfg, jax.random.key(3)))
+    _, params = checkpoint.load(str(path), dtype="float32", fuse=False, per_layer=False)
+    hf = jax.tree_util.tree_map(np.asarray, models.unfuse_params(
+        cfg, models.init_params(cfg, jax.random.key(3), per_layer=False)))
     np.testing.assert_array_equal(np.asarray(params["layers"]["wq"]), hf["layers"]["wq"])
     np.testing.assert_array_equal(np.asarray(params["layers"]["wk"]), hf["layers"]["wk"])
 
@@ -474,7 +470,7 @@ def test_mode_quantizes_only_float_matrices(tmp_path):
     cfg = tiny("llama")
     path = tmp_path / "m.gguf"
     write_model(path, "llama", cfg, {"wv": "F16"})
-    _, params = checkpoint.load(str(path), mode="mxfp4", dtype="float32")
+    _, params = checkpoint.load(str(path), mode="mxfp4", dtype="float32", fuse=False)
     assert params["layers"]["wv"].mode == "mxfp4"
     assert params["layers"]["wq"].mode == "affine"  # Q4_0 as stored
 

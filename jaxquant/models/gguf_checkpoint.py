@@ -16,8 +16,9 @@ What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone exactly:
   so exact) and the decoder's half-split rope sees Hugging Face's order.
   qwen2/qwen3/qwen3moe/gpt-oss use ggml's NEOX rope and were not permuted.
 - gpt-oss: `gate_up_proj` (gate and up interleaved on rows) was split into
-  ffn_gate_exps / ffn_up_exps; they become e_gate_up in the decoder's own order,
-  gate rows then up rows (and their biases e_gate_up_bias likewise).
+  ffn_gate_exps / ffn_up_exps; they load as e_gate / e_up (+ e_gate_bias /
+  e_up_bias), which `checkpoint.load` fuses into e_gate_up (gate rows, then up
+  rows: the decoder's order) like every other pair.
 
 A matrix's layers are stacked for lax.scan, so they need one format. Where a
 file mixes types across layers (llama.cpp's Q4_K_M puts some layers' ffn_down
@@ -156,17 +157,6 @@ def unpermute_rope_rows(w, n_head: int):
     return _take_rows(w, index)
 
 
-def _concat_rows(a, b, axis=-2):
-    """Rows of a, then rows of b (arrays [..., N, K] or vectors [..., N], axis=-1)."""
-    if isinstance(a, QuantizedArray):
-        cat = lambda x, y: None if x is None else np.concatenate(  # noqa: E731
-            [np.asarray(x), np.asarray(y)], axis=-2)
-        return QuantizedArray(cat(a.data, b.data), cat(a.scales, b.scales),
-                              cat(a.biases, b.biases), mode=a.mode, bits=a.bits,
-                              group_size=a.group_size, dtype=a.dtype)
-    return np.concatenate([a, b], axis=axis)
-
-
 def _widen(qw: QuantizedArray, bits: int) -> QuantizedArray:
     """An affine array at more bits: the same codes, float32 scales and biases (exact)."""
     codes = io_gguf._unpack_codes(np.asarray(qw.data), qw.bits)
@@ -240,10 +230,10 @@ class _Loader:
             p["sinks"] = self.vector(sinks if sinks in f else pre + "attn_sinks")
             p["router"] = self.vector(pre + "ffn_gate_inp.weight")
             p["router_bias"] = self.vector(pre + "ffn_gate_inp.bias")
-            p["e_gate_up"] = _concat_rows(self.matrix(pre + "ffn_gate_exps.weight"),
-                                          self.matrix(pre + "ffn_up_exps.weight"))
-            p["e_gate_up_bias"] = _concat_rows(self.vector(pre + "ffn_gate_exps.bias"),
-                                               self.vector(pre + "ffn_up_exps.bias"), -1)
+            p["e_gate"] = self.matrix(pre + "ffn_gate_exps.weight")
+            p["e_up"] = self.matrix(pre + "ffn_up_exps.weight")
+            p["e_gate_bias"] = self.vector(pre + "ffn_gate_exps.bias")
+            p["e_up_bias"] = self.vector(pre + "ffn_up_exps.bias")
             p["e_down"] = self.matrix(pre + "ffn_down_exps.weight")
             p["e_down_bias"] = self.vector(pre + "ffn_down_exps.bias")
         elif cfg.family == "qwen3_moe":
