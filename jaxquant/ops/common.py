@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad
 
 from jaxquant.quantize import check_float_dtype
@@ -25,6 +26,28 @@ def check_x(x, name="x"):
         x = jnp.asarray(x)
     check_float_dtype(name, x.dtype)
     return x
+
+
+def ragged_group_ends(group_sizes, rows):
+    """ragged_qmm's groups as int32 end rows [E]: group e covers rows [ends[e-1], ends[e])
+    (ends[-1] = 0). A negative size counts as 0 and the groups are cut at `rows` (docs/ops.md:
+    never a row of two experts, never a row past x), the same on every backend. Sizes are
+    clipped to `rows` before the sum, so it stays in int32 while E * rows < 2**31."""
+    sizes = jnp.clip(group_sizes, 0, rows).astype(jnp.int32)
+    return jnp.minimum(jnp.cumsum(sizes), rows)
+
+
+def check_group_sizes(group_sizes, rows):
+    """Concrete (not traced) group sizes: ValueError naming `group_sizes` if one is negative
+    or they sum past the rows of x. Traced ones follow `ragged_group_ends`' rule instead."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    sizes = np.asarray(group_sizes).astype(np.int64)
+    if (sizes < 0).any():
+        raise ValueError(f"group_sizes must be >= 0; got {sizes.tolist()}")
+    if sizes.sum() > rows:
+        raise ValueError(f"group_sizes must sum to at most T={rows} (the rows of x); got "
+                         f"{sizes.tolist()} (sum {sizes.sum()})")
 
 
 def compute_dtype(dtype):

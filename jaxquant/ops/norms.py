@@ -65,14 +65,14 @@ gated_rms_norm_op = Op("gated_rms_norm", gated_rms_norm_reference)
 # Public functions.
 
 
-def _check_common(x, weight, eps, weight_offset, fn):
+def _check_common(x, weight, eps, weight_offset, fn, weight_name="weight"):
     x = check_x(x)
     if x.ndim < 1:
         raise ValueError(f"x must have at least 1 dimension; got shape {x.shape}")
     if weight is not None:
-        weight = check_x(weight, "weight")
+        weight = check_x(weight, weight_name)
         if weight.shape != x.shape[-1:]:
-            raise ValueError(f"weight must have shape {x.shape[-1:]} (x's last axis); "
+            raise ValueError(f"{weight_name} must have shape {x.shape[-1:]} (x's last axis); "
                              f"got {weight.shape}")
     for name, v in (("eps", eps), ("weight_offset", weight_offset)):
         # static parameters: a Python or NumPy real scalar, never a (traced) array
