@@ -43,6 +43,9 @@ Selection, at lowering time, for a primitive bound with `backend=b`:
   for one, always runs on the reference); a backend with no kernel for this
   primitive on this platform is an error, except for a fused op, whose
   fallback is the unfused ops on that backend (`select(..., required=False)`).
+  Another op whose backend comes from `with jq.backend` or $JAXQUANT_BACKEND
+  and has no kernel at all for it is bound with "reference" instead
+  (`resolve_backend`).
 """
 
 from __future__ import annotations
@@ -183,10 +186,14 @@ def backend(name: str | None):
         _CURRENT.reset(token)
 
 
-def resolve_backend(explicit: str | None) -> str | None:
+def resolve_backend(explicit: str | None, primitive: str | None = None) -> str | None:
     """The backend an op bound now should use: the argument, else `with
     jq.backend(...)`, else $JAXQUANT_BACKEND, else None (automatic).
-    Raises if the chosen backend cannot run here."""
+    Raises if the chosen backend cannot run here. A backend chosen by scope (not
+    the argument) that has no kernel at all for `primitive` leaves it to the
+    reference: a model run under `with jq.backend("ffi")` keeps working when it
+    calls an op that backend does not serve (fused ops pass no `primitive`: their
+    fallback is the unfused ops on the chosen backend)."""
     name = explicit if explicit is not None else _current()
     if name is None:
         name = os.environ.get(ENV_VAR) or None
@@ -197,6 +204,9 @@ def resolve_backend(explicit: str | None) -> str | None:
     if why is not None:
         raise RuntimeError(f"backend={name!r} cannot run here: {why}. "
                            f"Available: {available_backends()}")
+    if (explicit is None and primitive is not None and name != "reference"
+            and not any(k.backend == name for k in _KERNELS.get(primitive, ()))):
+        return "reference"
     return name
 
 

@@ -52,7 +52,9 @@ class Op:
         """Bind with structured args (QuantizedArray, None allowed)."""
         leaves, tree = jax.tree_util.tree_flatten(args)
         return self.primitive.bind(*leaves, tree=tree,
-                                   backend=dispatch.resolve_backend(backend), **params)
+                                   backend=dispatch.resolve_backend(
+                                       backend, None if self.composition else self.name),
+                                   **params)
 
     def call_reference(self, leaves, tree, params):
         return self.reference(*jax.tree_util.tree_unflatten(tree, leaves), **params)

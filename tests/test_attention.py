@@ -239,6 +239,20 @@ def test_x64():
         np.testing.assert_allclose(y, attention64(q, k, v, np.asarray(pos), 3, sk), rtol=1e-12)
 
 
+def test_a_scoped_backend_without_the_op_leaves_it_to_the_reference():
+    # a model run under `with jq.backend("ffi")` keeps working: the ffi backend has no
+    # decode_attention, so the op runs its reference; named on the call, it is an error
+    if "ffi" not in jq.available_backends():
+        pytest.skip("the ffi backend is not built here")
+    q, k, v, pos, _ = _inputs(12, 1, 1, 4, 2, 8, 16, F32, 5)
+    want = jq.decode_attention(q, k, v, pos, backend="reference")
+    with jq.backend("ffi"):
+        got = jax.jit(lambda *a: jq.decode_attention(*a))(q, k, v, pos)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(RuntimeError, match="has no kernel for decode_attention"):
+        jax.jit(lambda *a: jq.decode_attention(*a, backend="ffi"))(q, k, v, pos)
+
+
 # ---------------------------------------------------------------------------
 # Bad input: errors name the argument.
 
