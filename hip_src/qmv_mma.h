@@ -1160,14 +1160,13 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
 
 // One kernel a translation unit where CMake builds the library: CMakeLists.txt compiles
 // each qmv_mma_<family>_<dtype>.hip once per launcher it defines (JQ_MMA_PART =
-// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT; qmm_wgmma.hip: JQ_MMA_BF16 or JQ_MMA_F16),
-// so the longest compile, which bounds a parallel build, is one kernel's, not three.
-// Without JQ_MMA_PART a file defines all of them (the compile checks, a hand build).
+// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT), so the longest compile, which bounds a
+// parallel build, is one kernel's, not three (affine bf16, sm_90: 54 s of CPU for the
+// GEMV, 18 s the GEMM, 29 s the dequantize; docs/building.md). Without JQ_MMA_PART a
+// file defines all of them (the compile checks, a hand build).
 #define JQ_MMA_GEMV 1
 #define JQ_MMA_GEMM 2
 #define JQ_MMA_DEQUANT 3
-#define JQ_MMA_BF16 4
-#define JQ_MMA_F16 5
 #if defined(JQ_MMA_PART)
 #define JQ_MMA_BUILDS(part) (JQ_MMA_PART == (part))
 #else
