@@ -31,6 +31,9 @@ PRESETS = {
                   num_heads=8, num_kv_heads=2, head_dim=32, num_experts=8,
                   experts_per_token=2, moe_intermediate_size=256, attention_bias=True,
                   layer_windows=(128, 0, 128, 0), sliding_window=128),
+    # a dense Llama-style block small enough for tests (bench model's peer check)
+    "tiny-dense": dict(family="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, intermediate_size=128),
     "small-dense": dict(family="llama", vocab_size=4096, hidden_size=256, num_layers=4,
                         num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=768),
     # openai/gpt-oss-20b's dimensions (config.json), random weights
@@ -39,6 +42,10 @@ PRESETS = {
                         experts_per_token=4, moe_intermediate_size=2880, attention_bias=True,
                         rms_eps=1e-5, rope_theta=150000.0, sliding_window=128,
                         layer_windows=(128, 0) * 12),
+    # meta-llama/Meta-Llama-3-8B's dimensions (config.json), random weights
+    "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                      rms_eps=1e-5, rope_theta=500000.0),
 }
 DEFAULT_MODES = ("bf16", "affine4", "affine8", "mxfp4", "nvfp4")
 
@@ -67,6 +74,19 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
         self.open = False
+
+
+def preset(name: str, dtype: str = "bfloat16", layers: int | None = None):
+    """The models.Config of PRESETS[name]; `layers` overrides the depth (the sliding
+    window keeps alternating)."""
+    from jaxquant import models
+
+    kw = dict(PRESETS[name], dtype=dtype)
+    if layers:
+        kw["num_layers"] = layers
+        if kw.get("layer_windows"):
+            kw["layer_windows"] = tuple(kw["layer_windows"][i % 2] for i in range(layers))
+    return models.Config(**kw)
 
 
 def parse_mesh(text: str | None):
@@ -128,26 +148,25 @@ def run_mode(cfg, params, prompt, steps, mesh, progress):
         params = parallel.shard_params(cfg, params, mesh)
     b, s = prompt.shape
     max_len = s + steps
-    # one device: the experts of all layers indexed at once (no per-layer copy)
-    by_layer = mesh is None
-    prefill = jax.jit(models.prefill, static_argnums=(0, 3, 4))
-    decode = jax.jit(models.decode, static_argnums=(0, 5, 6), donate_argnums=(2,))
-    lowered = prefill.lower(cfg, params, prompt, max_len, by_layer).as_text()
-    _block(prefill(cfg, params, prompt, max_len, by_layer))
+    # the layer loop and experts_by_layer are chosen automatically (docs/models.md)
+    prefill = jax.jit(models.prefill, static_argnums=(0, 3))
+    decode = jax.jit(models.decode, static_argnums=(0, 5), donate_argnums=(2,))
+    lowered = prefill.lower(cfg, params, prompt, max_len).as_text()
+    _block(prefill(cfg, params, prompt, max_len))
     progress.step("prefill compiled")
     t0 = time.perf_counter()
-    logits, cache, token = _block(prefill(cfg, params, prompt, max_len, by_layer))
+    logits, cache, token = _block(prefill(cfg, params, prompt, max_len))
     t_prefill = time.perf_counter() - t0
     progress.step("prefill")
     if mesh is not None:
         cache = parallel.shard_cache(cfg, cache, mesh)
     # warm-up on a copy of the cache (decode donates it)
-    lowered += decode.lower(cfg, params, cache, token, s, steps - 1, by_layer).as_text()
+    lowered += decode.lower(cfg, params, cache, token, s, steps - 1).as_text()
     _block(decode(cfg, params, jax.tree_util.tree_map(lambda c: c.copy(), cache), token, s,
-                  steps - 1, by_layer))
+                  steps - 1))
     progress.step("decode compiled")
     t0 = time.perf_counter()
-    tokens, _, _ = _block(decode(cfg, params, cache, token, s, steps - 1, by_layer))
+    tokens, _, _ = _block(decode(cfg, params, cache, token, s, steps - 1))
     t_decode = time.perf_counter() - t0
     progress.step("decode")
     return {"logits": logits, "tokens": jax.numpy.concatenate([token[:, None], tokens], 1),
@@ -233,13 +252,7 @@ def main(argv=None) -> int:
         print(f"weights: checkpoint {args.checkpoint} ({cfg.family}, {cfg.num_layers} layers), "
               f"loaded in {time.perf_counter() - t0:.1f}s")
     else:
-        kw = dict(PRESETS[args.config], dtype=args.dtype)
-        if args.layers:
-            kw["num_layers"] = args.layers
-            if kw.get("layer_windows"):
-                kw["layer_windows"] = tuple(kw["layer_windows"][i % 2] for i in
-                                            range(args.layers))
-        cfg = models.Config(**kw)
+        cfg = preset(args.config, args.dtype, args.layers)
         base = jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0))
         print(f"weights: random ({args.config} preset, models.init_params, seed 0). Random "
               f"weights show the kernels' speed, not a trained model's quantization error: "

@@ -39,8 +39,11 @@ def test_help_lists_every_scenario_and_explains_options(capsys):
         with pytest.raises(SystemExit):
             bench.main([name, "--help"])
         text = capsys.readouterr().out
-        for opt in ("--shapes" if name != "moe" else "--layers", "--iters", "--copies",
-                    "--interpret", "--plot"):
+        opts = {"moe": ("--layers", "--iters", "--copies", "--interpret", "--plot"),
+                "model": ("--configs", "--modes", "--batch", "--iters", "--peer", "--profile",
+                          "--mesh", "--xla-flags")}.get(
+            name, ("--shapes", "--iters", "--copies", "--interpret", "--plot"))
+        for opt in opts:
             m = re.search(rf"^\s+{opt}\b.*\n((?:\s{{10,}}.*\n)*)", text, re.M)
             assert m and len(m.group(0).split()) > 3, (name, opt)   # has a help text
         assert "issue" not in text
@@ -54,6 +57,9 @@ def test_help_lists_every_scenario_and_explains_options(capsys):
     (["moe", "--layers", "llama"], "unknown layer 'llama'"),
     (["moe", "--decode-t", "1,x"], "is not comma-separated integers"),
     (["qmm", "--copies", "2"], "--copies must be at least 8"),
+    (["model", "--configs", "llama9"], "unknown config 'llama9'"),
+    (["model", "--mesh", "2y1"], "'2y1' is not TPxEP"),
+    (["model", "--forward-kw", "layer_loop"], "'layer_loop' is not KEY=VALUE"),
     (["flops"], "invalid choice: 'flops'"),
     ([], "required: scenario"),
 ])

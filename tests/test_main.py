@@ -49,6 +49,10 @@ def test_report_prints_backends_and_one_error_row_per_mode():
         assert not [l for l in lines if re.match(r"\s+backend metal", l)]
         assert re.search(r"^\s+\(not built on this platform: metal: .*macOS only", p.stdout, re.M)
     assert re.search(r"backend reference\s+available$", p.stdout, re.M)
+    # under the ffi backend, one line a native library: loaded, or why not
+    for platform in ("cpu", "cuda", "rocm"):
+        assert re.search(rf"^    library {platform}\s+(loaded from \S+|\S.*)$", p.stdout, re.M)
+    assert re.search(r"^    library cpu\s+loaded from \S+libjaxquant_cpu", p.stdout, re.M)
     # mode bits group bits/weight rel.error max-abs-err ms: one row per mode of DESIGN §3
     rows = {}
     for line in lines:

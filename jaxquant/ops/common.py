@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import QuantizedArray
@@ -89,3 +90,16 @@ def quantized_to_front(qw, qw_dims, size):
     return QuantizedArray(*map(front, ("data", "scales", "biases", "global_scale")),
                           mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
                           layout=qw.layout)
+
+
+def jvp_through_reference(op):
+    """Differentiate `op` (a jaxquant.primitive.Op) through its reference definition:
+    the primal from the primitive (a kernel where one is chosen), the tangent from
+    `jax.jvp` of the reference."""
+    def jvp(primals, tangents, *, tree, backend, **params):
+        out = op.primitive.bind(*primals, tree=tree, backend=backend, **params)
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        _, t_out = jax.jvp(lambda *l: op.call_reference(l, tree, params),
+                           tuple(primals), tuple(tangents))
+        return out, t_out
+    ad.primitive_jvps[op.primitive] = jvp
