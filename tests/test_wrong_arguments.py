@@ -93,3 +93,23 @@ def test_cache_and_step_counts_are_checked(small):
     tokens, _, _ = models.decode(cfg, params, models.init_cache(cfg, 1, 4),
                                  jnp.ones(1, jnp.int32), 2, 2)   # exactly fits
     assert tokens.shape == (1, 2)
+
+
+def test_decode_attention_and_fused_ops_wrong_scalars():
+    q, caches = jnp.ones((1, 1, 4, 16)), jnp.ones((2, 1, 8, 2, 16))
+    pos = jnp.array([[3]])
+    with pytest.raises(ValueError, match="layer=5 is past the caches' 2 layers"):
+        jq.decode_attention(q, caches, caches, pos, layer=5)
+    np.testing.assert_array_equal(jq.decode_attention(q, caches, caches, pos, layer=1),
+                                  jq.decode_attention(q, caches[1], caches[1], pos))
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            jq.decode_attention(q, caches[0], caches[0], pos, scale=scale)
+    # a position before every key sees nothing: NaN, not a made-up average
+    assert np.isnan(np.asarray(jq.decode_attention(q, caches[0], caches[0],
+                                                   jnp.array([[-1]])))).all()
+    qw = jq.quantize(W[0], mode="mxfp4")
+    with pytest.raises(ValueError, match="alpha must be finite"):
+        jq.qmm_swiglu(X, qw, alpha=float("nan"))
+    with pytest.raises(ValueError, match="eps must be finite"):
+        jq.rms_norm_qmm(X, None, qw, eps=float("nan"))
