@@ -126,6 +126,10 @@ class QuantizedArray:
             raise IndexError(f"a QuantizedArray in layout {self.layout!r} can be indexed on "
                              f"its {self.ndim - 2} axes before N only (its tiles span N); "
                              f"jq.unpack_layout it first")
+        for axis, i in enumerate(idx):  # jnp would clamp an integer past the end silently
+            if isinstance(i, (int, np.integer)) and not -self.shape[axis] <= i < self.shape[axis]:
+                raise IndexError(f"index {i} is out of bounds for axis {axis} with size "
+                                 f"{self.shape[axis]} (QuantizedArray of shape {self.shape})")
         pick = lambda c: None if c is None else c[idx]
         gs = self.global_scale
         if gs is not None and np.ndim(gs):

@@ -12,6 +12,7 @@ argument.)
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 
 def require_static(name: str, value, fn: str):
@@ -23,3 +24,13 @@ def require_static(name: str, value, fn: str):
             f"jax.jit(f, static_argnames=({name!r},)), or close over it "
             f"(functools.partial(jq.{fn}, {name}=...)).")
     return value
+
+
+def require_bool(name: str, value, fn: str) -> bool:
+    """A static flag as a bool: True/False (Python or NumPy), or 0/1; TypeError for
+    anything else (a string such as "no" would otherwise count as True)."""
+    require_static(name, value, fn)
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer))
+                                               and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} of jq.{fn} must be a bool; got {value!r}")

@@ -129,3 +129,16 @@ def test_pieces_equal_the_whole(layout, mode, shape):
     back = jq.unpack_layout(packed)
     for got, want in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(qw)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("layout", ["cdna4", "cuda_mma"])
+@pytest.mark.parametrize("shape", [(64, 512), (2, 64, 512), (48, 512)])
+def test_prepack_when_row_blocks_cover_every_row(layout, shape):
+    """Converted in row blocks (one matrix is over the piece budget) whose count divides N:
+    no empty tail piece is converted (cdna4's pack cannot take 0 rows)."""
+    qw = jq.quantize(jax.random.normal(jax.random.key(0), shape), mode="mxfp4")
+    packed = jq.prepack(qw, layout=layout)
+    assert packed.layout == layout
+    np.testing.assert_array_equal(np.asarray(jq.unpack_layout(packed).data), np.asarray(qw.data))
+    np.testing.assert_array_equal(np.asarray(jq.unpack_layout(packed).scales),
+                                  np.asarray(qw.scales))

@@ -104,7 +104,11 @@ RAGGED_CASES = {
     "rows past the groups": [10, 0, 65, 3, 1],
     "sizes past T": [150, 100, 0, 30, 0],
     "negative size is empty": [100, -5, 50, 0, 50],
+    "int32 extremes": [0, 2**31 - 1, -(2**31), 2**31 - 1, 5],
 }
+# Concrete sizes that are negative or sum past T are refused eagerly (ValueError); the
+# cases run the traced rule (negative = 0, cut at T) under jit.
+_ragged_ffi = jax.jit(lambda x, q, s: jq.ragged_qmm(x, q, s, backend="ffi"))
 
 
 @pytest.mark.parametrize("case", RAGGED_CASES)
@@ -118,7 +122,7 @@ def test_ragged_gemm_edge_cases(case, mode, bits):
     assert t > configs.RAGGED_GATHER_MAX_T
     for dt in X16:
         x = rand(t, (t, 256), dt)
-        y = jq.ragged_qmm(x, packed, sizes, backend="ffi")
+        y = _ragged_ffi(x, packed, sizes)
         _check_ragged(y, x, w64, RAGGED_CASES[case], jnp.dtype(dt))
     assert _gemm_used(lambda x, q, s: jq.ragged_qmm(x, q, s, backend="ffi"), x, packed, sizes)
 
@@ -127,10 +131,11 @@ def test_ragged_gemm_edge_cases(case, mode, bits):
 def test_ragged_few_rows_through_the_gemv(dt):
     qw, packed = _packed("mxfp4", 4, (6, 40, 256), key=17)
     w64 = deq64(qw)
-    for sizes in ([0, 3, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0], [0, 0, 2, 0, 0, 0], [4, 9, 0, 0, 0, 3]):
-        t = 4 if sum(sizes) <= 4 else 16
+    for sizes in ([0, 3, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0], [0, 0, 2, 0, 0, 0], [4, 9, 0, 0, 0, 3],
+                  [2, -3, 1, 0, 0, 0], [2**31 - 1, 2**31 - 1, 0, 0, 0, 0], [1, 2, 20, 0, 0, 0]):
+        t = 4 if sum(np.maximum(sizes, 0)) <= 4 else 16
         x = rand(t, (t, 256), dt)
-        y = jq.ragged_qmm(x, packed, jnp.asarray(sizes, jnp.int32), backend="ffi")
+        y = _ragged_ffi(x, packed, jnp.asarray(sizes, jnp.int32))
         _check_ragged(y, x, w64, sizes, jnp.dtype(dt))
 
 

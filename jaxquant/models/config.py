@@ -47,6 +47,17 @@ class Config:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r} is not known; expected one of {FAMILIES}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if not (math.isfinite(self.rms_eps) and self.rms_eps >= 0):
+            raise ValueError(f"rms_eps must be finite and >= 0; got {self.rms_eps}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype={self.dtype!r} must be 'bfloat16', 'float16' or 'float32' "
+                             f"(activations and float weights)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")

@@ -275,10 +275,17 @@ def init_cache(cfg: Config, batch: int, max_len: int, dtype=None):
 
 
 def embed(params, tokens):
+    """Rows of the embedding; a token id outside [0, vocab) gives a NaN row (so NaN
+    logits), never another token's row (jnp indexing would clamp or wrap it)."""
     e = params["embed"]
+    vocab = e.shape[0]
+    valid = (tokens >= 0) & (tokens < vocab)
+    ids = jnp.where(valid, tokens, 0)
     if isinstance(e, QuantizedArray):  # MLX quantizes embeddings: gather rows, dequantize
-        return jq.dequantize(e[tokens.reshape(-1)]).reshape(*tokens.shape, e.shape[-1])
-    return e[tokens]
+        rows = jq.dequantize(e[ids.reshape(-1)]).reshape(*tokens.shape, e.shape[-1])
+    else:
+        rows = e[ids]
+    return jnp.where(valid[..., None], rows, jnp.full((), jnp.nan, rows.dtype))
 
 
 EXPERT_STACKS = ("e_gate_up", "e_gate", "e_up", "e_down")
@@ -375,6 +382,9 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
 def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None):
     """prompt [B, S] -> (logits [B, S, V], cache, next token [B])."""
     b, s = prompt.shape
+    if s > max_len:
+        raise ValueError(f"max_len={max_len} must be >= the prompt's length {s} (the cache "
+                         f"holds prompt and generated tokens)")
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     logits, cache = forward(cfg, params, prompt, positions, init_cache(cfg, b, max_len),
                             experts_by_layer)
@@ -383,8 +393,14 @@ def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None):
 
 def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_layer=None):
     """Greedy decoding of `steps` tokens in one loop from token [B] at position
-    `start`: -> (tokens [B, steps], last logits [B, V], cache)."""
+    `start`: -> (tokens [B, steps], last logits [B, V], cache). start + steps must fit
+    the cache (checked where start is a Python int; a traced start past it would have
+    its cache writes clamped)."""
     b = token.shape[0]
+    max_len = cache[0].shape[2]
+    if isinstance(start, (int, np.integer)) and not 0 <= start <= max_len - steps:
+        raise ValueError(f"start={start} + steps={steps} must fit the cache's max_len="
+                         f"{max_len}")
 
     def step(carry, i):
         token, cache, _ = carry
@@ -401,6 +417,8 @@ def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_laye
 
 def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None):
     """Greedy generation: prompt [B, S] -> [B, steps] new tokens (jit this whole)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
     _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer)
     tokens, _, _ = decode(cfg, params, cache, token, prompt.shape[1], steps - 1,
                           experts_by_layer)

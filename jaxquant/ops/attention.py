@@ -127,11 +127,16 @@ def decode_attention(q, k_cache, v_cache, positions, *, sinks=None, window=0, sc
     window = _int_scalar("window", window, "0: no window")
     if layer is not None:
         layer = _int_scalar("layer", layer, "an index into the caches' first axis")
+        if not isinstance(layer, jax.core.Tracer) and int(layer) >= k_cache.shape[0]:
+            # lax.dynamic_index_in_dim would clamp it to the last layer
+            raise ValueError(f"layer={int(layer)} is past the caches' {k_cache.shape[0]} layers")
     require_static("scale", scale, "decode_attention")
     if scale is None:
         scale = hd ** -0.5
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real scalar (Python or NumPy, static); got {scale!r}")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite; got {scale}")
     return decode_attention_op.bind(q, k_cache, v_cache, positions, window, sinks, layer,
                                     backend=backend, scale=float(scale),
                                     precision=default_precision())

@@ -153,6 +153,8 @@ def qmm_swiglu(x, qw, *, activation: str = "silu", limit: float | None = None,
 def _check_real(name, v):
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a real scalar (Python or NumPy, static); got {v!r}")
+    if not np.isfinite(v):
+        raise ValueError(f"{name} must be finite; got {v}")
 
 
 # ---------------------------------------------------------------------------

@@ -79,6 +79,8 @@ def _check_common(x, weight, eps, weight_offset, fn, weight_name="weight"):
         require_static(name, v, fn)
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a real scalar (Python or NumPy, static); got {v!r}")
+        if not np.isfinite(v):  # NaN would pass `eps < 0` and fill the output with NaN
+            raise ValueError(f"{name} must be finite; got {v}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0; got {eps}")
     return x, weight

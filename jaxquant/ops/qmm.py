@@ -18,7 +18,7 @@ from jaxquant.ops.common import (batch_size, check_group_sizes, check_x, compute
                                  ragged_group_ends, require_quantized, to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.quantize import dequantize_reference
-from jaxquant.static_args import require_static
+from jaxquant.static_args import require_bool
 
 
 # ---------------------------------------------------------------------------
@@ -78,14 +78,14 @@ def _k_axis(qw, transpose):
 
 def _expert_args(op, x, qw, ids_name, ids, transpose):
     """The checks gather_qmm and ragged_qmm share: transpose static, qw [E, N, K]
-    quantized, x an array, ids (indices, group_sizes) integer. Returns x, ids, K."""
-    require_static("transpose", transpose, op)
+    quantized, x an array, ids (indices, group_sizes) integer. Returns x, ids, K, transpose."""
+    transpose = require_bool("transpose", transpose, op)
     require_quantized("qw", qw, ndim=3)
     x = check_x(x)
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"{ids_name} must be an integer array; got {ids.dtype}")
-    return x, ids, _k_axis(qw, transpose)
+    return x, ids, _k_axis(qw, transpose), transpose
 
 
 def qmm(x, qw, transpose: bool = True, *, backend: str | None = None):
@@ -95,7 +95,7 @@ def qmm(x, qw, transpose: bool = True, *, backend: str | None = None):
     qw may carry leading batch axes [*B, N, K]; x is then [*B, M, K].
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
-    require_static("transpose", transpose, "qmm")
+    transpose = require_bool("transpose", transpose, "qmm")
     require_quantized("qw", qw, min_ndim=2)
     x = check_x(x)
     k = _k_axis(qw, transpose)
@@ -116,7 +116,7 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
     An index outside [0, E) gives a NaN row and reads nothing out of bounds.
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
-    x, indices, k = _expert_args("gather_qmm", x, qw, "indices", indices, transpose)
+    x, indices, k, transpose = _expert_args("gather_qmm", x, qw, "indices", indices, transpose)
     if indices.ndim != 2:
         raise ValueError(f"indices must be [T, k]; got shape {indices.shape}")
     t, slots = indices.shape
@@ -133,8 +133,8 @@ def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | Non
     qw [E, N, K] -> [T, N]. Concrete group sizes that are negative or sum past T raise
     ValueError; traced ones (under jit) count a negative size as 0 and are cut at T rows.
     Static (Python values, not traced under jax.jit): transpose, backend."""
-    x, group_sizes, k = _expert_args("ragged_qmm", x, qw, "group_sizes", group_sizes,
-                                     transpose)
+    x, group_sizes, k, transpose = _expert_args("ragged_qmm", x, qw, "group_sizes",
+                                                group_sizes, transpose)
     if group_sizes.shape != (qw.shape[0],):
         raise ValueError(f"group_sizes must be [E] = ({qw.shape[0]},); got {group_sizes.shape}")
     if x.ndim != 2 or x.shape[1] != k:
