@@ -6,7 +6,8 @@ from jaxquant.models.config import Config, from_hf
 from jaxquant.models.decoder import (MODES, decode, forward, fuse_params, generate, init_cache,
                                      init_params, prefill, prepack_params, quantize_params,
                                      stack_layers, unfuse_params, unstack_layers, weight_bytes)
+from jaxquant.models import checkpoint, parallel  # models.checkpoint.load without its own import
 
-__all__ = ["Config", "MODES", "decode", "forward", "from_hf", "fuse_params", "generate",
-           "init_cache", "init_params", "prefill", "prepack_params", "quantize_params",
-           "stack_layers", "unfuse_params", "unstack_layers", "weight_bytes"]
+__all__ = ["Config", "MODES", "checkpoint", "decode", "forward", "from_hf", "fuse_params",
+           "generate", "init_cache", "init_params", "parallel", "prefill", "prepack_params",
+           "quantize_params", "stack_layers", "unfuse_params", "unstack_layers", "weight_bytes"]

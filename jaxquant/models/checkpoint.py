@@ -31,8 +31,9 @@ import numpy as np
 
 import jaxquant as jq
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import (MATRICES, default_per_layer, fuse_layer, prepack_params,
-                                     quantize_args, quantize_matrix, stack_layers)
+from jaxquant.models.decoder import (MATRICES, default_per_layer, fuse_layer, fuse_params,
+                                     prepack_params, quantize_args, quantize_matrix,
+                                     stack_layers, unstack_layers)
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -72,14 +73,23 @@ class _Tensors:
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str | None = None,
          fuse: bool = True, per_layer: bool | None = None):
-    """(Config, params) from a checkpoint directory. mode: quantize float matrices
-    on load (None keeps them float); dtype: the activation / float weight dtype;
+    """(Config, params) from a checkpoint directory (or a single .gguf file:
+    models.gguf_checkpoint). mode: quantize float matrices on load (None keeps
+    them float); dtype: the activation / float weight dtype;
     layout: the kernel layout of the quantized matrices (None: the default
     device's fastest, as jq.prepack; "canonical" keeps the exchange layout);
     fuse: q/k/v and gate/up as one matrix each (models.fuse_params);
     per_layer: the layers as separate buffers, read one at a time (None: the
     default device's fastest form, models.decoder.default_per_layer); stacked,
     a matrix must have one format in every layer."""
+    if os.fspath(path).endswith(".gguf"):
+        from jaxquant.models import gguf_checkpoint
+        cfg, params = gguf_checkpoint.load(path, mode, dtype=dtype, lm_head=lm_head)
+        if fuse:
+            params = fuse_params(params)
+        if default_per_layer() if per_layer is None else per_layer:
+            params = unstack_layers(params)
+        return cfg, prepack_params(params, layout)
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     cfg = from_hf(hf, dtype=dtype)

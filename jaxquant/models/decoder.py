@@ -184,25 +184,10 @@ def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_tab
     cache_k, cache_v = (lax.dynamic_update_slice(c, new.astype(c.dtype)[None],
                                                  (layer_index, 0, start, 0, 0))
                         for c, new in zip(cache, (k, v)))
-    layer_k, layer_v = cache_k[layer_index], cache_v[layer_index]
-    s = layer_k.shape[1]
-    qg = q.reshape(b, t, hkv, hq // hkv, hd).astype(jnp.float32)
-    scores = jnp.einsum("btgqd,bsgd->bgqts", qg, layer_k.astype(jnp.float32)) * hd ** -0.5
-    key_pos = jnp.arange(s)
-    qpos = positions[:, None, None, :, None]
-    visible = key_pos <= qpos
-    visible &= (window == 0) | (qpos - key_pos < window)
-    scores = jnp.where(visible, scores, -jnp.inf)
-    if "sinks" in p:  # gpt-oss: a learned logit per head that takes probability mass
-        sink = p["sinks"].astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
-        m = jnp.maximum(jnp.max(scores, -1, keepdims=True), sink)
-        e = jnp.exp(scores - m)
-        probs = e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))
-    else:
-        probs = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("bgqts,bsgd->btgqd", probs, layer_v.astype(jnp.float32))
-    o = o.reshape(b, t, hq * hd).astype(h.dtype)
-    return linear(o, p["wo"], p.get("bo")), (cache_k, cache_v)
+    # the op reads layer `layer_index` of the stacked caches in place (no slice copy)
+    o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"), window=window,
+                            layer=layer_index)
+    return linear(o.reshape(b, t, hq * hd), p["wo"], p.get("bo")), (cache_k, cache_v)
 
 
 def swiglu_kind(cfg: Config) -> str:
