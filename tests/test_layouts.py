@@ -114,7 +114,9 @@ def test_prepack_in_bounded_memory(shape, mode):
     ("cuda_mma", "affine", (3, 2, 200, 128)),     # N % 16 != 0: canonical tail rows
     ("cuda_mma", "mxfp4", (1, 1000, 64)),         # one tall matrix: blocks of rows + a tail
     ("cuda_mma", "nvfp4", (5, 48, 64)),
+    ("cuda_mma", "mxfp4", (1024, 64)),            # blocks cover every row: no tail
     ("cdna4", "mxfp4", (2, 3, 336, 256)),         # scales padded to 32 rows after the tail
+    ("cdna4", "mxfp4", (64, 512)),                # no tail
     ("test_reversed_rows", "affine", (6, 8, 64)),  # no row blocks: whole matrices
 ])
 def test_pieces_equal_the_whole(layout, mode, shape):

@@ -226,11 +226,11 @@ def _loop(convert, flat, count, where, rows_axis, tail=None):
             out.append(piece)
         return tuple(out)
 
+    if tail is not None and tail == flat[0].shape[1]:
+        tail = None  # the blocks cover every row
     piece0 = jax.eval_shape(lambda f: convert(take(f, 0)), flat)
-    # no tail where the blocks cover every row (a layout may not take a 0-row piece)
-    has_tail = tail is not None and tail < flat[0].shape[1]
-    tail0 = jax.eval_shape(lambda f: convert(take(f, 0, True)), flat) if has_tail else None
-    b = next(a for a in flat if a is not None).shape[0]
+    tail0 = jax.eval_shape(lambda f: convert(take(f, 0, True)), flat) if tail is not None else None
+    b = flat[0].shape[0]
 
     def out_shape(k):
         p = piece0[k]
@@ -238,8 +238,9 @@ def _loop(convert, flat, count, where, rows_axis, tail=None):
             return None
         if rows_axis is None:  # whole matrices: [m, ...] pieces of [B, ...]
             return (b, *p.shape[1:]), p.dtype
-        rows = tail + (tail0[k].shape[0] if has_tail else 0)
-        return (b, rows, *p.shape[1:]), p.dtype
+        if tail is None:  # blocks of rows: [rows, ...] pieces of [B, N, ...]
+            return (b, flat[k].shape[1], *p.shape[1:]), p.dtype
+        return (b, tail + tail0[k].shape[0], *p.shape[1:]), p.dtype
 
     shapes = [out_shape(k) for k in range(3)]
     outs = tuple(None if s is None else jnp.zeros(*s) for s in shapes)
@@ -258,7 +259,7 @@ def _loop(convert, flat, count, where, rows_axis, tail=None):
                    lambda o: (s0, s1) + (0,) * (o.ndim - 2))
 
     outs = body(0, outs) if count == 1 else lax.fori_loop(0, count, body, outs)
-    if has_tail:
+    if tail is not None:
         def tail_body(i, outs):
             piece = convert(take(flat, i, True))
             return put(outs, tuple(None if p is None else p[None] for p in piece),
