@@ -520,7 +520,7 @@ __device__ __forceinline__ void unit_to_shared(uint32_t dst, const uint32_t* src
 // scales: copied by a few lanes, read by all after a __syncwarp.
 template <int BITS>
 struct Stages {
-  // more stages measured slower at 4 bits (hip_src/tune_mma_driver.hip: 6 and 8 lose
+  // more stages measured slower at 4 bits (tools/cuda/tune_mma_driver.hip: 6 and 8 lose
   // 0.5-3 us on an H100); fewer above 4 bits keep the blocks per SM
   static constexpr int value = BITS > 4 ? 3 : 4;
 };
@@ -991,7 +991,7 @@ inline int sm_count() {
 
 // Launch the GEMV as a programmatic dependent (sm_90+): its blocks start while the
 // kernel before it in the stream drains, and wait in grid_dependency_wait() before
-// reading anything. Measured on an H100 (hip_src/tune_mma_driver.hip, back to back):
+// reading anything. Measured on an H100 (tools/cuda/tune_mma_driver.hip, back to back):
 // 1.6 us less per call at every size, 33 MB 18.4 -> 16.8 us. $JAXQUANT_PDL=0 turns it off.
 inline bool programmatic_launch() {
   static const bool on = [] {
@@ -1157,6 +1157,22 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
   });
   return err;
 }
+
+// One kernel a translation unit where CMake builds the library: CMakeLists.txt compiles
+// each qmv_mma_<family>_<dtype>.hip once per launcher it defines (JQ_MMA_PART =
+// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT; qmm_wgmma.hip: JQ_MMA_BF16 or JQ_MMA_F16),
+// so the longest compile, which bounds a parallel build, is one kernel's, not three.
+// Without JQ_MMA_PART a file defines all of them (the compile checks, a hand build).
+#define JQ_MMA_GEMV 1
+#define JQ_MMA_GEMM 2
+#define JQ_MMA_DEQUANT 3
+#define JQ_MMA_BF16 4
+#define JQ_MMA_F16 5
+#if defined(JQ_MMA_PART)
+#define JQ_MMA_BUILDS(part) (JQ_MMA_PART == (part))
+#else
+#define JQ_MMA_BUILDS(part) 1
+#endif
 
 #define JQ_MMA_DECLARE(DT)                                                                   \
   hipError_t launch_qmv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream);      \

@@ -41,9 +41,9 @@ if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
-  step "compute-sanitizer memcheck on the cuda_mma kernels (hip_src/sanitize_mma_driver.hip, no JAX)"
+  step "compute-sanitizer memcheck on the cuda_mma kernels (tools/cuda/sanitize_mma_driver.hip, no JAX)"
   nvcc -x cu -std=c++17 -O2 --expt-relaxed-constexpr -gencode=arch=compute_90,code=sm_90 \
-    -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
+    -Iinclude -Ihip_src tools/cuda/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
     # defaults (the wgmma GEMM on sm_90, 128 rows of x per block at these sizes), then

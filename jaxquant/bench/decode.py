@@ -132,6 +132,8 @@ def _time_torch(fn, per_call, iters=7, inner=10):
 def bench_torch_peers(bw, out, copies=8):
     try:
         import torch
+
+        from jaxquant.bench import torch_peer
     except Exception as e:  # noqa: BLE001
         _line(out, "torch peers: torch not importable:", e)
         return {}
@@ -149,17 +151,8 @@ def bench_torch_peers(bw, out, copies=8):
         _line(out, f"1, {k}, {n}", "torch bf16 F.linear", f"{us:.1f}",
               f"{100 * n * k * 2 / (us * 1e-6) / bw:.0f}%")
         try:
-            packs = []
-            for w in ws:  # int4 group 64, asymmetric (the same kind as affine4 g64)
-                wg = w.float().reshape(n, k // 64, 64)
-                lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-                scale = ((hi - lo) / 15).clamp(min=1e-8)
-                q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
-                zero = lo + 8 * scale  # int4pack dequantizes (q - 8) * scale + zero
-                sz = torch.stack([scale.reshape(n, k // 64), zero.reshape(n, k // 64)], -1)
-                sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/64, N, 2]
-                q_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-                packs.append((torch._convert_weight_to_int4pack(q_u8, 8), sz))
+            # int4 group 64, asymmetric (the same kind as affine4 g64)
+            packs = [torch_peer.int4pack(w, 64) for w in ws]
             us = _time_torch(lambda: [torch._weight_int4pack_mm(x, p, 64, sz) for p, sz in packs],
                             copies) * 1e6
             nbytes = n * k // 2 + n * (k // 64) * 4

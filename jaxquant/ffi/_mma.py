@@ -33,6 +33,7 @@ from jaxquant import dispatch
 from jaxquant.ffi import configs
 from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
 from jaxquant.layouts import cuda_mma
+from jaxquant.ops.common import ragged_group_ends
 from jaxquant.ops.qmm import qmm_reference
 from jaxquant.quantized_array import QuantizedArray
 
@@ -224,12 +225,12 @@ def ragged_qmm_applies(x, qw, group_sizes, *, transpose, precision, platform):
 
 def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
     t = x.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     if t > configs.RAGGED_GATHER_MAX_T:
-        return qmm_gemm_call(x[None], qw, sizes)[0]
+        # the kernel clamps each size to [0, T] and cuts the groups at T itself
+        return qmm_gemm_call(x[None], qw, jnp.clip(group_sizes, 0, t).astype(jnp.int32))[0]
     # few rows: each row is a gather slot of its group's expert (ids stay on the
     # device); rows past the groups get id E (a NaN row), then zero
-    ends = jnp.cumsum(sizes)
+    ends = ragged_group_ends(group_sizes, t)
     ids = jnp.searchsorted(ends, jnp.arange(t, dtype=ends.dtype), side="right")
     y = qmv_mma_call(x[:, None, :], qw, ids.astype(jnp.int32), dedupe=min(t, MMA_MAX_M))
     past = jnp.arange(t) >= ends[-1]

@@ -13,9 +13,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad
 
-from jaxquant.ops.common import check_x, compute_dtype, to_front_or_broadcast
+from jaxquant.ops.common import (check_x, compute_dtype, jvp_through_reference,
+                                 to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.static_args import require_static
 
@@ -153,16 +153,6 @@ def _rowwise_batch(op: Op, n_rows: int):
     return rule
 
 
-def _jvp_through_reference(op: Op):
-    def jvp(primals, tangents, *, tree, backend, **params):
-        out = op.primitive.bind(*primals, tree=tree, backend=backend, **params)
-        tangents = [ad.instantiate_zeros(t) for t in tangents]
-        _, t_out = jax.jvp(lambda *l: op.call_reference(l, tree, params),
-                           tuple(primals), tuple(tangents))
-        return out, t_out
-    ad.primitive_jvps[op.primitive] = jvp
-
-
 for _op, _rows in ((rms_norm_op, 1), (add_rms_norm_op, 2), (gated_rms_norm_op, 2)):
     _op.batch_rule = _rowwise_batch(_op, _rows)
-    _jvp_through_reference(_op)
+    jvp_through_reference(_op)

@@ -1,7 +1,7 @@
 // A standalone driver of the tensor-core kernels on the cuda_mma layout, the
 // decode GEMV (qmv_mma.h) and the prefill GEMM (qmm_gemm.h), no JAX, for
 // compute-sanitizer (scripts/gpu_check_decode.sh and gpu_check_prefill.sh run it):
-//   nvcc -x cu -std=c++17 -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip \
+//   nvcc -x cu -std=c++17 -Iinclude -Ihip_src tools/cuda/sanitize_mma_driver.hip \
 //        -L<lib dir> -ljaxquant_cuda -o sanitize_mma_driver
 //   compute-sanitizer --tool memcheck --error-exitcode 9 ./sanitize_mma_driver
 // Random codes and scales (every bit pattern is a valid code) in buffers of the
