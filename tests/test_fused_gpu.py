@@ -85,33 +85,33 @@ def test_rms_norm_qmm_kernel(mode, bits):
 
 @pytest.mark.parametrize("mode,bits", MODES)
 def test_qmm_swiglu_kernel(mode, bits):
-    # I = 32: two gate tiles and two up tiles
+    # I = 32: two gate tiles and two up tiles; every dtype, M, activation, with and
+    # without a bias, in one program per side
     i, k = 32, 192
     qw, packed = _packed(mode, bits, (2 * i, k), key=bits + 1, scale=0.5)
     xs = {(jnp.dtype(dt).name, m): rand(m, (m, k), dt) for dt in DTYPES for m in MS}
     bias = {jnp.dtype(dt).name: rand(77, (2 * i,), dt) for dt in DTYPES}
-    for act in ACTS:
-        for with_bias in (False, True):
-            def fused_fn(xs, bs, q):
-                return {key: jq.qmm_swiglu(x, q, bias=bs[key[0]] if with_bias else None, **act)
-                        for key, x in xs.items()}
+    cases = [(key, a, with_bias) for key in xs for a in range(len(ACTS))
+             for with_bias in (False, True)]
 
-            def unfused_fn(xs, bs, q):
-                return {key: _unfused_swiglu(x, q, bs[key[0]] if with_bias else None, act)
-                        for key, x in xs.items()}
-            assert "jaxquant_qmv_mma_fused" in _targets(fused_fn, xs, bias, packed)
-            fused = jax.jit(fused_fn)(xs, bias, packed)
-            unfused = jax.jit(unfused_fn)(xs, bias, packed)
-            for (name, m), y in fused.items():
-                eps = EPS[jnp.dtype(name)]
-                assert y.dtype == jnp.dtype(name) and y.shape == (m, i)
-                # the halves are the unfused GEMV's outputs bit for bit; the activation's
-                # exp (a few float32 ulps: 2^-20) and the output's rounding may differ
-                # (float16's smallest subnormal, 2^-24, absolute)
-                np.testing.assert_allclose(f64(y), f64(unfused[name, m]),
-                                           rtol=max(4 * eps, 2.0**-20),
-                                           atol=2.0**-24,
-                                           err_msg=f"{name} M={m} {act} bias={with_bias}")
+    def run(one):
+        return jax.jit(lambda xs, bs, q: {
+            c: one(xs[c[0]], q, bs[c[0][0]] if c[2] else None, ACTS[c[1]]) for c in cases})(
+                xs, bias, packed)
+    fused_one = lambda x, q, b, act: jq.qmm_swiglu(x, q, bias=b, **act)
+    assert "jaxquant_qmv_mma_fused" in _targets(
+        lambda x, q: fused_one(x, q, None, ACTS[0]), xs["bfloat16", 1], packed)
+    fused, unfused = run(fused_one), run(_unfused_swiglu)
+    for c in cases:
+        (name, m), a, with_bias = c
+        y, eps = fused[c], EPS[jnp.dtype(name)]
+        assert y.dtype == jnp.dtype(name) and y.shape == (m, i)
+        # the halves are the unfused GEMV's outputs bit for bit; the activation's exp
+        # (a few float32 ulps: 2^-20) and the output's rounding may differ (float16's
+        # smallest subnormal, 2^-24, absolute)
+        np.testing.assert_allclose(f64(y), f64(unfused[c]), rtol=max(4 * eps, 2.0**-20),
+                                   atol=2.0**-24,
+                                   err_msg=f"{name} M={m} {ACTS[a]} bias={with_bias}")
 
 
 def _unfused_swiglu(x, q, bias, act):

@@ -37,6 +37,12 @@ CASES = {
     "gated_rms_norm-norm_before_gate": (lambda: jax.jit(
         lambda x, b: jq.gated_rms_norm(x, x, None, norm_before_gate=b))(X, True),
         "norm_before_gate", "gated_rms_norm"),
+    "rms_norm_qmm-weight_offset": (lambda: jax.jit(
+        lambda x, o: jq.rms_norm_qmm(x, None, QW, weight_offset=o))(X, 1.0), "weight_offset",
+        "rms_norm_qmm"),
+    "qmm_swiglu-alpha": (lambda: jax.jit(
+        lambda x, a: jq.qmm_swiglu(x, QW, activation="gpt_oss", alpha=a))(X, 1.7), "alpha",
+        "qmm_swiglu"),
 }
 
 
