@@ -67,8 +67,9 @@ def step_bytes(cfg, params, batch: int) -> float:
     for key, value in params.items():
         if key == "embed" and not cfg.tie_embeddings:
             total += models.weight_bytes(value) / cfg.vocab_size * batch
-        elif key == "layers":
-            for name, w in value.items():
+        elif key == "layers":  # stacked [L, ...] arrays, or one dict per layer
+            per_layer = value if isinstance(value, (list, tuple)) else (value,)
+            for name, w in (item for layer in per_layer for item in layer.items()):
                 total += models.weight_bytes(w) * (share if name.startswith("e_") else 1.0)
         else:
             total += models.weight_bytes(value)
@@ -220,7 +221,7 @@ def peer_rows(args, cfg, base, prompts, ref, out):
                         lambda: (peer.prefill(long), peer.sync()), args.iters)
             except Exception as e:  # noqa: BLE001
                 row = _failed(args.config_name, PEER_IMPL, variant, b, e)
-            rows.append(row)
+            rows.append(_done(row))
         del peer
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -229,6 +230,15 @@ def peer_rows(args, cfg, base, prompts, ref, out):
 
 # ---------------------------------------------------------------------------
 # One config.
+
+
+def _done(row):
+    """The row, its numbers also on stderr at once (a run cut short keeps them)."""
+    if "failed" not in row:
+        extra = "".join(f", {k} {row[k]:.4g}" for k in ("prefill_tps", "dlogits") if k in row)
+        harness.progress(f"{row['config']} {row['impl']} {row['mode']} batch {row['batch']}: "
+                         f"decode {row['decode_tps']:.1f} tok/s{extra}")
+    return row
 
 
 def _failed(config, impl, mode, batch, e):
@@ -301,7 +311,7 @@ def config_rows(args, name, out):
                                                 f"{name} {mode} batch {b}")
                 except Exception as e:  # noqa: BLE001
                     row = _failed(name, impl, mode, b, e)
-                rows.append(row)
+                rows.append(_done(row))
             del placed
         del params
     if args.peer == "torch":
