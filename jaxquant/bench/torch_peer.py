@@ -3,20 +3,21 @@ decoder built the way gpt-fast (pytorch-labs/gpt-fast, model.py and
 generate.py) builds one, computing the same function as
 `jaxquant.models` for the same weights.
 
-As gpt-fast: fused wqkv (jaxquant's own when its params have one), a static KV cache [B, Hkv, S, hd] updated in place
+As gpt-fast: fused wqkv, a static KV cache [B, Hkv, S, hd] updated in place
 with index_put, a causal mask row per position, F.scaled_dot_product_attention
-with the KV heads repeated (GQA), the decode step compiled whole
-(`torch.compile(mode="max-autotune", fullgraph=True)`, coordinate-descent
-tuning on) and a Python loop of greedy steps; int4 weights (group 64,
-asymmetric min/max, every linear layer and the head) through
+with the KV heads repeated (GQA; the math kernel in decode), the decode step
+compiled whole (`torch.compile(mode="max-autotune", fullgraph=True)`,
+coordinate-descent tuning on) and a Python loop of greedy steps; int4 weights
+(group 64, asymmetric min/max, every linear layer and the head) through
 `torch._weight_int4pack_mm` on `torch.ops.aten._convert_weight_to_int4pack`
 data. As jaxquant (so the two agree): RoPE on the two halves of a head
 (Hugging Face's convention; gpt-fast's own checkpoints are permuted for its
 interleaved one), norms in float32 with the weight applied before the cast
 back, logits in float32.
 
-The weights are views of the JAX arrays (DLPack, no copy) but for wqkv, which
-is concatenated as in gpt-fast.
+The weights are views of the JAX arrays (DLPack, no copy), stacked [L, ...] or
+per layer, fused (wqkv, w_gate_up) or not; wqkv is concatenated where the
+params have q, k and v apart, as gpt-fast does.
 """
 
 from __future__ import annotations
@@ -252,8 +253,11 @@ class Peer:
     def decode(self, token, start: int, steps: int):
         import torch
 
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         out = []
-        with torch.no_grad():
+        # as gpt-fast's decode_n_tokens: the math attention, which inductor fuses
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             input_pos = torch.tensor([start], device=self.device)
             for _ in range(steps):
                 token = self.step(token.long(), input_pos).clone()
