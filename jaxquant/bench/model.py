@@ -522,7 +522,9 @@ def run(args, out=print):
     cpu = harness.on_cpu()
     args.platform = harness.platform()
     float_mode = "bf16" if args.dtype == "bfloat16" else "float32"
-    args.modes = args.modes or (float_mode,) + QUANT_DEFAULT
+    # the float mode first: the others' Δlogits are against it
+    args.modes = sorted(args.modes or (float_mode,) + QUANT_DEFAULT,
+                        key=lambda m: m not in FLOAT_MODES)
     args.profile_dir = args.profile_dir or tempfile.mkdtemp(prefix="jaxquant_profile_")
     if not args.batch or min(args.batch) < 1 or args.prompt < 1 or args.tokens < 1 or \
             args.prefill < 0 or args.iters < 1:

@@ -254,8 +254,10 @@ def breakdown(events: list[Event], index: dict[str, HloOp], steps: int, layers: 
     top = collections.defaultdict(lambda: [0, 0.0])
     copies = collections.defaultdict(lambda: [0, 0])
     copy_bytes = 0
+    # a GPU kernel of an XLA fusion is named after the instruction, "." and "-" as "_"
+    by_kernel = {re.sub(r"[.\-]", "_", name): op for name, op in index.items()}
     for e in events:
-        op = index.get(e.hlo_op) if e.hlo_op else index.get(e.name)
+        op = index.get(e.hlo_op) or index.get(e.name) or by_kernel.get(e.name)
         cls = classify(e.name, e.hlo_op, op)
         by_class[cls][0] += 1
         by_class[cls][1] += e.dur
