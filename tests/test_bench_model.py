@@ -108,25 +108,30 @@ def test_peer_computes_jaxquants_function(dtype, tol):
         np.testing.assert_array_equal(peer.decode(p_token, 6, 6).numpy(), np.asarray(tokens))
     # the bytes a step reads: the same weights as jaxquant's
     assert peer.step_bytes(2) == bench_model.step_bytes(cfg, params, 2)
-    # the same from fused wqkv / w_gate_up in per-layer dicts (models' other forms)
-    fused = _fused_per_layer(params)
-    assert bench_model.step_bytes(cfg, fused, 2) == bench_model.step_bytes(cfg, params, 2)
-    peer = torch_peer.Peer(cfg, fused)
+    # the same from the models' other forms: per-layer dicts, fused or apart
+    other = _other_form(cfg, params)
+    assert bench_model.step_bytes(cfg, other, 2) == bench_model.step_bytes(cfg, params, 2)
+    peer = torch_peer.Peer(cfg, other)
     peer.setup(2, 12)
     assert np.max(np.abs(peer.prefill(prompt)[0].numpy() - ref)) / np.max(np.abs(ref)) < tol
 
 
-def _fused_per_layer(params):
-    """params with one dict per layer holding wqkv (q, k, v rows) and w_gate_up (gate, up)."""
+def _other_form(cfg, params):
+    """params as one dict per layer, with q/k/v and gate/up fused if they were apart
+    (wqkv: q, k, v rows; w_gate_up: gate, up rows) and apart if they were fused."""
     layers = params["layers"]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = []
-    for i in range(layers["wq"].shape[0]):
+    for i in range(next(iter(layers.values())).shape[0]):
         p = {k: v[i] for k, v in layers.items()}
-        p["wqkv"] = jnp.concatenate([p.pop("wq"), p.pop("wk"), p.pop("wv")])
-        p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")])
+        if "wq" in p:
+            p["wqkv"] = jnp.concatenate([p.pop("wq"), p.pop("wk"), p.pop("wv")])
+            p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")])
+        else:
+            p["wq"], p["wk"], p["wv"] = jnp.split(p.pop("wqkv"), [q, q + kv])
+            p["w_gate"], p["w_up"] = jnp.split(p.pop("w_gate_up"), 2)
         out.append(p)
     return dict(params, layers=tuple(out))
-
 
 def test_peer_refuses_what_it_does_not_build():
     pytest.importorskip("torch")
