@@ -11,7 +11,8 @@ Registering a kernel (the one style every backend uses):
                       priority=0, auto=None)
 
   primitive  the op's name: "qmm", "gather_qmm", "ragged_qmm", "dequantize",
-             "rms_norm", "add_rms_norm", "gated_rms_norm";
+             "rms_norm", "add_rms_norm", "gated_rms_norm", "rms_norm_qmm",
+             "qmm_swiglu", "decode_attention";
   backend    a name in BACKENDS;
   platforms  the lowering platforms it serves, e.g. ("cuda", "rocm") or ("cpu",);
   impl(*args, platform, **params)
@@ -40,7 +41,11 @@ Selection, at lowering time, for a primitive bound with `backend=b`:
 - b names a backend: its kernel for this platform if `applies` accepts the
   case, else the reference (a backend serves what it supports: float64,
   for one, always runs on the reference); a backend with no kernel for this
-  primitive on this platform is an error.
+  primitive on this platform is an error, except for a fused op, whose
+  fallback is the unfused ops on that backend (`select(..., required=False)`).
+  Another op whose backend comes from `with jq.backend` or $JAXQUANT_BACKEND
+  and has no kernel at all for it is bound with "reference" instead
+  (`resolve_backend`).
 """
 
 from __future__ import annotations
@@ -181,10 +186,14 @@ def backend(name: str | None):
         _CURRENT.reset(token)
 
 
-def resolve_backend(explicit: str | None) -> str | None:
+def resolve_backend(explicit: str | None, primitive: str | None = None) -> str | None:
     """The backend an op bound now should use: the argument, else `with
     jq.backend(...)`, else $JAXQUANT_BACKEND, else None (automatic).
-    Raises if the chosen backend cannot run here."""
+    Raises if the chosen backend cannot run here. A backend chosen by scope (not
+    the argument) that has no kernel at all for `primitive` leaves it to the
+    reference: a model run under `with jq.backend("ffi")` keeps working when it
+    calls an op that backend does not serve (fused ops pass no `primitive`: their
+    fallback is the unfused ops on the chosen backend)."""
     name = explicit if explicit is not None else _current()
     if name is None:
         name = os.environ.get(ENV_VAR) or None
@@ -195,17 +204,22 @@ def resolve_backend(explicit: str | None) -> str | None:
     if why is not None:
         raise RuntimeError(f"backend={name!r} cannot run here: {why}. "
                            f"Available: {available_backends()}")
+    if (explicit is None and primitive is not None and name != "reference"
+            and not any(k.backend == name for k in _KERNELS.get(primitive, ()))):
+        return "reference"
     return name
 
 
-def select(primitive: str, backend: str | None, platform: str, args, params):
+def select(primitive: str, backend: str | None, platform: str, args, params, *,
+           required: bool = True):
     """The kernel to lower with, as impl(*args, **params) with `platform` bound (and
-    its backend's name as `.backend`), or None for the reference."""
+    its backend's name as `.backend`), or None for the reference. `required`: a
+    backend with no kernel for the primitive here is an error."""
     if backend == "reference":
         return None
     candidates = [k for k in _KERNELS.get(primitive, ()) if platform in k.platforms
                   and (backend is None or k.backend == backend)]
-    if backend is not None and not candidates:
+    if backend is not None and not candidates and required:
         raise RuntimeError(f"backend={backend!r} has no kernel for {primitive} on platform "
                            f"{platform!r}")
     for k in sorted(candidates, key=lambda k: -k.priority):

@@ -344,3 +344,9 @@ def to_mx_blocks(qw: QuantizedArray) -> np.ndarray:
         payload = np.packbits(bits.reshape(*bits.shape[:-2], -1), axis=-1, bitorder="big")
     out = np.concatenate([scales[..., None], payload], axis=-1)
     return out.reshape(*scales.shape[:-1], -1)
+
+
+# GGUF (llama.cpp): its own module, imported last (it builds on the helpers above).
+from jaxquant.io_gguf import from_gguf, from_gguf_tensor, to_gguf_tensor  # noqa: E402
+
+__all__ += ["from_gguf", "from_gguf_tensor", "to_gguf_tensor"]

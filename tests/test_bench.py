@@ -90,7 +90,9 @@ def test_qmm_table_progress_and_interpret_label(capsys):
     lines, err = _run(["qmm", "--shapes", "2,64,32", "--modes", "affine4", "--interpret",
                        *FAST], capsys)
     header, rows = _table(lines)
-    assert "%copy" not in header                       # a CPU copy measures caches
+    assert "%copy" not in header and "GB/s" not in header    # a CPU copy measures caches
+    assert "GFLOP/s" in header
+    assert not [l for l in lines if "copy bandwidth" in l]
     impls = {r[2]: r for r in rows}
     assert {"dense", "jnp reference", "pallas (interpret)"} <= set(impls)
     assert "pallas" not in impls                       # never an unlabelled interpret row

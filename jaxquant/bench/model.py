@@ -67,10 +67,10 @@ def step_bytes(cfg, params, batch: int) -> float:
     for key, value in params.items():
         if key == "embed" and not cfg.tie_embeddings:
             total += models.weight_bytes(value) / cfg.vocab_size * batch
-        elif key == "layers":  # stacked [L, ...] arrays, or one dict per layer
-            per_layer = value if isinstance(value, (list, tuple)) else (value,)
-            for name, w in (item for layer in per_layer for item in layer.items()):
-                total += models.weight_bytes(w) * (share if name.startswith("e_") else 1.0)
+        elif key == "layers":  # stacked [L, ...] or one dict per layer (separate buffers)
+            for layer in (value if isinstance(value, (tuple, list)) else (value,)):
+                for name, w in layer.items():
+                    total += models.weight_bytes(w) * (share if name.startswith("e_") else 1.0)
         else:
             total += models.weight_bytes(value)
     return total

@@ -1,0 +1,328 @@
+"""Load a single GGUF file (llama.cpp) into the decoder's parameters
+(`models.checkpoint.load("model.gguf")` dispatches here; docs/checkpoints.md).
+
+Architectures (`general.architecture`): llama (also Mistral's GGUFs), qwen2,
+qwen3, qwen3moe, gpt-oss. The GGUF metadata gives the Config; tensors are read
+through `jq.io.from_gguf_tensor`, layer by layer, and stay in their quantized
+form (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as exact affine group-32 arrays,
+Q3_K as fp4 group 16, MXFP4 as mxfp4); float tensors (F32/F16/BF16, and Q2_K,
+Q6_K, which no jaxquant mode holds, as their exact values) are cast to `dtype`,
+or quantized to `mode` when one is given, like a float checkpoint's.
+
+What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone exactly:
+- llama: Q and K rows were permuted for ggml's adjacent-pair rope (`permute`:
+  within each head, row s*hd/2 + i moved to 2i + s); the inverse row
+  permutation is applied to the quantized rows (a permutation of whole rows,
+  so exact) and the decoder's half-split rope sees Hugging Face's order.
+  qwen2/qwen3/qwen3moe/gpt-oss use ggml's NEOX rope and were not permuted.
+- gpt-oss: `gate_up_proj` (gate and up interleaved on rows) was split into
+  ffn_gate_exps / ffn_up_exps; they load as e_gate / e_up (+ e_gate_bias /
+  e_up_bias), which `checkpoint.load` fuses into e_gate_up (gate rows, then up
+  rows: the decoder's order) like every other pair.
+
+A matrix's layers are stacked for lax.scan, so they need one format. Where a
+file mixes types across layers (llama.cpp's Q4_K_M puts some layers' ffn_down
+and attn_v in Q6_K): affine layers of different widths are widened to the
+widest (codes and float32 scales unchanged: exact); any other mix (a Q6_K
+layer, fp4 beside affine) makes that matrix float (`dtype`) in every layer, or
+`mode` if given.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import io_gguf
+from jaxquant.models.config import Config
+from jaxquant.models.decoder import quantize_args, quantize_matrix
+from jaxquant.quantized_array import QuantizedArray
+
+ARCHITECTURES = {"llama": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                 "gpt-oss": "gpt_oss"}
+ATTENTION = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output"}
+BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v", "bo": "attn_output"}
+DENSE = {"w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+
+
+class GGUFFile:
+    """A GGUF file's metadata (scalars and arrays by key) and tensors by name."""
+
+    def __init__(self, path):
+        self.reader = io_gguf._reader(path)
+        self.path = path
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def __getitem__(self, key):
+        if key not in self.reader.fields:
+            raise ValueError(f"{self.path}: the GGUF metadata has no {key!r}")
+        return self.reader.fields[key].contents()
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def tensor(self, name, dtype=None):
+        """`jq.io.from_gguf_tensor` of the tensor `name` (QuantizedArray or float numpy)."""
+        if name not in self.tensors:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        return io_gguf.from_gguf(self.reader, name, dtype=dtype)
+
+
+def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
+    """The decoder's Config from GGUF metadata ({arch}.block_count, ...)."""
+    arch = f["general.architecture"]
+    family = ARCHITECTURES.get(arch)
+    if family is None:
+        raise ValueError(f"general.architecture={arch!r} is not supported; expected one of "
+                         f"{sorted(ARCHITECTURES)}")
+    a = lambda key, default=None: f.get(f"{arch}.{key}", default)  # noqa: E731
+    heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
+    layers = int(a("block_count"))
+    kw = dict(family=family, vocab_size=_rows(f, "token_embd.weight"),
+              hidden_size=hidden, num_layers=layers, num_heads=heads,
+              num_kv_heads=int(a("attention.head_count_kv", heads)),
+              head_dim=int(a("attention.key_length", hidden // heads)),
+              intermediate_size=int(a("feed_forward_length", 0)),
+              rms_eps=_decimal(a("attention.layer_norm_rms_epsilon", 1e-6)),
+              rope_theta=_decimal(a("rope.freq_base", 10000.0)),
+              rope_scaling=_rope_scaling(a, arch),
+              tie_embeddings="output.weight" not in f,
+              attention_bias="blk.0.attn_q.bias" in f,
+              qk_norm="blk.0.attn_q_norm.weight" in f, dtype=dtype)
+    if "rope_freqs.weight" in f:  # Llama 3's scaling, baked into per-frequency divisors
+        kw["rope_freq_factors"] = tuple(float(v) for v in np.asarray(f.tensor("rope_freqs.weight")))
+    if family in ("qwen3_moe", "gpt_oss"):
+        kw.update(num_experts=int(a("expert_count")), experts_per_token=int(a("expert_used_count")),
+                  moe_intermediate_size=int(a("expert_feed_forward_length")),
+                  norm_topk_prob=bool(a("expert_weights_norm", True)))
+    if family == "gpt_oss":
+        window = int(a("attention.sliding_window", 0))
+        # llama.cpp's gpt-oss: sliding window on even layers (swa pattern 2), as HF's layer_types
+        kw.update(sliding_window=window, layer_windows=tuple(window if i % 2 == 0 else 0
+                                                             for i in range(layers)))
+    return Config(**kw)
+
+
+def _decimal(x) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-5, not
+    9.999999747378752e-06): the value the config it was converted from had."""
+    return float(str(np.float32(x)))
+
+
+def _rows(f: GGUFFile, name: str) -> int:
+    return int(f.tensors[name].shape[-1])  # GGUF dims are reversed: the last is the row count
+
+
+def _rope_scaling(a, arch: str) -> tuple:
+    """Hugging Face's rope_scaling from {arch}.rope.scaling.*."""
+    kind = a("rope.scaling.type")
+    if kind in (None, "none"):
+        return ()
+    rs = {"rope_type": kind, "factor": _decimal(a("rope.scaling.factor", 1.0))}
+    if arch == "gpt-oss":  # its config.json's YaRN keeps the fractional correction range
+        rs["truncate"] = False
+    if a("rope.scaling.original_context_length") is not None:
+        rs["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
+    for key in ("beta_fast", "beta_slow"):
+        if a(f"rope.scaling.yarn_{key}") is not None:
+            rs[key] = _decimal(a(f"rope.scaling.yarn_{key}"))
+    return tuple(sorted(rs.items()))
+
+
+# ---------------------------------------------------------------------------
+# Row operations on float arrays and canonical QuantizedArrays (numpy children).
+
+
+def _take_rows(w, index, axis=-2):
+    """w with its rows (axis -2 of a matrix, -1 of a vector) reordered by `index`
+    (exact: whole rows move)."""
+    if isinstance(w, QuantizedArray):
+        pick = lambda c: None if c is None else np.take(np.asarray(c), index, axis=-2)  # noqa: E731
+        return QuantizedArray(pick(w.data), pick(w.scales), pick(w.biases), w.global_scale,
+                              mode=w.mode, bits=w.bits, group_size=w.group_size, dtype=w.dtype)
+    return np.take(w, index, axis=axis)
+
+
+def unpermute_rope_rows(w, n_head: int):
+    """The inverse of convert_hf_to_gguf's `permute(w, n_head, n_head)`: within each
+    head, GGUF row 2i + s goes back to row s*hd/2 + i."""
+    n = w.shape[-2]
+    hd = n // n_head
+    index = np.arange(n).reshape(n_head, hd // 2, 2).swapaxes(1, 2).reshape(-1)
+    return _take_rows(w, index)
+
+
+def _widen(qw: QuantizedArray, bits: int) -> QuantizedArray:
+    """An affine array at more bits: the same codes, float32 scales and biases (exact)."""
+    codes = io_gguf._unpack_codes(np.asarray(qw.data), qw.bits)
+    return QuantizedArray(io_gguf._pack_codes(codes, bits), np.asarray(qw.scales, np.float32),
+                          np.asarray(qw.biases, np.float32), mode="affine", bits=bits,
+                          group_size=qw.group_size, dtype=qw.dtype)
+
+
+def _dequantize(w):
+    if not isinstance(w, QuantizedArray):
+        return w
+    import jaxquant as jq
+    return np.asarray(jq.dequantize(jax.tree_util.tree_map(jnp.asarray, w), dtype=jnp.float32))
+
+
+def _one_format(parts: list, name: str) -> list:
+    """Make a matrix's per-layer parts stackable (see the module docstring)."""
+    kinds = {(p.mode, p.bits, p.group_size) if isinstance(p, QuantizedArray) else None
+             for p in parts}
+    if len(kinds) == 1:
+        return parts
+    if None not in kinds and {k[0] for k in kinds} == {"affine"} and len({k[2] for k in kinds}) == 1:
+        bits = max(k[1] for k in kinds)
+        return [p if p.bits == bits else _widen(p, bits) for p in parts]
+    return [_dequantize(p) for p in parts]
+
+
+# ---------------------------------------------------------------------------
+# Loading.
+
+
+class _Loader:
+    def __init__(self, f: GGUFFile, cfg: Config, mode):
+        self.f, self.cfg = f, cfg
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.kw = None if mode in (None, "bf16") else quantize_args(mode)
+
+    def vector(self, name):
+        return np.asarray(self.f.tensor(name), np.float32)
+
+    def matrix(self, name):
+        """A matrix as stored: QuantizedArray (numpy children) or float32 numpy."""
+        w = self.f.tensor(name, dtype=self.dtype)
+        return w if isinstance(w, QuantizedArray) else np.asarray(w, np.float32)
+
+    def device(self, w, quantize=True):
+        """To the device: quantized as it is, float in dtype (or quantized to mode)."""
+        if isinstance(w, QuantizedArray):
+            return jax.tree_util.tree_map(jnp.asarray, w)
+        w = jnp.asarray(w, self.dtype)
+        return quantize_matrix(w, self.kw) if quantize and self.kw and w.ndim >= 2 else w
+
+    def layer(self, i: int) -> dict:
+        cfg, f, pre = self.cfg, self.f, f"blk.{i}."
+        p = {"attn_norm": self.vector(pre + "attn_norm.weight"),
+             "mlp_norm": self.vector(pre + ("post_attention_norm.weight"
+                                            if cfg.family == "gpt_oss" else "ffn_norm.weight"))}
+        for key, name in ATTENTION.items():
+            p[key] = self.matrix(pre + name + ".weight")
+        if self.f["general.architecture"] == "llama":
+            p["wq"] = unpermute_rope_rows(p["wq"], cfg.num_heads)
+            p["wk"] = unpermute_rope_rows(p["wk"], cfg.num_kv_heads)
+        for key, name in BIASES.items():
+            if pre + name + ".bias" in f:
+                p[key] = self.vector(pre + name + ".bias")
+        if cfg.qk_norm:
+            p["q_norm"] = self.vector(pre + "attn_q_norm.weight")
+            p["k_norm"] = self.vector(pre + "attn_k_norm.weight")
+        if cfg.family == "gpt_oss":
+            sinks = pre + "attn_sinks.weight"
+            p["sinks"] = self.vector(sinks if sinks in f else pre + "attn_sinks")
+            p["router"] = self.vector(pre + "ffn_gate_inp.weight")
+            p["router_bias"] = self.vector(pre + "ffn_gate_inp.bias")
+            p["e_gate"] = self.matrix(pre + "ffn_gate_exps.weight")
+            p["e_up"] = self.matrix(pre + "ffn_up_exps.weight")
+            p["e_gate_bias"] = self.vector(pre + "ffn_gate_exps.bias")
+            p["e_up_bias"] = self.vector(pre + "ffn_up_exps.bias")
+            p["e_down"] = self.matrix(pre + "ffn_down_exps.weight")
+            p["e_down_bias"] = self.vector(pre + "ffn_down_exps.bias")
+        elif cfg.family == "qwen3_moe":
+            p["router"] = self.vector(pre + "ffn_gate_inp.weight")
+            for key, name in (("e_gate", "ffn_gate_exps"), ("e_up", "ffn_up_exps"),
+                              ("e_down", "ffn_down_exps")):
+                p[key] = self.matrix(pre + name + ".weight")
+        else:
+            for key, name in DENSE.items():
+                p[key] = self.matrix(pre + name + ".weight")
+        return p
+
+
+def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
+    """(Config, params) from a .gguf file. mode: quantize the float matrices
+    (F16/F32/BF16/Q2_K/Q6_K) on load; quantized GGUF tensors stay as they are."""
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f, dtype=dtype)
+    ld = _Loader(f, cfg, mode)
+    layers = [ld.layer(i) for i in range(cfg.num_layers)]
+    stacked = {}
+    for key in list(layers[0]):
+        parts = _one_format([lay[key] for lay in layers], key)
+        parts = [ld.device(p) for p in parts]
+        stacked[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
+        for lay in layers:  # host copies go as soon as the stack is on the device
+            del lay[key]
+    params = {"layers": stacked,
+              "embed": ld.device(ld.matrix("token_embd.weight"), quantize=False),
+              "final_norm": ld.device(ld.vector("output_norm.weight"))}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = ld.device(ld.matrix("output.weight"), quantize=lm_head)
+    return cfg, params
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer.
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet inverted: printable char -> byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+class GGUFTokenizer:
+    """Decoding (ids -> text) with a GGUF file's own vocabulary (tokenizer.ggml.*):
+    "gpt2" byte-level BPE (llama 3, qwen2/3, gpt-oss) and "llama" SentencePiece
+    pieces (U+2581 for spaces, <0xNN> byte tokens). Control tokens are skipped.
+    Encoding text needs the BPE merges and the model's pre-tokenizer regex, which
+    this class does not implement."""
+
+    CONTROL = 3  # llama.cpp's token type LLAMA_TOKEN_TYPE_CONTROL
+
+    def __init__(self, f: GGUFFile):
+        self.model = f.get("tokenizer.ggml.model")
+        if self.model not in ("gpt2", "llama"):
+            raise ValueError(f"tokenizer.ggml.model={self.model!r}: decoding supports 'gpt2' "
+                             f"and 'llama'")
+        self.tokens = list(f["tokenizer.ggml.tokens"])
+        types = f.get("tokenizer.ggml.token_type")
+        self.control = set() if types is None else {
+            i for i, t in enumerate(types) if t == self.CONTROL}
+        self.bos_id = f.get("tokenizer.ggml.bos_token_id")
+        self.eos_id = f.get("tokenizer.ggml.eos_token_id")
+        self._bytes = _byte_decoder() if self.model == "gpt2" else None
+
+    def token_bytes(self, i: int) -> bytes:
+        piece = self.tokens[i]
+        if self.model == "gpt2":
+            return bytes(self._bytes.get(c, 0x3F) for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def decode(self, ids) -> str:
+        out = b"".join(self.token_bytes(int(i)) for i in ids if int(i) not in self.control)
+        return out.decode("utf-8", errors="replace")
+
+
+def tokenizer(path) -> GGUFTokenizer:
+    return GGUFTokenizer(GGUFFile(path))
+
+
+__all__ = ["GGUFFile", "GGUFTokenizer", "config_from_gguf", "load", "tokenizer",
+           "unpermute_rope_rows"]

@@ -1,0 +1,543 @@
+"""GGUF import (jq.io.from_gguf*, models.checkpoint.load of a .gguf) against the
+`gguf` package itself (written against gguf 0.19.0, llama.cpp's gguf-py):
+
+- tensors: blocks made by gguf.quants.quantize (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  MXFP4), or random bytes with finite scale fields for the types gguf can only
+  dequantize (Q4_K, Q5_K, Q6_K); jq.dequantize of the import equals
+  gguf.quants.dequantize number for number (ggml's d*0 with d < 0 is -0,
+  jaxquant's +0: compared as numbers, and the bits of every nonzero value);
+- files: tiny models written with gguf.GGUFWriter from random weights quantized
+  with gguf.quants, in llama.cpp's conventions (convert_hf_to_gguf's Q/K `permute`
+  for llama, gpt-oss's gate/up split); loaded, they decode the same greedy tokens
+  as the float model built from gguf's own dequantization of the same bytes.
+"""
+
+import importlib.metadata
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import models
+from jaxquant.models import checkpoint, gguf_checkpoint
+from jaxquant.quantized_array import QuantizedArray
+from tests.test_models import tiny as models_tiny
+
+gguf = pytest.importorskip("gguf", reason="the GGUF tests compare against the 'gguf' package "
+                                          "(pip install gguf)")
+from gguf import quants as gq  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
+
+GGUF_VERSION = importlib.metadata.version("gguf")  # tested with 0.19.0
+RNG = np.random.default_rng(29)
+QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"]  # gguf.quants.quantize writes these
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]              # gguf only dequantizes these
+
+
+def assert_same_numbers(got, ref):
+    """Equal as numbers (NaN = NaN), and bit for bit wherever nonzero."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert got.shape == ref.shape and got.dtype == ref.dtype == np.float32
+    assert np.array_equal(got, ref, equal_nan=True), np.nanmax(np.abs(got - ref))
+    nz = ref != 0
+    assert np.array_equal(got[nz].view(np.uint32), ref[nz].view(np.uint32))
+
+
+def values(x):
+    if isinstance(x, QuantizedArray):
+        return np.asarray(jq.dequantize(x, dtype=jnp.float32))
+    return np.asarray(x, np.float32)
+
+
+def weights(shape, scale=0.1):
+    w = (RNG.standard_normal(shape) * scale).astype(np.float32)
+    flat = w.reshape(-1, 32)
+    flat[0] = 0                       # an all-zero block
+    flat[1] = 0.25                    # a constant block
+    flat[2] *= 3e4                    # large values
+    flat[3] *= 1e-6                   # tiny: float16 subnormal d
+    return w
+
+
+def k_quant_bytes(name, rows, k):
+    """Random blocks of a K-quant with finite d/dmin fields (small, subnormals included)."""
+    _, nbytes = GGML_QUANT_SIZES[T[name]]
+    raw = RNG.integers(0, 256, (rows, k // 256, nbytes), dtype=np.uint8)
+    d = (RNG.standard_normal((rows, k // 256, 2)) * 1e-3).astype(np.float16)
+    d[0, 0] = np.float16(6e-8)  # a float16 subnormal
+    d = d.view(np.uint8).reshape(rows, k // 256, 4)
+    where = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}.get(name, 0)  # fp16 d (and dmin)
+    width = 2 if name in ("Q3_K", "Q6_K") else 4
+    raw[..., where:where + width] = d[..., :width]
+    return raw.reshape(rows, -1)
+
+
+# ---------------------------------------------------------------------------
+# Tensors.
+
+
+def test_type_table_matches_gguf():
+    for name, (number, block, nbytes) in jq.io_gguf.GGML_TYPES.items():
+        assert T[name].value == number
+        assert GGML_QUANT_SIZES[T[name]] == (block, nbytes), name
+
+
+@pytest.mark.parametrize("name", QUANTIZABLE)
+@pytest.mark.parametrize("shape", [(6, 256), (3, 5, 96)])
+def test_quantized_by_gguf_dequantize_like_gguf(name, shape):
+    w = weights(shape)
+    raw = gq.quantize(w, T[name])
+    qw = jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.float32)
+    assert qw.shape == shape and qw.mode == ("mxfp4" if name == "MXFP4" else "affine")
+    assert_same_numbers(values(qw), gq.dequantize(raw, T[name]))
+    by_number = jq.io.from_gguf_tensor(raw.reshape(-1), T[name].value, shape)
+    assert_same_numbers(values(by_number), values(qw))
+    np.testing.assert_array_equal(jq.io.to_gguf_tensor(qw, name), raw)  # the inverse, bit for bit
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+@pytest.mark.parametrize("shape", [(5, 512), (2, 3, 256)])
+def test_k_quants_dequantize_like_gguf(name, shape):
+    rows = int(np.prod(shape[:-1]))
+    raw = k_quant_bytes(name, rows, shape[-1]).reshape(*shape[:-1], -1)
+    got = jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.float32)
+    ref = gq.dequantize(raw, T[name])
+    if name in ("Q2_K", "Q6_K"):  # no mode holds them: exact float32 values
+        assert isinstance(got, np.ndarray)
+    elif name == "Q3_K":  # q in [-4, 3]: E2M1 values, 16-element groups
+        assert (got.mode, got.group_size, got.scales.dtype) == ("fp4", 16, np.float32)
+    else:
+        assert (got.mode, got.bits, got.group_size) == ("affine", int(name[1]), 32)
+        assert got.scales.dtype == got.biases.dtype == np.float32
+    assert_same_numbers(values(got), ref)
+
+
+def test_q4_k_affine_terms_are_exact_products():
+    """Q4_K's scale is float32(d) * sc and its bias -(dmin * m), both exact in float32."""
+    raw = k_quant_bytes("Q4_K", 4, 256)
+    qw = jq.io.from_gguf_tensor(raw, "Q4_K", (4, 256))
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float64)
+    sc, _ = gq.Q4_K.get_scale_min(raw[:, 4:16].copy())
+    np.testing.assert_array_equal(np.asarray(qw.scales, np.float64), d * sc.astype(np.float64))
+
+
+def test_scales_widen_to_float32_only_when_float16_overflows():
+    w = weights((4, 64))
+    raw = gq.quantize(w, T.Q8_0)
+    assert jq.io.from_gguf_tensor(raw, "Q8_0", (4, 64)).scales.dtype == np.float16
+    big = raw.copy()
+    big[0, 0:2] = np.array([np.float16(1000.0)]).view(np.uint8)  # -128 * 1000 > float16 max
+    qw = jq.io.from_gguf_tensor(big, "Q8_0", (4, 64), dtype=jnp.float32)
+    assert qw.scales.dtype == qw.biases.dtype == np.float32
+    assert_same_numbers(values(qw), gq.dequantize(big, T.Q8_0))
+    np.testing.assert_array_equal(jq.io.to_gguf_tensor(qw, "Q8_0"), big)
+
+
+def test_non_finite_d_makes_the_block_nan():
+    raw = gq.quantize(weights((2, 64)), T.Q4_0)
+    raw[0, 0:2] = np.array([np.float16(np.inf)]).view(np.uint8)
+    got = values(jq.io.from_gguf_tensor(raw, "Q4_0", (2, 64), dtype=jnp.float32))
+    assert np.isnan(got[0, :32]).all() and np.isfinite(got[0, 32:]).all()
+    assert_same_numbers(got[1], gq.dequantize(raw, T.Q4_0)[1])
+
+
+@pytest.mark.parametrize("name,dtype", [("F32", np.float32), ("F16", np.float16),
+                                        ("BF16", ml_dtypes.bfloat16)])
+def test_float_tensors_load_as_float(name, dtype):
+    w = weights((3, 64)).astype(dtype)
+    got = jq.io.from_gguf_tensor(w.view(np.uint8), name, (3, 64))
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.view(np.uint8), w.view(np.uint8))
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda r: jq.io.from_gguf_tensor(r, "IQ4_NL", (1, 256)), ValueError, "IQ4_NL"),
+    (lambda r: jq.io.from_gguf_tensor(r, "Q9_9", (1, 256)), ValueError, "Q9_9"),
+    (lambda r: jq.io.from_gguf_tensor(r, 99, (1, 256)), ValueError, "99"),
+    (lambda r: jq.io.from_gguf_tensor(r, 2.0, (1, 256)), TypeError, "ggml_type"),
+    (lambda r: jq.io.from_gguf_tensor(r, "Q4_0", (1, 100)), ValueError, "shape"),
+    (lambda r: jq.io.from_gguf_tensor(r, "Q4_0", (2, 256)), ValueError, "raw has"),
+    (lambda r: jq.io.from_gguf_tensor(r.astype(np.int8), "Q4_0", (1, 256)), TypeError, "uint8"),
+    (lambda r: jq.io.from_gguf_tensor([1, 2], "Q4_0", (1, 256)), TypeError, "raw"),
+    (lambda r: jq.io.to_gguf_tensor(jq.quantize(jnp.asarray(weights((2, 64))), mode="affine",
+                                                bits=4, group_size=32), "Q4_1"),
+     ValueError, "float16"),
+    (lambda r: jq.io.to_gguf_tensor(jq.io.from_gguf_tensor(r, "Q4_0", (1, 256)), "Q8_0"),
+     ValueError, "bits=8"),
+    (lambda r: jq.io.to_gguf_tensor(jq.io.from_gguf_tensor(r, "Q4_0", (1, 256)), "Q4_K"),
+     ValueError, "Q4_K"),
+])
+def test_bad_inputs(call, exc, match):
+    raw = gq.quantize(weights((1, 256)), T.Q4_0)
+    with pytest.raises(exc, match=match):
+        call(raw)
+
+
+def test_to_gguf_refuses_an_asymmetric_array_as_q4_0():
+    qw = jq.quantize(jnp.asarray(weights((2, 64)), jnp.float16), mode="affine", bits=4,
+                     group_size=32)
+    with pytest.raises(ValueError, match="biases = -8"):
+        jq.io.to_gguf_tensor(qw, "Q4_0")
+
+
+# ---------------------------------------------------------------------------
+# Files.
+
+
+def permute(weights, n_head, n_head_kv):
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+class Writer:
+    """A GGUF file of one model, written with gguf.GGUFWriter; remembers what gguf
+    dequantizes each tensor to (the reference's weights)."""
+
+    def __init__(self, path, arch):
+        self.w = gguf.GGUFWriter(str(path), arch)
+        self.path = path
+        self.ref = {}
+
+    def add(self, name, w, qtype="F32"):
+        w = np.asarray(w, np.float32)
+        if qtype in ("F32", "F16"):
+            data = w.astype(np.float16 if qtype == "F16" else np.float32)
+            self.w.add_tensor(name, data)
+            self.ref[name] = data.astype(np.float32)
+            return
+        if qtype in QUANTIZABLE:
+            raw = gq.quantize(w, T[qtype])
+        else:  # K-quants: random blocks of w's shape
+            raw = k_quant_bytes(qtype, int(np.prod(w.shape[:-1])), w.shape[-1])
+            raw = raw.reshape(*w.shape[:-1], -1)
+        self.w.add_tensor(name, raw, raw_dtype=T[qtype])
+        self.ref[name] = gq.dequantize(raw, T[qtype])
+
+    def close(self):
+        self.w.write_header_to_file()
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+
+
+def tiny(family, **kw):
+    """test_models' tiny Config, in float32, with non-default rope base and epsilon (so
+    the metadata's are checked) and gpt-oss's sliding window written out."""
+    base = dict(vocab_size=96, intermediate_size=96, rope_theta=5000.0, rms_eps=1e-5,
+                dtype="float32", sliding_window=3 if family == "gpt_oss" else 0)
+    return models_tiny(family, **dict(base, **kw))
+
+
+def llama3_rope_factors(cfg, factor=8.0, low=1.0, high=4.0, old=64):
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors (rope_freqs.weight)."""
+    base, dim = cfg.rope_theta, cfg.head_dim
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wavelen, high_wavelen = old / low, old / high
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)
+
+
+def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
+    """Random float weights in HF's conventions -> a GGUF in llama.cpp's; returns the
+    float params that gguf's dequantization of the file gives, in HF's conventions."""
+    params = jax.tree_util.tree_map(np.asarray, models.unfuse_params(
+        cfg, models.init_params(cfg, jax.random.key(3), per_layer=False)))
+    lay = params["layers"]
+    for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):  # norms off 1: they matter
+        if name in lay:
+            lay[name] = lay[name] + RNG.standard_normal(lay[name].shape).astype(np.float32) * 0.1
+    wr = Writer(path, arch)
+    w = wr.w
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(128)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    if cfg.family == "gpt_oss":
+        w.add_sliding_window(cfg.sliding_window)
+    rs = dict(cfg.rope_scaling)
+    if rs:  # as convert_hf_to_gguf writes HF's rope_scaling (yarn)
+        w.add_rope_scaling_type(gguf.RopeScalingType(rs["rope_type"]))
+        w.add_rope_scaling_factor(rs["factor"])
+        w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+    w.add_tokenizer_model(tokenizer)
+    if tokenizer == "gpt2":
+        tokens = ["<|bos|>", "Hello", "\u0120world", "\u00e2\u0122\u013b"]  # ’ byte-level
+    else:
+        tokens = ["<s>", "\u2581Hello", "\u2581world", "<0x41>"]
+    tokens += [f"t{i}" for i in range(cfg.vocab_size - len(tokens))]
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * (cfg.vocab_size - 1))
+    w.add_bos_token_id(0)
+
+    q = qtypes.get
+    wr.add("token_embd.weight", params["embed"], q("embed", "Q8_0"))
+    wr.add("output_norm.weight", params["final_norm"])
+    if cfg.rope_freq_factors:
+        wr.add("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, np.float32))
+    if not cfg.tie_embeddings:
+        wr.add("output.weight", params["lm_head"], q("lm_head", "Q8_0"))
+    llama = arch == "llama"
+    for i in range(cfg.num_layers):
+        pre = f"blk.{i}."
+        L = {k: v[i] for k, v in lay.items()}
+        qt = lambda key: (q(key, "Q4_0")[i] if isinstance(q(key), list)  # noqa: E731
+                          else q(key, "Q4_0"))
+        wr.add(pre + "attn_norm.weight", L["attn_norm"])
+        wr.add(pre + ("post_attention_norm.weight" if cfg.family == "gpt_oss"
+                      else "ffn_norm.weight"), L["mlp_norm"])
+        wq, wk = L["wq"], L["wk"]
+        if llama:
+            wq, wk = permute(wq, cfg.num_heads, cfg.num_heads), permute(wk, cfg.num_heads,
+                                                                        cfg.num_kv_heads)
+        for key, name, m in (("wq", "attn_q", wq), ("wk", "attn_k", wk), ("wv", "attn_v", L["wv"]),
+                             ("wo", "attn_output", L["wo"])):
+            wr.add(pre + name + ".weight", m, qt(key))
+        for key, name in (("bq", "attn_q"), ("bk", "attn_k"), ("bv", "attn_v"), ("bo", "attn_output")):
+            if key in L:
+                wr.add(pre + name + ".bias", L[key])
+        if cfg.qk_norm:
+            wr.add(pre + "attn_q_norm.weight", L["q_norm"])
+            wr.add(pre + "attn_k_norm.weight", L["k_norm"])
+        if cfg.family == "gpt_oss":
+            wr.add(pre + "attn_sinks.weight", L["sinks"])
+            wr.add(pre + "ffn_gate_inp.weight", L["router"])
+            wr.add(pre + "ffn_gate_inp.bias", L["router_bias"])
+            wr.add(pre + "ffn_gate_exps.weight", L["e_gate"], "MXFP4")
+            wr.add(pre + "ffn_up_exps.weight", L["e_up"], "MXFP4")
+            wr.add(pre + "ffn_gate_exps.bias", L["e_gate_bias"])
+            wr.add(pre + "ffn_up_exps.bias", L["e_up_bias"])
+            wr.add(pre + "ffn_down_exps.weight", L["e_down"], "MXFP4")
+            wr.add(pre + "ffn_down_exps.bias", L["e_down_bias"])
+        elif cfg.family == "qwen3_moe":
+            wr.add(pre + "ffn_gate_inp.weight", L["router"])
+            for key, name in (("e_gate", "ffn_gate_exps"), ("e_up", "ffn_up_exps"),
+                              ("e_down", "ffn_down_exps")):
+                wr.add(pre + name + ".weight", L[key], qt(key))
+        else:
+            for key, name in (("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")):
+                wr.add(pre + name + ".weight", L[key], qt(key))
+    wr.close()
+
+    # The reference: gguf's dequantization of every tensor, back in HF's conventions.
+    r = wr.ref
+    inverse = lambda n, nkv, a: a[np.argsort(permute(np.arange(a.shape[0]), n, nkv))]  # noqa: E731
+    ref = {"embed": r["token_embd.weight"], "final_norm": r["output_norm.weight"]}
+    if not cfg.tie_embeddings:
+        ref["lm_head"] = r["output.weight"]
+    names = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
+             "wv": "attn_v.weight", "wo": "attn_output.weight", "bq": "attn_q.bias",
+             "bk": "attn_k.bias", "bv": "attn_v.bias", "bo": "attn_output.bias",
+             "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+             "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+             "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
+             "sinks": "attn_sinks.weight", "e_gate": "ffn_gate_exps.weight",
+             "e_up": "ffn_up_exps.weight", "e_down": "ffn_down_exps.weight",
+             "e_down_bias": "ffn_down_exps.bias", "e_gate_bias": "ffn_gate_exps.bias",
+             "e_up_bias": "ffn_up_exps.bias",
+             "mlp_norm": "post_attention_norm.weight" if cfg.family == "gpt_oss"
+             else "ffn_norm.weight"}
+    layers = {}
+    for key in lay:
+        per = []
+        for i in range(cfg.num_layers):
+            pre = f"blk.{i}."
+            a = r[pre + names[key]]
+            if llama and key == "wq":
+                a = inverse(cfg.num_heads, cfg.num_heads, a)
+            if llama and key == "wk":
+                a = inverse(cfg.num_heads, cfg.num_kv_heads, a)
+            per.append(a)
+        layers[key] = np.stack(per)
+    ref["layers"] = layers
+    return jax.tree_util.tree_map(jnp.asarray, ref)
+
+
+def greedy(cfg, params, steps=6):
+    prompt = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
+    gen = jax.jit(models.generate, static_argnums=(0, 3))
+    logits, _, _ = jax.jit(models.prefill, static_argnums=(0, 3))(cfg, params, prompt, 8)
+    return np.asarray(gen(cfg, params, prompt, steps)), np.asarray(logits)
+
+
+CASES = {
+    "llama": ("llama", tiny("llama"), {}),
+    "llama_tied": ("llama", tiny("llama", tie_embeddings=True),
+                   {"wq": "Q5_0", "wk": "Q5_1", "wv": "Q4_1", "w_down": ["Q8_0", "Q4_0"]}),
+    "qwen2": ("qwen2", tiny("llama", attention_bias=True), {"embed": "Q4_0", "lm_head": "F16"}),
+    "qwen3": ("qwen3", tiny("qwen3"), {"wo": "Q8_0"}),
+    "llama3_rope": ("llama", tiny("llama", rope_freq_factors=tuple(
+        float(v) for v in llama3_rope_factors(tiny("llama")))), {}),
+    "qwen3moe": ("qwen3moe", tiny("qwen3_moe"), {"e_down": "Q8_0"}),
+    "gpt-oss": ("gpt-oss", tiny("gpt_oss", rope_scaling=tuple(sorted(dict(
+        rope_type="yarn", factor=32.0, original_max_position_embeddings=64,
+        truncate=False).items()))), {}),
+    "llama_k_quants": ("llama", tiny("llama", hidden_size=256, head_dim=64, intermediate_size=512),
+                       {"wq": "Q4_K", "wk": "Q5_K", "wv": "Q6_K", "wo": "Q3_K", "w_gate": "Q5_K",
+                        "w_up": "Q2_K", "w_down": ["Q4_K", "Q6_K"], "embed": "Q6_K",
+                        "lm_head": "Q4_K"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gguf_file_decodes_like_its_float_model(tmp_path, case):
+    arch, cfg, qtypes = CASES[case]
+    path = tmp_path / "model.gguf"
+    ref = write_model(path, arch, cfg, qtypes)
+    got_cfg, params = checkpoint.load(str(path), dtype="float32", fuse=False, per_layer=False)
+    assert got_cfg == cfg
+    lay = params["layers"]
+    for key in ("wq", "wk", "wo"):
+        assert isinstance(lay[key], QuantizedArray)  # stayed quantized
+    if cfg.family == "gpt_oss":
+        assert lay["e_gate"].mode == "mxfp4" and lay["e_gate"].shape == (2, 4, 64, 64)
+    if case == "llama_k_quants":  # Q6_K, Q2_K have no mode: float; Q4_K/Q6_K layers too
+        assert lay["wo"].mode == "fp4" and not isinstance(lay["w_up"], QuantizedArray)
+        assert not isinstance(lay["wv"], QuantizedArray)
+        assert not isinstance(lay["w_down"], QuantizedArray)
+    if case == "llama_tied":  # Q8_0 and Q4_0 layers of w_down: widened to 8 bits, exact
+        assert (lay["w_down"].bits, lay["w_down"].scales.dtype) == (8, jnp.float32)
+    # the imported weights are gguf's dequantization, number for number
+    for key, a in lay.items():
+        np.testing.assert_array_equal(values(a) if not isinstance(a, QuantizedArray)
+                                      else np.asarray(jq.dequantize(a, dtype=jnp.float32)),
+                                      np.asarray(ref["layers"][key]), err_msg=key)
+    np.testing.assert_array_equal(values(params["embed"]), np.asarray(ref["embed"]))
+    toks, logits = greedy(cfg, params)
+    ref_toks, ref_logits = greedy(cfg, ref)
+    # and as checkpoint.load gives it by default: fused (gate rows then up rows), the
+    # same function
+    _, fused = checkpoint.load(str(path), dtype="float32")
+    np.testing.assert_array_equal(greedy(cfg, fused)[0], ref_toks)
+    np.testing.assert_array_equal(toks, ref_toks)
+    # float32 sums in another order (qmm vs einsum): relative to the logits' scale
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4,
+                               atol=1e-4 * float(np.abs(ref_logits).max()))
+
+
+def test_llama_permutation_is_undone(tmp_path):
+    """Against a model without the permutation round trip, llama's rope would differ:
+    the loader's rows are HF's rows (checked on the float tensors)."""
+    cfg = tiny("llama")
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", cfg, {"wq": "F32", "wk": "F32"})
+    _, params = checkpoint.load(str(path), dtype="float32", fuse=False, per_layer=False)
+    hf = jax.tree_util.tree_map(np.asarray, models.unfuse_params(
+        cfg, models.init_params(cfg, jax.random.key(3), per_layer=False)))
+    np.testing.assert_array_equal(np.asarray(params["layers"]["wq"]), hf["layers"]["wq"])
+    np.testing.assert_array_equal(np.asarray(params["layers"]["wk"]), hf["layers"]["wk"])
+
+
+def test_rope_freqs_give_llama3_frequencies():
+    """ggml's freq_factors from convert_hf_to_gguf equal HF's llama3 rope scaling."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    hf = tiny("llama", rope_scaling=tuple(sorted(scaling.items())))
+    factors = tuple(float(v) for v in llama3_rope_factors(hf))
+    assert len(set(factors)) > 2  # the three regimes are all present
+    gg = tiny("llama", rope_freq_factors=factors)
+    np.testing.assert_allclose(gg.rope_inv_freq()[0], hf.rope_inv_freq()[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="rope_freq_factors"):
+        tiny("llama", rope_freq_factors=(1.0,))
+
+
+def test_mode_quantizes_only_float_matrices(tmp_path):
+    cfg = tiny("llama")
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", cfg, {"wv": "F16"})
+    _, params = checkpoint.load(str(path), mode="mxfp4", dtype="float32", fuse=False)
+    assert params["layers"]["wv"].mode == "mxfp4"
+    assert params["layers"]["wq"].mode == "affine"  # Q4_0 as stored
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_tokenizer_decodes(tmp_path, model):
+    cfg = tiny("llama")
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", cfg, {}, tokenizer=model)
+    tok = gguf_checkpoint.tokenizer(str(path))
+    assert tok.bos_id == 0 and len(tok.tokens) == cfg.vocab_size
+    want = "Hello world\u2019" if model == "gpt2" else " Hello worldA"
+    assert tok.decode([0, 1, 2, 3]) == want
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="falcon"):
+        checkpoint.load(str(path))
+
+
+# ---------------------------------------------------------------------------
+# The kernels on imported arrays (float16 and float32 scales and biases).
+
+
+def imported(name, shape):
+    if name in QUANTIZABLE:
+        raw = gq.quantize(weights(shape), T[name])
+    else:
+        raw = k_quant_bytes(name, shape[0], shape[1])
+    return jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.bfloat16)
+
+
+def _gpu():
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K"])
+def test_every_backend_here_runs_imported_arrays(name):
+    """jq.qmm on each available backend (the ffi kernels on the CPU, the Pallas and
+    native GPU kernels on a GPU), canonical and prepacked, against the float64 product
+    of gguf's dequantization."""
+    from tests.common import assert_matmul_close
+    qw = imported(name, (40, 512))
+    w64 = np.asarray(jq.dequantize(qw, dtype=jnp.float32), np.float64)
+    x = jax.random.normal(jax.random.key(2), (3, 512), jnp.bfloat16)
+    for backend in [b for b in jq.available_backends() if b != "metal"]:
+        dev = jax.tree_util.tree_map(jnp.asarray, qw)
+        for w in (dev, jq.prepack(dev)):
+            assert_matmul_close(jq.qmm(x, w, backend=backend), x, w64, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("m", [1, 16, 128])
+def test_gpu_kernels_on_imported_arrays(name, m):
+    """Decode (M = 1, 16) and prefill (M = 128) shapes on the default (auto) kernels."""
+    from tests.common import assert_matmul_close
+    qw = jax.tree_util.tree_map(jnp.asarray, imported(name, (256, 1024)))
+    w64 = np.asarray(jq.dequantize(qw, dtype=jnp.float32), np.float64)
+    x = jax.random.normal(jax.random.key(m), (m, 1024), jnp.bfloat16)
+    assert_matmul_close(jax.jit(jq.qmm)(x, jq.prepack(qw)), x, w64, jnp.bfloat16)
+    assert_matmul_close(jax.jit(jq.qmm)(x, qw), x, w64, jnp.bfloat16)
