@@ -221,7 +221,7 @@ def peer_rows(args, cfg, base, prompts, ref, out):
                         lambda: (peer.prefill(long), peer.sync()), args.iters)
             except Exception as e:  # noqa: BLE001
                 row = _failed(args.config_name, PEER_IMPL, variant, b, e)
-            rows.append(row)
+            rows.append(_done(row))
         del peer
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -230,6 +230,15 @@ def peer_rows(args, cfg, base, prompts, ref, out):
 
 # ---------------------------------------------------------------------------
 # One config.
+
+
+def _done(row):
+    """The row, its numbers also on stderr at once (a run cut short keeps them)."""
+    if "failed" not in row:
+        extra = "".join(f", {k} {row[k]:.4g}" for k in ("prefill_tps", "dlogits") if k in row)
+        harness.progress(f"{row['config']} {row['impl']} {row['mode']} batch {row['batch']}: "
+                         f"decode {row['decode_tps']:.1f} tok/s{extra}")
+    return row
 
 
 def _failed(config, impl, mode, batch, e):
@@ -302,7 +311,7 @@ def config_rows(args, name, out):
                                                 f"{name} {mode} batch {b}")
                 except Exception as e:  # noqa: BLE001
                     row = _failed(name, impl, mode, b, e)
-                rows.append(row)
+                rows.append(_done(row))
             del placed
         del params
     if args.peer == "torch":
@@ -513,7 +522,9 @@ def run(args, out=print):
     cpu = harness.on_cpu()
     args.platform = harness.platform()
     float_mode = "bf16" if args.dtype == "bfloat16" else "float32"
-    args.modes = args.modes or (float_mode,) + QUANT_DEFAULT
+    # the float mode first: the others' Δlogits are against it
+    args.modes = sorted(args.modes or (float_mode,) + QUANT_DEFAULT,
+                        key=lambda m: m not in FLOAT_MODES)
     args.profile_dir = args.profile_dir or tempfile.mkdtemp(prefix="jaxquant_profile_")
     if not args.batch or min(args.batch) < 1 or args.prompt < 1 or args.tokens < 1 or \
             args.prefill < 0 or args.iters < 1:

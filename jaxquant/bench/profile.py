@@ -44,8 +44,9 @@ _XLA_TARGETS = ("__cublas", "__cudnn", "TopK", "Sharding", "SPMD", "__gpu$xla.gp
 _ATTENTION_FUNCS = {"attention", "rope"}
 _MOE_FUNCS = {"route", "moe_mlp", "expert_gather", "expert_ragged", "_expert_act",
               "_split_gate_up"}
-_QMM_FILES = ("jaxquant/ops/", "jaxquant/primitive.py", "jaxquant/quantize.py",
-              "jaxquant/pallas/", "jaxquant/quantized_array.py")
+# (not primitive.py: every jaxquant op's reference lowering may name Op.bind, norms too)
+_QMM_FILES = ("jaxquant/ops/qmm.py", "jaxquant/ops/dequantize.py", "jaxquant/quantize.py",
+              "jaxquant/formats.py", "jaxquant/pallas/", "jaxquant/quantized_array.py")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
              "s4": 1, "u4": 1, "f4e2m1fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
              "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8}
@@ -140,6 +141,8 @@ def classify(kernel: str, op_name: str, op: HloOp | None) -> str:
         return "copies"
     if fn in _ATTENTION_FUNCS or re.search(r"attention|fmha|flash", names + op.target.lower()):
         return "attention"
+    if op.opcode == "custom-call" and re.search(r"qmm|qmv|gemv", names + op.target.lower()):
+        return "qmm"  # a fused norm + GEMV kernel too: its time is the weight's read
     # a norm's ops are emitted inside Op.bind (the reference lowering): rsqrt tells them
     if "norm" in fn.lower() or "norm" in op.target.lower() or "norm" in names or \
             "rsqrt" in tokens:
@@ -251,8 +254,10 @@ def breakdown(events: list[Event], index: dict[str, HloOp], steps: int, layers: 
     top = collections.defaultdict(lambda: [0, 0.0])
     copies = collections.defaultdict(lambda: [0, 0])
     copy_bytes = 0
+    # a GPU kernel of an XLA fusion is named after the instruction, "." and "-" as "_"
+    by_kernel = {re.sub(r"[.\-]", "_", name): op for name, op in index.items()}
     for e in events:
-        op = index.get(e.hlo_op) if e.hlo_op else index.get(e.name)
+        op = index.get(e.hlo_op) or index.get(e.name) or by_kernel.get(e.name)
         cls = classify(e.name, e.hlo_op, op)
         by_class[cls][0] += 1
         by_class[cls][1] += e.dur
@@ -300,7 +305,7 @@ def print_breakdown(b: Breakdown, out, title: str, top: int = 12) -> None:
         out(f"| {name} | {cls} | {n:.1f} | {us:.1f} | {us / n:.2f} |")
     n_copy = b.by_class["copies"][0]
     if n_copy:
-        biggest = ", ".join(f"{name} ({nb / 1e6:.2f} MB x {n:.0f})"
+        biggest = ", ".join(f"{name} ({nb / 1e6:.3g} MB x {n:.3g})"
                             for name, n, nb in b.copies[:4])
         out(f"# COPIES: {n_copy:.1f} per step moving {b.copy_bytes / 1e6:.2f} MB "
             f"(by the HLO's result shapes): {biggest}")

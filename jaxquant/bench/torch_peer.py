@@ -5,18 +5,19 @@ generate.py) builds one, computing the same function as
 
 As gpt-fast: fused wqkv, a static KV cache [B, Hkv, S, hd] updated in place
 with index_put, a causal mask row per position, F.scaled_dot_product_attention
-with the KV heads repeated (GQA), the decode step compiled whole
-(`torch.compile(mode="max-autotune", fullgraph=True)`, coordinate-descent
-tuning on) and a Python loop of greedy steps; int4 weights (group 64,
-asymmetric min/max, every linear layer and the head) through
+with the KV heads repeated (GQA; the math kernel in decode), the decode step
+compiled whole (`torch.compile(mode="max-autotune", fullgraph=True)`,
+coordinate-descent tuning on) and a Python loop of greedy steps; int4 weights
+(group 64, asymmetric min/max, every linear layer and the head) through
 `torch._weight_int4pack_mm` on `torch.ops.aten._convert_weight_to_int4pack`
 data. As jaxquant (so the two agree): RoPE on the two halves of a head
 (Hugging Face's convention; gpt-fast's own checkpoints are permuted for its
 interleaved one), norms in float32 with the weight applied before the cast
 back, logits in float32.
 
-The weights are views of the JAX arrays (DLPack, no copy) but for wqkv, which
-is concatenated as in gpt-fast.
+The weights are views of the JAX arrays (DLPack, no copy), stacked [L, ...] or
+per layer, fused (wqkv, w_gate_up) or not; wqkv is concatenated where the
+params have q, k and v apart, as gpt-fast does.
 """
 
 from __future__ import annotations
@@ -125,11 +126,12 @@ def _modules():
         return torch.cat([a * c - b * s, b * c + a * s], dim=-1).to(x.dtype)
 
     class Attention(nn.Module):
-        def __init__(self, cfg, wq, wk, wv, wo, group):
+        def __init__(self, cfg, p, group):
             super().__init__()
             self.hq, self.hkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            self.wqkv = Linear(torch.cat([wq, wk, wv]), group)
-            self.wo = Linear(wo, group)
+            wqkv = p["wqkv"] if "wqkv" in p else torch.cat([p["wq"], p["wk"], p["wv"]])
+            self.wqkv = Linear(wqkv, group)
+            self.wo = Linear(p["wo"], group)
             self.kv_cache = None
 
         def forward(self, x, cos, sin, mask, input_pos):
@@ -149,8 +151,12 @@ def _modules():
     class Block(nn.Module):
         def __init__(self, cfg, p, group):
             super().__init__()
-            self.attention = Attention(cfg, p["wq"], p["wk"], p["wv"], p["wo"], group)
-            self.w1, self.w3 = Linear(p["w_gate"], group), Linear(p["w_up"], group)
+            self.attention = Attention(cfg, p, group)
+            if "w_gate_up" in p:  # fused: gate rows, then up rows (views of the halves)
+                gate, up = p["w_gate_up"].chunk(2)
+            else:
+                gate, up = p["w_gate"], p["w_up"]
+            self.w1, self.w3 = Linear(gate, group), Linear(up, group)
             self.w2 = Linear(p["w_down"], group)
             self.attention_norm = RMSNorm(p["attn_norm"], cfg.rms_eps)
             self.ffn_norm = RMSNorm(p["mlp_norm"], cfg.rms_eps)
@@ -165,9 +171,8 @@ def _modules():
             super().__init__()
             self.cfg = cfg
             self.register_buffer("tok_embeddings", p["embed"], persistent=False)
-            self.layers = nn.ModuleList(
-                Block(cfg, {k: v[i] for k, v in p["layers"].items()}, group)
-                for i in range(cfg.num_layers))
+            self.layers = nn.ModuleList(Block(cfg, _layer(p["layers"], i), group)
+                                        for i in range(cfg.num_layers))
             self.norm = RMSNorm(p["final_norm"], cfg.rms_eps)
             self.output = Linear(p["lm_head"], group)
             inv_freq, factor = cfg.rope_inv_freq()
@@ -248,8 +253,11 @@ class Peer:
     def decode(self, token, start: int, steps: int):
         import torch
 
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         out = []
-        with torch.no_grad():
+        # as gpt-fast's decode_n_tokens: the math attention, which inductor fuses
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             input_pos = torch.tensor([start], device=self.device)
             for _ in range(steps):
                 token = self.step(token.long(), input_pos).clone()
@@ -264,10 +272,19 @@ class Peer:
             torch.cuda.synchronize()
 
 
+def _layer(layers, i):
+    """Layer i's weights: from stacked [L, ...] arrays or from per-layer dicts."""
+    if isinstance(layers, (list, tuple)):
+        return layers[i]
+    return {k: v[i] for k, v in layers.items()}
+
+
 def _to_torch(tree):
-    """The JAX arrays of a params dict as torch tensors on the same device (DLPack views)."""
+    """The JAX arrays of a params tree as torch tensors on the same device (DLPack views)."""
     import torch
 
     if isinstance(tree, dict):
         return {k: _to_torch(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_torch(v) for v in tree)
     return torch.from_dlpack(tree)
