@@ -12,6 +12,11 @@ Families: Llama / Mistral / Qwen2 / Qwen3 (dense), Qwen3-MoE and gpt-oss.
   {"bits", "group_size"[, "mode"]}; a matrix is `{name}.weight` uint32 +
   `.scales` (+ `.biases`)) are imported through `jq.io.from_mlx_tensors`, the
   quantized embedding too; per-layer overrides in "quantization" are honoured.
+- GPTQ, AWQ and compressed-tensors checkpoints (config.json's
+  "quantization_config" with quant_method "gptq", "awq" or "compressed-tensors")
+  keep their quantized matrices as they are, imported exactly through
+  `jq.io.from_gptq` / `from_awq` / `from_compressed_tensors` (`hf_quantized_matrix`;
+  docs/checkpoints.md); act-order GPTQ matrices become `PermutedMatrix`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 
 import jaxquant as jq
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import quantize_args, quantize_matrix
+from jaxquant.models.decoder import PermutedMatrix, quantize_args, quantize_matrix
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -71,7 +76,7 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
         hf = json.load(f)
     cfg = from_hf(hf, dtype=dtype)
     tensors = _Tensors(path)
-    quant = _Quantizer(mode, hf.get("quantization"), dtype)
+    quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"))
     layers = [_layer(cfg, tensors, quant, i) for i in range(cfg.num_layers)]
     params = {"layers": _stack_layers(layers),
               "embed": quant.matrix(tensors, "model.embed_tokens", quantize=False),
@@ -98,10 +103,12 @@ def _stack_layers(layers):
 
 
 class _Quantizer:
-    def __init__(self, mode, mlx_quant, dtype):
+    def __init__(self, mode, mlx_quant, dtype, hf_quant=None):
         self.kw = None if mode in (None, "bf16") else quantize_args(mode)
         self.mlx = mlx_quant
         self.dtype = jnp.dtype(dtype)
+        method = (hf_quant or {}).get("quant_method")
+        self.hf_quant = hf_quant if method in HF_QUANT_METHODS else None
 
     def float(self, a):
         return jnp.asarray(np.asarray(a), self.dtype)
@@ -115,6 +122,10 @@ class _Quantizer:
 
     def matrix(self, tensors, prefix, *, quantize=True):
         """`{prefix}.weight` [N, K] (or MLX's quantized triple) -> array or QuantizedArray."""
+        if self.hf_quant is not None:
+            w = hf_quantized_matrix(tensors, prefix, self.hf_quant, self.dtype)
+            if w is not None:
+                return w
         if f"{prefix}.scales" in tensors:
             if self.mlx is None:
                 raise ValueError(f"{prefix}.scales is in the checkpoint but config.json has no "
@@ -187,4 +198,49 @@ def _qwen3_moe_mlp(cfg, tensors, quant, pre):
     return p
 
 
-__all__ = ["load"]
+HF_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+_CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+             "weight_global_scale")
+
+
+def hf_quantized_matrix(tensors, prefix, quant_config, dtype):
+    """Module `prefix` of a GPTQ / AWQ / compressed-tensors checkpoint, imported
+    exactly (docs/checkpoints.md): a QuantizedArray, a PermutedMatrix (act-order
+    GPTQ), or None where the checkpoint keeps that module in float."""
+    method = quant_config["quant_method"]
+    if method == "compressed-tensors":
+        if f"{prefix}.weight_packed" not in tensors and f"{prefix}.weight_scale" not in tensors:
+            return None
+        own = {f"{prefix}.{p}": tensors[f"{prefix}.{p}"] for p in _CT_PARTS
+               if f"{prefix}.{p}" in tensors}
+        return _on_device(jq.io.from_compressed_tensors(own, prefix, quant_config, dtype=dtype))
+    if f"{prefix}.qweight" not in tensors:
+        return None
+    parts = [tensors[f"{prefix}.{p}"] for p in ("qweight", "qzeros", "scales")]
+    bits = int(quant_config.get("bits", quant_config.get("w_bit", 4)))
+    if method == "awq":
+        version = str(quant_config.get("version", "gemm")).lower()
+        if version != "gemm" or not quant_config.get("zero_point", True):
+            raise ValueError(f"AWQ version={version!r}, zero_point="
+                             f"{quant_config.get('zero_point')!r}: only AutoAWQ's GEMM packing "
+                             f"with zero points is supported")
+        return _on_device(jq.io.from_awq(*parts, bits=bits, dtype=dtype))
+    if quant_config.get("dynamic"):
+        raise ValueError("GPTQ 'dynamic' per-module overrides are not supported")
+    g_idx = tensors[f"{prefix}.g_idx"] if f"{prefix}.g_idx" in tensors else None
+    fmt = quant_config.get("checkpoint_format") or quant_config.get("format") or "gptq"
+    qw, perm = jq.io.from_gptq(*parts, g_idx, bits=bits, checkpoint_format=fmt, dtype=dtype)
+    qw = _on_device(qw)
+    if perm is None and not quant_config.get("desc_act"):
+        return qw
+    # act-order: every layer carries a permutation (identity where its groups are
+    # contiguous), so the layers stack alike
+    perm = np.arange(qw.shape[-1], dtype=np.int32) if perm is None else perm
+    return PermutedMatrix(qw, jnp.asarray(perm))
+
+
+def _on_device(qw):
+    return jax.tree_util.tree_map(jnp.asarray, qw)
+
+
+__all__ = ["hf_quantized_matrix", "load"]

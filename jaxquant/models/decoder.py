@@ -42,8 +42,17 @@ GATHER_MAX_PAIRS = 64
 # Matmuls on float or quantized weights.
 
 
+class PermutedMatrix(NamedTuple):
+    """A matrix stored with its input channels in the order `perm` (GPTQ act-order:
+    jq.io.from_gptq): ``x @ W.T == x[..., perm] @ matrix.T``."""
+    matrix: QuantizedArray
+    perm: jax.Array
+
+
 def linear(x, w, bias=None):
-    """x [..., K] @ w.T (w [N, K], float or QuantizedArray) (+ bias) -> [..., N]."""
+    """x [..., K] @ w.T (w [N, K], float, QuantizedArray or PermutedMatrix) (+ bias) -> [..., N]."""
+    if isinstance(w, PermutedMatrix):
+        x, w = jnp.take(x, w.perm, axis=-1), w.matrix
     if isinstance(w, QuantizedArray):
         y = jq.qmm(x, w)
     else:
