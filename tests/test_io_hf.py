@@ -323,3 +323,70 @@ def _ct_compress(w, args, fmt):
     config = {"quant_method": "compressed-tensors", "format": fmt, "version": ct.__version__,
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": args}}}
     return tensors, config, host(ref)
+
+
+def test_compressed_tensors_int_quantized():
+    """W8A8-style int8 weights stored unpacked (`weight` int8, channel scales)."""
+    import torch
+    w = torch.from_numpy(_bf16_weight(40, 128)).to(torch.bfloat16)
+    args = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
+    tensors, config, want = _ct_compress(w, args, "int-quantized")
+    assert tensors["m.weight"].dtype == np.int8
+    qw = jq.io.from_compressed_tensors(tensors, "m", config)
+    assert (qw.mode, qw.bits, qw.group_size) == ("affine", 8, 128)
+    assert_same_bits(deq(qw, jnp.bfloat16), want)
+
+
+@pytest.mark.parametrize("fmt,mode,bits", [("mxfp4-pack-quantized", "mxfp4", 4),
+                                           ("mxfp6-pack-quantized", "mxfp6_e2m3", 6),
+                                           ("mxfp8-quantized", "mxfp8_e4m3", 8)])
+def test_compressed_tensors_mx(fmt, mode, bits):
+    import torch
+    w = torch.from_numpy(_bf16_weight(32, 256)).to(torch.bfloat16)
+    args = dict(num_bits=bits, type="float", symmetric=True, strategy="group", group_size=32,
+                scale_dtype="torch.uint8")
+    tensors, config, want = _ct_compress(w, args, fmt)
+    qw = jq.io.from_compressed_tensors(tensors, "m", config)
+    assert qw.mode == mode
+    assert_same_bits(deq(qw, jnp.bfloat16), want)
+
+
+def test_compressed_tensors_nvfp4():
+    """Exact: fp4 with float32 scales e4m3 / global (the reference divides in float32);
+    exact=False: nvfp4 with global_scale 1 / global, within one float32 rounding."""
+    import torch
+    w = torch.from_numpy(_bf16_weight(32, 256)).to(torch.bfloat16)
+    args = dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
+                group_size=16)
+    tensors, config, want = _ct_compress(w, args, "nvfp4-pack-quantized")
+    assert tensors["m.weight_global_scale"].dtype == np.float32
+    qw = jq.io.from_compressed_tensors(tensors, "m", config)
+    assert (qw.mode, qw.group_size, qw.scales.dtype) == ("fp4", 16, np.float32)
+    assert_same_bits(deq(qw, jnp.bfloat16), want)
+    fast = jq.io.from_compressed_tensors(tensors, "m", config, exact=False)
+    assert fast.mode == "nvfp4" and fast.scales.dtype == np.uint8
+    np.testing.assert_allclose(deq(fast, jnp.float32), deq(qw, jnp.float32), rtol=2 ** -23,
+                               atol=0)
+    np.testing.assert_allclose(deq(fast, jnp.bfloat16).astype(np.float32),
+                               want.astype(np.float32), rtol=2 ** -8, atol=0)
+
+
+def test_compressed_tensors_config_and_bad_input():
+    import torch
+    w = torch.from_numpy(_bf16_weight(16, 64)).to(torch.bfloat16)
+    args = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+    tensors, config, want = _ct_compress(w, args, "pack-quantized")
+    # regex targets and ignore lists, as llmcompressor writes them
+    regex = dict(config, config_groups={"g": {"targets": ["re:.*m$"], "weights": args}})
+    assert_same_bits(deq(jq.io.from_compressed_tensors(tensors, "m", regex), jnp.bfloat16), want)
+    with pytest.raises(ValueError, match="not quantized"):
+        jq.io.from_compressed_tensors(tensors, "m", dict(config, ignore=["m"]))
+    with pytest.raises(ValueError, match="weight_scale"):
+        jq.io.from_compressed_tensors({"m.weight_packed": tensors["m.weight_packed"]}, "m",
+                                      config)
+    with pytest.raises(ValueError, match="float-quantized"):
+        jq.io.from_compressed_tensors(tensors, "m", dict(config, format="float-quantized"))
+    with pytest.raises(ValueError, match="config_groups"):
+        jq.io.from_compressed_tensors(tensors, "m", {"format": "pack-quantized"})
+    with pytest.raises(TypeError, match="tensors must be a dict"):
+        jq.io.from_compressed_tensors([], "m", config)

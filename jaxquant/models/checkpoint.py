@@ -27,6 +27,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 import jaxquant as jq
@@ -55,6 +56,7 @@ class _Tensors:
                               "(pip install safetensors)") from e
         self._handles = [safe_open(f, framework="numpy") for f in files]
         self._where = {k: h for h in self._handles for k in h.keys()}
+        self._file = {k: f for f, h in zip(files, self._handles) for k in h.keys()}
 
     def __contains__(self, name):
         return name in self._where
@@ -63,10 +65,28 @@ class _Tensors:
         if name not in self._where:
             near = sorted(k for k in self._where if k.rsplit(".", 2)[0] in name)[:8]
             raise KeyError(f"checkpoint has no tensor {name!r} (similar: {near})")
-        return self._where[name].get_tensor(name)
+        try:
+            return self._where[name].get_tensor(name)
+        except AttributeError:  # safetensors' numpy reader has no float8 (compressed-tensors)
+            return _read_float8(self._file[name], name)
 
     def keys(self):
         return self._where.keys()
+
+
+_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_float8(file, name) -> np.ndarray:
+    """A float8 tensor of a .safetensors file, read from its header and bytes."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[name]
+    if entry["dtype"] not in _FLOAT8:
+        raise TypeError(f"{name}: safetensors dtype {entry['dtype']} is not readable as numpy")
+    start, end = entry["data_offsets"]
+    raw = np.fromfile(file, np.uint8, count=end - start, offset=8 + size + start)
+    return raw.view(_FLOAT8[entry["dtype"]]).reshape(entry["shape"])
 
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
