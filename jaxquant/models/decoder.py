@@ -2,9 +2,9 @@
 
 Parameters are a dict pytree. Per-layer weights are stacked on a leading layer
 axis and the layers run in `lax.scan` (each step gets one layer's slice of the
-stack). A matrix is either a float array [N, K] or a `QuantizedArray` [N, K]
-(y = x @ W.T either way: `linear`), so the same code runs bf16 and every
-quantized mode. Keys (per layer, stacked under "layers"):
+stack). A matrix is a float array [N, K], a `QuantizedArray` [N, K] or a
+`PermutedMatrix` (act-order GPTQ); y = x @ W.T any way (`linear`), so the same
+code runs bf16 and every quantized mode. Keys (per layer, stacked under "layers"):
 
   attn_norm, mlp_norm [D]; wq [Hq*hd, D], wk/wv [Hkv*hd, D], wo [D, Hq*hd];
   bq/bk/bv/bo (attention_bias); q_norm/k_norm [hd] (qk_norm); sinks [Hq] (gpt_oss)
