@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import formats
-from jaxquant.io_hf import from_awq, from_compressed_tensors, from_gptq, to_awq, to_gptq
+from jaxquant.io_hf import (from_awq, from_compressed_tensors, from_gptq, to_awq, to_gptq,
+                             host_array as _host)
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
@@ -72,13 +73,6 @@ MX_BLOCK_BYTES = {"mxfp4": 17, "mxfp6_e2m3": 25, "mxfp6_e3m2": 25}
 
 # ---------------------------------------------------------------------------
 # Helpers.
-
-
-def _host(x, name: str) -> np.ndarray:
-    """numpy view of an array argument (jax arrays are copied to the host)."""
-    if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array (numpy or jax); got {type(x).__name__}")
-    return np.asarray(x)
 
 
 def _check_u8(x, name: str) -> np.ndarray:

@@ -78,7 +78,8 @@ def pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
 # Shared checks and the affine construction.
 
 
-def _array(x, name: str) -> np.ndarray:
+def host_array(x, name: str) -> np.ndarray:
+    """numpy view of an array argument (jax arrays are copied to the host)."""
     if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array (numpy or jax); got {type(x).__name__}")
     return np.asarray(x)
@@ -86,17 +87,28 @@ def _array(x, name: str) -> np.ndarray:
 
 def _int_words(x, name: str) -> np.ndarray:
     """int32 / uint32 packed words -> uint32 (a view)."""
-    x = _array(x, name)
+    x = host_array(x, name)
     if x.dtype not in (np.int32, np.uint32):
         raise TypeError(f"{name} must be int32 (packed words); got {x.dtype}")
     return x.view(np.uint32)
 
 
 def _float_scales(x, name: str) -> np.ndarray:
-    x = _array(x, name)
+    x = host_array(x, name)
     if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a float array; got {x.dtype}")
     return x
+
+
+def _packed_triplet(qweight, qzeros, scales):
+    """GPTQ's / AWQ's (qweight, qzeros, scales), checked: uint32 views and float scales, 2-D."""
+    qweight = _int_words(qweight, "qweight")
+    qzeros = _int_words(qzeros, "qzeros")
+    scales = _float_scales(scales, "scales")
+    if qweight.ndim != 2 or qzeros.ndim != 2 or scales.ndim != 2:
+        raise ValueError(f"qweight, qzeros and scales must be 2-D; got {qweight.shape}, "
+                         f"{qzeros.shape}, {scales.shape}")
+    return qweight, qzeros, scales
 
 
 def _check_bits(bits, allowed, fn: str) -> int:
@@ -228,12 +240,7 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits, checkpoint_format="g
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint_format={checkpoint_format!r}; expected 'gptq' or "
                          f"'gptq_v2'")
-    qweight = _int_words(qweight, "qweight")
-    qzeros = _int_words(qzeros, "qzeros")
-    scales = _float_scales(scales, "scales")
-    if qweight.ndim != 2 or qzeros.ndim != 2 or scales.ndim != 2:
-        raise ValueError(f"qweight, qzeros and scales must be 2-D; got {qweight.shape}, "
-                         f"{qzeros.shape}, {scales.shape}")
+    qweight, qzeros, scales = _packed_triplet(qweight, qzeros, scales)
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
     groups = scales.shape[0]
     if scales.shape[1] != n or qzeros.shape != (groups, -(-n * bits // 32)):
@@ -248,7 +255,7 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits, checkpoint_format="g
     data = np.ascontiguousarray(qweight.T)            # K's stream per row n
     perm = None
     if g_idx is not None:
-        g_idx = _array(g_idx, "g_idx")
+        g_idx = host_array(g_idx, "g_idx")
         if g_idx.shape != (k,) or g_idx.dtype.kind not in "iu":
             raise ValueError(f"g_idx must be an integer array of shape ({k},); got "
                              f"{g_idx.shape} {g_idx.dtype}")
@@ -280,7 +287,7 @@ def to_gptq(qw: QuantizedArray, perm=None, *, checkpoint_format="gptq"):
     data = np.asarray(qw.data)
     g_idx = (np.arange(k) // qw.group_size).astype(np.int32)
     if perm is not None:
-        perm = _array(perm, "perm")
+        perm = host_array(perm, "perm")
         if perm.shape != (k,) or not np.array_equal(np.sort(perm), np.arange(k)):
             raise ValueError(f"perm must be a permutation of range({k})")
         g_idx[perm] = np.arange(k) // qw.group_size
@@ -302,12 +309,7 @@ def from_awq(qweight, qzeros, scales, *, bits=4, dtype=None) -> QuantizedArray:
     is stored as is. dtype: the logical dtype (default the scales').
     """
     bits = _check_bits(bits, (4,), "from_awq")
-    qweight = _int_words(qweight, "qweight")
-    qzeros = _int_words(qzeros, "qzeros")
-    scales = _float_scales(scales, "scales")
-    if qweight.ndim != 2 or qzeros.ndim != 2 or scales.ndim != 2:
-        raise ValueError(f"qweight, qzeros and scales must be 2-D; got {qweight.shape}, "
-                         f"{qzeros.shape}, {scales.shape}")
+    qweight, qzeros, scales = _packed_triplet(qweight, qzeros, scales)
     k, n = qweight.shape[0], qweight.shape[1] * 8
     groups = scales.shape[0]
     if scales.shape[1] != n or qzeros.shape != (groups, n // 8) or k % groups:
@@ -404,7 +406,7 @@ def from_compressed_tensors(tensors: dict, prefix: str, quant_config: dict, *, d
                 raise ValueError(f"tensors has no {name} (format {fmt!r}); keys starting with "
                                  f"the prefix: {near}")
             return None
-        return _array(tensors[name], f"tensors[{name!r}]")
+        return host_array(tensors[name], f"tensors[{name!r}]")
 
     if fmt in ("pack-quantized", "int-quantized", "naive-quantized"):
         if args.get("type", "int") != "int":
@@ -438,7 +440,7 @@ def _ct_int(fmt, args, get, dtype) -> QuantizedArray:
         data = np.ascontiguousarray(packed)           # stream of q + 2**(bits-1) along K
     else:
         _check_bits(bits, (8,), f"from_compressed_tensors ({fmt})")
-        w = _array(get("weight"), "weight")
+        w = host_array(get("weight"), "weight")
         if w.dtype != np.int8 or w.ndim != 2:
             raise TypeError(f"{fmt} weight must be 2-D int8; got {w.shape} {w.dtype}")
         n, k = w.shape

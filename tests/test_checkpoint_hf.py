@@ -18,7 +18,7 @@ from jaxquant import models
 from jaxquant.models import checkpoint
 from jaxquant.models.decoder import PermutedMatrix
 from jaxquant.quantized_array import QuantizedArray
-from tests.test_io_hf import _ct_compress, _reference_module
+from tests.test_io_hf import _ct_compress, _gptqmodel_dequant, _reference_module
 from tests.test_models import LLAMA, _dense_mlps, _hf_common, _manual_common, _write
 
 pytest.importorskip("safetensors")
@@ -50,7 +50,7 @@ def _quantize_linears(t, pack):
 
 
 def _gptq_pack(prefix, w):
-    import torch
+    torch = pytest.importorskip("torch")
     qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
     n, k = w.shape
     g, rng = 32, np.random.default_rng(abs(hash(prefix)) % 2 ** 32)
@@ -71,8 +71,23 @@ def _gptq_pack(prefix, w):
                                                                  "g_idx")}, deq
 
 
+def _random_gptq_pack(prefix, w):
+    """No package: random act-order GPTQ words (every field value, zero fields of 15
+    included), dequantized by gptqmodel's transcribed reading (tests/test_io_hf.py)."""
+    n, k = w.shape
+    rng = np.random.default_rng(abs(hash(prefix)) % 2 ** 32)
+    qweight = rng.integers(0, 2 ** 32, (k // 8, n), dtype=np.uint32).view(np.int32)
+    qzeros = rng.integers(0, 2 ** 32, (k // 32, n // 8), dtype=np.uint32).view(np.int32)
+    scales = (rng.random((k // 32, n)) * 0.02 + 1e-3).astype(np.float16)
+    g_idx = rng.permutation(np.arange(k) // 32).astype(np.int32)
+    deq = _gptqmodel_dequant(qweight, qzeros, scales, g_idx, 4, v1=True)
+    return ({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros,
+             f"{prefix}.scales": scales, f"{prefix}.g_idx": g_idx},
+            deq.astype(np.float16).astype(np.float32))
+
+
 def _awq_pack(prefix, w):
-    import torch
+    torch = pytest.importorskip("torch")
     gemm = _reference_module("awq", "modules.linear.gemm")
     packing = _reference_module("awq", "utils.packing_utils")
     n, k = w.shape
@@ -100,7 +115,7 @@ CT_SCHEMES = {
 
 def _ct_pack(fmt):
     def pack(prefix, w):
-        import torch
+        torch = pytest.importorskip("torch")
         tensors, _, deq = _ct_compress(torch.from_numpy(w).to(torch.bfloat16), CT_SCHEMES[fmt],
                                        fmt)
         return {prefix + name[1:]: v for name, v in tensors.items()}, deq.astype(np.float32)
@@ -117,6 +132,8 @@ def _tokens(cfg, params):
 QUANT_CONFIGS = {
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
               "sym": False, "checkpoint_format": "gptq"}, _gptq_pack),
+    "gptq-random-words": ({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                           "desc_act": True, "sym": False}, _random_gptq_pack),
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
              "version": "gemm"}, _awq_pack),
     **{fmt: ({"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
@@ -136,7 +153,7 @@ def test_quantized_checkpoint_decodes_like_its_float_model(tmp_path, kind):
         w = layers[key]
         inner = w.matrix if isinstance(w, PermutedMatrix) else w
         assert isinstance(inner, QuantizedArray), key
-        assert isinstance(w, PermutedMatrix) == (kind == "gptq"), key
+        assert isinstance(w, PermutedMatrix) == kind.startswith("gptq"), key
     assert isinstance(params["lm_head"], QuantizedArray)           # float, quantized by mode
     assert params["lm_head"].mode == "mxfp4"
 

@@ -83,7 +83,7 @@ def test_stream_matches_formats_packing(bits):
 
 def _auto_gptq_layer(bits, k, n, group, act_order, *, zero_lo=1):
     """auto-gptq packs a random layer; returns (QuantLinear, its dequantized W [N, K] fp16)."""
-    import torch
+    torch = pytest.importorskip("torch")
     qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
     torch.manual_seed(int(RNG.integers(1 << 30)))
     g = k if group == -1 else group
@@ -134,7 +134,7 @@ def test_gptq_matches_auto_gptq(bits, group, act_order):
 def test_gptq_symmetric_keeps_float16_scales():
     """sym=True: every zero is 2**(bits-1), so -scale*zero is a float16 value and
     the scales stay float16 (the asymmetric case stores float32)."""
-    import torch
+    torch = pytest.importorskip("torch")
     qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
     k, n = 128, 32
     lin = torch.nn.Linear(k, n, bias=False).half()
@@ -154,7 +154,8 @@ def _gptqmodel_dequant(qweight, qzeros, scales, g_idx, bits, v1):
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
 
     def fields(words, count):  # LSB-first bit stream per row (checked against auto-gptq above)
-        bitsarr = np.unpackbits(np.ascontiguousarray(words, "<u4").view(np.uint8), axis=-1, bitorder="little")
+        as_bytes = np.ascontiguousarray(words, "<u4").view(np.uint8)
+        bitsarr = np.unpackbits(as_bytes, axis=-1, bitorder="little")
         return (bitsarr[..., :count * bits].reshape(*words.shape[:-1], count, bits)
                 * (1 << np.arange(bits))).sum(-1)
 
@@ -219,7 +220,7 @@ def test_gptq_bad_input():
 
 @pytest.mark.parametrize("k,n,group", [(256, 64, 64), (512, 128, 128), (256, 32, 256)])
 def test_awq_matches_autoawq(k, n, group):
-    import torch
+    torch = pytest.importorskip("torch")
     gemm = _reference_module("awq", "modules.linear.gemm")
     packing = _reference_module("awq", "utils.packing_utils")
     torch.manual_seed(int(RNG.integers(1 << 30)))
@@ -241,6 +242,36 @@ def test_awq_matches_autoawq(k, n, group):
     assert_same_bits(deq(jq.io.from_awq(*back), jnp.float16), want.T.numpy())
 
 
+def _autoawq_dequant(qweight, qzeros, scales, group):
+    """AutoAWQ's dequantize_gemm, transcribed (unpack_awq: shifts 0, 4, ..., 28 per word;
+    reverse_awq_order: columns [0, 4, 1, 5, 2, 6, 3, 7] of each 8; & 15;
+    (iweight - izeros) * scales, scales and zeros repeated per group), float64: [K, N]."""
+    def unpack(words):
+        nib = (words.view(np.uint32)[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 15
+        cols = nib.reshape(words.shape[0], -1)
+        order = (np.arange(cols.shape[1]).reshape(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]]).ravel()
+        return cols[:, order].astype(np.int64)
+    iw, iz = unpack(qweight), np.repeat(unpack(qzeros), group, axis=0)
+    return (iw - iz) * np.repeat(scales.astype(np.float64), group, axis=0)
+
+
+@pytest.mark.parametrize("group", [32, 128, 512])
+def test_awq_against_its_transcribed_dequantizer(group):
+    """No package needed: random words in every field."""
+    k, n = 512, 64
+    qweight = RNG.integers(0, 2 ** 32, (k, n // 8), dtype=np.uint32).view(np.int32)
+    qzeros = RNG.integers(0, 2 ** 32, (k // group, n // 8), dtype=np.uint32).view(np.int32)
+    scales = (RNG.random((k // group, n)) * 0.02).astype(np.float16)
+    qw = jq.io.from_awq(qweight, qzeros, scales)
+    want = _autoawq_dequant(qweight, qzeros, scales, group).T
+    assert_same_bits(deq(qw, jnp.float16), want.astype(np.float16))
+    assert_same_bits(deq(qw, jnp.float32), want.astype(np.float32))
+    back = jq.io.to_awq(qw)
+    if group <= 128:
+        np.testing.assert_array_equal(back[0], qweight)
+        np.testing.assert_array_equal(back[1], qzeros)
+
+
 def test_awq_bad_input():
     with pytest.raises(ValueError, match="bits=8"):
         jq.io.from_awq(np.zeros((64, 8), np.int32), np.zeros((1, 8), np.int32),
@@ -259,6 +290,46 @@ def _ct():
     return pytest.importorskip("compressed_tensors")
 
 
+def _ct_pack_quantized_dequant(packed, scale, zero_point, bits, k):
+    """compressed-tensors' pack-quantized decompress, transcribed: unpack_from_int32
+    (element i at stream bits [i*bits, (i+1)*bits), minus 2**(bits-1)), the zero point
+    likewise along N, then _dequantize: (q - zp) * scale, float64 here: [N, K]."""
+    def unpack(words, count):
+        as_bytes = np.ascontiguousarray(words.view(np.uint32), "<u4").view(np.uint8)
+        stream = np.unpackbits(as_bytes, axis=-1, bitorder="little")
+        fields = stream[..., :count * bits].reshape(*words.shape[:-1], count, bits)
+        return (fields * (1 << np.arange(bits))).sum(-1) - (1 << (bits - 1))
+    n = packed.shape[0]
+    q = unpack(packed, k)
+    g = k // scale.shape[1]
+    zp = 0 if zero_point is None else unpack(zero_point.T, n).T
+    return (q - np.repeat(zp, g, axis=1) if zero_point is not None else q) * \
+        np.repeat(scale.astype(np.float64), g, axis=1)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_pack_quantized_against_its_transcribed_decompressor(bits, symmetric):
+    """No package needed: random words in every field."""
+    n, k, group = 40, 256, 64
+    packed = RNG.integers(0, 2 ** 32, (n, k * bits // 32), dtype=np.uint32).view(np.int32)
+    scale = (RNG.random((n, k // group)) * 0.02).astype(ml_dtypes.bfloat16)
+    tensors = {"m.weight_packed": packed, "m.weight_scale": scale,
+               "m.weight_shape": np.array([n, k])}
+    zp = None
+    if not symmetric:
+        zp = RNG.integers(0, 2 ** 32, (-(-n * bits // 32), k // group), dtype=np.uint32)
+        tensors["m.weight_zero_point"] = zp = zp.view(np.int32)
+    args = dict(num_bits=bits, type="int", symmetric=symmetric, strategy="group",
+                group_size=group)
+    config = {"format": "pack-quantized",
+              "config_groups": {"g": {"targets": ["Linear"], "weights": args}}}
+    qw = jq.io.from_compressed_tensors(tensors, "m", config)
+    want = _ct_pack_quantized_dequant(packed, scale, zp, bits, k)
+    assert_same_bits(deq(qw, jnp.bfloat16), want.astype(ml_dtypes.bfloat16))
+    assert_same_bits(deq(qw, jnp.float32), want.astype(np.float32))
+
+
 def _bf16_weight(n, k):
     return (RNG.standard_normal((n, k)) * 0.05).astype(ml_dtypes.bfloat16).astype(np.float32)
 
@@ -268,7 +339,7 @@ def _bf16_weight(n, k):
                                             ("tensor", None)])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_compressed_tensors_pack_quantized(bits, strategy, group, symmetric):
-    import torch
+    torch = pytest.importorskip("torch")
     n, k = 48, 256
     w = torch.from_numpy(_bf16_weight(n, k)).to(torch.bfloat16)
     args = dict(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
@@ -286,7 +357,7 @@ def _ct_compress(w, args, fmt):
     """(tensors, quant_config, reference weight) for torch weight w [N, K]: scale and zero
     point from compressed-tensors' calculate_qparams (per group / channel / tensor min
     and max), packed by its compressor for `fmt`, dequantized by its decompress()."""
-    import torch
+    torch = pytest.importorskip("torch")
     ct = _ct()
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -327,7 +398,7 @@ def _ct_compress(w, args, fmt):
 
 def test_compressed_tensors_int_quantized():
     """W8A8-style int8 weights stored unpacked (`weight` int8, channel scales)."""
-    import torch
+    torch = pytest.importorskip("torch")
     w = torch.from_numpy(_bf16_weight(40, 128)).to(torch.bfloat16)
     args = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
     tensors, config, want = _ct_compress(w, args, "int-quantized")
@@ -341,7 +412,7 @@ def test_compressed_tensors_int_quantized():
                                            ("mxfp6-pack-quantized", "mxfp6_e2m3", 6),
                                            ("mxfp8-quantized", "mxfp8_e4m3", 8)])
 def test_compressed_tensors_mx(fmt, mode, bits):
-    import torch
+    torch = pytest.importorskip("torch")
     w = torch.from_numpy(_bf16_weight(32, 256)).to(torch.bfloat16)
     args = dict(num_bits=bits, type="float", symmetric=True, strategy="group", group_size=32,
                 scale_dtype="torch.uint8")
@@ -354,7 +425,7 @@ def test_compressed_tensors_mx(fmt, mode, bits):
 def test_compressed_tensors_nvfp4():
     """Exact: fp4 with float32 scales e4m3 / global (the reference divides in float32);
     exact=False: nvfp4 with global_scale 1 / global, within one float32 rounding."""
-    import torch
+    torch = pytest.importorskip("torch")
     w = torch.from_numpy(_bf16_weight(32, 256)).to(torch.bfloat16)
     args = dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
                 group_size=16)
@@ -372,7 +443,7 @@ def test_compressed_tensors_nvfp4():
 
 
 def test_compressed_tensors_config_and_bad_input():
-    import torch
+    torch = pytest.importorskip("torch")
     w = torch.from_numpy(_bf16_weight(16, 64)).to(torch.bfloat16)
     args = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
     tensors, config, want = _ct_compress(w, args, "pack-quantized")
