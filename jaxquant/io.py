@@ -41,7 +41,7 @@ Formats:
   bit stream, most significant bit first: byte 0 = [E0 bits 5..0][E1 bits 5..4],
   byte 1 = [E1 bits 3..0][E2 bits 5..2], byte 2 = [E2 bits 1..0][E3 bits 5..0], ...
 - GPTQ, AWQ and compressed-tensors (`from_gptq` / `to_gptq`, `from_awq` / `to_awq`,
-  `from_compressed_tensors`): jaxquant/io_hf.py and docs/checkpoints.md.
+  `from_compressed_tensors` / `to_compressed_tensors`): jaxquant/io_hf.py and docs/checkpoints.md.
 - `load_safetensors` / `save_safetensors`: numpy dicts through the optional
   ``safetensors`` package (``pip install safetensors``, or ``jaxquant[safetensors]``).
 """
@@ -54,15 +54,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import formats
-from jaxquant.io_hf import (from_awq, from_compressed_tensors, from_gptq, to_awq, to_gptq,
-                             host_array as _host)
+from jaxquant.io_hf import (from_awq, from_compressed_tensors, from_gptq, to_awq,
+                             to_compressed_tensors, to_gptq, host_array as _host)
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 __all__ = [
     "from_awq", "from_compressed_tensors", "from_ggml_mxfp4", "from_gpt_oss", "from_gptq",
     "from_mlx_tensors", "from_mx_blocks", "load_safetensors", "save_safetensors", "to_awq",
-    "to_ggml_mxfp4", "to_gpt_oss", "to_gptq", "to_mlx_tensors", "to_mx_blocks",
+    "to_compressed_tensors", "to_ggml_mxfp4", "to_gpt_oss", "to_gptq", "to_mlx_tensors",
+    "to_mx_blocks",
 ]
 
 _BLOCK = 32

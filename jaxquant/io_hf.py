@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
 
 from jaxquant import formats
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import QuantizedArray
 
-__all__ = ["from_awq", "from_compressed_tensors", "from_gptq", "to_awq", "to_gptq"]
+__all__ = ["from_awq", "from_compressed_tensors", "from_gptq", "to_awq", "to_compressed_tensors",
+           "to_gptq"]
 
 _AFFINE_GROUPS = (128, 64, 32)
 #: AutoAWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i] of its 8.
@@ -505,3 +507,46 @@ def _ct_mx(fmt, get, dtype) -> QuantizedArray:
     return QuantizedArray(payload.view("<u4").astype(np.uint32), scales, mode=mode,
                           bits=formats.FORMATS[mode].bits[0], group_size=32,
                           dtype=_logical(dtype, np.float32))
+
+
+_MX_CT = {mode: (fmt, part) for fmt, (mode, part) in _CT_MX.items()}
+
+
+def to_compressed_tensors(qw: QuantizedArray, prefix: str) -> tuple[dict, dict]:
+    """Inverse of from_compressed_tensors where the format holds qw exactly:
+    ``(tensors, config_group)``, tensors named ``{prefix}.weight_packed`` ... and
+    config_group the ``{"format", "weights"}`` entry of ``config_groups``.
+
+    affine 2/4/8-bit with ``bias = -scale * zero`` (integer zeros, as imported) ->
+    ``pack-quantized`` int, group strategy, symmetric where every zero is
+    2**(bits-1); scales in qw's logical dtype where they are exact in it, else
+    float32. mxfp4 / mxfp6_e2m3 / mxfp8_e4m3 -> the MX formats (a byte copy).
+    Other modes raise ValueError (fp4's float32 scales are not e4m3 / global for
+    a known global scale).
+    """
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str; got {type(prefix).__name__}")
+    if isinstance(qw, QuantizedArray) and qw.mode in _MX_CT and qw.layout == "canonical":
+        fmt, part = _MX_CT[qw.mode]
+        payload = np.ascontiguousarray(np.asarray(qw.data), "<u4").view(np.uint8)
+        if part == "weight":
+            payload = payload.view(ml_dtypes.float8_e4m3fn)
+        args = {"num_bits": qw.bits, "type": "float", "symmetric": True, "strategy": "group",
+                "group_size": 32, "scale_dtype": "torch.uint8"}
+        return ({f"{prefix}.{part}": payload, f"{prefix}.weight_scale": np.asarray(qw.scales)},
+                {"format": fmt, "weights": args})
+    s, z = affine_zeros(qw, "to_compressed_tensors")
+    bits = _check_bits(qw.bits, (2, 4, 8), "to_compressed_tensors")
+    n, k = qw.shape
+    offset = 1 << (bits - 1)
+    symmetric = bool(np.all(z == offset))
+    logical = np.dtype(qw.dtype)
+    scale = s.astype(logical) if np.array_equal(s.astype(logical).astype(np.float32), s) else s
+    tensors = {f"{prefix}.weight_packed": np.asarray(qw.data).view(np.int32),
+               f"{prefix}.weight_scale": scale,
+               f"{prefix}.weight_shape": np.array([n, k], np.int64)}
+    if not symmetric:
+        tensors[f"{prefix}.weight_zero_point"] = pack_stream(z.T, bits).T.copy().view(np.int32)
+    args = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group",
+            "group_size": qw.group_size}
+    return tensors, {"format": "pack-quantized", "weights": args}

@@ -330,6 +330,30 @@ def test_pack_quantized_against_its_transcribed_decompressor(bits, symmetric):
     assert_same_bits(deq(qw, jnp.float32), want.astype(np.float32))
 
 
+def _assert_exports_back(qw, tensors, config, want, *, same_bytes):
+    """to_compressed_tensors: compressed-tensors' own decompress of the export gives the
+    reference weight again (and the same tensors where qw's groups are the source's)."""
+    torch = pytest.importorskip("torch")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    out, group = jq.io.to_compressed_tensors(qw, "m")
+    if same_bytes:
+        for name, ref in tensors.items():
+            if name in out:
+                np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8),
+                                              np.asarray(ref).view(np.uint8), err_msg=name)
+    as_torch = {name[2:]: torch.from_numpy(np.ascontiguousarray(v).view(np.int16)).view(
+        torch.bfloat16) if v.dtype == ml_dtypes.bfloat16 else torch.from_numpy(
+        np.ascontiguousarray(v).view(np.uint8)).view(torch.float8_e4m3fn)
+        if v.dtype == ml_dtypes.float8_e4m3fn else torch.from_numpy(np.ascontiguousarray(v))
+        for name, v in out.items()}
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**group["weights"]))
+    compressor = BaseCompressor.get_value_from_registry(group["format"])
+    ref = compressor.decompress(as_torch, scheme)["weight"]
+    got = ref.view(torch.int16).numpy() if ref.dtype == torch.bfloat16 else ref.numpy()
+    np.testing.assert_array_equal(got.view(np.uint8), np.asarray(want).view(np.uint8))
+
+
 def _bf16_weight(n, k):
     return (RNG.standard_normal((n, k)) * 0.05).astype(ml_dtypes.bfloat16).astype(np.float32)
 
@@ -347,6 +371,7 @@ def test_compressed_tensors_pack_quantized(bits, strategy, group, symmetric):
     tensors, config, want = _ct_compress(w, args, "pack-quantized")
     qw = jq.io.from_compressed_tensors(tensors, "m", config)
     assert qw.mode == "affine" and qw.bits == bits
+    _assert_exports_back(qw, tensors, config, want, same_bytes=strategy == "group")
     # symmetric: bias = -2**(bits-1) * scale is a bfloat16 value; else float32 where needed
     assert qw.scales.dtype in ((ml_dtypes.bfloat16,) if symmetric else (ml_dtypes.bfloat16,
                                                                         np.float32))
@@ -420,6 +445,7 @@ def test_compressed_tensors_mx(fmt, mode, bits):
     qw = jq.io.from_compressed_tensors(tensors, "m", config)
     assert qw.mode == mode
     assert_same_bits(deq(qw, jnp.bfloat16), want)
+    _assert_exports_back(qw, tensors, config, want, same_bytes=True)
 
 
 def test_compressed_tensors_nvfp4():
