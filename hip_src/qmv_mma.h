@@ -26,6 +26,18 @@
 // is one more MMA with an all-ones A. float32 x is split into bf16 hi + lo
 // (two MMAs: ~2^-17 relative error per element instead of float32's 2^-24).
 //
+// Fused variants (FUSE, for jq.rms_norm_qmm and jq.qmm_swiglu; jaxquant/ops/fused.py):
+//   kFuseNorm: the block's rows of x are staged in shared memory (always), then
+//     rms-normalized in place (each block recomputes the rows' sums of squares; x is
+//     tiny at decode) and rounded to x's dtype, as the unfused rms_norm hands them
+//     to the GEMV;
+//   kFuseSwiglu: N = 2I, a block owns gate tile j and up tile j + I/16 (the
+//     two-tiles-per-block mode with the tiles I rows apart) and writes
+//     act(gate, up) for its 16 of the I outputs: each half rounded to x's dtype
+//     (the unfused qmm's output), + bias in float32, then the activation.
+// A tile's float ops are those of the plain GEMV, so the fused outputs match the
+// unfused ops' to the rounding of the norm's statistics and of the activation.
+//
 // gather_qmm: slot s uses expert indices[s] (on the device). With `dedupe`,
 // the slots that pick the same expert are one segment of up to 8*NT rows
 // whose weights are read once: the block of the segment's first slot
@@ -53,6 +65,12 @@ constexpr int kMaxWarps = 8;
 // x staged in shared memory up to this many bytes per block (M = 1 up to K = 16 Ki
 // in bf16); more would cost blocks per SM.
 constexpr int kMaxXSharedBytes = 36 * 1024;
+// The fused norm needs x staged: up to this many bytes (M = 11 at K = 4096 in bf16;
+// two such blocks still fit an H100 SM's shared memory).
+constexpr int kMaxNormXSharedBytes = 96 * 1024;
+
+enum Fuse : int { kFuseNone = 0, kFuseNorm = 1, kFuseSwiglu = 2 };
+enum SwigluActivation : int { kActSilu = 0, kActGptOss = 1 };
 
 struct Problem {
   QmvProblem q;
@@ -63,6 +81,14 @@ struct Problem {
   int x_stride;      // > 0: the block stages its rows of x in shared memory, this many
                      // bytes apart (K * x bytes + 16, against bank conflicts); 0: from L1/L2
   int x_rows;        // rows of x staged (x_stride > 0)
+  // the fused variants (FUSE != kFuseNone): norm weight [K] (kFuseNorm) or bias [N]
+  // (kFuseSwiglu), nullptr for none; the norm's eps and weight offset; the SwiGLU's
+  // activation (SwigluActivation), clamp limit (gpt_oss; inf: none) and alpha
+  const void* aux = nullptr;
+  int32_t aux_dt = kOther;
+  float eps = 0.0f, offset = 0.0f;
+  int activation = kActSilu;
+  float limit = 0.0f, alpha = 0.0f;
 };
 
 __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -494,7 +520,7 @@ __device__ __forceinline__ void unit_to_shared(uint32_t dst, const uint32_t* src
 // scales: copied by a few lanes, read by all after a __syncwarp.
 template <int BITS>
 struct Stages {
-  // more stages measured slower at 4 bits (hip_src/tune_mma_driver.hip: 6 and 8 lose
+  // more stages measured slower at 4 bits (tools/cuda/tune_mma_driver.hip: 6 and 8 lose
   // 0.5-3 us on an H100); fewer above 4 bits keep the blocks per SM
   static constexpr int value = BITS > 4 ? 3 : 4;
 };
@@ -543,7 +569,8 @@ struct SharedLayout {
 static_assert(Stages<2>::value * 32 * 2 * 4 >= kTileRows * 16 * 4,
               "a warp's weight stages hold its partial sums");
 
-// The warp's share of the block's tiles tile0 .. tile0 + ntile - 1 (ntile <= TB):
+// The warp's share of the block's tiles tile0 + j * tstep, j < ntile <= TB (tstep 1:
+// consecutive tiles; the SwiGLU's gate and up tiles are I / 16 apart):
 // acc[j][nt][i] (C fragment layout) over its chunks warp, warp + W, ... TAIL: the
 // partial last tile (TB = 1), read from its canonical rows.
 // stage_x() (block-wide: it ends in __syncthreads) fills x_smem; with EARLY the
@@ -553,7 +580,8 @@ static_assert(Stages<2>::value * 32 * 2 * 4 >= kTileRows * 16 * 4,
 template <class C, int XDT, int NT, int P, bool TAIL, int SDT, int S, bool EARLY, int TB,
           class StageX>
 __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, int64_t tile0,
-                                                 int ntile, int mcount, const int64_t* xrow_s,
+                                                 int64_t tstep, int ntile, int mcount,
+                                                 const int64_t* xrow_s,
                                                  uint32_t* stage_smem, uint8_t* scale_smem,
                                                  const char* x_smem, StageX&& stage_x,
                                                  float (&acc)[TB][NT][4]) {
@@ -569,7 +597,7 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
   TileCursor cur[TB];
 #pragma unroll
   for (int j = 0; j < TB; ++j)
-    cur[j] = tile_cursor<TAIL>(p, e, j < ntile ? tile0 + j : tile0, BITS, ssz, lane);
+    cur[j] = tile_cursor<TAIL>(p, e, j < ntile ? tile0 + j * tstep : tile0, BITS, ssz, lane);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int m = g + 8 * nt < mcount ? g + 8 * nt : 0;
@@ -607,14 +635,14 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
     const char* b_tile[TB];
 #pragma unroll
     for (int j = 0; j < TB; ++j) {
-      const int64_t row0 = e * p.N + (j < ntile ? tile0 + j : tile0) * kTileRows;
+      const int64_t row0 = e * p.N + (j < ntile ? tile0 + j * tstep : tile0) * kTileRows;
       s_tile[j] = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
       b_tile[j] = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz
                            : s_tile[j];
     }
     // scales through the pipeline when 4-byte copies can reach them (expert bases
     // of odd N x groups x bytes are not); else loaded one chunk ahead. The tiles
-    // of a block are 16 rows apart: they share tile0's alignment.
+    // of a block are a multiple of 16 rows apart: they share tile0's alignment.
     const uintptr_t align =
         reinterpret_cast<uintptr_t>(s_tile[0]) | reinterpret_cast<uintptr_t>(b_tile[0]);
     const bool async_scales = (align & 3) == 0;
@@ -681,17 +709,101 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
   }
 }
 
+// Element k of a staged row of x, as float / written back in x's dtype (rounded).
+template <int XDT>
+__device__ __forceinline__ float staged_x(const uint8_t* row, int64_t k) {
+  if constexpr (XDT == kF32) return reinterpret_cast<const float*>(row)[k];
+  else return raw_to_float(reinterpret_cast<const uint16_t*>(row)[k], XDT);
+}
+
+// kFuseNorm: the block's `rows` staged rows of x, rms-normalized in place:
+// r = rsqrt(sum(x^2) / K + eps) per row, then (x * r) * (w + offset) in float32 (x * r
+// without a weight), rounded to x's dtype: the reference's float32 steps in its order.
+// Every thread takes K / blockDim elements of each row (M = 1 at K = 4096: 32 per
+// thread, a few hundred cycles while the first weight copies are in flight).
+// `norm_s`: shared, kMaxWarps x 16 partial sums, then one scale per row.
+template <int XDT>
+__device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& pr, int rows,
+                                                   float* norm_s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int64_t K = pr.q.K;
+  float* row_scale = norm_s + kMaxWarps * 16;
+  for (int m = 0; m < rows; ++m) {
+    const uint8_t* row = xs + (int64_t)m * pr.x_stride;
+    float ss = 0.0f;
+    for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
+      const float v = staged_x<XDT>(row, k);
+      ss = fmaf(v, v, ss);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) norm_s[warp * 16 + m] = ss;
+  }
+  __syncthreads();
+  if ((int)threadIdx.x < rows) {
+    float ss = 0.0f;
+    for (int w = 0; w < warps; ++w) ss += norm_s[w * 16 + threadIdx.x];
+    row_scale[threadIdx.x] = rsqrtf(ss / (float)K + pr.eps);
+  }
+  __syncthreads();
+  for (int m = 0; m < rows; ++m) {
+    uint8_t* row = xs + (int64_t)m * pr.x_stride;
+    for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
+      float v = staged_x<XDT>(row, k) * row_scale[m];
+      if (pr.aux != nullptr)
+        v *= raw_to_float(load_raw(pr.aux, k, pr.aux_dt), pr.aux_dt) + pr.offset;
+      store_out(row, k, XDT, v);
+    }
+  }
+}
+
+// v rounded to x's dtype (the unfused qmm's output), back as float.
+__device__ __forceinline__ float round_to_dtype(float v, int32_t dt) {
+  if (dt == kBF16) return bits_to_f32((uint32_t)f32_to_bf16(v) << 16);
+  if (dt == kF16) return jq_h2f(jq_f2h(v));
+  return v;
+}
+
+__device__ __forceinline__ float sigmoid_f32(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// kFuseSwiglu: output n of act(gate, up) from the two halves' float32 sums, in the
+// reference's steps: each half rounded to x's dtype, + bias (float32), then
+// silu(gate) * up, or gpt-oss's gate = min(gate, limit), up = clip(up, -limit,
+// limit), (up + 1) * gate * sigmoid(gate * alpha). The comparisons keep NaN as
+// jnp.minimum / jnp.clip do.
+__device__ __forceinline__ float swiglu_out(const Problem& pr, float gate, float up, int64_t n,
+                                            int64_t half) {
+  gate = round_to_dtype(gate, pr.q.x_dt);
+  up = round_to_dtype(up, pr.q.x_dt);
+  if (pr.aux != nullptr) {
+    gate += raw_to_float(load_raw(pr.aux, n, pr.aux_dt), pr.aux_dt);
+    up += raw_to_float(load_raw(pr.aux, n + half, pr.aux_dt), pr.aux_dt);
+  }
+  if (pr.activation == kActGptOss) {
+    gate = gate > pr.limit ? pr.limit : gate;
+    up = up > pr.limit ? pr.limit : (up < -pr.limit ? -pr.limit : up);
+    return (up + 1.0f) * gate * sigmoid_f32(gate * pr.alpha);
+  }
+  return gate * sigmoid_f32(gate) * up;
+}
+
 // TB: full tiles per block (1, or 2 for M > 8: see tiles_per_block). Blocks
 // 0 .. ceil(full_tiles / TB) - 1 take TB consecutive full tiles each (the last
-// maybe fewer), the block after them the partial last tile, if any.
+// maybe fewer), the block after them the partial last tile, if any. FUSE
+// (kFuseNone compiles to the plain GEMV): kFuseNorm (x always staged) or kFuseSwiglu
+// (TB = 2, N = 2I with I % 16 == 0: block b owns tiles b and b + I / 16).
 template <class C, int XDT, int NT, int P, int SDT, int S = Stages<C::kBits>::value,
-          bool EARLY = true, int PF = S - 1, int TB = 1>
+          bool EARLY = true, int PF = S - 1, int TB = 1, int FUSE = kFuseNone>
 __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   constexpr int CAP = 8 * NT;  // rows of x per segment
+  constexpr bool SWIGLU = FUSE == kFuseSwiglu;
+  static_assert(!SWIGLU || TB == 2, "the SwiGLU's block owns a gate and an up tile");
   const QmvProblem& p = pr.q;
 
   __shared__ int64_t xrow_s[16], yrow_s[16];
   __shared__ int mcount_s;
+  // kFuseNorm: the rows' partial sums of squares per warp, then their scales
+  __shared__ float norm_s[FUSE == kFuseNorm ? (kMaxWarps + 1) * 16 : 1];
   // Dynamic shared memory, sized by the launch for the block's warps (SharedLayout):
   // x rows | weight stages | scale stages; the warps' partial sums reuse the stages.
   extern __shared__ __align__(16) uint8_t smem_dyn[];
@@ -704,10 +816,12 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t full_blocks = (pr.full_tiles + TB - 1) / TB;
-  const bool tail = (int64_t)blockIdx.x >= full_blocks;  // the partial last tile
-  const int64_t tile0 = tail ? pr.full_tiles : (int64_t)blockIdx.x * TB;
-  const int ntile = tail ? 1 : (int)min((int64_t)TB, pr.full_tiles - tile0);
+  // the block's tiles: tile0 + j * tstep, j < ntile
+  const int64_t tstep = SWIGLU ? pr.full_tiles / 2 : 1;
+  const int64_t full_blocks = SWIGLU ? tstep : (pr.full_tiles + TB - 1) / TB;
+  const bool tail = !SWIGLU && (int64_t)blockIdx.x >= full_blocks;  // the partial last tile
+  const int64_t tile0 = tail ? pr.full_tiles : (int64_t)blockIdx.x * (SWIGLU ? 1 : TB);
+  const int ntile = tail ? 1 : SWIGLU ? 2 : (int)min((int64_t)TB, pr.full_tiles - tile0);
   const int64_t s = blockIdx.y;
   // Launched as a programmatic dependent (launch_s: sm_90), the block may start
   // while the kernel before it still runs. Every input may be that kernel's output,
@@ -721,7 +835,7 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
       const int mine = (int)((pr.chunks - warp + warps - 1) / warps);
       for (int j = 0; j < ntile; ++j) {
         const uint32_t* unit =
-            p.data + (s * p.N + (tile0 + j) * kTileRows) * p.words + lane * C::kBits;
+            p.data + (s * p.N + (tile0 + j * tstep) * kTileRows) * p.words + lane * C::kBits;
         for (int i = 0; i < PF && i < mine; ++i)
           prefetch_l2(unit + (int64_t)(warp + i * warps) * (32 * C::kBits));
       }
@@ -795,16 +909,21 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
                                    static_cast<const char*>(p.x) + xrow_s[m] * p.K * esz) + v);
       *reinterpret_cast<uint4*>(smem_dyn + (int64_t)m * pr.x_stride + 16 * v) = val;
     }
+    if constexpr (FUSE == kFuseNorm) {
+      __syncthreads();
+      normalize_staged_x<XDT>(smem_dyn, pr, mcount, norm_s);
+    }
     __syncthreads();
   };
   if (valid) {
     if (!tail) {
-      accumulate_tiles<C, XDT, NT, P, false, SDT, S, EARLY, TB>(
-          pr, e, tile0, ntile, mcount, xrow_s, stage_smem, scale_smem, x_smem, stage_x, acc);
-    } else {
+      accumulate_tiles<C, XDT, NT, P, false, SDT, S, EARLY, TB>(pr, e, tile0, tstep, ntile,
+                                                                mcount, xrow_s, stage_smem,
+                                                                scale_smem, x_smem, stage_x, acc);
+    } else if constexpr (!SWIGLU) {
       float (&acc1)[1][NT][4] = *reinterpret_cast<float(*)[1][NT][4]>(&acc[0]);
       accumulate_tiles<C, XDT, NT, P, true, SDT, S, EARLY, 1>(
-          pr, e, tile0, 1, mcount, xrow_s, stage_smem, scale_smem, x_smem, stage_x, acc1);
+          pr, e, tile0, 1, 1, mcount, xrow_s, stage_smem, scale_smem, x_smem, stage_x, acc1);
     }
   }
 
@@ -821,13 +940,30 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
       for (int i = 0; i < 4; ++i)
         red[j * warps + warp][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = acc[j][nt][i];
   __syncthreads();
-  for (int idx = threadIdx.x; idx < ntile * kTileRows * mcount; idx += blockDim.x) {
-    const int r = idx % kTileRows, m = (idx / kTileRows) % mcount, j = idx / (kTileRows * mcount);
-    const int64_t n = (tile0 + j) * kTileRows + r;
-    if (n >= p.N) continue;
-    float v = 0.0f;
-    for (int wi = 0; wi < warps; ++wi) v += red[j * warps + wi][r][m];
-    store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
+  if constexpr (SWIGLU) {
+    // gate row n (tile0) and up row n + I (tile0 + I / 16), summed over the warps in
+    // the plain GEMV's order; output n of I
+    const int64_t half = p.N / 2;
+    for (int idx = threadIdx.x; idx < kTileRows * mcount; idx += blockDim.x) {
+      const int r = idx % kTileRows, m = idx / kTileRows;
+      const int64_t n = tile0 * kTileRows + r;
+      float gate = 0.0f, up = 0.0f;
+      for (int wi = 0; wi < warps; ++wi) {
+        gate += red[wi][r][m];
+        up += red[warps + wi][r][m];
+      }
+      store_out(p.y, yrow_s[m] * half + n, p.x_dt, swiglu_out(pr, gate, up, n, half));
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < ntile * kTileRows * mcount; idx += blockDim.x) {
+      const int r = idx % kTileRows, m = (idx / kTileRows) % mcount,
+                j = idx / (kTileRows * mcount);
+      const int64_t n = (tile0 + j) * kTileRows + r;
+      if (n >= p.N) continue;
+      float v = 0.0f;
+      for (int wi = 0; wi < warps; ++wi) v += red[j * warps + wi][r][m];
+      store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
+    }
   }
 }
 
@@ -855,7 +991,7 @@ inline int sm_count() {
 
 // Launch the GEMV as a programmatic dependent (sm_90+): its blocks start while the
 // kernel before it in the stream drains, and wait in grid_dependency_wait() before
-// reading anything. Measured on an H100 (hip_src/tune_mma_driver.hip, back to back):
+// reading anything. Measured on an H100 (tools/cuda/tune_mma_driver.hip, back to back):
 // 1.6 us less per call at every size, 33 MB 18.4 -> 16.8 us. $JAXQUANT_PDL=0 turns it off.
 inline bool programmatic_launch() {
   static const bool on = [] {
@@ -897,19 +1033,27 @@ inline int tiles_per_block(int nt, int64_t full_tiles, int64_t slots) {
   return (full_tiles / 2) * slots >= 2 * (int64_t)sm_count() ? 2 : 1;
 }
 
-template <class C, int XDT, int NT, int P, int SDT, int TB>
+// The most bytes of x a block of the FUSE variant stages.
+template <int FUSE>
+constexpr int max_x_shared_bytes() {
+  return FUSE == kFuseNorm ? kMaxNormXSharedBytes : kMaxXSharedBytes;
+}
+
+template <class C, int XDT, int NT, int P, int SDT, int TB, int FUSE = kFuseNone>
 static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
   constexpr int S = Stages<C::kBits>::value;
-  auto kernel = qmv_mma_kernel<C, XDT, NT, P, SDT, S, true, S - 1, TB>;
+  auto kernel = qmv_mma_kernel<C, XDT, NT, P, SDT, S, true, S - 1, TB, FUSE>;
   const SharedLayout lay = SharedLayout::of<C, P, S, TB>(prx.x_rows, prx.x_stride, warps);
   static const bool attr_set = [kernel] {
-    constexpr int kMost =
-        kMaxXSharedBytes + kMaxWarps * S * TB * (32 * C::kBits * 4 + 2 * ScaleStage<P>::bytes);
+    constexpr int kMost = max_x_shared_bytes<FUSE>() +
+                          kMaxWarps * S * TB * (32 * C::kBits * 4 + 2 * ScaleStage<P>::bytes);
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMost) ==
            cudaSuccess;
   }();
   if (!attr_set) return hipErrorInvalidValue;
-  const int64_t blocks = (prx.full_tiles + TB - 1) / TB + (prx.tiles - prx.full_tiles);
+  const int64_t blocks = FUSE == kFuseSwiglu
+                             ? prx.full_tiles / 2
+                             : (prx.full_tiles + TB - 1) / TB + (prx.tiles - prx.full_tiles);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)blocks, (unsigned)prx.q.S, 1);
   cfg.blockDim = dim3((unsigned)(32 * warps));
@@ -923,33 +1067,45 @@ static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, prx);
 }
 
-template <class C, int XDT, int NT, int P, int SDT>
+// FUSE: kFuseNorm stages x always (the handler checked that it fits
+// kMaxNormXSharedBytes) and keeps one tile per block (x then comes from shared
+// memory, not L1/L2: nothing for a second tile to share); kFuseSwiglu takes two.
+template <class C, int XDT, int NT, int P, int SDT, int FUSE = kFuseNone>
 static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   const int warps = warps_for(pr.chunks);
   const int esz = XDT == kF32 ? 4 : 2;
   Problem prx = pr;
   prx.x_rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
   prx.x_stride = (int)(pr.q.K * esz + 16);
-  if ((int64_t)prx.x_rows * prx.x_stride > kMaxXSharedBytes)  // x from L1/L2 instead:
-    prx.x_stride = 0;  // staged, it would cost blocks per SM
-  // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6
-  // bits, with 16-bit x and 8/16-bit scales (ptxas -v, sm_90); 8-bit weights
-  // weigh twice as much against x anyway
-  if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32) {
-    if (tiles_per_block(NT, pr.full_tiles, pr.q.S) == 2)
-      return launch_tb<C, XDT, NT, P, SDT, 2>(prx, warps, stream);
+  if ((int64_t)prx.x_rows * prx.x_stride > max_x_shared_bytes<FUSE>())  // x from L1/L2
+    prx.x_stride = 0;  // instead: staged, it would cost blocks per SM
+  if constexpr (FUSE == kFuseNorm) {
+    if (prx.x_stride == 0) return hipErrorInvalidValue;
+    return launch_tb<C, XDT, NT, P, SDT, 1, FUSE>(prx, warps, stream);
+  } else if constexpr (FUSE == kFuseSwiglu) {
+    return launch_tb<C, XDT, NT, P, SDT, 2, FUSE>(prx, warps, stream);
+  } else {
+    // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6
+    // bits, with 16-bit x and 8/16-bit scales (ptxas -v, sm_90); 8-bit weights
+    // weigh twice as much against x anyway
+    if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32) {
+      if (tiles_per_block(NT, pr.full_tiles, pr.q.S) == 2)
+        return launch_tb<C, XDT, NT, P, SDT, 2>(prx, warps, stream);
+    }
+    return launch_tb<C, XDT, NT, P, SDT, 1>(prx, warps, stream);
   }
-  return launch_tb<C, XDT, NT, P, SDT, 1>(prx, warps, stream);
 }
 
 // The decode GEMV's launch policy for the format switches below (the prefill
-// GEMM has its own: qmm_gemm.h).
-struct GemvLaunch {
+// GEMM has its own: qmm_gemm.h); FUSE picks a fused variant.
+template <int FUSE>
+struct FusedGemvLaunch {
   template <class C, int XDT, int NT, int P, int SDT>
   static hipError_t run(const Problem& pr, hipStream_t stream) {
-    return launch_s<C, XDT, NT, P, SDT>(pr, stream);
+    return launch_s<C, XDT, NT, P, SDT, FUSE>(pr, stream);
   }
 };
+using GemvLaunch = FusedGemvLaunch<kFuseNone>;
 
 // The launch of the kernels on this layout, shared by them: launch_formats picks the
 // codec C (jq::dispatch_format), then L::run<C, XDT, NT, P, SDT>(pr, stream) with x's
@@ -1002,17 +1158,52 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
   return err;
 }
 
-#define JQ_MMA_DECLARE(DT)                                                              \
-  hipError_t launch_qmv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream); \
-  hipError_t launch_qmv_mma_float_##DT(const Problem& pr, int nt, hipStream_t stream);  \
-  inline hipError_t launch_qmv_mma_##DT(const Problem& pr, int nt, hipStream_t stream) { \
-    return pr.q.fmt == kAffine ? launch_qmv_mma_affine_##DT(pr, nt, stream)              \
-                               : launch_qmv_mma_float_##DT(pr, nt, stream);             \
+// One kernel a translation unit where CMake builds the library: CMakeLists.txt compiles
+// each qmv_mma_<family>_<dtype>.hip once per launcher it defines (JQ_MMA_PART =
+// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT; qmm_wgmma.hip: JQ_MMA_BF16 or JQ_MMA_F16),
+// so the longest compile, which bounds a parallel build, is one kernel's, not three.
+// Without JQ_MMA_PART a file defines all of them (the compile checks, a hand build).
+#define JQ_MMA_GEMV 1
+#define JQ_MMA_GEMM 2
+#define JQ_MMA_DEQUANT 3
+#define JQ_MMA_BF16 4
+#define JQ_MMA_F16 5
+#if defined(JQ_MMA_PART)
+#define JQ_MMA_BUILDS(part) (JQ_MMA_PART == (part))
+#else
+#define JQ_MMA_BUILDS(part) 1
+#endif
+
+#define JQ_MMA_DECLARE(DT)                                                                   \
+  hipError_t launch_qmv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream);      \
+  hipError_t launch_qmv_mma_float_##DT(const Problem& pr, int nt, hipStream_t stream);       \
+  inline hipError_t launch_qmv_mma_##DT(const Problem& pr, int nt, hipStream_t stream) {      \
+    return pr.q.fmt == kAffine ? launch_qmv_mma_affine_##DT(pr, nt, stream)                   \
+                               : launch_qmv_mma_float_##DT(pr, nt, stream);                  \
+  }                                                                                           \
+  hipError_t launch_qmv_mma_fused_affine_##DT(const Problem& pr, int nt, int fuse,           \
+                                              hipStream_t stream);                            \
+  hipError_t launch_qmv_mma_fused_float_##DT(const Problem& pr, int nt, int fuse,            \
+                                             hipStream_t stream);                             \
+  inline hipError_t launch_qmv_mma_fused_##DT(const Problem& pr, int nt, int fuse,            \
+                                              hipStream_t stream) {                           \
+    return pr.q.fmt == kAffine ? launch_qmv_mma_fused_affine_##DT(pr, nt, fuse, stream)       \
+                               : launch_qmv_mma_fused_float_##DT(pr, nt, fuse, stream);      \
   }
 JQ_MMA_DECLARE(bf16)
 JQ_MMA_DECLARE(f16)
 JQ_MMA_DECLARE(f32)
 #undef JQ_MMA_DECLARE
+
+// The body of a fused translation unit (qmv_mma_fused_<family>_<dtype>.hip): the
+// norm and SwiGLU variants of one family and x dtype.
+#define JQ_MMA_FUSED_TU(FAMILY, DT, XDT, FORMATS)                                            \
+  hipError_t launch_qmv_mma_fused_##FAMILY##_##DT(const Problem& pr, int nt, int fuse,      \
+                                                  hipStream_t stream) {                      \
+    return fuse == kFuseNorm                                                                 \
+               ? launch_formats<FusedGemvLaunch<kFuseNorm>, XDT, FORMATS>(pr, nt, stream)    \
+               : launch_formats<FusedGemvLaunch<kFuseSwiglu>, XDT, FORMATS>(pr, nt, stream); \
+  }
 
 
 }  // namespace mma

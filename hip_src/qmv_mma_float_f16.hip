@@ -8,17 +8,23 @@ namespace jq {
 namespace gpu {
 namespace mma {
 
+#if JQ_MMA_BUILDS(JQ_MMA_GEMV)
 hipError_t launch_qmv_mma_float_f16(const Problem& pr, int nt, hipStream_t stream) {
   return launch_formats<GemvLaunch, kF16, kFloatFormats>(pr, nt, stream);
 }
+#endif
 
+#if JQ_MMA_BUILDS(JQ_MMA_GEMM)
 hipError_t launch_qmm_gemm_float_f16(const GemmProblem& pr, hipStream_t stream) {
   return launch_formats<GemmLaunch, kF16, kFloatFormats>(pr, 1, stream);
 }
+#endif
 
+#if JQ_MMA_BUILDS(JQ_MMA_DEQUANT)
 hipError_t launch_dequant_mma_float_f16(const GemmProblem& pr, hipStream_t stream) {
   return launch_formats<DequantMmaLaunch, kF16, kFloatFormats>(pr, 1, stream);
 }
+#endif
 
 }  // namespace mma
 }  // namespace gpu

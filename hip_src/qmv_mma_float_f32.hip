@@ -8,9 +8,11 @@ namespace jq {
 namespace gpu {
 namespace mma {
 
+#if JQ_MMA_BUILDS(JQ_MMA_GEMV)
 hipError_t launch_qmv_mma_float_f32(const Problem& pr, int nt, hipStream_t stream) {
   return launch_formats<GemvLaunch, kF32, kFloatFormats>(pr, nt, stream);
 }
+#endif
 
 }  // namespace mma
 }  // namespace gpu

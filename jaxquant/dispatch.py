@@ -11,7 +11,8 @@ Registering a kernel (the one style every backend uses):
                       priority=0, auto=None)
 
   primitive  the op's name: "qmm", "gather_qmm", "ragged_qmm", "dequantize",
-             "rms_norm", "add_rms_norm", "gated_rms_norm";
+             "rms_norm", "add_rms_norm", "gated_rms_norm", "rms_norm_qmm",
+             "qmm_swiglu", "decode_attention";
   backend    a name in BACKENDS;
   platforms  the lowering platforms it serves, e.g. ("cuda", "rocm") or ("cpu",);
   impl(*args, platform, **params)
@@ -40,7 +41,8 @@ Selection, at lowering time, for a primitive bound with `backend=b`:
 - b names a backend: its kernel for this platform if `applies` accepts the
   case, else the reference (a backend serves what it supports: float64,
   for one, always runs on the reference); a backend with no kernel for this
-  primitive on this platform is an error.
+  primitive on this platform is an error, except for a fused op, whose
+  fallback is the unfused ops on that backend (`select(..., required=False)`).
 """
 
 from __future__ import annotations
@@ -198,14 +200,16 @@ def resolve_backend(explicit: str | None) -> str | None:
     return name
 
 
-def select(primitive: str, backend: str | None, platform: str, args, params):
+def select(primitive: str, backend: str | None, platform: str, args, params, *,
+           required: bool = True):
     """The kernel to lower with, as impl(*args, **params) with `platform` bound (and
-    its backend's name as `.backend`), or None for the reference."""
+    its backend's name as `.backend`), or None for the reference. `required`: a
+    backend with no kernel for the primitive here is an error."""
     if backend == "reference":
         return None
     candidates = [k for k in _KERNELS.get(primitive, ()) if platform in k.platforms
                   and (backend is None or k.backend == backend)]
-    if backend is not None and not candidates:
+    if backend is not None and not candidates and required:
         raise RuntimeError(f"backend={backend!r} has no kernel for {primitive} on platform "
                            f"{platform!r}")
     for k in sorted(candidates, key=lambda k: -k.priority):

@@ -45,8 +45,12 @@ by a test against real MLX:
 - affine: MLX's CPU path computes ``T(T(scale * q) + bias)`` in the scales'
   dtype ``T`` (two roundings: the product is stored before the sum); jaxquant
   computes ``scale * q + bias`` in float32 rounded once (a fused multiply-add)
-  and casts to the output dtype. They differ by at most half an ulp of the
-  product (in float32, at about half the elements). At a group's zero point MLX
+  and casts to the output dtype. Measured against MLX 0.32.4 (random matrices,
+  bits 2-8, groups 32-128, float32/float16/bfloat16): they differ by at most 1 ulp
+  of max(|scale * q|, |output|) in ``T``, at about half the elements (47%; up to
+  67% of a matrix). Where the bias dominates that is up to 64 ulps of the product
+  alone, and where product and bias nearly cancel, many ulps of the small output
+  (up to 127 in bfloat16, 512 in float16). At a group's zero point MLX
   gives exactly 0.0 where jaxquant gives the exact value of the stored scale
   and bias, a residual such as 6e-8. Kept on purpose: one rounding is the more
   accurate value, it is what MLX's own Metal kernel writes (``q * scale + bias``,
@@ -63,8 +67,10 @@ by a test against real MLX:
   E8M0 255 (MLX decodes it as +inf, jaxquant as NaN), and MLX's 1-bit affine
   mode (not a jaxquant format).
 - nvfp4 with a global scale and float16/bfloat16 input: the block scales are
-  MLX's, but MLX's half-precision element quotient is not reproduced; about
-  0.1% of elements, next to rounding ties, land on the neighbouring code.
+  MLX's, but MLX's half-precision element quotient is not reproduced: elements
+  next to rounding ties land on the neighbouring code. Measured against MLX 0.32.4
+  on 20 random 256x1024 matrices: bfloat16 0.22% of codes on average, up to
+  0.49% of a matrix; float16 0.03%, up to 0.06%; float32 none.
 
 Errors: where MLX raises ``ValueError`` (every error case of MLX's own
 quantization tests), so does jq.mlx. A wrong dtype (integer ``w`` or scales,

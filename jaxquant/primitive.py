@@ -5,7 +5,9 @@
   becomes its arrays; None arguments vanish), the tree is a static param;
 - abstract evaluation is the reference's `eval_shape`;
 - every platform gets a lowering that asks `dispatch.select` for a backend
-  kernel and otherwise lowers the reference (`mlir.lower_fun`);
+  kernel and otherwise lowers the reference (`mlir.lower_fun`); a fused op
+  (`composition=`) lowers the unfused primitives instead where it has no
+  kernel of its own, unless the reference backend was asked for;
 - batching: an op-specific rule where one keeps the primitive (and so the
   kernels), else `vmap` of the reference;
 - differentiation: op-specific rules (set by the op's module);
@@ -27,9 +29,12 @@ LOWERING_PLATFORMS = ("cpu", "cuda", "rocm")
 
 
 class Op:
-    def __init__(self, name: str, reference, *, multiple_results: bool = False):
+    def __init__(self, name: str, reference, *, multiple_results: bool = False,
+                 composition=None):
         self.name = name
         self.reference = reference
+        # fused ops: composition(*args, backend, **params) binds the unfused primitives
+        self.composition = composition
         self.multiple_results = multiple_results
         self.primitive = p = Primitive(f"jaxquant_{name}")
         p.multiple_results = multiple_results
@@ -76,8 +81,11 @@ class Op:
                 return sharding.lower_partitioned(self, ctx, leaves, tree, backend, params)
             args = jax.tree_util.tree_unflatten(tree, ctx.avals_in)
             impl = dispatch.select(self.name, backend, platform or ctx.module_context.platforms[0],
-                                   args, params)
-            if impl is None:
+                                   args, params, required=self.composition is None)
+            if impl is None and self.composition is not None and backend != "reference":
+                fn = lambda *l: self.composition(*jax.tree_util.tree_unflatten(tree, l),
+                                                 backend=backend, **params)
+            elif impl is None:
                 fn = lambda *l: self.call_reference(l, tree, params)
             else:
                 fn = lambda *l: impl(*jax.tree_util.tree_unflatten(tree, l), **params)

@@ -170,7 +170,45 @@ def _norm_factors(n_rows: int, n_results: int):
     return factors
 
 
+def _rms_norm_qmm_factors(x, norm_weight, qw, *, eps, weight_offset, precision):
+    """Column-parallel like qmm over N; K does not split (the norm reduces over it
+    before the product)."""
+    f = _qmm_factors(x, qw, transpose=True, precision=precision)
+    xdims, qdims = f.operands
+    wdims = None if norm_weight is None else Dims([xdims[-1]])
+    return Factors([xdims, wdims, qdims], f.results, f.sizes,
+                   replicated=f.replicated + ("g",),
+                   priority=(1,) if norm_weight is None else (2,))  # qw's data leaf
+
+
+def _qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
+    """Rows split; N does not (a shard of the rows [0, 2I) is not a gate half and an
+    up half), nor K (the activation follows the sum)."""
+    f = _qmm_factors(x, qw, transpose=True, precision=precision)
+    xdims, qdims = f.operands
+    f.sizes["i"] = qw.shape[0] // 2
+    out = Dims(list(f.results[0][:-1]) + [("i",)])
+    bdims = None if bias is None else Dims([("r",)])
+    return Factors([xdims, qdims, bdims], [out], f.sizes,
+                   replicated=f.replicated + ("g", "r", "i"), priority=(1,))
+
+def _attention_factors(q, k_cache, v_cache, positions, window, sinks, layer, **params):
+    # Batch, query rows and kv heads split (q's heads are (kv head, group)); the
+    # softmax's keys, the head dim and a stack's layers (one is read) do not.
+    b, t, hq, hd = q.shape
+    s, hkv = k_cache.shape[-3], k_cache.shape[-2]
+    sizes = {"b": b, "t": t, "h": hkv, "g": hq // hkv, "s": s, "d": hd}
+    if layer is not None:
+        sizes["l"] = k_cache.shape[0]
+    heads = Dims([("b",), ("t",), ("h", "g"), ("d",)])
+    cache = Dims(([] if layer is None else [("l",)]) + [("b",), ("s",), ("h",), ("d",)])
+    ops = [heads, cache, cache, Dims([("b",), ("t",)]), Dims([]),
+           None if sinks is None else Dims([("h", "g")]), None if layer is None else Dims([])]
+    return Factors(ops, [heads], sizes, replicated=("s", "d", "l"), priority=(1, 2))
+
+
 FACTORS = {
+    "decode_attention": _attention_factors,
     "qmm": _qmm_factors,
     "gather_qmm": _gather_factors,
     "ragged_qmm": _ragged_factors,
@@ -178,6 +216,8 @@ FACTORS = {
     "rms_norm": _norm_factors(1, 1),
     "add_rms_norm": _norm_factors(2, 2),
     "gated_rms_norm": _norm_factors(2, 1),
+    "rms_norm_qmm": _rms_norm_qmm_factors,
+    "qmm_swiglu": _qmm_swiglu_factors,
 }
 
 
@@ -380,11 +420,13 @@ def _expert_local(op, leaves, tree, backend, params, expert_axes):
         return jnp.where(mine[..., None], y, jnp.zeros((), y.dtype))
     # ragged_qmm: this shard's rows are contiguous, from `start`; rotate them to
     # row 0, run the local experts' groups, rotate back (rows past them are zero).
-    group_sizes = third
+    # The sizes as cut at T first (negative ones 0), so no group wraps round to row 0.
+    from jaxquant.ops.common import ragged_group_ends
+    rows = x.shape[0]
+    ends = ragged_group_ends(third, rows)
+    group_sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
     local_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, e_local)
     start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < first, group_sizes, 0))
-    rows = x.shape[0]
-    start = jnp.minimum(start, rows).astype(jnp.int32)
     y = op.bind(jnp.roll(x, -start, axis=0), qw, local_sizes, backend=backend, **params)
     return jnp.roll(y, start, axis=0)
 

@@ -10,6 +10,7 @@
 #   qmm              python -m jaxquant bench qmm at the decode shapes (pallas and ffi)
 #   pallas-qmm-tests tests/test_pallas_gpu.py (every mode x path at realistic shapes)
 #   qmm-full         python -m jaxquant bench qmm at all seven shapes of issue 4
+#   attention        scripts/gpu_check_attention.sh (decode attention: tests, memcheck, bench)
 # Logs under $OUT (default ./gpu_logs), one folder per stage.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,18 +30,11 @@ fi
 echo "== after ffi/build: ${SECONDS}s"
 has norms && OUT=$OUT/norms bash scripts/gpu_check_norms.sh
 has moe && OUT=$OUT/moe bash scripts/gpu_check_moe.sh
+has attention && OUT=$OUT/attention bash scripts/gpu_check_attention.sh
 if has sanitizer-moe; then
-  mkdir -p "$OUT/sanitizer"
-  # One process per test: both in one sanitized process crashed at the second test
-  # (SIGSEGV in the host process, 2026-11-22) while each alone reports 0 errors.
-  for t in tests/test_pallas_moe_gpu.py::test_bad_ids_are_nan_rows \
-           "tests/test_ffi_gpu.py::test_gpu_mode_sweep[mxfp4-4]"; do
-    log="$OUT/sanitizer/memcheck_${t##*::}.txt"; log=${log//[\[\]]/_}
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 200 compute-sanitizer --tool memcheck \
-      --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider "$t" > "$log" 2>&1
-    echo "compute-sanitizer memcheck $t rc=$?"
-    grep -E "passed|failed|ERROR SUMMARY" "$log" | tail -n 3
-  done
+  PY=$PY JQ_SANITIZER_TIMEOUT=200 bash scripts/memcheck_tests.sh "$OUT/sanitizer" \
+    tests/test_pallas_moe_gpu.py::test_bad_ids_are_nan_rows \
+    "tests/test_ffi_gpu.py::test_gpu_mode_sweep[mxfp4-4]"
 fi
 echo "== after norms/moe: ${SECONDS}s"
 if has qmm; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tensor-core decode GEMV (issue 11) on the GPU machine, in one call: build
-# (sm_90 only), GPU tests, compute-sanitizer memcheck of the new kernel (bad ids
+# (sm_90 only), GPU tests (the fused GEMVs included), compute-sanitizer memcheck of the kernels (bad ids
 # included), benchmarks (copy bandwidth, torch peers), a short table last.
 #   bash scripts/gpu_check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
 # JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_SKIP_BENCH=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES;
@@ -27,7 +27,7 @@ fi
 
 if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
   step "GPU tests"
-  timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs ${JQ_TESTS:-tests/test_decode_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+  timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs ${JQ_TESTS:-tests/test_decode_gpu.py tests/test_fused_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   if [ -z "${JQ_TESTS:-}" ]; then
     step "GPU tests, two tiles per block wherever M > 8 (JAXQUANT_MMA_TILES=2)"
     JAXQUANT_MMA_TILES=2 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_gpu.py \
@@ -41,9 +41,9 @@ if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
-  step "compute-sanitizer memcheck on the cuda_mma kernels (hip_src/sanitize_mma_driver.hip, no JAX)"
+  step "compute-sanitizer memcheck on the cuda_mma kernels (tools/cuda/sanitize_mma_driver.hip, no JAX)"
   nvcc -x cu -std=c++17 -O2 --expt-relaxed-constexpr -gencode=arch=compute_90,code=sm_90 \
-    -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
+    -Iinclude -Ihip_src tools/cuda/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
     # defaults (the wgmma GEMM on sm_90, 128 rows of x per block at these sizes), then

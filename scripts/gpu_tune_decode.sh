@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kernel-level timing of the decode GEMV's variants (hip_src/tune_mma_driver.hip, no
+# Kernel-level timing of the decode GEMV's variants (tools/cuda/tune_mma_driver.hip, no
 # JAX, no library build): stages, x staged early or late, warps per block, x from
 # shared memory or L1, programmatic dependent launch, time against K, and the
 # references at the same sizes (empty kernel, read-only kernel, D2D copy).
@@ -12,7 +12,7 @@ DRIVER=${JQ_TUNE_DRIVER:-$OUT/tune_mma_driver}
 if [ ! -x "$DRIVER" ]; then
   step "build the driver (sm_90)"
   nvcc -x cu -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90,code=sm_90 \
-    -Iinclude -Ihip_src hip_src/tune_mma_driver.hip -o "$DRIVER" || exit 1
+    -Iinclude -Ihip_src tools/cuda/tune_mma_driver.hip -o "$DRIVER" || exit 1
 fi
 step "variants at the issue's shapes"
 "$DRIVER" | tee "$OUT/tune_variants.txt"

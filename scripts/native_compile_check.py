@@ -2,7 +2,7 @@
 """Compile checks of hip_src/ for the GPU targets this machine cannot run.
 
   python scripts/native_compile_check.py rocm [--arch gfx942 ...]
-  python scripts/native_compile_check.py cuda [--arch 80 90]
+  python scripts/native_compile_check.py cuda [--arch 80 90] [--ptxas-opt 3]
 
 rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   compiles every hip_src/*.hip once per architecture, device code only
@@ -15,8 +15,12 @@ rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   gfx942), which builds every variant launch_qmv can launch, as the real build
   does; the summary lists the qmv_kernel variants found in each object
   ("qmv_kernels") and those hip_src/qmv_impl.h launches ("qmv_launch_variants").
-cuda: nvcc compiles every hip_src/*.hip for sm_80 and sm_90, qmm_wgmma.hip for
-  sm_90a (what CMake does when it builds libjaxquant_cuda.so).
+cuda: nvcc compiles every CUDA source of hip_src/ for sm_80 and sm_90 and
+  qmm_wgmma.hip for sm_90a (the architectures of JAXQUANT_CUDA_ARCHS=all), with
+  ptxas at -O0 by default: ptxas still assembles every instruction, inline PTX
+  included, for each target, without the register allocation and scheduling
+  work that makes the release build (-O3, --ptxas-opt 3) about 10x slower
+  (docs/building.md has the times).
 
 Jobs run in parallel (one per core). Exit status 0 when everything that was
 attempted compiled. The last line is a JSON summary.
@@ -55,7 +59,8 @@ ALL_QMV_CONFIG_ARCHS = ["gfx942"]
 QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
 # Relative compile cost of a job (longest first: the parallel jobs finish together).
 _COST = {"qmv_float.hip": 4, "qmv_affine.hip": 3, "gpu_ffi.hip": 1, "dequant.hip": 1,
-         "norms.hip": 0}
+         "norms.hip": 0, "qmm_wgmma.hip": 10}
+_COST_MMA = 10  # each qmv_mma_<family>_<dtype>.hip (CUDA only)
 
 
 def ffi_include() -> str:
@@ -110,7 +115,8 @@ def _job_cost(job):
     name, cmd = job
     arch, f = name.split(":", 1)
     every = f in QMV_FILES and "-DJQ_QMV_DEFAULT_CONFIGS_ONLY" not in cmd
-    return _COST.get(f, 1) * (2 if every else 1) + (2 if arch == "host" else 0)
+    cost = _COST.get(f, _COST_MMA if f.startswith("qmv_mma_") else 1)
+    return cost * (2 if every else 1) + (2 if arch == "host" else 0)
 
 
 def qmv_launch_variants() -> list[str]:
@@ -133,9 +139,9 @@ def qmv_kernels_in(obj: pathlib.Path) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def cuda_jobs(nvcc, archs, out_dir):
-    base = [nvcc, "-x", "cu", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
-            "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
+def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0):
+    base = [nvcc, "-x", "cu", "-std=c++17", "-O3", f"-Xptxas=-O{ptxas_opt}",
+            "--expt-relaxed-constexpr", "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     job = lambda f, arch_flags: (f"cuda:{f}", base + arch_flags + [
         "-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
@@ -168,6 +174,9 @@ def main(argv=None):
     ap.add_argument("target", choices=["rocm", "cuda"])
     ap.add_argument("--arch", nargs="*", default=None)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--ptxas-opt", type=int, choices=range(4), default=0,
+                    help="cuda: ptxas's optimization level (default %(default)s; the "
+                         "library builds at 3)")
     ap.add_argument("--all-qmv-configs", nargs="*", default=ALL_QMV_CONFIG_ARCHS,
                     help="ROCm archs whose GEMV files build every kernel variant "
                          "(default: %(default)s)")
@@ -200,7 +209,8 @@ def main(argv=None):
                 summary["skipped"]["all"] = "nvcc is not on PATH"
                 print(json.dumps(summary))
                 return 0
-            jobs = cuda_jobs(nvcc, args.arch or CUDA_ARCHS, out_dir)
+            jobs = cuda_jobs(nvcc, args.arch or CUDA_ARCHS, out_dir, args.ptxas_opt)
+            jobs.sort(key=_job_cost, reverse=True)
         t0 = time.time()
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
             futs = {ex.submit(_run, cmd): name for name, cmd in jobs}

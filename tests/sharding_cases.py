@@ -128,6 +128,10 @@ def main():
                             (put(xr, P()), put_q(qe, P("tp")), put(sizes, P())))
     out["ragged_ep_col"] = case(jq.ragged_qmm, (xr, qe, sizes),
                                 (put(xr, P()), put_q(qe, P("tp", "data")), put(sizes, P())))
+    # traced sizes with a negative one and a sum past T (30 of 20): 0, cut at T, no wrap
+    bad = jnp.array([5, -1, 4, 2, 6, 0, 6, 7], jnp.int32)
+    out["ragged_ep_bad_sizes"] = case(jq.ragged_qmm, (xr, qe, bad),
+                                      (put(xr, P()), put_q(qe, P("tp")), put(bad, P())))
 
     # norms on rows
     h = rand(9, (16, 256))
@@ -139,6 +143,35 @@ def main():
     out["gated_rms_norm_rows"] = case(jq.gated_rms_norm, (h, r, wn),
                                       (put(h, P("data")), put(r, P("data")), put(wn, P())))
     out["dequantize_col"] = case(jq.dequantize, (qw,), (put_q(qw, P("tp", None)),))
+
+    # fused decode ops: rms_norm_qmm column-parallel; qmm_swiglu on rows (its N, gate
+    # rows then up rows, does not split: a tp-sharded qw is gathered, with a warning)
+    wk = rand(14, (k,))
+    out["rms_norm_qmm_col"] = case(lambda x, w, q: jq.rms_norm_qmm(x, w, q), (x, wk, qw),
+                                   (put(x, P("data")), put(wk, P()), put_q(qw, P("tp", None))))
+    glu = lambda x, q: jq.qmm_swiglu(x, q, activation="gpt_oss", limit=7.0)
+    out["qmm_swiglu_rows"] = case(glu, (x, qw), (put(x, P(("data", "tp"))), put_q(qw, P())))
+    out["qmm_swiglu_col_gathered"] = case(glu, (x, qw), (put(x, P("data")),
+                                                         put_q(qw, P("tp", None))))
+    # decode attention: batch on data, kv heads (and their query heads, sinks) on tp
+    qa, ka, va = rand(14, (4, 2, 16, 32)), rand(15, (4, 24, 8, 32)), rand(16, (4, 24, 8, 32))
+    pa = jnp.broadcast_to(jnp.arange(18, 20, dtype=jnp.int32), (4, 2))
+    sa, wa = rand(17, (16,)), jnp.int32(5)
+    att = lambda q, k, v, p, w, s: jq.decode_attention(q, k, v, p, window=w, sinks=s)
+    heads = P("data", None, "tp")
+    out["decode_attention_heads"] = case(
+        att, (qa, ka, va, pa, wa, sa),
+        (put(qa, heads), put(ka, heads), put(va, heads), put(pa, P("data")), put(wa, P()),
+         put(sa, P("tp"))))
+    # the same over a stack of 3 layers' caches and a layer index
+    kl, vl = jnp.stack([ka, -ka, ka * 2]), jnp.stack([va, va * 2, -va])
+    att_l = lambda q, k, v, p, w, s: jq.decode_attention(q, k, v, p, window=w, sinks=s,
+                                                         layer=jnp.int32(1))
+    stacked = P(None, "data", None, "tp")
+    out["decode_attention_stacked"] = case(
+        att_l, (qa, kl, vl, pa, wa, sa),
+        (put(qa, heads), put(kl, stacked), put(vl, stacked), put(pa, P("data")), put(wa, P()),
+         put(sa, P("tp"))))
 
     # inside shard_map the ops run per shard on the local blocks
     shard_map = getattr(jax, "shard_map", None)
@@ -155,11 +188,12 @@ def main():
 
 
 def model_cases():
-    """The decoder (jaxquant.models) on a 2 x 4 (tp x ep) mesh against one device."""
+    """The decoder (jaxquant.models) on a 2 x 4 (tp x ep) mesh against one device
+    (fused matrices split into their parts for tp), and on 1 x 4 (fused kept)."""
     from jaxquant import models
     from jaxquant.models import parallel
+    from jaxquant.models.decoder import resolve_experts_by_layer
 
-    mesh = parallel.make_mesh(2, 4)
     out = {}
     # gpt-oss-style: attention tensor-parallel, experts expert- and tensor-parallel
     cfg = models.Config(family="gpt_oss", vocab_size=256, hidden_size=128, num_layers=2,
@@ -169,21 +203,26 @@ def model_cases():
     params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "mxfp4")
     prompt = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
     run = jax.jit(lambda p, t: models.prefill(cfg, p, t, 24))
-    sharded = parallel.shard_params(cfg, params, mesh)
-    (want, cache_w, tok), (got, cache_g, _) = run(params, prompt), run(sharded, prompt)
-    text = run.lower(sharded, prompt).compile().as_text()
-    # packed weights are uint32, MX scales uint8: no all-gather may produce either
-    gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
-    case = {"err": err(got, want), "scale": float(jnp.max(jnp.abs(want))),
-            "weight_gathers": [g for g in gathers if g.startswith(("u32", "u8", "(u32", "(u8"))],
-            "all_gathers": len(gathers),
-            "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text))}
-    # decode (gather_qmm for the experts) sharded as well
-    dec = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 20, 2)[:2])
-    (tw, lw), (tg, lg) = dec(params, cache_w, tok), dec(sharded, cache_g, tok)
-    case["decode_err"] = err(lg, lw)
-    case["decode_same_tokens"] = bool(jnp.all(tw == tg))
-    out["model_gpt_oss"] = case
+    (want, cache_w, tok) = run(params, prompt)
+    for name, (tp, ep) in (("model_gpt_oss", (2, 4)), ("model_gpt_oss_ep", (1, 4))):
+        sharded = parallel.shard_params(cfg, params, parallel.make_mesh(tp, ep))
+        got, cache_g, _ = run(sharded, prompt)
+        text = run.lower(sharded, prompt).compile().as_text()
+        # packed weights are uint32, MX scales uint8: no all-gather may produce either
+        gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+        case = {"err": err(got, want), "scale": float(jnp.max(jnp.abs(want))),
+                "weight_gathers": [g for g in gathers
+                                   if g.startswith(("u32", "u8", "(u32", "(u8"))],
+                "all_gathers": len(gathers),
+                "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text)),
+                "keys": sorted(sharded["layers"]),
+                "experts_by_layer": resolve_experts_by_layer(cfg, sharded["layers"], None)}
+        if tp > 1:  # decode (gather_qmm for the experts) sharded as well
+            dec = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 20, 2)[:2])
+            (tw, lw), (tg, lg) = dec(params, cache_w, tok), dec(sharded, cache_g, tok)
+            case["decode_err"] = err(lg, lw)
+            case["decode_same_tokens"] = bool(jnp.all(tw == tg))
+        out[name] = case
     return out
 
 

@@ -39,8 +39,11 @@ def test_help_lists_every_scenario_and_explains_options(capsys):
         with pytest.raises(SystemExit):
             bench.main([name, "--help"])
         text = capsys.readouterr().out
-        for opt in ("--shapes" if name != "moe" else "--layers", "--iters", "--copies",
-                    "--interpret", "--plot"):
+        opts = {"moe": ("--layers", "--iters", "--copies", "--interpret", "--plot"),
+                "model": ("--configs", "--modes", "--batch", "--iters", "--peer", "--profile",
+                          "--mesh", "--xla-flags")}.get(
+            name, ("--shapes", "--iters", "--copies", "--interpret", "--plot"))
+        for opt in opts:
             m = re.search(rf"^\s+{opt}\b.*\n((?:\s{{10,}}.*\n)*)", text, re.M)
             assert m and len(m.group(0).split()) > 3, (name, opt)   # has a help text
         assert "issue" not in text
@@ -54,6 +57,9 @@ def test_help_lists_every_scenario_and_explains_options(capsys):
     (["moe", "--layers", "llama"], "unknown layer 'llama'"),
     (["moe", "--decode-t", "1,x"], "is not comma-separated integers"),
     (["qmm", "--copies", "2"], "--copies must be at least 8"),
+    (["model", "--configs", "llama9"], "unknown config 'llama9'"),
+    (["model", "--mesh", "2y1"], "'2y1' is not TPxEP"),
+    (["model", "--forward-kw", "layer_loop"], "'layer_loop' is not KEY=VALUE"),
     (["flops"], "invalid choice: 'flops'"),
     ([], "required: scenario"),
 ])
@@ -84,7 +90,9 @@ def test_qmm_table_progress_and_interpret_label(capsys):
     lines, err = _run(["qmm", "--shapes", "2,64,32", "--modes", "affine4", "--interpret",
                        *FAST], capsys)
     header, rows = _table(lines)
-    assert "%copy" not in header                       # a CPU copy measures caches
+    assert "%copy" not in header and "GB/s" not in header    # a CPU copy measures caches
+    assert "GFLOP/s" in header
+    assert not [l for l in lines if "copy bandwidth" in l]
     impls = {r[2]: r for r in rows}
     assert {"dense", "jnp reference", "pallas (interpret)"} <= set(impls)
     assert "pallas" not in impls                       # never an unlabelled interpret row

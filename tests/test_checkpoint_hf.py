@@ -16,7 +16,7 @@ import pytest
 
 from jaxquant import models
 from jaxquant.models import checkpoint
-from jaxquant.models.decoder import PermutedMatrix
+from jaxquant.models.decoder import MATRICES, PermutedMatrix
 from jaxquant.quantized_array import QuantizedArray
 from tests.test_io_hf import _ct_compress, _gptqmodel_dequant, _reference_module
 from tests.test_models import LLAMA, _dense_mlps, _hf_common, _manual_common, _write
@@ -149,8 +149,9 @@ def test_quantized_checkpoint_decodes_like_its_float_model(tmp_path, kind):
     _write(tmp_path, dict(LLAMA, quantization_config=quant_config), t)
     cfg, params = checkpoint.load(tmp_path, mode="mxfp4", dtype="float32")  # mode: float only
     layers = params["layers"]
-    for key in KEYS.values():
-        w = layers[key]
+    matrices = {k: v for k, v in layers.items() if k in MATRICES}
+    assert set(matrices) >= {"wo", "w_down"} and len(matrices) >= 4
+    for key, w in matrices.items():
         inner = w.matrix if isinstance(w, PermutedMatrix) else w
         assert isinstance(inner, QuantizedArray), key
         assert isinstance(w, PermutedMatrix) == kind.startswith("gptq"), key
@@ -185,9 +186,10 @@ def test_bf16_model_keeps_float16_gptq_scales(tmp_path):
     t, _ = _quantize_linears(_float_checkpoint(9), _gptq_pack)
     _write(tmp_path, dict(LLAMA, quantization_config=QUANT_CONFIGS["gptq"][0]), t)
     cfg, params = checkpoint.load(tmp_path)
-    wq = params["layers"]["wq"].matrix
-    assert wq.dtype == jnp.bfloat16 and wq.scales.dtype in (jnp.float16, jnp.float32)
-    assert params["layers"]["wq"].perm.shape == (2, 64)
+    wq = params["layers"]["wq"]             # q/k/v permutations differ here: not fused
+    assert wq.matrix.dtype == jnp.bfloat16 and wq.matrix.scales.dtype in (jnp.float16,
+                                                                          jnp.float32)
+    assert wq.perm.shape == (2, 64)
     tokens, logits = _tokens(cfg, params)
     assert tokens.shape == (2, 6) and np.all(np.isfinite(logits))
 

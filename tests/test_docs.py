@@ -1,19 +1,26 @@
-"""The docs in the repo: every ```python block of README.md runs as written (on the
-CPU, each block on its own, as a reader pastes it), and no text points outside the
-repo (no ../shared links, no DESIGN.md: the design notes are docs/).
+"""The docs in the repo: every ```python block of README.md and docs/*.md runs as
+written (on the CPU, each block on its own in a fresh Python process, as a reader
+pastes it), and no text points outside the repo (no ../shared links, no DESIGN.md:
+the design notes are docs/).
 
 Every ```python block must run as written on a CPU in a few seconds: make it
-self-contained (its own imports and small inputs). Shell commands go in ```bash
-blocks, and code that cannot run here (a GPU, a downloaded checkpoint) in a
-block fenced without a language."""
+self-contained (its own imports and small inputs). A block that needs several
+devices says so and sets them itself (`jax.config.update("jax_num_cpu_devices", 8)`
+before JAX touches a device: each block gets a fresh process, so it can). Shell
+commands go in ```bash blocks, and code that cannot run here (a GPU, a downloaded
+checkpoint) in a block fenced without a language."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = [README] + sorted((ROOT / "docs").rglob("*.md"))
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
 
 
@@ -22,22 +29,35 @@ def python_blocks(path):
     return [(text[:m.start()].count("\n") + 1, m.group(1)) for m in FENCE.finditer(text)]
 
 
-BLOCKS = python_blocks(README)
+BLOCKS = [(f"{p.relative_to(ROOT)}:{line}", code) for p in DOCS for line, code in python_blocks(p)]
 
 
-def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 1  # the extraction itself works (a renamed fence would skip all)
+def test_docs_have_python_blocks():
+    # the extraction itself works (a renamed fence would skip all)
+    names = {where.split(":")[0] for where, _ in BLOCKS}
+    assert "README.md" in names and len(names) >= 2, names
 
 
-@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_readme_python_block_runs(line, code, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+def test_fence_extraction(tmp_path):
+    text = "x\n```python\na = 1\n```\n```\nnot python\n```\n```python title\nb = 2\n```\n"
+    path = tmp_path / "doc.md"
+    path.write_text(text)
+    assert python_blocks(path) == [(2, "a = 1\n"), (8, "b = 2\n")]
+
+
+@pytest.mark.parametrize("where,code", BLOCKS, ids=[where for where, _ in BLOCKS])
+def test_docs_python_block_runs(where, code):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("JAXQUANT_BACKEND", None)
+    env.pop("XLA_FLAGS", None)  # a block that needs host devices sets them itself
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"{where} failed:\n{run.stderr[-3000:]}"
 
 
 def _text_files():
-    files = [README] + sorted((ROOT / "docs").rglob("*.md"))
+    files = list(DOCS)
     files += sorted((ROOT / "jaxquant").rglob("*.py"))
     return files
 
@@ -55,7 +75,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 def test_relative_links_resolve():
     """[text](path) links in README.md and docs/ name files of the repo."""
     broken = []
-    for p in [README] + sorted((ROOT / "docs").rglob("*.md")):
+    for p in DOCS:
         for target in LINK.findall(p.read_text()):
             if re.match(r"[a-z]+://|mailto:", target):
                 continue

@@ -74,6 +74,19 @@ def test_missing_library_reason(monkeypatch, tmp_path):
     assert "no library for platform" in jf.unavailable_reason("tpu")
 
 
+def test_missing_library_quotes_the_build(monkeypatch, tmp_path):
+    """A GPU library the build left out: the error says why, as CMakeLists.txt wrote it."""
+    monkeypatch.setattr(_loader, "_search_dirs", lambda: [tmp_path])
+    (tmp_path / "native_build.txt").write_text(
+        "cuda: not built: nvcc found but no NVIDIA GPU visible (JAXQUANT_ENABLE_CUDA=AUTO)\n"
+        "rocm: building for gfx942 (JAXQUANT_ENABLE_ROCM=AUTO)\n")
+    lib = _loader.load("cuda")
+    assert lib.handle is None and "no NVIDIA GPU visible (JAXQUANT_ENABLE_CUDA=AUTO)" in lib.error
+    assert "not built (nvcc found" in lib.error
+    # a platform the build did build, but whose library is missing here: the generic reason
+    assert "no HIP compiler" in _loader.load("rocm").error
+
+
 # ---------------------------------------------------------------------------
 # The shared codec header == jaxquant.formats
 

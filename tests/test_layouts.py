@@ -81,3 +81,51 @@ def test_no_layout_named_keeps_canonical_where_no_kernel_reads_another():
     qw = _qw()
     assert jq.prepack(qw, layout="canonical") is qw
     assert layouts.default_layout(qw, platform="no_such_platform") == "canonical"
+
+
+# ---------------------------------------------------------------------------
+# Bounded memory: jq.prepack converts a stack piece by piece.
+
+UNFUSED = {"xla_disable_hlo_passes": "fusion"}  # the worst case: every intermediate stored
+
+
+def _temp_and_out(fn, *args):
+    m = jax.jit(fn).lower(*args).compile(compiler_options=UNFUSED).memory_analysis()
+    return m.temp_size_in_bytes, m.output_size_in_bytes
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 512, 256), (2048, 256)])
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_prepack_in_bounded_memory(shape, mode):
+    """A stacked [L, E, N, K] weight (and one tall matrix) prepacks with at most a
+    quarter of its bytes in temporaries, the result itself 1x; converting it all at
+    once (the layout's pack on the whole array) needs many times that."""
+    qw = _qw(shape, mode)
+    own = sum(a.nbytes for a in jax.tree_util.tree_leaves(qw))
+    temp, out = _temp_and_out(lambda q: jq.prepack(q, layout="cuda_mma"), qw)
+    assert temp <= 0.25 * own and out <= 1.001 * own, (temp / own, out / own)
+    whole, _ = _temp_and_out(layouts.get("cuda_mma").pack, qw)
+    assert whole > 4 * own  # what the pieces avoid (so the bound above can fail)
+    temp, _ = _temp_and_out(jq.unpack_layout, jq.prepack(qw, layout="cuda_mma"))
+    assert temp <= 0.25 * own, temp / own
+
+
+@pytest.mark.parametrize("layout,mode,shape", [
+    ("cuda_mma", "affine", (3, 2, 200, 128)),     # N % 16 != 0: canonical tail rows
+    ("cuda_mma", "mxfp4", (1, 1000, 64)),         # one tall matrix: blocks of rows + a tail
+    ("cuda_mma", "nvfp4", (5, 48, 64)),
+    ("cdna4", "mxfp4", (2, 3, 336, 256)),         # scales padded to 32 rows after the tail
+    ("test_reversed_rows", "affine", (6, 8, 64)),  # no row blocks: whole matrices
+])
+def test_pieces_equal_the_whole(layout, mode, shape):
+    """Piece by piece is bit for bit the layout's pack (and unpack) of the whole."""
+    qw = _qw(shape, mode)
+    target = layouts.get(layout)
+    packed = jq.prepack(qw, layout=layout)
+    for got, want in zip((packed.data, packed.scales, packed.biases), target.pack(qw)):
+        assert (got is None) == (want is None)
+        if want is not None:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    back = jq.unpack_layout(packed)
+    for got, want in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(qw)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

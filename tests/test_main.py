@@ -49,6 +49,10 @@ def test_report_prints_backends_and_one_error_row_per_mode():
         assert not [l for l in lines if re.match(r"\s+backend metal", l)]
         assert re.search(r"^\s+\(not built on this platform: metal: .*macOS only", p.stdout, re.M)
     assert re.search(r"backend reference\s+available$", p.stdout, re.M)
+    # under the ffi backend, one line a native library: loaded, or why not
+    for platform in ("cpu", "cuda", "rocm"):
+        assert re.search(rf"^    library {platform}\s+(loaded from \S+|\S.*)$", p.stdout, re.M)
+    assert re.search(r"^    library cpu\s+loaded from \S+libjaxquant_cpu", p.stdout, re.M)
     # mode bits group bits/weight rel.error max-abs-err ms: one row per mode of DESIGN §3
     rows = {}
     for line in lines:
@@ -82,8 +86,41 @@ def test_command_line_help_and_unknown_command():
     assert p.returncode != 0 and "--mesh wants TPxEP" in p.stderr
 
 
+def _one_line_error(p, says):
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert p.stderr.count("\n") == 1 and says in p.stderr and "Traceback" not in p.stderr, \
+        p.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--checkpoint", "/no/such/dir"], "is not a checkpoint directory (no config.json"),
+    (["--mesh", "4x4", "--config", "tiny"], "needs 16 devices; 1 here"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--prompt", "Hello"], "--prompt needs --checkpoint DIR"),
+    (["report", "--verbose"], "takes no arguments"),
+])
+def test_command_line_mistakes_are_one_line_with_a_hint(argv, says):
+    p = run(["-m", "jaxquant", *argv])
+    _one_line_error(p, says)
+    assert "--help" in p.stderr
+
+
+def test_prompt_with_a_checkpoint_without_tokenizer_is_an_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    _one_line_error(run(["-m", "jaxquant", "--checkpoint", str(tmp_path), "--prompt", "Hi"]),
+                    "tokenizer.json")
+
+
+def test_report_help_prints_help():
+    p = run(["-m", "jaxquant", "report", "--help"], timeout=60)
+    assert p.returncode == 0 and "python -m jaxquant report:" in p.stdout
+    assert "round trip" in p.stdout and "backend" not in p.stdout.splitlines()[-1]
+    assert "devices: " not in p.stdout        # the help, not the report itself
+
+
+# mode, weights, prefill tok/s, decode tok/s, logit rel.err, KL, top-1, same tokens, kernels
 TABLE_ROW = re.compile(r"(\w+)\s+([\d.]+ [KMG]?i?B)\s+([\d.]+)\s+([\d.]+)\s+"
-                       r"(-|[\d.]+ \(\s*[\d.]+%\))\s+(-|\d+/\d+)")
+                       r"(-|[\d.]+%)\s+(-|[\d.]+e[-+]\d+)\s+(-|[\d.]+%)\s+(-|\d+/\d+)\s+(.+)")
 
 
 def _demo_rows(stdout):
@@ -102,17 +139,28 @@ def test_demo_smoke():
              "--tokens", "3", "--prompt-len", "8", "--dtype", "float32"], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "model: gpt_oss, 2 layers" in p.stdout
+    assert "weights: random" in p.stdout and "--checkpoint DIR" in p.stdout
     assert "3/15" in p.stderr and "15/15" in p.stderr  # the progress bar
+    # the bar's line is ended before anything else is printed on it
+    assert not re.search(r"\d+\.\ds(?=done )", p.stderr + p.stdout)
     rows = _demo_rows(p.stdout)
-    assert sorted(rows) == ["affine8", "bf16", "mxfp4"], p.stdout
+    # --dtype float32: the reference row says float32, and the legend measures against it
+    assert sorted(rows) == ["affine8", "float32", "mxfp4"], p.stdout
+    assert "Measured against the float32 run" in p.stdout and "bf16" not in p.stdout
     size = lambda m: float(m[2].split()[0]) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[m[2].split()[1]]
-    assert size(rows["mxfp4"]) < size(rows["affine8"]) < size(rows["bf16"])
+    assert size(rows["mxfp4"]) < size(rows["affine8"]) < size(rows["float32"])
     for m in rows.values():
         assert float(m[3]) > 0 and float(m[4]) > 0
-    assert rows["bf16"][5] == "-"
-    # float32 activations: 8-bit weights move the logits far less than 4-bit ones
-    diff = lambda m: float(m[5].split()[0])
-    assert 0 < diff(rows["affine8"]) < diff(rows["mxfp4"])
+    assert [rows["float32"][i] for i in (5, 6, 7, 8)] == ["-"] * 4
+    assert rows["float32"][9] == "reference (jnp) (float weights)"
+    for mode in ("mxfp4", "affine8"):
+        backend, layout = re.fullmatch(r"(.+) \((.+)\)", rows[mode][9]).groups()
+        assert backend in ("ffi", "reference (jnp)") and layout == "canonical", rows[mode][9]
+    # float32 activations: 8-bit weights move the logits and distributions far less
+    rel, kl, top1 = (lambda m, i: float(m[i].rstrip("%"))), 6, 7
+    assert 0 < rel(rows["affine8"], 5) < rel(rows["mxfp4"], 5)
+    assert 0 < rel(rows["affine8"], kl) < rel(rows["mxfp4"], kl)
+    assert rel(rows["affine8"], top1) >= rel(rows["mxfp4"], top1) > 0
 
 
 def test_demo_reports_a_failing_mode_and_goes_on():
@@ -131,3 +179,4 @@ def test_demo_reports_a_failing_mode_and_goes_on():
     assert "nvfp4: FAILED: RuntimeError: injected" in p.stderr
     assert re.search(r"^nvfp4\s+FAILED$", p.stdout, re.M)
     assert sorted(_demo_rows(p.stdout)) == ["bf16"]
+    assert "Measured against the bf16 run" in p.stdout

@@ -478,10 +478,11 @@ def test_quantize_matches_mlx(dtype, mode, kw):
     if g is not None and dtype != "float32":
         # Documented: MLX's half-precision nvfp4 path with a global scale computes the
         # element quotient in a way we do not reproduce; scales are identical, and
-        # elements differ only next to rounding ties.
+        # elements differ only next to rounding ties (jaxquant/mlx.py: measured up to
+        # 0.49% of codes in bfloat16, 0.06% in float16).
         assert_bits_equal(ours[1], from_mx(theirs[1]))
         same = unpack(ours[0], 4) == unpack(from_mx(theirs[0]), 4)
-        assert same.mean() > 0.995
+        assert same.mean() > 0.99
         return
     for a, b in zip(ours, theirs):
         assert_bits_equal(a, from_mx(b))
@@ -509,6 +510,11 @@ def test_dequantize_matches_mlx(dtype, mode):
             assert_bits_equal(theirs, mlx_rule.astype(theirs.dtype).reshape(theirs.shape))
             once = (q * s + b).astype(F32).astype(ours.dtype).reshape(ours.shape)
             assert_bits_equal(ours, once)
+            if out is None:  # the docstring's bound: 1 ulp of max(|scale * q|, |output|) in T
+                product = (q * s).astype(t).astype(np.float64).reshape(theirs.shape)
+                big = np.maximum(np.abs(product), np.abs(theirs.astype(np.float64))).astype(t)
+                d = np.abs(ours.astype(np.float64) - theirs.astype(np.float64))
+                assert (d <= np.spacing(big).astype(np.float64)).all()
         else:
             assert_bits_equal(ours, theirs)
 
@@ -518,8 +524,9 @@ def test_dequantize_matches_mlx(dtype, mode):
 def test_affine_dequantize_rounds_once_where_mlx_rounds_twice(backend):
     """The decision (jaxquant/mlx.py's docstring): jq.mlx keeps jq.dequantize's one
     rounding of scale * q + bias rather than copying MLX's CPU path, which rounds the
-    product to the scales' dtype first. They differ by at most half an ulp of the
-    product (in float32: at about half the elements). At a group's zero point MLX's
+    product to the scales' dtype first. In float32 they differ by at most half an ulp
+    of the product plus one of the output (at about half the elements; other dtypes:
+    test_dequantize_matches_mlx). At a group's zero point MLX's
     product rounds to exactly -bias, so MLX gives 0.0 where jq.mlx gives the exact
     value of the stored scale and bias, a residual such as 6e-8."""
     if backend not in jq.available_backends():

@@ -76,6 +76,146 @@ def test_experts_by_layer_changes_nothing(mode):
     np.testing.assert_allclose(da, db, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family,mode", [("llama", None), ("llama", "affine4"),
+                                         ("gpt_oss", "mxfp4"), ("qwen3_moe", "affine4")])
+def test_fused_matrices_equal_the_separate_ones(family, mode):
+    """wqkv / w_gate_up / e_gate_up (rows of the parts one after the other, gate rows
+    first) quantize to the parts' own codes and scales, and the model gives the same
+    logits with the fused or the separate matrices (to float32 rounding: XLA's CPU
+    dot may block K differently for another N; bf16 checkpoints below match bit for
+    bit)."""
+    cfg = tiny(family, dtype="float32", attention_bias=True)
+    fused = models.init_params(cfg, jax.random.key(6))
+    separate = models.unfuse_params(cfg, fused)
+    assert "wqkv" not in separate["layers"] and "wq" in separate["layers"]
+    if mode:
+        fused = models.quantize_params(fused, mode)
+        separate = models.quantize_params(separate, mode, fuse=False)
+        assert "wq" in separate["layers"]
+        for key, parts in models.decoder.FUSED.items():
+            if key not in fused["layers"]:
+                continue
+            for got, want in zip(models.unfuse_params(cfg, fused)["layers"].values(),
+                                 separate["layers"].values()):
+                for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                    np.testing.assert_array_equal(a, b)
+    refused = models.fuse_params(models.unfuse_params(cfg, fused))
+    assert jax.tree_util.tree_structure(refused) == jax.tree_util.tree_structure(fused)
+    for a, b in zip(jax.tree_util.tree_leaves(refused), jax.tree_util.tree_leaves(fused)):
+        np.testing.assert_array_equal(a, b)
+    prompt = jax.random.randint(jax.random.key(7), (2, 6), 0, cfg.vocab_size)
+    run = jax.jit(lambda p: models.prefill(cfg, p, prompt, 8)[0])
+    np.testing.assert_allclose(run(fused), run(separate), rtol=1e-5, atol=1e-5)
+
+
+def test_nvfp4_parts_with_their_own_global_scales_stay_separate():
+    cfg = tiny("llama", dtype="float32")
+    separate = models.quantize_params(
+        models.unfuse_params(cfg, models.init_params(cfg, jax.random.key(8))), "nvfp4",
+        fuse=False)
+    assert set(models.fuse_params(separate)["layers"]) == set(separate["layers"])
+
+
+@pytest.mark.parametrize("family,mode", [("llama", "affine4"), ("gpt_oss", "mxfp4"),
+                                         ("gpt_oss", None)])
+def test_per_layer_buffers_equal_the_stacked_layers(family, mode):
+    """Per-layer buffers (a Python loop over layers) and stacked layers (lax.scan):
+    the same values from init_params and quantize_params in either form, and the
+    same logits and tokens, prefill and decode."""
+    cfg = tiny(family, dtype="float32")
+    stacked = models.init_params(cfg, jax.random.key(9), per_layer=False)
+    split = models.init_params(cfg, jax.random.key(9), per_layer=True)
+    assert isinstance(split["layers"], tuple) and len(split["layers"]) == cfg.num_layers
+    if mode:
+        q_split = models.quantize_params(stacked, mode, per_layer=True)  # straight from a stack
+        stacked = models.quantize_params(stacked, mode, per_layer=False)
+        split = models.quantize_params(split, mode, per_layer=True)
+        assert isinstance(q_split["layers"], tuple)
+        for a, b in zip(jax.tree_util.tree_leaves(q_split), jax.tree_util.tree_leaves(split)):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree_util.tree_leaves(models.unstack_layers(stacked)),
+                    jax.tree_util.tree_leaves(split)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree_util.tree_leaves(models.stack_layers(split)),
+                    jax.tree_util.tree_leaves(stacked)):
+        np.testing.assert_array_equal(a, b)
+    prompt = jax.random.randint(jax.random.key(10), (1, 12), 0, cfg.vocab_size)
+    gen = jax.jit(models.generate, static_argnums=(0, 3))
+    logits = jax.jit(models.prefill, static_argnums=(0, 3))
+    np.testing.assert_allclose(logits(cfg, split, prompt, 16)[0],
+                               logits(cfg, stacked, prompt, 16)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(gen(cfg, split, prompt, 3), gen(cfg, stacked, prompt, 3))
+    with pytest.raises(ValueError, match="layers"):
+        models.prefill(cfg, dict(split, layers=split["layers"][:1]), prompt, 16)
+
+
+def test_defaults_follow_the_device():
+    from jaxquant.models.decoder import default_per_layer, resolve_experts_by_layer
+    assert default_per_layer() == (jax.default_backend() != "cpu")
+    cfg = tiny("gpt_oss")
+    params = models.init_params(cfg, jax.random.key(11))
+    assert models.decoder.is_per_layer(params) == default_per_layer()
+    layers = models.init_params(cfg, jax.random.key(11), per_layer=False)["layers"]
+    assert not resolve_experts_by_layer(cfg, layers, None)  # float experts: no kernel
+    q = models.quantize_params(params, "mxfp4", per_layer=False)["layers"]
+    assert resolve_experts_by_layer(cfg, q, None)  # quantized, stacked, one device
+    assert not resolve_experts_by_layer(cfg, q, False)
+    assert resolve_experts_by_layer(cfg, layers, True)
+    split = models.quantize_params(params, "mxfp4", per_layer=True)["layers"]
+    assert not resolve_experts_by_layer(cfg, split, True)  # each layer's experts its own
+    # placed on several devices: tests/sharding_cases.py (model_gpt_oss) checks it is off
+
+
+def test_norm_linear_and_swiglu_linear():
+    from jaxquant.models.decoder import norm_linear, swiglu_linear
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    w = (0.3 * rng.standard_normal((96, 64))).astype(np.float32)
+    bias = rng.standard_normal(96).astype(np.float32)
+    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, -1, keepdims=True) + 1e-5) * nw
+    np.testing.assert_allclose(norm_linear(x, nw, w, 1e-5, bias), xn @ w.T + bias,
+                               rtol=1e-4, atol=1e-4)
+    qw = jq.quantize(w, mode="mxfp4")
+    np.testing.assert_allclose(norm_linear(x, nw, qw, 1e-5),
+                               xn @ np.asarray(jq.dequantize(qw), np.float64).T,
+                               rtol=1e-4, atol=1e-4)
+    gu = x.astype(np.float64) @ w.T * 4 + bias  # large enough to reach gpt-oss's clamp
+    g, u = gu[:, :48], gu[:, 48:]
+    silu = g / (1 + np.exp(-g)) * u
+    gc, uc = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+    oss = (uc + 1) * gc / (1 + np.exp(-1.702 * gc))
+    assert np.abs(g).max() > 7 and np.abs(u).max() > 7
+    for kind, want in (("silu", silu), ("gpt_oss", oss)):
+        got = swiglu_linear(x, 4 * w, bias, kind=kind)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="kind"):
+        swiglu_linear(x, w, kind="gelu")
+
+
+def test_quantize_params_layout():
+    """Kernel-ready by default: the default device's layout (canonical on a CPU);
+    a named layout prepacks every quantized matrix, the model's logits unchanged."""
+    cfg = tiny("gpt_oss", dtype="float32")
+    params = models.init_params(cfg, jax.random.key(13))
+    canonical = models.quantize_params(params, "mxfp4", layout="canonical")
+    default = models.quantize_params(params, "mxfp4")
+    want_layout = jq.layouts.default_layout(canonical["layers"]["wqkv"])
+    packed = models.quantize_params(params, "mxfp4", layout="cuda_mma")
+    for p, layout in ((canonical, "canonical"), (default, want_layout), (packed, "cuda_mma")):
+        quantized = [a for a in jax.tree_util.tree_leaves(
+            p, is_leaf=lambda a: isinstance(a, QuantizedArray)) if isinstance(a, QuantizedArray)]
+        assert len(quantized) == 5 and {a.layout for a in quantized} == {layout}
+    assert isinstance(packed["lm_head"], QuantizedArray) and not isinstance(
+        packed["embed"], QuantizedArray)
+    back = models.prepack_params(packed, "canonical")
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(canonical)):
+        np.testing.assert_array_equal(a, b)
+    prompt = jax.random.randint(jax.random.key(14), (1, 6), 0, cfg.vocab_size)
+    run = jax.jit(lambda p: models.prefill(cfg, p, prompt, 8)[0])
+    np.testing.assert_allclose(run(packed), run(canonical), rtol=1e-5, atol=1e-5)
+
+
 def _moe_naive(cfg, p, x):
     """Per token, per chosen expert, dense float64 matmuls."""
     x = np.asarray(x, np.float64)
@@ -95,13 +235,17 @@ def _moe_naive(cfg, p, x):
             idx = np.argsort(-pr, kind="stable")[:cfg.experts_per_token]
             wt = pr[idx] / pr[idx].sum()
         for e, c in zip(idx, wt):
+            if "e_gate_up" in w:  # gate rows, then up rows
+                gu = w["e_gate_up"][e] @ x[t]
+                gu = gu + w["e_gate_up_bias"][e] if "e_gate_up_bias" in w else gu
+                g, u = np.split(gu, 2)
+            else:
+                g, u = w["e_gate"][e] @ x[t], w["e_up"][e] @ x[t]
             if cfg.family == "gpt_oss":
-                gu = w["e_gate_up"][e] @ x[t] + w["e_gate_up_bias"][e]
-                g, u = np.minimum(gu[0::2], 7.0), np.clip(gu[1::2], -7.0, 7.0)
+                g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
                 h = (u + 1) * g / (1 + np.exp(-1.702 * g))
                 y = w["e_down"][e] @ h + w["e_down_bias"][e]
             else:
-                g, u = w["e_gate"][e] @ x[t], w["e_up"][e] @ x[t]
                 y = w["e_down"][e] @ (g / (1 + np.exp(-g)) * u)
             out[t] += c * y
     return out
@@ -242,19 +386,30 @@ def test_llama_checkpoint(tmp_path):
     manual = _manual_common(t, 2)
     for key, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
         manual["layers"][key] = _stack(t, f"model.layers.{{}}.mlp.{name}.weight", 2)
-    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(manual)
-    want = _logits(cfg, manual)
+    want = _logits(cfg, manual)  # the separate q/k/v and gate/up run as they are
+    fused = manual["layers"]  # on load: q, k, v rows one after the other; gate, then up
+    np.testing.assert_array_equal(params["layers"]["wqkv"], jnp.concatenate(
+        [fused["wq"], fused["wk"], fused["wv"]], axis=1))
+    np.testing.assert_array_equal(params["layers"]["w_gate_up"], jnp.concatenate(
+        [fused["w_gate"], fused["w_up"]], axis=1))
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(
+        models.fuse_params(manual))
     np.testing.assert_array_equal(_logits(cfg, params), want)
+    cfg, separate = checkpoint.load(tmp_path, fuse=False)
+    np.testing.assert_array_equal(_logits(cfg, separate), want)
 
-    # quantized on load: each layer's matrix exactly as jq.quantize makes it
+    # quantized on load: each layer's matrix exactly as jq.quantize makes it, the
+    # fused q/k/v's rows the three matrices' own codes and scales
     cfg, q = checkpoint.load(tmp_path, mode="affine4")
-    wq = q["layers"]["wq"]
-    assert isinstance(wq, QuantizedArray) and (wq.mode, wq.bits, wq.group_size) == (
+    wqkv = q["layers"]["wqkv"]
+    assert isinstance(wqkv, QuantizedArray) and (wqkv.mode, wqkv.bits, wqkv.group_size) == (
         "affine", 4, 64)
-    one = jq.quantize(jnp.asarray(t["model.layers.1.self_attn.q_proj.weight"]), mode="affine",
-                      bits=4, group_size=64)
-    np.testing.assert_array_equal(wq.data[1], one.data)
-    np.testing.assert_array_equal(wq.scales[1], one.scales)
+    for name, rows in (("q_proj", slice(0, 64)), ("k_proj", slice(64, 96)),
+                       ("v_proj", slice(96, 128))):
+        one = jq.quantize(jnp.asarray(t[f"model.layers.1.self_attn.{name}.weight"]),
+                          mode="affine", bits=4, group_size=64)
+        for c in ("data", "scales", "biases"):
+            np.testing.assert_array_equal(getattr(wqkv, c)[1][rows], getattr(one, c))
     assert isinstance(q["lm_head"], QuantizedArray)
     assert not isinstance(q["embed"], QuantizedArray)
     assert models.weight_bytes(q) < models.weight_bytes(params) / 2
@@ -303,27 +458,34 @@ def test_gpt_oss_checkpoint_keeps_mxfp4_experts(tmp_path, mode):
     cfg, params = checkpoint.load(tmp_path, mode=mode)
     assert cfg.family == "gpt_oss" and cfg.layer_windows == (3, 0) and cfg.num_experts == 4
     lay = params["layers"]
-    for key, name in (("e_gate_up", "gate_up_proj"), ("e_down", "down_proj")):
+    # gate_up's rows interleaved gate, up, ... in the checkpoint: gate rows first on load
+    halves = np.concatenate([np.arange(0, 128, 2), np.arange(1, 128, 2)])
+    for key, name, rows in (("e_gate_up", "gate_up_proj", halves),
+                            ("e_down", "down_proj", np.arange(64))):
         qw = lay[key]
         assert qw.mode == "mxfp4"  # never requantized, whatever `mode` asks of the rest
         for li in range(2):
             blocks, scales = jq.io.to_gpt_oss(qw[li])
             x = f"model.layers.{li}.mlp.experts.{name}"
-            np.testing.assert_array_equal(blocks, t[x + "_blocks"])
-            np.testing.assert_array_equal(scales, t[x + "_scales"])
-    assert isinstance(lay["wq"], QuantizedArray) == (mode is not None)
+            np.testing.assert_array_equal(blocks, t[x + "_blocks"][:, rows])
+            np.testing.assert_array_equal(scales, t[x + "_scales"][:, rows])
+    np.testing.assert_array_equal(
+        lay["e_gate_up_bias"][1], t["model.layers.1.mlp.experts.gate_up_proj_bias"][:, halves])
+    assert isinstance(lay["wqkv"], QuantizedArray) == (mode is not None)
     if mode is None:
         manual = _manual_common(t, 2)
         ml = manual["layers"]
         ml["sinks"] = _stack(t, "model.layers.{}.self_attn.sinks", 2)
         ml["router"] = _stack(t, "model.layers.{}.mlp.router.weight", 2)
         ml["router_bias"] = _stack(t, "model.layers.{}.mlp.router.bias", 2)
-        ml["e_gate_up_bias"] = _stack(t, "model.layers.{}.mlp.experts.gate_up_proj_bias", 2)
+        ml["e_gate_up_bias"] = _stack(t, "model.layers.{}.mlp.experts.gate_up_proj_bias",
+                                      2)[..., halves]
         ml["e_down_bias"] = _stack(t, "model.layers.{}.mlp.experts.down_proj_bias", 2)
-        for key, name in (("e_gate_up", "gate_up_proj"), ("e_down", "down_proj")):
-            parts = [jq.io.from_gpt_oss(t[f"model.layers.{li}.mlp.experts.{name}_blocks"],
-                                        t[f"model.layers.{li}.mlp.experts.{name}_scales"])
-                     for li in range(2)]
+        for key, name, rows in (("e_gate_up", "gate_up_proj", halves),
+                                ("e_down", "down_proj", np.arange(64))):
+            parts = [jq.io.from_gpt_oss(
+                t[f"model.layers.{li}.mlp.experts.{name}_blocks"][:, rows],
+                t[f"model.layers.{li}.mlp.experts.{name}_scales"][:, rows]) for li in range(2)]
             ml[key] = jax.tree_util.tree_map(lambda *c: jnp.stack(c), *parts)
         np.testing.assert_array_equal(_logits(cfg, params), _logits(cfg, manual))
 
@@ -382,12 +544,13 @@ def test_mlx_checkpoint(tmp_path):
     _write(tmp_path, config, mlx)
     cfg, params = checkpoint.load(tmp_path, mode="mxfp4")  # mode leaves MLX weights alone
     assert isinstance(params["embed"], QuantizedArray)
-    for prefix, key, li in (("model.layers.0.self_attn.q_proj", "wq", 0),
-                            ("model.layers.1.mlp.up_proj", "w_up", 1)):
-        got, want = params["layers"][key][li], quantized[prefix]
+    for prefix, key, li, rows in (("model.layers.0.self_attn.q_proj", "wqkv", 0, slice(0, 64)),
+                                  ("model.layers.1.mlp.up_proj", "w_gate_up", 1,
+                                   slice(128, 256))):
+        got, want = params["layers"][key][li], quantized[prefix]  # fused on load
         assert (got.mode, got.bits) == (want.mode, want.bits)
         for c in ("data", "scales", "biases"):
-            np.testing.assert_array_equal(getattr(got, c), getattr(want, c))
+            np.testing.assert_array_equal(getattr(got, c)[rows], getattr(want, c))
     assert params["lm_head"].bits == 8
     np.testing.assert_array_equal(params["lm_head"].data, quantized["lm_head"].data)
     logits = _logits(cfg, params)
@@ -399,5 +562,9 @@ def test_mlx_checkpoint(tmp_path):
     mlx.update(jq.io.to_mlx_tensors(jq.quantize(jnp.asarray(t[odd + ".weight"]), mode="affine",
                                                 bits=8, group_size=64), odd))
     _write(tmp_path / "mixed", dict(config, quantization=bad), mlx)
-    with pytest.raises(ValueError, match="w_down"):
-        checkpoint.load(tmp_path / "mixed")
+    with pytest.raises(ValueError, match="w_down"):  # stacked: one format per matrix
+        checkpoint.load(tmp_path / "mixed", per_layer=False)
+    cfg, mixed = checkpoint.load(tmp_path / "mixed", per_layer=True)  # per layer: any
+    assert [lay["w_down"].bits for lay in mixed["layers"]] == [4, 8]
+    logits = _logits(cfg, mixed)
+    assert logits.shape == (2, 6, 64) and bool(jnp.all(jnp.isfinite(logits)))

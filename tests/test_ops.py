@@ -406,6 +406,60 @@ def test_ragged_qmm_vmap_over_x():
         np.testing.assert_allclose(y[b], jq.ragged_qmm(x[b], qw, gss[b]), rtol=1e-6, atol=1e-6)
 
 
+# Traced group sizes outside the contract: a negative size counts as 0, the groups are
+# cut at T rows (int32 max twice: a cumulative sum that must not wrap).
+RAGGED_RULE = [[5, -1, 4, 2], [-3, 20, 0, 1], [3, 4, 6, 5], [0, 0, 0, 0], [11, 0, 0, 0],
+               [2**31 - 1, 2**31 - 1, 0, 0], [0, -(2**31), 7, 9]]
+
+
+def _ragged_rule_want(x, w64, sizes):
+    """float64 rows of the rule, and which rows are past every group (zero)."""
+    t = x.shape[0]
+    ends = np.minimum(np.cumsum(np.clip(np.asarray(sizes, np.int64), 0, None)), t)
+    owner = np.searchsorted(ends, np.arange(t), side="right")
+    live = np.arange(t) < ends[-1]
+    w_rows = w64[np.minimum(owner, len(sizes) - 1)]                   # [T, N, K]
+    want = np.einsum("tk,tnk->tn", np.asarray(x, np.float64), w_rows)
+    return np.where(live[:, None], want, 0.0), live
+
+
+def _ragged_backends():
+    from jaxquant.pallas import moe
+    runs = {"reference": lambda x, q, g: jq.ragged_qmm(x, q, g, backend="reference"),
+            "pallas-interpret": lambda x, q, g: moe.ragged_qmm(x, q, g, interpret=True)}
+    if "ffi" in jq.available_backends():
+        runs["ffi"] = lambda x, q, g: jq.ragged_qmm(x, q, g, backend="ffi")
+    return runs
+
+
+@pytest.mark.parametrize("sizes", RAGGED_RULE, ids=str)
+def test_ragged_qmm_traced_group_sizes_rule_on_every_backend(sizes):
+    e, n, k, t = 4, 32, 64, 11
+    qw = jq.quantize(rand(0, (e, n, k)), mode="mxfp4")
+    x = rand(1, (t, k))
+    want, live = _ragged_rule_want(x, deq64(qw), sizes)
+    gs = jnp.asarray(sizes, jnp.int32)
+    for name, run in _ragged_backends().items():
+        y = np.asarray(jax.jit(run)(x, qw, gs), np.float64)
+        assert np.all(y[~live] == 0), name
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    # vmap over the sizes (the batching rule maps the primitive per size vector)
+    ys = jax.jit(jax.vmap(jq.ragged_qmm, in_axes=(None, None, 0)))(x, qw, jnp.stack([gs, gs]))
+    np.testing.assert_allclose(np.asarray(ys[1], np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_qmm_concrete_group_sizes_are_checked():
+    qw = jq.quantize(rand(0, (4, 32, 64)), mode="mxfp4")
+    x = rand(1, (11, 64))
+    for bad in ([5, -1, 4, 2], np.array([0, 0, -1, 0]), jnp.array([3, 4, 6, 5])):
+        with pytest.raises(ValueError, match="group_sizes"):
+            jq.ragged_qmm(x, qw, bad)
+    with pytest.raises(ValueError, match=r"group_sizes must sum to at most T=11"):
+        jq.ragged_qmm(x, qw, [2**31 - 1, 2**31 - 1, 0, 0])  # no int32 wrap in the check
+    y = jq.ragged_qmm(x, qw, [11, 0, 0, 0])   # sum == T is fine
+    assert y.shape == (11, 32)
+
+
 RAGGED_MORE = [("affine", 2, jnp.float32), ("affine", 3, jnp.float32), ("affine", 5, jnp.float32),
                ("affine", 6, jnp.float32), ("affine", 8, jnp.float32),
                ("mxfp6_e2m3", 6, jnp.float32), ("mxfp8_e4m3", 8, jnp.float32),

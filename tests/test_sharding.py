@@ -32,7 +32,8 @@ def _check(case, *, tol, collectives):
 
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
-    "dequantize_col", "shard_map_qmm"]
+    "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
+    "decode_attention_heads", "decode_attention_stacked"]
 
 
 @pytest.mark.parametrize("name", NO_COLLECTIVES)
@@ -43,6 +44,7 @@ def test_no_collective(cases, name):
 
 @pytest.mark.parametrize("name", [f"qmm_row_{m}" for m in ("affine", "mxfp4", "nvfp4")]
                          + ["gather_ep", "gather_ep_row", "ragged_ep", "ragged_ep_col",
+                            "ragged_ep_bad_sizes",
                             "qmm_col_grad"])
 def test_one_all_reduce(cases, name):
     # partial sums in another order: float32 rounding over K=512
@@ -54,6 +56,16 @@ def test_column_parallel_output_stays_split(cases):
     assert cases["qmm_col_affine"]["out_spec"] == ["P('data', 'tp')"]
     assert cases["qmm_batch_col"]["out_spec"] == ["P('data', None, 'tp')"]
     assert cases["rms_norm_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
+    assert cases["decode_attention_heads"]["out_spec"] == ["P('data', None, 'tp')"]
+
+
+def test_fused_ops_split_as_documented(cases):
+    # rms_norm_qmm: column-parallel like qmm; qmm_swiglu: rows only (docs/fused.md)
+    assert cases["rms_norm_qmm_col"]["out_spec"] == ["P('data', 'tp')"]
+    assert cases["qmm_swiglu_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
+    case = cases["qmm_swiglu_col_gathered"]
+    assert case["err"] <= 1e-6 * case["scale"] and case["collectives"]["all-gather"] >= 1
+    assert any("qmm_swiglu" in w and "'r'" in w for w in case["warnings"]), case
 
 
 def test_k_split_inside_a_group_is_gathered_with_a_warning(cases):
@@ -81,3 +93,16 @@ def test_model_tp_ep(cases):
     assert case["decode_same_tokens"], case
     assert case["weight_gathers"] == [], case
     assert case["all_reduces"] >= 1, case
+    # tp splits the fused matrices back into their parts (each split on tp)
+    assert {"wq", "wk", "wv", "bq", "e_gate", "e_up", "e_gate_bias"} <= set(case["keys"])
+    assert "wqkv" not in case["keys"] and "e_gate_up" not in case["keys"]
+    # the experts of all layers flattened would not stay split on ep: off on a mesh
+    assert case["experts_by_layer"] is False
+
+
+def test_model_ep_keeps_fused_matrices(cases):
+    case = cases["model_gpt_oss_ep"]
+    assert {"wqkv", "bqkv", "e_gate_up", "e_gate_up_bias"} <= set(case["keys"])
+    assert case["err"] <= 1e-5 * case["scale"], case
+    assert case["weight_gathers"] == [], case
+    assert case["experts_by_layer"] is False

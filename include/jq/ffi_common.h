@@ -195,7 +195,7 @@ inline ffi::Error make_qmv(const ffi::AnyBuffer& x, const ffi::AnyBuffer& data,
                            const ffi::AnyBuffer& scales, const ffi::AnyBuffer& biases,
                            const ffi::AnyBuffer& gs, const ffi::AnyBuffer& indices,
                            const ffi::AnyBuffer& y, int64_t fmt, int64_t bits, int64_t group,
-                           QmvProblem* p, bool own_slot_map = false) {
+                           QmvProblem* p, bool own_slot_map = false, int64_t y_cols = -1) {
   if (auto e = check_format(fmt, bits, group); e.failure()) return e;
   p->fmt = (int32_t)fmt;
   p->bits = (int32_t)bits;
@@ -220,9 +220,12 @@ inline ffi::Error make_qmv(const ffi::AnyBuffer& x, const ffi::AnyBuffer& data,
   if (y.element_type() != x.element_type())
     return invalid(std::string("the output must have x's dtype ") + dtype_name(x.element_type()) +
                    "; got " + dtype_name(y.element_type()));
-  if (yd.size() != 3 || !dims_ok(yd) || yd[1] != xd[1] || yd[2] != p->N)
-    return invalid("the output must be [S, M=" + std::to_string(xd[1]) + ", N=" +
-                   std::to_string(p->N) + "]; got shape " + dims_str(yd));
+  // y_cols: the output's last axis when it is not N (a fused epilogue's)
+  const int64_t ycols = y_cols >= 0 ? y_cols : p->N;
+  if (yd.size() != 3 || !dims_ok(yd) || yd[1] != xd[1] || yd[2] != ycols)
+    return invalid("the output must be [S, M=" + std::to_string(xd[1]) +
+                   (y_cols >= 0 ? ", " : ", N=") + std::to_string(ycols) + "]; got shape " +
+                   dims_str(yd));
   p->S = yd[0];
   p->M = xd[1];
   p->Sx = xd[0];

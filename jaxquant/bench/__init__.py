@@ -3,8 +3,9 @@
 Each scenario is a module here with a `SCENARIO` dict: `help` (one line),
 `add_arguments(parser, cpu)` (its options, with defaults sized for the platform:
 realistic model shapes on a GPU, small ones on a CPU), `run(args, out)` (prints
-its tables through `out`, returns (rows, copy bandwidth)) and `xlabel` (the swept
-size, for --plot). Adding a scenario is one module and one entry in SCENARIOS.
+its tables through `out`, returns (rows, copy bandwidth)), `xlabel` (the swept
+size, for --plot) and optionally `env` (environment defaults it needs set before
+JAX starts). Adding a scenario is one module and one entry in SCENARIOS.
 The runtime `import jaxquant` does not import this package.
 """
 
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> module (imported when the command line is built).
 SCENARIOS = {"qmm": "jaxquant.bench.qmm", "norm": "jaxquant.bench.norm",
              "moe": "jaxquant.bench.moe", "decode": "jaxquant.bench.decode",
-             "prefill": "jaxquant.bench.prefill"}
+             "prefill": "jaxquant.bench.prefill", "model": "jaxquant.bench.model"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +55,11 @@ def main(argv=None, out=print) -> int:
     from jaxquant.bench import harness
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    name = next((a for a in argv if not a.startswith("-")), None)
+    if name in SCENARIOS:  # before parser() starts JAX
+        for key, value in importlib.import_module(SCENARIOS[name]).SCENARIO.get("env",
+                                                                                {}).items():
+            os.environ.setdefault(key, value)
     p = parser()
     args = p.parse_args(argv)
     harness.check_common(p, args)

@@ -1,6 +1,6 @@
 """Decode on NVIDIA: the tensor-core GEMV on the cuda_mma layout (docs/decode.md).
 
-  python -m jaxquant bench decode [--only qmm,peers,moe,step] [--modes ...] [--ms 1,8,16]
+  python -m jaxquant bench decode [--only qmm,peers,moe,step,fused] [--modes ...] [--ms 1,8,16]
 
 - qmm: M = 1 (every mode), 8 and 16 at (K, N) = (4096, 14336) and (14336, 4096):
   the ffi kernel on `jq.prepack`ed weights, the pallas kernel on canonical ones,
@@ -9,6 +9,10 @@
   on the same GPU in the same process, where torch is importable.
 - moe: gather_qmm decode layers (gpt-oss-20b, Qwen3-30B-A3B; T = 1 and 8), %
   of the copy bandwidth over the bytes of the distinct experts picked.
+- fused: the fused decode GEMVs against their unfused ops, back to back at
+  Llama-3-8B dims: rms_norm_qmm (norm + QKV, 4096 -> 6144) against rms_norm then
+  qmm, qmm_swiglu (gate + up, 4096 -> 2 x 14336, silu) against qmm then the
+  activation in XLA; M = 1 and 8, affine4 and mxfp4, % of the copy bandwidth.
 - step: a decode step of 8 layers (rms_norm -> gate, up, down qmm -> residual,
   M = 1, synced per step as a generation loop is), unrolled and as a lax.scan
   over the stacked layers, against bf16 dense.
@@ -128,6 +132,8 @@ def _time_torch(fn, per_call, iters=7, inner=10):
 def bench_torch_peers(bw, out, copies=8):
     try:
         import torch
+
+        from jaxquant.bench import torch_peer
     except Exception as e:  # noqa: BLE001
         _line(out, "torch peers: torch not importable:", e)
         return {}
@@ -145,17 +151,8 @@ def bench_torch_peers(bw, out, copies=8):
         _line(out, f"1, {k}, {n}", "torch bf16 F.linear", f"{us:.1f}",
               f"{100 * n * k * 2 / (us * 1e-6) / bw:.0f}%")
         try:
-            packs = []
-            for w in ws:  # int4 group 64, asymmetric (the same kind as affine4 g64)
-                wg = w.float().reshape(n, k // 64, 64)
-                lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-                scale = ((hi - lo) / 15).clamp(min=1e-8)
-                q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
-                zero = lo + 8 * scale  # int4pack dequantizes (q - 8) * scale + zero
-                sz = torch.stack([scale.reshape(n, k // 64), zero.reshape(n, k // 64)], -1)
-                sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/64, N, 2]
-                q_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-                packs.append((torch._convert_weight_to_int4pack(q_u8, 8), sz))
+            # int4 group 64, asymmetric (the same kind as affine4 g64)
+            packs = [torch_peer.int4pack(w, 64) for w in ws]
             us = _time_torch(lambda: [torch._weight_int4pack_mm(x, p, 64, sz) for p, sz in packs],
                             copies) * 1e6
             nbytes = n * k // 2 + n * (k // 64) * 4
@@ -198,6 +195,42 @@ def bench_moe(bw, out, copies=8):
                 _line(out, name, t, impl, f"{us:.1f}", f"{distinct:.1f}",
                       f"{100 * distinct * per_expert / (us * 1e-6) / bw:.0f}%")
         del qw, packed
+    return res
+
+
+FUSED_SHAPES = {"rms_norm_qmm": (4096, 6144), "qmm_swiglu": (4096, 2 * 14336)}  # (K, N)
+
+
+def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
+    _line(out, "fused: op, M, K, N", "mode", "impl", "us", "%copy", "unfused / fused")
+    res = {}
+    for op, (k, n) in FUSED_SHAPES.items():
+        ws = [(0.05 * jax.random.normal(jax.random.key(7 * i + 1), (n, k), jnp.float32)
+               ).astype(jnp.bfloat16) for i in range(copies)]
+        nw = 1 + 0.1 * jax.random.normal(jax.random.key(5), (k,), jnp.bfloat16)
+        if op == "rms_norm_qmm":
+            fused = lambda x, q: jq.rms_norm_qmm(x, nw, q)
+            unfused = lambda x, q: jq.qmm(jq.rms_norm(x, nw), q)
+        else:
+            fused = lambda x, q: jq.qmm_swiglu(x, q)
+
+            def unfused(x, q):
+                g, u = jnp.split(jq.qmm(x, q).astype(jnp.float32), 2, axis=-1)
+                return (jax.nn.silu(g) * u).astype(x.dtype)
+        for mode in modes:
+            packed = [jq.prepack(_quantize(mode, w), layout="cuda_mma") for w in ws]
+            nbytes = _nbytes(packed[0])
+            for m in ms:
+                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                for impl, f in (("unfused", unfused), ("fused", fused)):
+                    us = _timeit(_many(f), (x, packed), copies) * 1e6
+                    res[(op, m, mode, impl)] = us
+                    ratio = res[(op, m, mode, "unfused")] / us if impl == "fused" else None
+                    _line(out, f"{op}, {m}, {k}, {n}", mode, impl, f"{us:.1f}",
+                          f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
+                          f"{ratio:.2f}x" if ratio else "")
+            del packed
+        del ws
     return res
 
 
@@ -273,8 +306,9 @@ def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
 def add_arguments(parser, cpu):
     from jaxquant.bench import harness
 
-    parser.add_argument("--only", default="qmm,peers,moe,step",
-                        help="parts to run: qmm, peers (torch), moe, step (default: %(default)s)")
+    parser.add_argument("--only", default="qmm,peers,moe,fused,step",
+                        help="parts to run: qmm, peers (torch), moe, fused, step "
+                             "(default: %(default)s)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="qmm modes at (4096, 14336) (affine4 and mxfp4 at both shapes)")
     parser.add_argument("--ms", default="1,8,16", help="rows of x for the qmm part")
@@ -305,6 +339,8 @@ def run(args, out):
         bench_torch_peers(bw, out, copies=args.copies)
     if "moe" in parts:
         bench_moe(bw, out, copies=args.copies)
+    if "fused" in parts:
+        bench_fused(bw, out, copies=args.copies)
     if "step" in parts:
         bench_step(bw, out)
     return [], bw

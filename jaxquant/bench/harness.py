@@ -10,7 +10,7 @@ of (sample time / inner / n_products).
 Bandwidth. A device-to-device copy (read + write of a large buffer) is timed
 in the same run; "%copy" is (bytes the product must move) / time over the
 copy's (bytes read + written) / time. On a CPU such a copy measures caches
-rather than memory, so the tables leave %copy out there.
+rather than memory, so the tables leave GB/s and %copy out there (GFLOP/s instead).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def start(out, interpret) -> float:
     dev = jax.devices()[0]
     out(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}")
     if on_cpu():
-        out(f"# copy bandwidth (read+write): {bw / 1e9:.0f} GB/s; %copy is left out on the CPU "
-            f"(a copy there measures caches, not memory)")
+        out("# CPU: no GB/s or %copy columns (a copy or a product this size runs from the "
+            "caches, so bytes/s say nothing about memory); GFLOP/s instead of TFLOP/s")
     else:
         out(f"# copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
     if dispatch.unavailable_reason("ffi") is not None:
@@ -156,13 +156,13 @@ def run_case(rows, fn, args, *, n_products, nbytes, case, x, family, mode, impl,
 
 def print_table(rows, bw, out, *, base: str | None, ref: str, case_title: str, flops=True):
     """A markdown table of `rows` (one case): time, speed-up over the `base` impl
-    (where given) and over the same mode's `ref` impl, GB/s, %copy (not on the CPU),
-    TFLOP/s, error."""
+    (where given) and over the same mode's `ref` impl, GB/s and %copy (not on the CPU),
+    TFLOP/s (GFLOP/s on the CPU), error."""
     cpu = on_cpu()
     cols = [case_title, "mode", "impl", "µs"] + ([f"vs {base}"] if base else [])
-    cols += [f"vs {ref}", "GB/s"]
-    cols += [] if cpu else ["%copy"]
-    cols += ["TFLOP/s"] if flops else []
+    cols += [f"vs {ref}"]
+    cols += [] if cpu else ["GB/s", "%copy"]
+    cols += [("GFLOP/s" if cpu else "TFLOP/s")] if flops else []
     cols += ["rel.err"]
     out("")
     out("| " + " | ".join(cols) + " |")
@@ -178,9 +178,10 @@ def print_table(rows, bw, out, *, base: str | None, ref: str, case_title: str, f
                   and r.mode != "-" else "")
         vs_base = [f"{base_row.us / r.us:.2f}x" if base_row is not None else ""] if base else []
         gbs = r.nbytes / (r.us * 1e-6) / 1e9
-        cells = [r.case, r.mode, r.impl, f"{r.us:.1f}", *vs_base, vs_ref, f"{gbs:.0f}"]
-        cells += [] if cpu else [f"{100 * gbs * 1e9 / bw:.0f}%"]
-        cells += [f"{r.flops / (r.us * 1e-6) / 1e12:.2f}"] if flops else []
+        cells = [r.case, r.mode, r.impl, f"{r.us:.1f}", *vs_base, vs_ref]
+        cells += [] if cpu else [f"{gbs:.0f}", f"{100 * gbs * 1e9 / bw:.0f}%"]
+        flop_s = r.flops / (r.us * 1e-6)
+        cells += [f"{flop_s / 1e9:.1f}" if cpu else f"{flop_s / 1e12:.2f}"] if flops else []
         cells += ["" if r.err is None else f"{r.err:.1e}"]
         out("| " + " | ".join(cells) + " |")
 

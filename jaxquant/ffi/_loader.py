@@ -19,7 +19,7 @@ import pathlib
 
 import jax
 
-from jaxquant._native import open_library, search_dirs
+from jaxquant._native import first_file, open_library, search_dirs
 
 # platform (as JAX lowers: ctx.module_context.platforms) -> library stem, XLA platform name
 PLATFORMS = {
@@ -50,6 +50,18 @@ def _search_dirs() -> list[pathlib.Path]:
     return search_dirs("JAXQUANT_FFI_LIB_DIR", __package__, __file__)
 
 
+def build_decision(dirs: list[pathlib.Path], platform: str) -> str | None:
+    """Why the build left `platform`'s library out, as it said (CMakeLists.txt writes one
+    line a GPU platform to native_build.txt beside the libraries, e.g. "cuda: not built:
+    nvcc found but no NVIDIA GPU visible ..."); None where it recorded no such line."""
+    path = first_file(dirs, "native_build.txt")
+    if path is None:
+        return None
+    prefix = f"{platform}: not built: "
+    return next((line[len(prefix):] for line in path.read_text().splitlines()
+                 if line.startswith(prefix)), None)
+
+
 def _filename(stem: str) -> str:
     return f"lib{stem}.so" if os.name != "nt" else f"{stem}.dll"
 
@@ -57,11 +69,13 @@ def _filename(stem: str) -> str:
 def load(platform: str) -> Library:
     stem, _ = PLATFORMS[platform]
     lib = Library(platform)
-    why = {"cpu": "no C++ compiler or CMake at build time, or jaxquant was not installed "
-                  "with `pip install -e .`",
-           "cuda": "nvcc was not found when jaxquant was built",
-           "rocm": "no HIP compiler (or CMake < 3.27) when jaxquant was built"}[platform]
-    lib.path, handle, lib.error = open_library(_filename(stem), _search_dirs(), why,
+    dirs = _search_dirs()
+    why = build_decision(dirs, platform) or {
+        "cpu": "no C++ compiler or CMake at build time, or jaxquant was not installed "
+               "with `pip install -e .`",
+        "cuda": "nvcc was not found when jaxquant was built",
+        "rocm": "no HIP compiler (or CMake < 3.27) when jaxquant was built"}[platform]
+    lib.path, handle, lib.error = open_library(_filename(stem), dirs, why,
                                                "jq_abi_version", ABI_VERSION)
     if handle is None:
         return lib

@@ -8,6 +8,10 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
 - The prefill GEMM (hip_src/qmm_gemm.h): qmm with more rows (16-bit x) and
   ragged_qmm, whose row blocks skip empty groups on the device. ragged_qmm with
   few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
+- The fused GEMVs (hip_src/qmv_mma.h, FUSE): rms_norm_qmm (the norm applied to x
+  as the block stages it) and qmm_swiglu (a block owns a gate tile and its up tile
+  and writes the activation), with at most MMA_MAX_M rows of x; other cases of
+  those ops run the unfused ops (jaxquant/ops/fused.py).
 - The layout's dequantize (hip_src/qmm_gemm.h) for `jq.dequantize` into a 16-bit
   dtype and, under automatic choice, for qmm with more than
   configs.mma_gemm_max_m rows: the dequantized weight, then XLA's dot (cuBLAS).
@@ -29,13 +33,20 @@ from jaxquant import dispatch
 from jaxquant.ffi import configs
 from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
 from jaxquant.layouts import cuda_mma
+from jaxquant.ops.common import ragged_group_ends
 from jaxquant.ops.qmm import qmm_reference
 from jaxquant.quantized_array import QuantizedArray
 
 TARGET = "jaxquant_qmv_mma"
 GEMM_TARGET = "jaxquant_qmm_gemm"
 DEQUANT_TARGET = "jaxquant_dequant_mma"
+FUSED_TARGET = "jaxquant_qmv_mma_fused"
 MMA_MAX_M = 16  # rows of x per weight matrix: the MMA's N (8 or 16)
+# The fused GEMV (qmv_mma.h): its kinds, activations, and the most bytes of x the
+# norm's block stages in shared memory (M x (K x bytes + 16); kMaxNormXSharedBytes).
+FUSE_NORM, FUSE_SWIGLU = 1, 2
+SWIGLU_ACTIVATION_IDS = {"silu": 0, "gpt_oss": 1}
+NORM_MAX_X_SHARED_BYTES = 96 * 1024
 # Priority against the other kernels on CUDA (pallas 0, the canonical ffi GEMV -1):
 # only this kernel reads the layout, so it is first wherever it applies.
 PRIORITY = 10
@@ -56,6 +67,21 @@ def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
     idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         x3, *_qw_operands(qw3), idx, **_format_attrs(qw3), dedupe=np.int64(dedupe))
+
+
+def qmv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_offset=0.0,
+                       activation="silu", limit=None, alpha=0.0):
+    """The fused GEMV: x3 [E, M, K] with qw3 [E, N, K] in the cuda_mma layout.
+    FUSE_NORM: rms_norm_qmm, aux the norm weight [K] or None -> [E, M, N];
+    FUSE_SWIGLU: qmm_swiglu, aux the bias [N] or None -> [E, M, N / 2]."""
+    e, n, _ = qw3.shape
+    out = jax.ShapeDtypeStruct((e, x3.shape[1], n // 2 if fuse == FUSE_SWIGLU else n), x3.dtype)
+    aux = aux if aux is not None else jnp.zeros((0,), jnp.float32)
+    return jax.ffi.ffi_call(FUSED_TARGET, out, vmap_method="sequential")(
+        x3, *_qw_operands(qw3), aux, **_format_attrs(qw3), fuse=np.int64(fuse),
+        eps=np.float32(eps), weight_offset=np.float32(weight_offset),
+        activation=np.int64(SWIGLU_ACTIVATION_IDS[activation]),
+        limit=np.float32(np.inf if limit is None else limit), alpha=np.float32(alpha))
 
 
 def qmm_gemm_call(x3, qw3: QuantizedArray, group_sizes=None):
@@ -119,22 +145,59 @@ def cublas_qmm_impl(x, qw, *, transpose, precision, platform):
                          dequantize=dequantize_mma_call)
 
 
+def _flat_qw(qw):
+    """qw [*B, N, K] as [prod(B), N, K] (a 2-D qw gets a leading axis of 1)."""
+    nb = qw.ndim - 2
+    b = math.prod(qw.shape[:nb])
+    flat = lambda a: None if a is None else a.reshape(b, *a.shape[nb:])
+    return QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), qw.global_scale,
+                          mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
+                          layout=qw.layout)
+
+
 def _qmm_on(call):
     """qmm's impl on `call(x3 [B, M, K], qw3 [B, N, K]) -> [B, M, N]`."""
     def impl(x, qw, *, transpose, precision, platform):
-        nb = qw.ndim - 2
-        b = math.prod(qw.shape[:nb])
+        qw3 = _flat_qw(qw)
         m, k, n = _rows_per_matrix(x, qw), x.shape[-1], qw.shape[-2]
-        flat = lambda a: None if a is None else a.reshape(b, *a.shape[nb:])
-        qw3 = QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), qw.global_scale,
-                             mode=qw.mode, bits=qw.bits, group_size=qw.group_size,
-                             dtype=qw.dtype, layout=qw.layout)
-        return call(x.reshape(b, m, k), qw3).reshape(*x.shape[:-1], n)
+        return call(x.reshape(qw3.shape[0], m, k), qw3).reshape(*x.shape[:-1], n)
     return impl
 
 
 qmm_impl = _qmm_on(qmv_mma_call)
 gemm_qmm_impl = _qmm_on(qmm_gemm_call)
+
+
+def _fused_ok(x, qw, aux):
+    """The cases both fused GEMVs take: x [..., K] (at most MMA_MAX_M rows) with a 2-D
+    qw in the layout, the norm weight / bias (aux) None or a kernel dtype."""
+    return (_qw_ok(qw) and qw.ndim == 2 and jnp.dtype(x.dtype) in _X_DTYPES
+            and 0 < _rows_per_matrix(x, qw) <= MMA_MAX_M and qw.shape[0] > 0
+            and (aux is None or jnp.dtype(aux.dtype) in _X_DTYPES))
+
+
+def rms_norm_qmm_applies(x, norm_weight, qw, *, eps, weight_offset, precision, platform):
+    x_bytes = _rows_per_matrix(x, qw) * (x.shape[-1] * jnp.dtype(x.dtype).itemsize + 16)
+    return _fused_ok(x, qw, norm_weight) and x_bytes <= NORM_MAX_X_SHARED_BYTES
+
+
+def rms_norm_qmm_impl(x, norm_weight, qw, *, eps, weight_offset, precision, platform):
+    m, n = _rows_per_matrix(x, qw), qw.shape[0]
+    y = qmv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), norm_weight,
+                           fuse=FUSE_NORM, eps=eps, weight_offset=weight_offset)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def qmm_swiglu_applies(x, qw, bias, *, activation, limit, alpha, precision, platform):
+    # a block owns gate tile j and up tile j + I / 16: whole tiles, I % 16 == 0
+    return _fused_ok(x, qw, bias) and qw.shape[0] % (2 * cuda_mma.TILE_ROWS) == 0
+
+
+def qmm_swiglu_impl(x, qw, bias, *, activation, limit, alpha, precision, platform):
+    m, i = _rows_per_matrix(x, qw), qw.shape[0] // 2
+    y = qmv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), bias, fuse=FUSE_SWIGLU,
+                           activation=activation, limit=limit, alpha=alpha)
+    return y.reshape(*x.shape[:-1], i)
 
 
 def gather_qmm_applies(x, qw, indices, *, transpose, precision, platform):
@@ -162,12 +225,12 @@ def ragged_qmm_applies(x, qw, group_sizes, *, transpose, precision, platform):
 
 def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
     t = x.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     if t > configs.RAGGED_GATHER_MAX_T:
-        return qmm_gemm_call(x[None], qw, sizes)[0]
+        # the kernel clamps each size to [0, T] and cuts the groups at T itself
+        return qmm_gemm_call(x[None], qw, jnp.clip(group_sizes, 0, t).astype(jnp.int32))[0]
     # few rows: each row is a gather slot of its group's expert (ids stay on the
     # device); rows past the groups get id E (a NaN row), then zero
-    ends = jnp.cumsum(sizes)
+    ends = ragged_group_ends(group_sizes, t)
     ids = jnp.searchsorted(ends, jnp.arange(t, dtype=ends.dtype), side="right")
     y = qmv_mma_call(x[:, None, :], qw, ids.astype(jnp.int32), dedupe=min(t, MMA_MAX_M))
     past = jnp.arange(t) >= ends[-1]
@@ -176,7 +239,7 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
 
 def register(lib) -> None:
     """Register the CUDA library's kernels on the layout (their own handler symbols,
-    jq_gpu_qmv_mma, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
+    jq_gpu_qmv_mma, jq_gpu_qmv_mma_fused, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
     every library lists)
     and their lowerings;
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
@@ -192,20 +255,25 @@ def register(lib) -> None:
     dispatch.register("qmm", "ffi", ("cuda",), qmm_impl, qmm_applies, priority=PRIORITY)
     dispatch.register("gather_qmm", "ffi", ("cuda",), gather_qmm_impl, gather_qmm_applies,
                       priority=PRIORITY)
-    if hasattr(lib.handle, "jq_gpu_qmm_gemm"):  # the prefill GEMM (a newer library)
-        jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.handle.jq_gpu_qmm_gemm),
+    # the handlers a newer library adds: symbol, target, the kernels on it
+    optional = (
+        ("jq_gpu_qmv_mma_fused", FUSED_TARGET,  # the fused GEMVs
+         (("rms_norm_qmm", rms_norm_qmm_impl, rms_norm_qmm_applies, PRIORITY, None),
+          ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY, None))),
+        ("jq_gpu_qmm_gemm", GEMM_TARGET,  # the prefill GEMM
+         (("qmm", gemm_qmm_impl, gemm_qmm_applies, PRIORITY, gemm_qmm_auto),
+          ("ragged_qmm", ragged_qmm_impl, ragged_qmm_applies, PRIORITY, None))),
+        ("jq_gpu_dequant_mma", DEQUANT_TARGET,  # the layout's dequantize
+         (("dequantize", dequantize_mma_call, dequantize_applies, PRIORITY, None),
+          # many rows: below the GEMM, which an explicit backend="ffi" gets
+          ("qmm", cublas_qmm_impl, gemm_qmm_applies, PRIORITY - 1, cublas_qmm_auto))),
+    )
+    for symbol, target, kernels in optional:
+        if not hasattr(lib.handle, symbol):
+            continue
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib.handle, symbol)),
                                     platform="CUDA")
-        dispatch.register("qmm", "ffi", ("cuda",), gemm_qmm_impl, gemm_qmm_applies,
-                          priority=PRIORITY, auto=gemm_qmm_auto)
-        dispatch.register("ragged_qmm", "ffi", ("cuda",), ragged_qmm_impl, ragged_qmm_applies,
-                          priority=PRIORITY)
-    if hasattr(lib.handle, "jq_gpu_dequant_mma"):
-        jax.ffi.register_ffi_target(DEQUANT_TARGET,
-                                    jax.ffi.pycapsule(lib.handle.jq_gpu_dequant_mma),
-                                    platform="CUDA")
-        dispatch.register("dequantize", "ffi", ("cuda",), dequantize_mma_call,
-                          dequantize_applies, priority=PRIORITY)
-        # many rows: below the GEMM, which an explicit backend="ffi" gets
-        dispatch.register("qmm", "ffi", ("cuda",), cublas_qmm_impl, gemm_qmm_applies,
-                          priority=PRIORITY - 1, auto=cublas_qmm_auto)
+        for primitive, impl, applies, priority, auto in kernels:
+            dispatch.register(primitive, "ffi", ("cuda",), impl, applies, priority=priority,
+                              auto=auto)
     cuda_mma.make_default_on("cuda")

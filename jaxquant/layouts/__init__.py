@@ -26,9 +26,13 @@ What a layout may change, so that the rest of the library need not know it:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
@@ -44,6 +48,10 @@ class Layout:
       layout (mode, sizes), or None when it can.
     platforms: where `jq.prepack(qw)` with no layout named picks this one
       (JAX platform names: "cuda", "rocm", "cpu"), first registered first.
+    row_block: the permutation keeps every block of this many rows (N) in
+      place, in both arrangements, and packs the rows after the last whole
+      block on their own; 0 when it spans the whole matrix. `jq.prepack` then
+      converts a large matrix a few blocks at a time (bounded memory).
     """
 
     name: str
@@ -52,6 +60,7 @@ class Layout:
     unsupported: Callable
     platforms: tuple[str, ...] = ()
     doc: str = ""
+    row_block: int = 0
 
 
 LAYOUTS: dict[str, Layout] = {}
@@ -89,8 +98,10 @@ def default_layout(qw: QuantizedArray, platform: str | None = None) -> str:
     """The layout `jq.prepack(qw)` picks on `platform` (default: that of the
     default device): the first registered for it that takes `qw`, else canonical."""
     platform = platform or _default_platform()
+    # `unsupported` reads shapes and the mode: the canonical arrays' shapes will do
+    canonical = qw if qw.layout == CANONICAL else jax.eval_shape(unpack_layout, qw)
     for layout in LAYOUTS.values():
-        if platform in layout.platforms and layout.unsupported(unpack_layout(qw)) is None:
+        if platform in layout.platforms and layout.unsupported(canonical) is None:
             return layout.name
     return CANONICAL
 
@@ -104,6 +115,12 @@ def prepack(qw: QuantizedArray, layout: str | None = None) -> QuantizedArray:
     it cannot hold `qw`. A QuantizedArray already in another layout is
     unpacked first. Jittable with `layout` static
     (`jax.jit(jq.prepack, static_argnames="layout")`).
+
+    Memory: a stack [..., N, K] is converted a piece at a time (whole matrices,
+    or blocks of rows of one matrix where the layout allows), so the device
+    needs the result plus at most about a quarter of the weight's bytes on
+    top of `qw` itself, not the several-fold expansion of converting all of
+    it at once.
     """
     if not isinstance(qw, QuantizedArray):
         raise TypeError(f"qw must be a jaxquant.QuantizedArray; got {type(qw).__name__}")
@@ -120,7 +137,7 @@ def prepack(qw: QuantizedArray, layout: str | None = None) -> QuantizedArray:
     why = target.unsupported(qw)
     if why is not None:
         raise ValueError(f"layout={layout!r} cannot hold this QuantizedArray ({qw!r}): {why}")
-    return _with_arrays(qw, target.pack(qw), layout)
+    return _with_arrays(qw, _convert(qw, target.name, True), layout)
 
 
 def unpack_layout(qw: QuantizedArray) -> QuantizedArray:
@@ -130,7 +147,122 @@ def unpack_layout(qw: QuantizedArray) -> QuantizedArray:
         raise TypeError(f"qw must be a jaxquant.QuantizedArray; got {type(qw).__name__}")
     if qw.layout == CANONICAL:
         return qw
-    return _with_arrays(qw, get(qw.layout).unpack(qw), CANONICAL)
+    return _with_arrays(qw, _convert(qw, get(qw.layout).name, False), CANONICAL)
+
+
+# ---------------------------------------------------------------------------
+# Converting in bounded memory. A layout's pack/unpack expands the codes of
+# what it converts (4-bit codes unpacked to uint32: 8x, plus the permuted
+# copy), so all of a stacked [L, E, N, K] weight at once would need many times
+# its own size. Instead each piece of at most 1/PIECES of the weight's bytes
+# is converted in a loop and written in place into the result (unfused, a
+# piece expands about 23x: tests/test_layouts.py measures it).
+
+PIECES = 128
+
+
+def _convert(qw: QuantizedArray, name: str, pack: bool):
+    """(data, scales, biases) of `qw` converted by layout `name`'s pack (or
+    unpack), piece by piece (see above)."""
+    return _convert_jit(qw, name, pack)
+
+
+def _children(qw):
+    return (qw.data, qw.scales, qw.biases)
+
+
+def _nbytes(arrays):
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays if a is not None)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _convert_jit(qw, name, pack):
+    layout = LAYOUTS[name]
+    fn = layout.pack if pack else layout.unpack
+    lead, n = qw.data.shape[:-2], qw.data.shape[-2]
+    b = math.prod(lead)
+    flat = [None if c is None else c.reshape(b, *c.shape[len(lead):]) for c in _children(qw)]
+
+    def convert(children):  # a piece [m, rows, ...] (or [rows, ...]) of every child
+        data, scales, biases = children
+        return fn(QuantizedArray(data, scales, biases, None, mode=qw.mode, bits=qw.bits,
+                                 group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout))
+
+    total = _nbytes(flat)
+    budget = max(total // PIECES, 1)
+    matrix = total // b if b else 0
+    rows = n
+    if layout.row_block and matrix > budget and n > layout.row_block:
+        rows = max(budget * n // matrix // layout.row_block, 1) * layout.row_block
+    if rows >= n:  # whole matrices: the most that fit the budget, a divisor of b
+        m = max([d for d in range(1, b + 1) if b % d == 0 and d * matrix <= budget] or [1])
+        outs = _loop(convert, flat, b // m, lambda i: ((i * m, m),), rows_axis=None)
+    else:  # blocks of `rows` rows of one matrix, then the rows after the last block
+        per = n // rows
+        main = rows * per
+        outs = _loop(convert, flat, b * per, lambda i: ((i // per, 1), ((i % per) * rows, rows)),
+                     rows_axis=1, tail=main)
+    return tuple(None if o is None else o.reshape(*lead, *o.shape[1:]) for o in outs)
+
+
+def _loop(convert, flat, count, where, rows_axis, tail=None):
+    """Convert `count` pieces of the [B, rows, ...] children (piece i at the
+    (start, size) pairs where(i) on axes 0 and, given rows_axis, 1) into fresh
+    arrays in place; with `tail`, then each matrix's rows from `tail` on."""
+    def take(arrays, i, tail_rows=False):
+        out = []
+        for a in arrays:
+            if a is None:
+                out.append(None)
+                continue
+            if tail_rows:  # matrix i, rows tail..end (whatever a layout pads there)
+                piece = lax.dynamic_slice_in_dim(a, i, 1, 0)[0, tail:]
+            else:
+                (s0, n0), *rest = where(i)
+                piece = lax.dynamic_slice_in_dim(a, s0, n0, 0)
+                if rest:
+                    (s1, n1), = rest
+                    piece = lax.dynamic_slice_in_dim(piece[0], s1, n1, 0)
+            out.append(piece)
+        return tuple(out)
+
+    piece0 = jax.eval_shape(lambda f: convert(take(f, 0)), flat)
+    tail0 = jax.eval_shape(lambda f: convert(take(f, 0, True)), flat) if tail is not None else None
+    b = next(a for a in flat if a is not None).shape[0]
+
+    def out_shape(k):
+        p = piece0[k]
+        if p is None:
+            return None
+        if rows_axis is None:  # whole matrices: [m, ...] pieces of [B, ...]
+            return (b, *p.shape[1:]), p.dtype
+        rows = tail + (tail0[k].shape[0] if tail0 is not None and tail < flat[0].shape[1] else 0)
+        return (b, rows, *p.shape[1:]), p.dtype
+
+    shapes = [out_shape(k) for k in range(3)]
+    outs = tuple(None if s is None else jnp.zeros(*s) for s in shapes)
+
+    def put(outs, piece, starts):
+        return tuple(None if o is None else lax.dynamic_update_slice(o, p, starts(o))
+                     for o, p in zip(outs, piece))
+
+    def body(i, outs):
+        piece = convert(take(flat, i))
+        (s0, _), *rest = where(i)
+        if not rest:
+            return put(outs, piece, lambda o: (s0,) + (0,) * (o.ndim - 1))
+        (s1, _), = rest
+        return put(outs, tuple(None if p is None else p[None] for p in piece),
+                   lambda o: (s0, s1) + (0,) * (o.ndim - 2))
+
+    outs = body(0, outs) if count == 1 else lax.fori_loop(0, count, body, outs)
+    if tail is not None and tail < flat[0].shape[1]:
+        def tail_body(i, outs):
+            piece = convert(take(flat, i, True))
+            return put(outs, tuple(None if p is None else p[None] for p in piece),
+                       lambda o: (i, tail) + (0,) * (o.ndim - 2))
+        outs = lax.fori_loop(0, b, tail_body, outs)
+    return outs
 
 
 # The layouts the library ships register themselves on import (after the registry exists).

@@ -211,6 +211,6 @@ def _unpack(qw):
 
 
 LAYOUT = register(Layout(
-    NAME, _pack, _unpack, _unsupported, platforms=(),
+    NAME, _pack, _unpack, _unsupported, platforms=(), row_block=SCALE_MN_BLOCK,
     doc="CDNA4 (gfx950) MXFP4 preshuffle: 16x64-byte B tiles and 32x8 scale blocks "
         "contiguous per wave (docs/cdna4.md)"))

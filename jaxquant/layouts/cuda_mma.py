@@ -108,7 +108,7 @@ def unsupported(qw):
 # Registered for every platform (a prepacked checkpoint unpacks anywhere); it becomes
 # `jq.prepack`'s default on CUDA only when the CUDA library with its kernel loaded
 # (jaxquant/ffi/__init__.py calls make_default_on).
-register(Layout(NAME, pack, unpack, unsupported, doc=__doc__))
+register(Layout(NAME, pack, unpack, unsupported, doc=__doc__, row_block=TILE_ROWS))
 
 
 def make_default_on(platform: str) -> None:

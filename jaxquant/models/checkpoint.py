@@ -12,6 +12,11 @@ Families: Llama / Mistral / Qwen2 / Qwen3 (dense), Qwen3-MoE and gpt-oss.
   {"bits", "group_size"[, "mode"]}; a matrix is `{name}.weight` uint32 +
   `.scales` (+ `.biases`)) are imported through `jq.io.from_mlx_tensors`, the
   quantized embedding too; per-layer overrides in "quantization" are honoured.
+- q/k/v and gate/up are fused on load (rows concatenated before quantizing:
+  the same codes as each part's own), and gpt-oss's gate/up rows, interleaved
+  in the checkpoint, are reordered gate rows first, then up rows (exact).
+- Quantized matrices come back in the default device's fastest kernel layout
+  (`layout`, as jq.prepack: "canonical" to opt out).
 - GPTQ, AWQ and compressed-tensors checkpoints (config.json's
   "quantization_config" with quant_method "gptq", "awq" or "compressed-tensors")
   keep their quantized matrices as they are, imported exactly through
@@ -32,7 +37,9 @@ import numpy as np
 
 import jaxquant as jq
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import PermutedMatrix, quantize_args, quantize_matrix
+from jaxquant.models.decoder import (MATRICES, PermutedMatrix, default_per_layer, fuse_layer,
+                                     prepack_params,
+                                     quantize_args, quantize_matrix, stack_layers)
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -89,37 +96,31 @@ def _read_float8(file, name) -> np.ndarray:
     return raw.view(_FLOAT8[entry["dtype"]]).reshape(entry["shape"])
 
 
-def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
+def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str | None = None,
+         fuse: bool = True, per_layer: bool | None = None):
     """(Config, params) from a checkpoint directory. mode: quantize float matrices
-    on load (None keeps them float); dtype: the activation / float weight dtype."""
+    on load (None keeps them float); dtype: the activation / float weight dtype;
+    layout: the kernel layout of the quantized matrices (None: the default
+    device's fastest, as jq.prepack; "canonical" keeps the exchange layout);
+    fuse: q/k/v and gate/up as one matrix each (models.fuse_params);
+    per_layer: the layers as separate buffers, read one at a time (None: the
+    default device's fastest form, models.decoder.default_per_layer); stacked,
+    a matrix must have one format in every layer."""
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     cfg = from_hf(hf, dtype=dtype)
     tensors = _Tensors(path)
     quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"))
-    layers = [_layer(cfg, tensors, quant, i) for i in range(cfg.num_layers)]
-    params = {"layers": _stack_layers(layers),
-              "embed": quant.matrix(tensors, "model.embed_tokens", quantize=False),
+    layers = tuple(_layer(cfg, tensors, quant, i, fuse) for i in range(cfg.num_layers))
+    params = {"layers": layers,
+              "embed": quant.matrix(tensors, "model.embed_tokens"),
               "final_norm": quant.float(tensors["model.norm.weight"])}
     if not cfg.tie_embeddings:
-        params["lm_head"] = quant.matrix(tensors, "lm_head", quantize=lm_head)
-    return cfg, params
-
-
-def _stack_layers(layers):
-    """Per-layer dicts -> one dict of [L, ...] stacks (what lax.scan runs over)."""
-    out = {}
-    for key in layers[0]:
-        parts = [lay[key] for lay in layers]
-        kinds = {(p.mode, p.bits, p.group_size) if isinstance(p, QuantizedArray) else "float"
-                 for p in parts}
-        if len(kinds) > 1:
-            raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
-                             f"; the decoder stacks layers for lax.scan, so a matrix must have "
-                             f"one format across layers (mixed-precision recipes that vary it "
-                             f"per layer are not supported)")
-        out[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
-    return out
+        head = quant.matrix(tensors, "lm_head")
+        params["lm_head"] = quant.quantize(head) if lm_head else head
+    if not (default_per_layer() if per_layer is None else per_layer):
+        params = stack_layers(params)
+    return cfg, prepack_params(params, layout)
 
 
 class _Quantizer:
@@ -140,8 +141,10 @@ class _Quantizer:
             q = own
         return dict(bits=q["bits"], group_size=q["group_size"], mode=q.get("mode", "affine"))
 
-    def matrix(self, tensors, prefix, *, quantize=True):
-        """`{prefix}.weight` [N, K] (or MLX's quantized triple) -> array or QuantizedArray."""
+    def matrix(self, tensors, prefix):
+        """`{prefix}.weight` [N, K] (or MLX's quantized triple) -> float array (as
+        stored), QuantizedArray (MLX's, GPTQ's, AWQ's, compressed-tensors') or
+        PermutedMatrix (act-order GPTQ)."""
         if self.hf_quant is not None:
             w = hf_quantized_matrix(tensors, prefix, self.hf_quant, self.dtype)
             if w is not None:
@@ -154,16 +157,17 @@ class _Quantizer:
                      if f"{prefix}.{p}" in tensors]
             return jq.io.from_mlx_tensors({n: tensors[n] for n in names}, prefix,
                                           dtype=self.dtype, **self._mlx_args(prefix))
-        w = self.float(tensors[f"{prefix}.weight"])
-        return quantize_matrix(w, self.kw) if quantize and self.kw else w
+        return self.float(tensors[f"{prefix}.weight"])
 
-    def stacked(self, w):
-        """A float expert stack [E, N, K], quantized on load."""
-        w = self.float(w)
-        return jq.quantize(w, **self.kw) if self.kw else w
+    def quantize(self, w):
+        """A float matrix [N, K] or expert stack [E, N, K] quantized to `mode` (as
+        jq.quantize); QuantizedArrays, PermutedMatrix and mode=None leave it as it is."""
+        if self.kw is None or isinstance(w, (QuantizedArray, PermutedMatrix)):
+            return w
+        return quantize_matrix(w, self.kw) if w.ndim == 2 else jq.quantize(w, **self.kw)
 
 
-def _layer(cfg: Config, tensors, quant: _Quantizer, i: int) -> dict:
+def _layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool) -> dict:
     pre = f"model.layers.{i}."
     p = {"attn_norm": quant.float(tensors[pre + "input_layernorm.weight"]),
          "mlp_norm": quant.float(tensors[pre + "post_attention_layernorm.weight"])}
@@ -183,7 +187,17 @@ def _layer(cfg: Config, tensors, quant: _Quantizer, i: int) -> dict:
     else:
         for key, name in DENSE.items():
             p[key] = quant.matrix(tensors, pre + name)
-    return p
+    if fuse:  # before quantizing: a fused matrix gets the codes its parts would
+        p = fuse_layer(p)
+    return {k: quant.quantize(v) if k in MATRICES else v for k, v in p.items()}
+
+
+def _halves(a, axis):
+    """Rows interleaved gate, up, gate, up, ... (gpt-oss's gate_up_proj) reordered
+    gate rows first, then up rows: the decoder's one convention."""
+    n = a.shape[axis]
+    order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
+    return jnp.take(a, order, axis=axis)
 
 
 def _gpt_oss_mlp(tensors, quant, pre):
@@ -191,7 +205,7 @@ def _gpt_oss_mlp(tensors, quant, pre):
     p = {"sinks": quant.float(tensors[pre + "self_attn.sinks"]),
          "router": quant.float(tensors[pre + "mlp.router.weight"]),
          "router_bias": quant.float(tensors[pre + "mlp.router.bias"]),
-         "e_gate_up_bias": quant.float(tensors[e + "gate_up_proj_bias"]),
+         "e_gate_up_bias": _halves(quant.float(tensors[e + "gate_up_proj_bias"]), -1),
          "e_down_bias": quant.float(tensors[e + "down_proj_bias"])}
     for key, name in (("e_gate_up", "gate_up_proj"), ("e_down", "down_proj")):
         if e + name + "_blocks" in tensors:  # MXFP4 as shipped: imported bit for bit
@@ -199,7 +213,12 @@ def _gpt_oss_mlp(tensors, quant, pre):
                                         tensors[e + name + "_scales"], dtype=quant.dtype)
             p[key] = jax.tree_util.tree_map(jnp.asarray, p[key])
         else:  # a bf16 export: transformers keeps these as x @ W, [E, K, N]
-            p[key] = quant.stacked(np.swapaxes(tensors[e + name], -1, -2))
+            p[key] = quant.float(np.swapaxes(tensors[e + name], -1, -2))
+    qw = p["e_gate_up"]  # canonical rows are independent: reordering them is exact
+    p["e_gate_up"] = (_halves(qw, -2) if not isinstance(qw, QuantizedArray) else
+                      QuantizedArray(_halves(qw.data, -2), _halves(qw.scales, -2), None, None,
+                                     mode=qw.mode, bits=qw.bits, group_size=qw.group_size,
+                                     dtype=qw.dtype))
     return p
 
 
@@ -209,12 +228,10 @@ def _qwen3_moe_mlp(cfg, tensors, quant, pre):
         switch = pre + "mlp.switch_mlp." + name  # mlx-lm stacks the experts
         if switch + ".weight" in tensors:
             p[key] = quant.matrix(tensors, switch)
-            if not isinstance(p[key], QuantizedArray):
-                p[key] = quant.stacked(p[key])
             continue
         per_expert = [tensors[f"{pre}mlp.experts.{j}.{name}.weight"]
                       for j in range(cfg.num_experts)]
-        p[key] = quant.stacked(np.stack(per_expert))
+        p[key] = quant.float(np.stack(per_expert))
     return p
 
 
@@ -253,8 +270,9 @@ def hf_quantized_matrix(tensors, prefix, quant_config, dtype):
     qw = _on_device(qw)
     if perm is None and not quant_config.get("desc_act"):
         return qw
-    # act-order: every layer carries a permutation (identity where its groups are
-    # contiguous), so the layers stack alike
+    # act-order: every matrix carries a permutation (identity where its groups are
+    # contiguous), so the layers stack alike and q/k/v (gate/up), whose permutations
+    # are one where they share their input's statistics, fuse
     perm = np.arange(qw.shape[-1], dtype=np.int32) if perm is None else perm
     return PermutedMatrix(qw, jnp.asarray(perm))
 

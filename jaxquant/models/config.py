@@ -113,45 +113,192 @@ class Config:
                          f"llama3, yarn)")
 
 
+# config.json keys that do not change what the decoder computes at inference: metadata,
+# training, generation and tokenizer settings (PretrainedConfig's common attributes, in
+# transformers 4.x's full dicts and 5.x's), plus keys starting with "_".
+HARMLESS_KEYS = frozenset({
+    "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "model_type",
+    "attention_dropout", "initializer_range", "use_cache", "pretraining_tp",
+    "max_position_embeddings", "initial_context_length", "router_aux_loss_coef",
+    "output_router_logits", "router_jitter_noise", "bos_token_id", "eos_token_id",
+    "pad_token_id", "sep_token_id", "decoder_start_token_id", "tokenizer_class", "prefix",
+    "id2label", "label2id", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
+    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
+    "output_attentions", "output_hidden_states", "return_dict", "problem_type",
+    "finetuning_task", "task_specific_params", "pruned_heads", "torchscript", "use_bfloat16",
+    "tf_legacy_loss", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "max_window_layers"})
+# RoPE keys rope_inv_freq reads (4.x rope_scaling, 5.x rope_parameters), and the types.
+ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
+                       "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                       "beta_slow", "attention_factor", "truncate"})
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# transformers' defaults where a config.json leaves a key out.
+ROPE_THETA = {"gpt_oss": 150000.0}
+RMS_EPS = {"gpt_oss": 1e-5}
+GPT_OSS_SWIGLU_ALPHA = 1.702  # the decoder's (docs/models.md)
+
+
+class _Fields:
+    """A config.json dict that remembers which keys were read, so what is left over can
+    be refused by name (a key the loader does not understand is never defaulted)."""
+
+    def __init__(self, cfg: dict):
+        self.cfg, self.read = cfg, set()
+
+    def __contains__(self, key):
+        return key in self.cfg
+
+    def __getitem__(self, key):
+        if self.cfg.get(key) is None:
+            raise ValueError(f"config.json has no {key!r} (model_type "
+                             f"{self.cfg.get('model_type')!r} needs it)")
+        self.read.add(key)
+        return self.cfg[key]
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        value = self.cfg.get(key)
+        return default if value is None else value
+
+    def expect(self, key, allowed, why):
+        """Refuse a value of `key` the decoder does not implement (absent / null is fine)."""
+        value = self.get(key)
+        if value is not None and value not in allowed:
+            raise ValueError(f"config.json {key}={value!r} is not supported ({why})")
+
+    def leftover(self):
+        return sorted(k for k in self.cfg if k not in self.read and k not in HARMLESS_KEYS
+                      and not k.startswith("_"))
+
+
+def _rope(f: _Fields, family: str):
+    """(theta, sorted scaling pairs) from 5.x `rope_parameters` or 4.x `rope_theta` +
+    `rope_scaling` (both spellings may appear; they must agree)."""
+    params = dict(f.get("rope_scaling") or {})
+    for key, value in (f.get("rope_parameters") or {}).items():
+        if key in params and params[key] != value:
+            raise ValueError(f"config.json rope_parameters.{key}={value!r} contradicts "
+                             f"rope_scaling.{key}={params[key]!r}")
+        params[key] = value
+    unknown = sorted(set(params) - ROPE_KEYS)
+    if unknown:
+        raise ValueError(f"config.json rope parameters {unknown} are not supported (known: "
+                         f"{sorted(ROPE_KEYS)})")
+    theta = params.pop("rope_theta", None)
+    top = f.get("rope_theta")
+    if theta is not None and top is not None and float(theta) != float(top):
+        raise ValueError(f"config.json rope_theta={top!r} contradicts "
+                         f"rope_parameters.rope_theta={theta!r}")
+    theta = theta if theta is not None else top
+    if theta is None:
+        theta = ROPE_THETA.get(family, 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config.json rope_type={kind!r} is not supported (one of "
+                         f"{ROPE_TYPES})")
+    if kind == "default":
+        params = {}
+    return float(theta), tuple(sorted(params.items()))
+
+
+def _windows(f: _Fields, mt: str, layers: int) -> tuple[int, tuple]:
+    """(sliding window, per-layer windows): `layer_types` where given (5.x writes it for
+    Qwen and gpt-oss), Mistral's window on every layer, gpt-oss alternating by default."""
+    window = int(f.get("sliding_window") or 0)
+    types = f.get("layer_types")
+    if mt in ("qwen2", "qwen3", "qwen3_moe"):
+        f.expect("use_sliding_window", (False,), "Qwen's sliding-window layers")
+        if not types:
+            return 0, ()
+    if mt == "gpt_oss" and not types:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if types:
+        bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if bad or len(types) != layers:
+            raise ValueError(f"config.json layer_types must be {layers} entries of "
+                             f"'sliding_attention' / 'full_attention'; got {types}")
+        if "sliding_attention" in types and not window:
+            raise ValueError("config.json layer_types has sliding_attention layers but no "
+                             "sliding_window")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+        return (window if any(windows) else 0), (windows if any(windows) else ())
+    if mt == "mistral" and window:
+        return window, (window,) * layers
+    return 0, ()
+
+
+def _quantization(f: _Fields):
+    """`quantization` (mlx-lm's; the checkpoint loader reads it) and `quantization_config`:
+    gpt-oss's MXFP4 (read from the tensors) or mlx-lm's copy of `quantization`."""
+    mlx = f.get("quantization")
+    qc = f.get("quantization_config")
+    if qc is not None and qc.get("quant_method") != "mxfp4" and qc != mlx:
+        raise ValueError(f"config.json quantization_config={qc!r} is not supported (the "
+                         f"loader reads float, MLX-quantized and gpt-oss MXFP4 checkpoints)")
+
+
 def from_hf(cfg: dict, dtype: str = "bfloat16") -> Config:
     """A Config from a Hugging Face config.json dict (model_type llama, mistral,
-    qwen2, qwen3, qwen3_moe, gpt_oss)."""
-    mt = cfg.get("model_type", "llama")
+    qwen2, qwen3, qwen3_moe, gpt_oss), as transformers 4.x or 5.x writes it.
+
+    Every key must be one the decoder implements or one that does not change inference
+    (HARMLESS_KEYS); anything else raises ValueError naming the key, rather than being
+    defaulted silently."""
+    f = _Fields(cfg)
+    mt = f.get("model_type", "llama")
     family = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3",
               "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}.get(mt)
     if family is None:
         raise ValueError(f"model_type={mt!r} is not supported; expected llama, mistral, qwen2, "
                          f"qwen3, qwen3_moe or gpt_oss")
-    heads = cfg["num_attention_heads"]
-    hidden = cfg["hidden_size"]
-    layers = cfg["num_hidden_layers"]
-    kw = dict(family=family, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+    f.expect("hidden_act", ("silu",), "the MLPs are SwiGLU")
+    f.expect("mlp_bias", (False,), "the dense MLP has no biases")
+    f.expect("partial_rotary_factor", (1, 1.0), "RoPE rotates the whole head")
+    f.expect("attn_logit_softcapping", (), "no attention soft-capping")
+    f.expect("final_logit_softcapping", (), "no logit soft-capping")
+    _quantization(f)
+    heads = f["num_attention_heads"]
+    hidden = f["hidden_size"]
+    layers = f["num_hidden_layers"]
+    theta, scaling = _rope(f, family)
+    window, windows = _windows(f, mt, layers)
+    kw = dict(family=family, vocab_size=f["vocab_size"], hidden_size=hidden,
               num_layers=layers, num_heads=heads,
-              num_kv_heads=cfg.get("num_key_value_heads", heads),
-              head_dim=cfg.get("head_dim") or hidden // heads,
-              intermediate_size=cfg.get("intermediate_size", 0),
-              rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-              rope_theta=float(cfg.get("rope_theta", 10000.0)),
-              rope_scaling=tuple(sorted((cfg.get("rope_scaling") or {}).items())),
-              tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-              attention_bias=bool(cfg.get("attention_bias", mt in ("qwen2", "gpt_oss"))),
-              qk_norm=family in ("qwen3", "qwen3_moe"), dtype=dtype)
+              num_kv_heads=f.get("num_key_value_heads", heads),
+              head_dim=f.get("head_dim") or hidden // heads,
+              intermediate_size=f.get("intermediate_size", 0),
+              rms_eps=float(f.get("rms_norm_eps", RMS_EPS.get(family, 1e-6))),
+              rope_theta=theta, rope_scaling=scaling,
+              tie_embeddings=bool(f.get("tie_word_embeddings", False)),
+              attention_bias=bool(f.get("attention_bias", mt in ("qwen2", "gpt_oss"))),
+              qk_norm=family in ("qwen3", "qwen3_moe"), layer_windows=windows, dtype=dtype)
     if family == "qwen3_moe":
-        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        if f.get("mlp_only_layers") or f.get("decoder_sparse_step", 1) != 1:
             raise ValueError("qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step"
                              " != 1) is not supported")
-        kw.update(num_experts=cfg["num_experts"], experts_per_token=cfg["num_experts_per_tok"],
-                  moe_intermediate_size=cfg["moe_intermediate_size"],
-                  norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        spellings = {f.get(key) for key in ("num_local_experts", "num_experts")} - {None}
+        if len(spellings) != 1:  # 5.x writes num_local_experts, 4.x num_experts
+            raise ValueError(f"config.json needs one number of experts (num_local_experts or "
+                             f"num_experts); got {sorted(spellings)}")
+        experts = spellings.pop()
+        kw.update(num_experts=experts, experts_per_token=f["num_experts_per_tok"],
+                  moe_intermediate_size=f["moe_intermediate_size"],
+                  norm_topk_prob=bool(f.get("norm_topk_prob", False)))
     if family == "gpt_oss":
-        window = int(cfg.get("sliding_window") or 0)
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        kw.update(num_experts=cfg["num_local_experts"],
-                  experts_per_token=cfg.get("num_experts_per_tok", cfg.get("experts_per_token")),
-                  moe_intermediate_size=cfg["intermediate_size"], sliding_window=window,
-                  layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                  swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-    if mt == "mistral" and cfg.get("sliding_window"):
-        kw.update(layer_windows=(int(cfg["sliding_window"]),) * layers)
+        f.expect("swiglu_alpha", (GPT_OSS_SWIGLU_ALPHA,), "the experts' SwiGLU uses 1.702")
+        per_token = f.get("num_experts_per_tok", f.get("experts_per_token"))
+        kw.update(num_experts=f["num_local_experts"], experts_per_token=per_token,
+                  moe_intermediate_size=f["intermediate_size"], sliding_window=window,
+                  swiglu_limit=float(f.get("swiglu_limit", 7.0)))
+    unknown = f.leftover()
+    if unknown:
+        raise ValueError(f"config.json has keys the loader does not implement: {unknown} "
+                         f"(model_type {mt!r}); refusing rather than ignoring them. If one "
+                         f"does not change inference, remove it from config.json")
     return Config(**kw)

@@ -1,19 +1,29 @@
 """A decoder-only transformer in plain JAX on jaxquant's ops.
 
 Parameters are a dict pytree. Per-layer weights are stacked on a leading layer
-axis and the layers run in `lax.scan` (each step gets one layer's slice of the
-stack). A matrix is a float array [N, K], a `QuantizedArray` [N, K] or a
-`PermutedMatrix` (act-order GPTQ); y = x @ W.T any way (`linear`), so the same
-code runs bf16 and every quantized mode. Keys (per layer, stacked under "layers"):
+axis (or, after `unstack_layers`, one dict per layer: separate buffers). A
+matrix is a float array [N, K], a `QuantizedArray` [N, K] or a `PermutedMatrix`
+(act-order GPTQ); y = x @ W.T any way (`linear`), so the same code runs bf16
+and every quantized mode.
+Keys (per layer, stacked under "layers"):
 
-  attn_norm, mlp_norm [D]; wq [Hq*hd, D], wk/wv [Hkv*hd, D], wo [D, Hq*hd];
-  bq/bk/bv/bo (attention_bias); q_norm/k_norm [hd] (qk_norm); sinks [Hq] (gpt_oss)
-  dense:  w_gate/w_up [I, D], w_down [D, I]
-  MoE:    router [E, D] (+ router_bias [E], gpt_oss); e_gate_up [E, 2I, D] with
-          gate and up interleaved on rows (gpt_oss) or e_gate/e_up [E, I, D];
-          e_down [E, D, I]; e_gate_up_bias [E, 2I], e_down_bias [E, D] (gpt_oss)
+  attn_norm, mlp_norm [D]; wqkv [(Hq+2Hkv)*hd, D] (q rows, then k, then v),
+  wo [D, Hq*hd]; bqkv, bo (attention_bias); q_norm/k_norm [hd] (qk_norm);
+  sinks [Hq] (gpt_oss)
+  dense:  w_gate_up [2I, D] (gate rows, then up rows), w_down [D, I]
+  MoE:    router [E, D] (+ router_bias [E], gpt_oss); e_gate_up [E, 2I, D]
+          (gate rows, then up rows), e_down [E, D, I]; e_gate_up_bias [E, 2I],
+          e_down_bias [E, D] (gpt_oss)
 
 and embed [V, D], final_norm [D], lm_head [V, D] (absent when tied).
+
+The fused matrices are the separate ones' rows one after the other ("halves":
+gate rows first, then up rows; q, k, v). Quantization groups run along K, so a
+fused matrix quantizes to exactly the codes and scales of its parts (nvfp4's
+one global scale excepted). The separate keys (wq/wk/wv + bq/bk/bv, w_gate/w_up,
+e_gate/e_up + e_gate_bias/e_up_bias) run too: `fuse_params` and
+`unfuse_params` convert (the sharded model uses the separate ones on a mesh
+that splits them, parallel.py).
 
 MoE layers use `gather_qmm` when few tokens run (decode: each token reads its
 k experts' weights) and `ragged_qmm` otherwise (prefill: tokens sorted by
@@ -50,7 +60,8 @@ class PermutedMatrix(NamedTuple):
 
 
 def linear(x, w, bias=None):
-    """x [..., K] @ w.T (w [N, K], float, QuantizedArray or PermutedMatrix) (+ bias) -> [..., N]."""
+    """x [..., K] @ w.T (w [N, K]: float, QuantizedArray or PermutedMatrix) (+ bias)
+    -> [..., N]."""
     if isinstance(w, PermutedMatrix):
         x, w = jnp.take(x, w.perm, axis=-1), w.matrix
     if isinstance(w, QuantizedArray):
@@ -59,6 +70,39 @@ def linear(x, w, bias=None):
         y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype),
                        preferred_element_type=jnp.float32).astype(x.dtype)
     return y if bias is None else y + bias.astype(y.dtype)
+
+
+def norm_linear(x, norm_weight, w, eps, bias=None):
+    """linear(rms_norm(x, norm_weight), w) (+ bias): a projection of the normalized
+    residual stream (one fused kernel where one exists: jq.rms_norm_qmm)."""
+    return linear(jq.rms_norm(x, norm_weight, eps=eps), w, bias)
+
+
+SWIGLU_KINDS = ("silu", "gpt_oss")
+
+
+def swiglu(gate, up, kind="silu", limit=7.0, alpha=1.702):
+    """The gated activation in float32: silu(gate) * up, or gpt-oss's clamped
+    (up + 1) * gate * sigmoid(alpha * gate) with gate <= limit, |up| <= limit."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if kind == "gpt_oss":
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+    if kind == "silu":
+        return jax.nn.silu(gate) * up
+    raise ValueError(f"kind={kind!r} is not known; expected one of {SWIGLU_KINDS}")
+
+
+def swiglu_linear(x, w_gate_up, bias=None, kind="silu", limit=7.0, alpha=1.702):
+    """x [..., K] -> [..., I] (x.dtype): swiglu of linear(x, w_gate_up) (+ bias, in
+    float32) split in halves, w_gate_up [2I, K] holding the gate rows, then the up
+    rows (one fused kernel where one exists: jq.qmm_swiglu)."""
+    gu = linear(x, w_gate_up).astype(jnp.float32)
+    if bias is not None:
+        gu = gu + bias.astype(jnp.float32)
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return swiglu(gate, up, kind, limit, alpha).astype(x.dtype)
 
 
 class ExpertsOfLayer(NamedTuple):
@@ -120,44 +164,54 @@ def rope(x, positions, inv_freq, attention_factor):
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
-def attention(cfg: Config, p, x, positions, cache_k, cache_v, window, rope_table):
-    """x [B, T, D] at positions [B, T]; cache [B, S, Hkv, hd] updated at positions.
-    Returns (out [B, T, D], cache_k, cache_v)."""
-    b, t, _ = x.shape
+def qkv_projection(cfg: Config, p, h):
+    """q [B, T, Hq, hd], k, v [B, T, Hkv, hd] of the residual stream h [B, T, D]
+    (normalized by attn_norm): one product over wqkv, or three over wq, wk, wv."""
+    b, t, _ = h.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, p["wq"], p.get("bq")).reshape(b, t, hq, hd)
-    k = linear(x, p["wk"], p.get("bk")).reshape(b, t, hkv, hd)
-    v = linear(x, p["wv"], p.get("bv")).reshape(b, t, hkv, hd)
+    if "wqkv" in p:
+        qkv = norm_linear(h, p["attn_norm"], p["wqkv"], cfg.rms_eps, p.get("bqkv"))
+        q, k, v = jnp.split(qkv, [hq * hd, (hq + hkv) * hd], axis=-1)
+    else:
+        x = jq.rms_norm(h, p["attn_norm"], eps=cfg.rms_eps)
+        q, k, v = (linear(x, p[w], p.get(bias))
+                   for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    return q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
+
+
+def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_table):
+    """Self-attention of the residual stream h [B, T, D] at positions [B, T]. cache:
+    (k, v), each [L, B, S, Hkv, hd] for all layers, updated in place at
+    (layer_index, positions). Returns (out [B, T, D], cache)."""
+    b, t, _ = h.shape
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = qkv_projection(cfg, p, h)
     if cfg.qk_norm:
         q = jq.rms_norm(q, p["q_norm"], eps=cfg.rms_eps)
         k = jq.rms_norm(k, p["k_norm"], eps=cfg.rms_eps)
     inv_freq, factor = rope_table
     q, k = rope(q, positions, inv_freq, factor), rope(k, positions, inv_freq, factor)
     start = positions[0, 0]  # the batch moves in lockstep
-    cache_k = lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), start, axis=1)
-    cache_v = lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), start, axis=1)
-    s = cache_k.shape[1]
-    qg = q.reshape(b, t, hkv, hq // hkv, hd).astype(jnp.float32)
-    scores = jnp.einsum("btgqd,bsgd->bgqts", qg, cache_k.astype(jnp.float32)) * hd ** -0.5
-    key_pos = jnp.arange(s)
-    qpos = positions[:, None, None, :, None]
-    visible = key_pos <= qpos
-    visible &= (window == 0) | (qpos - key_pos < window)
-    scores = jnp.where(visible, scores, -jnp.inf)
-    if "sinks" in p:  # gpt-oss: a learned logit per head that takes probability mass
-        sink = p["sinks"].astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
-        m = jnp.maximum(jnp.max(scores, -1, keepdims=True), sink)
-        e = jnp.exp(scores - m)
-        probs = e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))
+    cache_k, cache_v = (lax.dynamic_update_slice(c, new.astype(c.dtype)[None],
+                                                 (layer_index, 0, start, 0, 0))
+                        for c, new in zip(cache, (k, v)))
+    # the op reads layer `layer_index` of the stacked caches in place (no slice copy)
+    o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"), window=window,
+                            layer=layer_index)
+    return linear(o.reshape(b, t, hq * hd), p["wo"], p.get("bo")), (cache_k, cache_v)
+
+
+def swiglu_kind(cfg: Config) -> str:
+    return "gpt_oss" if cfg.family == "gpt_oss" else "silu"
+
+
+def dense_mlp(cfg: Config, p, x):
+    if "w_gate_up" in p:
+        h = swiglu_linear(x, p["w_gate_up"], kind=swiglu_kind(cfg), limit=cfg.swiglu_limit)
     else:
-        probs = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("bgqts,bsgd->btgqd", probs, cache_v.astype(jnp.float32))
-    o = o.reshape(b, t, hq * hd).astype(x.dtype)
-    return linear(o, p["wo"], p.get("bo")), cache_k, cache_v
-
-
-def dense_mlp(p, x):
-    return linear(jax.nn.silu(linear(x, p["w_gate"])) * linear(x, p["w_up"]), p["w_down"])
+        h = swiglu(linear(x, p["w_gate"]), linear(x, p["w_up"]), swiglu_kind(cfg),
+                   cfg.swiglu_limit).astype(x.dtype)
+    return linear(h, p["w_down"])
 
 
 def route(cfg: Config, p, x):
@@ -175,46 +229,26 @@ def route(cfg: Config, p, x):
     return idx.astype(jnp.int32), top
 
 
-def _expert_act(cfg: Config, gate, up):
-    if cfg.family == "gpt_oss":
-        limit, alpha = cfg.swiglu_limit, 1.702
-        gate = jnp.minimum(gate.astype(jnp.float32), limit)
-        up = jnp.clip(up.astype(jnp.float32), -limit, limit)
-        return ((up + 1) * gate * jax.nn.sigmoid(gate * alpha))
-    return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-
-
-def _split_gate_up(p, y):
-    if "e_gate_up" in p:  # gpt-oss: rows interleaved gate, up, gate, up, ...
-        return y[..., 0::2], y[..., 1::2]
-    return y
-
-
 def moe_mlp(cfg: Config, p, x):
     """x [T, D] -> [T, D]: routed experts, weighted by the router."""
     t, d = x.shape
     k = cfg.experts_per_token
     idx, weights = route(cfg, p, x)
-    fused = "e_gate_up" in p
 
-    def bias(name, rows):  # per (token, slot) expert bias rows, or None
-        return None if name not in p else p[name][rows].astype(jnp.float32)
+    def product(a, matmul, name, bias_rows):  # float32, + the expert's bias rows
+        y = matmul(a, p[name]).astype(jnp.float32)
+        bias = name + "_bias"
+        return y if bias not in p else y + p[bias][bias_rows].astype(jnp.float32)
 
     def experts(a, matmul, bias_rows):
         """The experts' SwiGLU MLP of a through matmul(a, expert weights), float32 out;
         bias_rows: each output row's expert (for the biases)."""
-        if fused:
-            gu = matmul(a, p["e_gate_up"]).astype(jnp.float32)
-            if "e_gate_up_bias" in p:
-                gu = gu + bias("e_gate_up_bias", bias_rows)
-            gate, up = _split_gate_up(p, gu)
+        if "e_gate_up" in p:
+            gate, up = jnp.split(product(a, matmul, "e_gate_up", bias_rows), 2, axis=-1)
         else:
-            gate, up = matmul(a, p["e_gate"]), matmul(a, p["e_up"])
-        h = _expert_act(cfg, gate, up).astype(x.dtype)
-        y = matmul(h, p["e_down"]).astype(jnp.float32)
-        if "e_down_bias" in p:
-            y = y + bias("e_down_bias", bias_rows)
-        return y
+            gate, up = (product(a, matmul, n, bias_rows) for n in ("e_gate", "e_up"))
+        h = swiglu(gate, up, swiglu_kind(cfg), cfg.swiglu_limit).astype(x.dtype)
+        return product(h, matmul, "e_down", bias_rows)
 
     if t * k <= GATHER_MAX_PAIRS:  # decode: gather_qmm reads only the chosen experts
         y = experts(x, lambda a, w: expert_gather(a, w, idx), idx)  # [T, k, D]
@@ -227,17 +261,17 @@ def moe_mlp(cfg: Config, p, x):
     return jnp.einsum("tkd,tk->td", y, weights).astype(x.dtype)
 
 
-def layer(cfg: Config, p, h, positions, cache_k, cache_v, window, rope_table):
-    """One pre-norm block. h [B, T, D] is the residual stream."""
+def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table):
+    """One pre-norm block. h [B, T, D] is the residual stream; cache (k, v) of all
+    layers, this one's updated in place. Returns (h, cache)."""
     b, t, d = h.shape
-    x = jq.rms_norm(h, p["attn_norm"], eps=cfg.rms_eps)
-    a, cache_k, cache_v = attention(cfg, p, x, positions, cache_k, cache_v, window, rope_table)
+    a, cache = attention(cfg, p, h, positions, cache, layer_index, window, rope_table)
     x, h = jq.add_rms_norm(a, h, p["mlp_norm"], eps=cfg.rms_eps)
     if cfg.moe:
         m = moe_mlp(cfg, p, x.reshape(b * t, d)).reshape(b, t, d)
     else:
-        m = dense_mlp(p, x)
-    return h + m, cache_k, cache_v
+        m = dense_mlp(cfg, p, x)
+    return h + m, cache
 
 
 # ---------------------------------------------------------------------------
@@ -261,48 +295,95 @@ def embed(params, tokens):
 EXPERT_STACKS = ("e_gate_up", "e_gate", "e_up", "e_down")
 
 
-def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer: bool = False):
+def is_per_layer(params_or_layers) -> bool:
+    """Whether the layers are separate buffers (a tuple of per-layer dicts) rather
+    than stacked [L, ...] arrays."""
+    layers = params_or_layers
+    if isinstance(layers, dict) and "layers" in layers:
+        layers = layers["layers"]
+    return isinstance(layers, (list, tuple))
+
+
+def default_per_layer() -> bool:
+    """The layer form that runs fastest on the default device: separate per-layer
+    buffers on a GPU, stacked arrays (one compiled layer body) elsewhere.
+
+    Measured on an H100 (Llama-3-8B dimensions, bf16, batch 1): lax.scan over
+    stacked weights 62 tok/s (XLA copies each layer's slice before cuBLAS and
+    Pallas calls), a Python loop over static slices of the stacks 40 tok/s,
+    a Python loop over per-layer buffers 150 tok/s (docs/models.md)."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def _on_several_devices(a) -> bool:
+    """Whether a (an array, or a tracer under jit) lives on a mesh of several devices."""
+    mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty:
+        return mesh.size > 1
+    sharding = getattr(a, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
+
+def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer) -> bool:
+    """Whether `forward` indexes the stacked experts of all layers at once.
+    None (automatic): on when the stacked experts are quantized and on one device
+    (on a mesh that splits E, the flattened [L*E] axis would not be split in
+    blocks). Per-layer buffers need none of it: each layer's experts are their own."""
+    if is_per_layer(layers) or not cfg.moe:
+        return False
+    if experts_by_layer is not None:
+        return bool(experts_by_layer)
+    stacks = [layers[k] for k in EXPERT_STACKS if isinstance(layers.get(k), QuantizedArray)]
+    return bool(stacks) and not any(_on_several_devices(leaf) for qw in stacks
+                                    for leaf in jax.tree_util.tree_leaves(qw))
+
+
+def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None):
     """tokens [B, T] at positions [B, T] -> (logits [B, T, V] float32, cache).
 
-    experts_by_layer: keep the quantized expert stacks out of the layer scan and
-    index all layers' experts at once ([L*E, N, K], expert layer*E + e), so no
-    step copies its layer's expert stack before the kernel (a custom call's
-    operand is materialized: ~400 MB per layer for gpt-oss-20b in MXFP4).
-    Single-device only: with experts split over a mesh axis, the flattened
-    [L*E] axis would no longer be split in blocks."""
+    The layer loop follows the parameters' form: per-layer buffers (a tuple of
+    per-layer dicts) run in a Python loop, each layer reading its own buffers;
+    stacked [L, ...] arrays run in lax.scan (one compiled layer body).
+
+    experts_by_layer (stacked form only): keep the quantized expert stacks out of
+    the scan and index all layers' experts at once ([L*E, N, K], expert
+    layer*E + e), so no step copies its layer's expert stack before the kernel
+    (a custom call's operand is materialized: ~400 MB per layer for gpt-oss-20b
+    in MXFP4). None (default): automatic, on for quantized experts on one
+    device; True / False force it. Single-device only: with experts split over
+    a mesh axis, the flattened [L*E] axis would no longer be split in blocks."""
     inv_freq, factor = cfg.rope_inv_freq()
     rope_table = (jnp.asarray(inv_freq, jnp.float32), factor)
     h = embed(params, tokens).astype(jnp.dtype(cfg.dtype))
-    windows = jnp.asarray(cfg.windows())
-    cache_k, cache_v = cache
-
     layers = params["layers"]
-    stacks = {}
-    if experts_by_layer and cfg.moe:
-        stacks = {k: _flatten_layers(v) for k, v in layers.items()
-                  if k in EXPERT_STACKS and isinstance(v, QuantizedArray)}
-        layers = {k: v for k, v in layers.items() if k not in stacks}
+    cache = tuple(cache)
+    if is_per_layer(layers):
+        if len(layers) != cfg.num_layers:
+            raise ValueError(f"params has {len(layers)} layers; the config {cfg.num_layers}")
+        for i, (p, window) in enumerate(zip(layers, cfg.windows().tolist())):
+            h, cache = layer(cfg, p, h, positions, cache, i, window, rope_table)
+    else:
+        stacks = {}
+        if resolve_experts_by_layer(cfg, layers, experts_by_layer):
+            stacks = {k: _flatten_layers(v) for k, v in layers.items()
+                      if k in EXPERT_STACKS and isinstance(v, QuantizedArray)}
+            layers = {k: v for k, v in layers.items() if k not in stacks}
 
-    def step(carry, xs):
-        h, ck, cv = carry
-        p, window, i = xs
-        p = dict(p, **{k: ExpertsOfLayer(v, i, cfg.num_experts) for k, v in stacks.items()})
-        # The cache stays in the carry (updated in place); the layer's slice is read.
-        k_l, v_l = ck[i], cv[i]
-        h, k_l, v_l = layer(cfg, p, h, positions, k_l, v_l, window, rope_table)
-        ck = lax.dynamic_update_index_in_dim(ck, k_l, i, 0)
-        cv = lax.dynamic_update_index_in_dim(cv, v_l, i, 0)
-        return (h, ck, cv), None
+        def step(carry, xs):
+            h, cache = carry
+            p, window, i = xs
+            p = dict(p, **{k: ExpertsOfLayer(v, i, cfg.num_experts) for k, v in stacks.items()})
+            return layer(cfg, p, h, positions, cache, i, window, rope_table), None
 
-    (h, cache_k, cache_v), _ = lax.scan(step, (h, cache_k, cache_v),
-                                        (layers, windows, jnp.arange(cfg.num_layers)))
+        (h, cache), _ = lax.scan(step, (h, cache), (layers, jnp.asarray(cfg.windows()),
+                                                    jnp.arange(cfg.num_layers)))
     h = jq.rms_norm(h, params["final_norm"], eps=cfg.rms_eps)
     head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     logits = linear(h, head).astype(jnp.float32)
-    return logits, (cache_k, cache_v)
+    return logits, cache
 
 
-def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer: bool = False):
+def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None):
     """prompt [B, S] -> (logits [B, S, V], cache, next token [B])."""
     b, s = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -311,8 +392,7 @@ def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer: bool = 
     return logits, cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
 
-def decode(cfg: Config, params, cache, token, start, steps: int,
-           experts_by_layer: bool = False):
+def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_layer=None):
     """Greedy decoding of `steps` tokens in one loop from token [B] at position
     `start`: -> (tokens [B, steps], last logits [B, V], cache)."""
     b = token.shape[0]
@@ -325,11 +405,12 @@ def decode(cfg: Config, params, cache, token, start, steps: int,
         return (nxt, cache, logits[:, -1]), nxt
 
     logits0 = jnp.zeros((b, cfg.vocab_size), jnp.float32)
-    (_, cache, logits), tokens = lax.scan(step, (token, cache, logits0), jnp.arange(steps))
+    (_, cache, logits), tokens = lax.scan(step, (token, tuple(cache), logits0),
+                                          jnp.arange(steps))
     return tokens.T, logits, cache
 
 
-def generate(cfg: Config, params, prompt, steps: int, experts_by_layer: bool = False):
+def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None):
     """Greedy generation: prompt [B, S] -> [B, steps] new tokens (jit this whole)."""
     _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer)
     tokens, _, _ = decode(cfg, params, cache, token, prompt.shape[1], steps - 1,
@@ -341,53 +422,210 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer: bool = F
 # Parameters.
 
 
-def init_params(cfg: Config, key, dtype=None):
-    """Random parameters (normal, 1/sqrt(fan_in) scaled), float, in the layout above."""
+def init_params(cfg: Config, key, dtype=None, *, per_layer: bool | None = None):
+    """Random parameters (normal, 1/sqrt(fan_in) scaled), float, in the layout above
+    (fused wqkv / w_gate_up / e_gate_up). per_layer: the layers as separate buffers
+    drawn one at a time (None: default_per_layer()); either form holds the same
+    values for the same key."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    L, D, hd = cfg.num_layers, cfg.hidden_size, cfg.head_dim
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
-    keys = iter(jax.random.split(key, 32))
-
-    def w(*shape, fan_in=None):
-        # drawn in `dtype` itself: no float32 copy of a 20B-parameter model
-        fan_in = fan_in or shape[-1]
-        return jax.random.normal(next(keys), shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
-
-    layers = {"attn_norm": jnp.ones((L, D), dtype), "mlp_norm": jnp.ones((L, D), dtype),
-              "wq": w(L, hq * hd, D), "wk": w(L, hkv * hd, D), "wv": w(L, hkv * hd, D),
-              "wo": w(L, D, hq * hd)}
-    if cfg.attention_bias:
-        for name, n in (("bq", hq * hd), ("bk", hkv * hd), ("bv", hkv * hd), ("bo", D)):
-            layers[name] = w(L, n, fan_in=16)
-    if cfg.qk_norm:
-        layers["q_norm"] = jnp.ones((L, hd), dtype)
-        layers["k_norm"] = jnp.ones((L, hd), dtype)
-    if cfg.moe:
-        E, I = cfg.num_experts, cfg.moe_intermediate_size
-        layers["router"] = w(L, E, D)
-        layers["e_down"] = w(L, E, D, I)
-        if cfg.family == "gpt_oss":
-            layers["sinks"] = w(L, hq, fan_in=1)
-            layers["router_bias"] = w(L, E, fan_in=16)
-            layers["e_gate_up"] = w(L, E, 2 * I, D)
-            layers["e_gate_up_bias"] = w(L, E, 2 * I, fan_in=16)
-            layers["e_down_bias"] = w(L, E, D, fan_in=16)
-        else:
-            layers["e_gate"] = w(L, E, I, D)
-            layers["e_up"] = w(L, E, I, D)
-    else:
-        I = cfg.intermediate_size
-        layers.update(w_gate=w(L, I, D), w_up=w(L, I, D), w_down=w(L, D, I))
-    params = {"embed": w(cfg.vocab_size, D, fan_in=1), "layers": layers,
-              "final_norm": jnp.ones((D,), dtype)}
+    per_layer = default_per_layer() if per_layer is None else per_layer
+    k_layers, k_embed, k_head = jax.random.split(key, 3)
+    layer_keys = jax.random.split(k_layers, cfg.num_layers)
+    one = functools.partial(_init_layer, cfg, dtype)
+    layers = tuple(one(k) for k in layer_keys) if per_layer else jax.vmap(one)(layer_keys)
+    d = cfg.hidden_size
+    params = {"embed": _normal(k_embed, (cfg.vocab_size, d), dtype, fan_in=1), "layers": layers,
+              "final_norm": jnp.ones((d,), dtype)}
     if not cfg.tie_embeddings:
-        params["lm_head"] = w(cfg.vocab_size, D)
+        params["lm_head"] = _normal(k_head, (cfg.vocab_size, d), dtype)
     return params
 
 
+def _normal(key, shape, dtype, fan_in=None):
+    # drawn in `dtype` itself: no float32 copy of a 20B-parameter model
+    fan_in = fan_in or shape[-1]
+    return jax.random.normal(key, shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
+
+
+def _init_layer(cfg: Config, dtype, key):
+    """One layer's random weights."""
+    D, hd = cfg.hidden_size, cfg.head_dim
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    keys = iter(jax.random.split(key, 16))
+
+    def w(*shape, fan_in=None):
+        return _normal(next(keys), shape, dtype, fan_in)
+
+    p = {"attn_norm": jnp.ones((D,), dtype), "mlp_norm": jnp.ones((D,), dtype),
+         "wqkv": w((hq + 2 * hkv) * hd, D), "wo": w(D, hq * hd)}
+    if cfg.attention_bias:
+        p["bqkv"] = w((hq + 2 * hkv) * hd, fan_in=16)
+        p["bo"] = w(D, fan_in=16)
+    if cfg.qk_norm:
+        p["q_norm"] = jnp.ones((hd,), dtype)
+        p["k_norm"] = jnp.ones((hd,), dtype)
+    if cfg.moe:
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        p["router"] = w(E, D)
+        p["e_gate_up"] = w(E, 2 * I, D)
+        p["e_down"] = w(E, D, I)
+        if cfg.family == "gpt_oss":
+            p["sinks"] = w(hq, fan_in=1)
+            p["router_bias"] = w(E, fan_in=16)
+            p["e_gate_up_bias"] = w(E, 2 * I, fan_in=16)
+            p["e_down_bias"] = w(E, D, fan_in=16)
+    else:
+        I = cfg.intermediate_size
+        p.update(w_gate_up=w(2 * I, D), w_down=w(D, I))
+    return p
+
+
+# fused key -> the separate keys whose rows it holds, in order (biases: the last axis)
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"),
+         "e_gate_up": ("e_gate", "e_up")}
+FUSED_BIASES = {"wqkv": ("bqkv", ("bq", "bk", "bv")),
+                "e_gate_up": ("e_gate_up_bias", ("e_gate_bias", "e_up_bias"))}
+
+
+def _concat_rows(parts):
+    """The parts' rows one after the other (float arrays, or QuantizedArrays of one
+    format without a global scale, or PermutedMatrix parts with one permutation),
+    or None where they cannot be one matrix."""
+    if any(isinstance(a, PermutedMatrix) for a in parts):
+        perm = parts[0].perm if isinstance(parts[0], PermutedMatrix) else None
+        if perm is None or not all(isinstance(a, PermutedMatrix)
+                                   and np.array_equal(a.perm, perm) for a in parts):
+            return None
+        cat = _concat_rows([a.matrix for a in parts])
+        return None if cat is None else PermutedMatrix(cat, perm)
+    if not any(isinstance(a, QuantizedArray) for a in parts):
+        return jnp.concatenate(parts, axis=-2)
+    if not all(isinstance(a, QuantizedArray) for a in parts):
+        return None
+    first = parts[0]
+    kinds = {(a.mode, a.bits, a.group_size, jnp.dtype(a.dtype), a.shape[:-2], a.shape[-1])
+             for a in parts}
+    if len(kinds) > 1 or any(a.global_scale is not None for a in parts):
+        return None  # nvfp4: each part's global scale is its own
+    canonical = [jq.unpack_layout(a) for a in parts]
+    cat = lambda *c: None if c[0] is None else jnp.concatenate(c, axis=-2)
+    qw = QuantizedArray(*(cat(*(getattr(a, f) for a in canonical))
+                          for f in ("data", "scales", "biases")), None, mode=first.mode,
+                        bits=first.bits, group_size=first.group_size, dtype=first.dtype)
+    layouts = {a.layout for a in parts}
+    return jq.prepack(qw, layouts.pop()) if len(layouts) == 1 else qw
+
+
+def _split_rows(w, sizes):
+    """w [..., sum(sizes), K] (float or QuantizedArray) -> its row blocks."""
+    cuts = np.cumsum(sizes)[:-1].tolist()
+    if isinstance(w, PermutedMatrix):
+        return [PermutedMatrix(m, w.perm) for m in _split_rows(w.matrix, sizes)]
+    if not isinstance(w, QuantizedArray):
+        return jnp.split(w, cuts, axis=-2)
+    canonical = jq.unpack_layout(w)
+    pieces = [None if c is None else jnp.split(c, cuts, axis=-2)
+              for c in (canonical.data, canonical.scales, canonical.biases)]
+    return [jq.prepack(QuantizedArray(pieces[0][i], pieces[1][i],
+                                      None if pieces[2] is None else pieces[2][i],
+                                      w.global_scale, mode=w.mode, bits=w.bits,
+                                      group_size=w.group_size, dtype=w.dtype), w.layout)
+            for i in range(len(sizes))]
+
+
+def _map_layers(fn, params):
+    """params with fn applied to the layer dict (each one, when unstacked)."""
+    layers = params["layers"]
+    return dict(params, layers=tuple(fn(dict(p)) for p in layers) if is_per_layer(layers)
+                else fn(dict(layers)))
+
+
+def fuse_layer(p: dict) -> dict:
+    """One layer's dict (stacked or not) with its separate matrices fused (fuse_params)."""
+    p = dict(p)
+    for key, names in FUSED.items():
+        if key in p or not all(n in p for n in names):
+            continue
+        cat = _concat_rows([p[n] for n in names])
+        if cat is None:
+            continue
+        p[key] = cat
+        for n in names:
+            del p[n]
+        bias_key, bias_names = FUSED_BIASES.get(key, (None, ()))
+        if bias_names and all(n in p for n in bias_names):
+            p[bias_key] = jnp.concatenate([p.pop(n) for n in bias_names], axis=-1)
+    return p
+
+
+def fuse_params(params):
+    """The separate wq/wk/wv, w_gate/w_up, e_gate/e_up (and their biases) as the
+    fused wqkv, w_gate_up, e_gate_up: rows concatenated, exact. Parts that cannot
+    be one matrix (QuantizedArrays of different formats, nvfp4 global scales)
+    stay separate."""
+    return _map_layers(fuse_layer, params)
+
+
+def unfuse_params(cfg: Config, params):
+    """fuse_params undone: wqkv -> wq, wk, wv (+ biases), w_gate_up -> w_gate, w_up,
+    e_gate_up -> e_gate, e_up (+ biases); exact."""
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def unfuse(p):
+        for key, names in FUSED.items():
+            if key not in p:
+                continue
+            w = p.pop(key)
+            n = w.shape[-2]
+            sizes = [hq * hd, hkv * hd, hkv * hd] if key == "wqkv" else [n // 2, n // 2]
+            p.update(zip(names, _split_rows(w, sizes)))
+            bias_key, bias_names = FUSED_BIASES.get(key, (None, ()))
+            if bias_key in p:
+                p.update(zip(bias_names, jnp.split(p.pop(bias_key),
+                                                   np.cumsum(sizes)[:-1].tolist(), axis=-1)))
+        return p
+    return _map_layers(unfuse, params)
+
+
+def unstack_layers(params):
+    """params with the stacked layers as one dict per layer (separate buffers)."""
+    layers = params["layers"]
+    if is_per_layer(layers):
+        return params
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return dict(params, layers=tuple(jax.tree_util.tree_map(lambda a: a[i], layers)
+                                     for i in range(n)))
+
+
+def _format_of(w):
+    if isinstance(w, PermutedMatrix):
+        return ("permuted",) + _format_of(w.matrix)
+    if isinstance(w, QuantizedArray):
+        return (w.mode, w.bits, w.group_size, w.layout)
+    return ("float",)
+
+
+def stack_layers(params):
+    """params with per-layer dicts stacked into [L, ...] arrays (for lax.scan). Every
+    layer's matrix must have one format (ValueError naming it otherwise)."""
+    layers = params["layers"]
+    if not is_per_layer(layers):
+        return params
+    out = {}
+    for key in layers[0]:
+        parts = [lay[key] for lay in layers]
+        kinds = {_format_of(p) for p in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
+                             f"; stacked layers (lax.scan) need one format per matrix across "
+                             f"layers (per-layer buffers, per_layer=True, take any)")
+        out[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
+    return dict(params, layers=out)
+
+
 # Matrices that `quantize_params` quantizes (routers and norms stay float).
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "e_gate_up", "e_gate",
-            "e_up", "e_down")
+MATRICES = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down",
+            "e_gate_up", "e_gate", "e_up", "e_down")
 
 MODES = {  # demo / CLI names -> jq.quantize arguments
     "affine4": dict(mode="affine", bits=4, group_size=64),
@@ -408,20 +646,59 @@ def quantize_args(mode):
     return MODES[mode]
 
 
-def quantize_params(params, mode: str, *, lm_head: bool = True):
+def quantize_params(params, mode: str, *, lm_head: bool = True, layout: str | None = None,
+                    fuse: bool = True, per_layer: bool | None = None):
     """Quantize every float weight matrix (and lm_head) to `mode` (a MODES name or
-    a dict of jq.quantize arguments); QuantizedArrays already there stay as they are
-    (gpt-oss's MXFP4 experts). Stacked [L, ...] weights quantize per matrix."""
+    a dict of jq.quantize arguments); QuantizedArrays already there keep their
+    format (gpt-oss's MXFP4 experts). Each layer's matrix quantizes on its own.
+
+    Kernel-ready by default:
+    layout: every quantized matrix comes back in this kernel layout (None: the
+      fastest for the default device, `jq.prepack`'s choice: cuda_mma on an
+      NVIDIA GPU with jaxquant's CUDA library, canonical elsewhere; "canonical"
+      opts out).
+    fuse: first concatenate q/k/v and gate/up into one matrix each (fuse_params).
+    per_layer: the layers as separate buffers (None: default_per_layer(), the
+      fastest layer loop on the default device); stacked input is quantized a
+      layer at a time straight into that form."""
     kw = quantize_args(mode)
-    out = dict(params)
-    layers = dict(params["layers"])
-    for name in MATRICES:
-        w = layers.get(name)
-        if w is not None and not isinstance(w, QuantizedArray):
-            layers[name] = quantize_matrix(w, kw)
-    out["layers"] = layers
-    if lm_head and "lm_head" in params and not isinstance(params["lm_head"], QuantizedArray):
-        out["lm_head"] = quantize_matrix(params["lm_head"], kw)
+    quantize_fn = _jitted_quantize(tuple(sorted(kw.items())))
+    per_layer = default_per_layer() if per_layer is None else per_layer
+    if fuse:
+        params = fuse_params(params)
+
+    def quantize(name, w):
+        return quantize_fn(w) if name in MATRICES and not isinstance(w, QuantizedArray) else w
+
+    layers = params["layers"]
+    if is_per_layer(layers):
+        layers = tuple({k: quantize(k, v) for k, v in p.items()} for p in layers)
+    elif per_layer:
+        n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+        layers = tuple({k: quantize(k, v[i]) for k, v in layers.items()} for i in range(n))
+    else:
+        layers = {k: quantize_matrix(v, kw) if k in MATRICES and not isinstance(
+            v, QuantizedArray) else v for k, v in layers.items()}
+    out = dict(params, layers=layers)
+    if not per_layer:
+        out = stack_layers(out)
+    if lm_head and "lm_head" in out and not isinstance(out["lm_head"], QuantizedArray):
+        out["lm_head"] = quantize_fn(out["lm_head"])
+    return prepack_params(out, layout)
+
+
+def prepack_params(params, layout: str | None = None):
+    """Every quantized weight matrix (not a quantized embedding, whose rows are
+    gathered) in `layout` (jq.prepack: None picks the default device's fastest,
+    "canonical" unpacks). A stacked weight converts a piece at a time."""
+    def prepack(v):
+        if isinstance(v, PermutedMatrix):
+            return PermutedMatrix(jq.prepack(v.matrix, layout), v.perm)
+        return jq.prepack(v, layout) if isinstance(v, QuantizedArray) else v
+
+    out = _map_layers(lambda p: {k: prepack(v) for k, v in p.items()}, params)
+    if "lm_head" in out:
+        out["lm_head"] = prepack(out["lm_head"])
     return out
 
 

@@ -5,7 +5,14 @@ gate/up column-parallel on "tp", o and down row-parallel: one all-reduce each),
 experts split over "ep" (and within an expert over "tp" the same way), the
 KV cache on heads, lm_head on the vocabulary. A weight whose split axis does
 not divide evenly (or, for row-parallel quantized weights, whose group count
-does not) stays replicated."""
+does not) stays replicated.
+
+The fused matrices (wqkv, w_gate_up, e_gate_up: the parts' rows one after the
+other) are split back into their parts when "tp" has several devices: a
+column split of the fused rows would give one device all the q (or gate) rows
+and another the rest, so the split into q, k, v (gate, up) would move
+activations between devices. The parts, each split on "tp", keep every
+device's heads (gate and up rows) together."""
 
 from __future__ import annotations
 
@@ -15,18 +22,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxquant.models.config import Config
+from jaxquant.models.decoder import unfuse_params
 from jaxquant.quantized_array import QuantizedArray
 
 # key -> spec of the (stacked [L, ...]) logical matrix; None entries are replicated
 TP, EP = "tp", "ep"
 SPECS = {
-    "wq": (None, TP, None), "wk": (None, TP, None), "wv": (None, TP, None),
-    "wo": (None, None, TP),
-    "bq": (None, TP), "bk": (None, TP), "bv": (None, TP),
-    "w_gate": (None, TP, None), "w_up": (None, TP, None), "w_down": (None, None, TP),
+    "wqkv": (None, TP, None), "wq": (None, TP, None), "wk": (None, TP, None),
+    "wv": (None, TP, None), "wo": (None, None, TP),
+    "bqkv": (None, TP), "bq": (None, TP), "bk": (None, TP), "bv": (None, TP),
+    "w_gate_up": (None, TP, None), "w_gate": (None, TP, None), "w_up": (None, TP, None),
+    "w_down": (None, None, TP),
     "e_gate_up": (None, EP, TP, None), "e_gate": (None, EP, TP, None),
     "e_up": (None, EP, TP, None), "e_down": (None, EP, None, TP),
-    "e_gate_up_bias": (None, EP, TP), "e_down_bias": (None, EP, None),
+    "e_gate_up_bias": (None, EP, TP), "e_gate_bias": (None, EP, TP), "e_up_bias": (None, EP, TP),
+    "e_down_bias": (None, EP, None),
     "sinks": (None, TP),
 }
 
@@ -69,8 +79,16 @@ def _place_matrix(mesh, w, spec):
 
 
 def shard_params(cfg: Config, params, mesh: Mesh):
-    """params placed on `mesh` (axes "tp", "ep")."""
-    layers = {k: _place_matrix(mesh, v, SPECS.get(k, ())) for k, v in params["layers"].items()}
+    """params placed on `mesh` (axes "tp", "ep"); fused matrices split into their
+    parts where "tp" has several devices (module docstring)."""
+    if mesh.shape[TP] > 1:
+        params = unfuse_params(cfg, params)
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):  # separate per-layer buffers: no layer axis
+        layers = tuple({k: _place_matrix(mesh, v, SPECS.get(k, (None,))[1:])
+                        for k, v in p.items()} for p in layers)
+    else:
+        layers = {k: _place_matrix(mesh, v, SPECS.get(k, ())) for k, v in layers.items()}
     out = {k: _place_matrix(mesh, v, (TP, None) if k == "lm_head" else ())
            for k, v in params.items() if k != "layers"}
     out["layers"] = layers

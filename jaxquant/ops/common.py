@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
 
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import QuantizedArray
@@ -24,6 +26,28 @@ def check_x(x, name="x"):
         x = jnp.asarray(x)
     check_float_dtype(name, x.dtype)
     return x
+
+
+def ragged_group_ends(group_sizes, rows):
+    """ragged_qmm's groups as int32 end rows [E]: group e covers rows [ends[e-1], ends[e])
+    (ends[-1] = 0). A negative size counts as 0 and the groups are cut at `rows` (docs/ops.md:
+    never a row of two experts, never a row past x), the same on every backend. Sizes are
+    clipped to `rows` before the sum, so it stays in int32 while E * rows < 2**31."""
+    sizes = jnp.clip(group_sizes, 0, rows).astype(jnp.int32)
+    return jnp.minimum(jnp.cumsum(sizes), rows)
+
+
+def check_group_sizes(group_sizes, rows):
+    """Concrete (not traced) group sizes: ValueError naming `group_sizes` if one is negative
+    or they sum past the rows of x. Traced ones follow `ragged_group_ends`' rule instead."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    sizes = np.asarray(group_sizes).astype(np.int64)
+    if (sizes < 0).any():
+        raise ValueError(f"group_sizes must be >= 0; got {sizes.tolist()}")
+    if sizes.sum() > rows:
+        raise ValueError(f"group_sizes must sum to at most T={rows} (the rows of x); got "
+                         f"{sizes.tolist()} (sum {sizes.sum()})")
 
 
 def compute_dtype(dtype):
@@ -66,3 +90,16 @@ def quantized_to_front(qw, qw_dims, size):
     return QuantizedArray(*map(front, ("data", "scales", "biases", "global_scale")),
                           mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
                           layout=qw.layout)
+
+
+def jvp_through_reference(op):
+    """Differentiate `op` (a jaxquant.primitive.Op) through its reference definition:
+    the primal from the primitive (a kernel where one is chosen), the tangent from
+    `jax.jvp` of the reference."""
+    def jvp(primals, tangents, *, tree, backend, **params):
+        out = op.primitive.bind(*primals, tree=tree, backend=backend, **params)
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        _, t_out = jax.jvp(lambda *l: op.call_reference(l, tree, params),
+                           tuple(primals), tuple(tangents))
+        return out, t_out
+    ad.primitive_jvps[op.primitive] = jvp

@@ -13,9 +13,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad
 
-from jaxquant.ops.common import check_x, compute_dtype, to_front_or_broadcast
+from jaxquant.ops.common import (check_x, compute_dtype, jvp_through_reference,
+                                 to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.static_args import require_static
 
@@ -65,14 +65,14 @@ gated_rms_norm_op = Op("gated_rms_norm", gated_rms_norm_reference)
 # Public functions.
 
 
-def _check_common(x, weight, eps, weight_offset, fn):
+def _check_common(x, weight, eps, weight_offset, fn, weight_name="weight"):
     x = check_x(x)
     if x.ndim < 1:
         raise ValueError(f"x must have at least 1 dimension; got shape {x.shape}")
     if weight is not None:
-        weight = check_x(weight, "weight")
+        weight = check_x(weight, weight_name)
         if weight.shape != x.shape[-1:]:
-            raise ValueError(f"weight must have shape {x.shape[-1:]} (x's last axis); "
+            raise ValueError(f"{weight_name} must have shape {x.shape[-1:]} (x's last axis); "
                              f"got {weight.shape}")
     for name, v in (("eps", eps), ("weight_offset", weight_offset)):
         # static parameters: a Python or NumPy real scalar, never a (traced) array
@@ -153,16 +153,6 @@ def _rowwise_batch(op: Op, n_rows: int):
     return rule
 
 
-def _jvp_through_reference(op: Op):
-    def jvp(primals, tangents, *, tree, backend, **params):
-        out = op.primitive.bind(*primals, tree=tree, backend=backend, **params)
-        tangents = [ad.instantiate_zeros(t) for t in tangents]
-        _, t_out = jax.jvp(lambda *l: op.call_reference(l, tree, params),
-                           tuple(primals), tuple(tangents))
-        return out, t_out
-    ad.primitive_jvps[op.primitive] = jvp
-
-
 for _op, _rows in ((rms_norm_op, 1), (add_rms_norm_op, 2), (gated_rms_norm_op, 2)):
     _op.batch_rule = _rowwise_batch(_op, _rows)
-    _jvp_through_reference(_op)
+    jvp_through_reference(_op)

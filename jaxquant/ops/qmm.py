@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import ad
 
-from jaxquant.ops.common import (batch_size, check_x, compute_dtype, default_precision,
-                                 move_to_front, quantized_to_front, require_quantized,
-                                 to_front_or_broadcast)
+from jaxquant.ops.common import (batch_size, check_group_sizes, check_x, compute_dtype,
+                                 default_precision, move_to_front, quantized_to_front,
+                                 ragged_group_ends, require_quantized, to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.quantize import dequantize_reference
 from jaxquant.static_args import require_static
@@ -56,7 +56,9 @@ def ragged_qmm_reference(x, qw, group_sizes, *, transpose, precision,
                          dequantize=dequantize_reference):
     w = dequantize(qw, dtype=x.dtype)
     rhs = jnp.swapaxes(w, -1, -2) if transpose else w  # [E, K, N]
-    y = lax.ragged_dot(x, rhs, group_sizes.astype(jnp.int32), precision=precision,
+    ends = ragged_group_ends(group_sizes, x.shape[0])
+    sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))  # >= 0, summing to <= T
+    y = lax.ragged_dot(x, rhs, sizes, precision=precision,
                        preferred_element_type=compute_dtype(x.dtype))
     return y.astype(x.dtype)
 
@@ -128,14 +130,16 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
 def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | None = None):
     """MoE prefill, like `lax.ragged_dot`: rows of x [T, K] are grouped by expert in
     order, group e has group_sizes[e] rows; rows past sum(group_sizes) are zero.
-    qw [E, N, K] -> [T, N]. Static (Python values, not traced under jax.jit):
-    transpose, backend."""
+    qw [E, N, K] -> [T, N]. Concrete group sizes that are negative or sum past T raise
+    ValueError; traced ones (under jit) count a negative size as 0 and are cut at T rows.
+    Static (Python values, not traced under jax.jit): transpose, backend."""
     x, group_sizes, k = _expert_args("ragged_qmm", x, qw, "group_sizes", group_sizes,
                                      transpose)
     if group_sizes.shape != (qw.shape[0],):
         raise ValueError(f"group_sizes must be [E] = ({qw.shape[0]},); got {group_sizes.shape}")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
+    check_group_sizes(group_sizes, x.shape[0])
     return ragged_qmm_op.bind(x, qw, group_sizes, backend=backend, transpose=bool(transpose),
                               precision=default_precision())
 

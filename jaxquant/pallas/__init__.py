@@ -6,13 +6,13 @@ platforms cuda and rocm: each `lower_*` front takes the op's arguments plus
 unprefixed fronts add argument checks, `interpret` and `config`, for direct use).
 Kernel choice and block sizes: `jaxquant.pallas.configs`. Modules: `common`
 (shared helpers), `codecs` (decoders), `gemv` and `gemm` (the matmul kernel
-families), fronts `qmm`, `moe`, `norms`.
+families), fronts `qmm`, `moe`, `norms`, `attention`.
 """
 
 from __future__ import annotations
 
 from jaxquant import dispatch
-from jaxquant.pallas import configs, moe, norms, qmm
+from jaxquant.pallas import attention, configs, moe, norms, qmm
 from jaxquant.pallas.common import quiet_lowering
 
 __all__ = ["PLATFORMS", "unavailable_reason"]
@@ -43,6 +43,8 @@ KERNELS = (
     ("rms_norm", norms.lower_rms_norm, norms.supports, configs.auto_norm),
     ("add_rms_norm", norms.lower_add_rms_norm, norms.supports, configs.auto_norm),
     ("gated_rms_norm", norms.lower_gated_rms_norm, norms.supports, configs.auto_norm),
+    ("decode_attention", attention.lower_decode_attention, attention.supports,
+     configs.auto_decode_attention),
 )
 
 for _name, _impl, _applies, _auto in KERNELS:

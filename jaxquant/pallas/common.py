@@ -43,6 +43,19 @@ def pow2_ceil(v: int) -> int:
     return 1 << (v - 1).bit_length()
 
 
+def pow2_block(size: int, extent: int) -> int:
+    """A power-of-two block of at most `size` (at least 1), no larger than `extent`
+    rounded up to a power of two (a block never spans more than the padded extent)."""
+    return min(pow2_floor(size), pow2_ceil(extent))
+
+
+def split_loop(n_blocks: int, split_k: int) -> tuple[int, int]:
+    """A loop over `n_blocks` blocks split across programs: (split, steps per program),
+    `split_k` clamped to [1, n_blocks]."""
+    split = max(1, min(split_k, n_blocks))
+    return split, cdiv(n_blocks, split)
+
+
 def iota(n):
     return lax.broadcasted_iota(jnp.int32, (n,), 0)
 

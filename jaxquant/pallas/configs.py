@@ -164,6 +164,35 @@ NORM_CONFIGS: dict[str, NormConfig] = {
 }
 
 # ---------------------------------------------------------------------------
+# Decode attention: block configurations (jaxquant.pallas.attention).
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    block_s: int = 64            # keys (cache rows) per loop step; power of two >= 16
+    max_rows: int = 64           # query rows per program (positions x heads of a kv head)
+    target_programs: int = 264   # split the keys until (batch x kv heads x splits) reaches this
+    min_split_keys: int = 256    # ... but give every split at least this many keys
+    max_splits: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def replace(self, **kw) -> "AttentionConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# Not yet tuned on a GPU (scripts/gpu_attention_bench.py sweeps them): CUDA aims at two
+# programs per H100 SM, ROCm at one per MI300X CU with one stage (the AMD backend
+# pipelines through registers). interpret (CPU tests): tiny blocks, so that small test
+# caches go through many steps, several splits and several row tiles.
+ATTENTION_CONFIGS: dict[str, AttentionConfig] = {
+    "cuda": AttentionConfig(),
+    "rocm": AttentionConfig(target_programs=304, num_stages=1),
+    "interpret": AttentionConfig(block_s=16, max_rows=16, target_programs=8,
+                                 min_split_keys=32, max_splits=4, num_stages=1),
+}
+
+# ---------------------------------------------------------------------------
 # Automatic choice (dispatch's `auto`): where the kernels were measured to beat the
 # reference; an explicit backend="pallas" still takes every case they support.
 
@@ -189,3 +218,18 @@ def auto_qmm(x, qw, *, transpose, platform, **params) -> bool:
 
 def auto_norm(x, *operands, platform, **params) -> bool:
     return math.prod(x.shape) >= AUTO_NORM_MIN_ELEMENTS
+
+
+# Decode attention: where automatic choice takes the kernel, per platform: at most
+# `max_t` query positions per sequence (None: any) and caches of at least `min_s`
+# positions. Not measured yet: every case the kernel takes; the lead's H100 run of
+# scripts/gpu_attention_bench.py sets these.
+AUTO_ATTENTION = {"cuda": dict(max_t=None, min_s=0), "rocm": dict(max_t=None, min_s=0)}
+
+
+def auto_decode_attention(q, k_cache, *operands, platform, **params) -> bool:
+    rule = AUTO_ATTENTION.get(platform)
+    if rule is None:
+        return False
+    max_t = rule["max_t"]
+    return (max_t is None or q.shape[1] <= max_t) and k_cache.shape[-3] >= rule["min_s"]

@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxquant.pallas import codecs
 from jaxquant.pallas.common import (Tile, add_or_first, bcast, call, cdiv, finish_split,
                                     for_slots, index, interleave, iota, load, over_slots,
-                                    pow2_ceil, pow2_floor, static_slots, unpack_refs,
+                                    pow2_block, split_loop, static_slots, unpack_refs,
                                     weight_operands)
 
 
@@ -162,10 +162,9 @@ def gemv_t(x2, qw, config, *, interpret, hw, precision, ids=None, x_div=1):
     n_groups = k // qw.group_size
     xv = x2.reshape(m, n_groups, geo.cpg, geo.epb)
     ops, has_bias, has_gs = weight_operands(qw, geo)
-    bn = min(pow2_floor(config.block_n), pow2_ceil(n))
-    bg = min(pow2_floor(max(1, config.k_words // geo.words_per_group)), pow2_ceil(n_groups))
-    split = max(1, min(config.split_k, cdiv(n_groups, bg)))
-    steps = cdiv(cdiv(n_groups, bg), split)
+    bn = pow2_block(config.block_n, n)
+    bg = pow2_block(config.k_words // geo.words_per_group, n_groups)
+    split, steps = split_loop(cdiv(n_groups, bg), config.split_k)
     kernel = functools.partial(
         _gemv_t_kernel, fmt=fmt, geo=geo, n_rows=n, n_groups=n_groups, bn=bn, bg=bg, steps=steps,
         has_bias=has_bias, has_gs=has_gs, hw=hw, split=split, x_join=config.x_join)
@@ -240,10 +239,9 @@ def gemv_n(x2, qw, config, *, interpret, hw, precision, ids=None, x_div=1):
     n = qw.shape[-1]
     n_groups = n // qw.group_size
     ops, has_bias, has_gs = weight_operands(qw, geo)
-    bk = min(pow2_floor(config.block_k), pow2_ceil(k))
-    bg = min(pow2_floor(max(1, config.n_words // geo.words_per_group)), pow2_ceil(n_groups))
-    split = max(1, min(config.split_k, cdiv(k, bk)))
-    steps = cdiv(cdiv(k, bk), split)
+    bk = pow2_block(config.block_k, k)
+    bg = pow2_block(config.n_words // geo.words_per_group, n_groups)
+    split, steps = split_loop(cdiv(k, bk), config.split_k)
     kernel = functools.partial(
         _gemv_n_kernel, fmt=fmt, geo=geo, k_rows=k, n_groups=n_groups, bk=bk, bg=bg, steps=steps,
         has_bias=has_bias, has_gs=has_gs, hw=hw, split=split)

@@ -32,6 +32,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant.ops.common import ragged_group_ends
 from jaxquant.pallas import codecs, configs
 from jaxquant.pallas.common import X_DTYPES, dot_precision
 from jaxquant.pallas.gemm import gemm_block_m, gemm_t
@@ -157,8 +158,7 @@ def ragged_schedule(group_sizes, rows, bm):
     of its bm-row tile, first and end row of the expert's rows in that tile). A tile
     straddling groups is one item per group; items past the last are empty (lo == hi)."""
     num_experts = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), rows)          # rows past T belong to no group
+    ends = ragged_group_ends(group_sizes, rows)           # rows past T belong to no group
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     first = starts // bm
     tiles = jnp.where(ends > starts, (ends - 1) // bm - first + 1, 0)
@@ -194,7 +194,7 @@ def lower_ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool, pre
     sched = ragged_schedule(group_sizes, t, gemm_block_m(x.dtype, config))
     y = gemm_t(x, qw, config, interpret=interpret, hw=not interpret,
                precision=dot_precision(precision, x.dtype), schedule=sched)
-    total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), t)
+    total = ragged_group_ends(group_sizes, t)[-1]
     return jnp.where((jnp.arange(t) < total)[:, None], y, jnp.zeros((), x.dtype))
 
 

@@ -136,6 +136,15 @@ def compile_kernel(kernel: TritonKernel, backend: str, arch, warp_size: int):
                                            num_stages=kernel.num_stages))
 
 
+def compile_all(kernels, targets):
+    """Compile every kernel for every (backend, arch, warp size) target; each must give
+    a code object (AssertionError naming the target otherwise)."""
+    for kernel in kernels:
+        for backend, arch, warp in targets:
+            compiled = compile_kernel(kernel, backend, arch, warp)
+            assert len(code_object(compiled)) > 0, (kernel.name, backend, arch)
+
+
 def code_object(compiled) -> bytes:
     """The binary a compile produced: hsaco (AMD) or cubin (NVIDIA)."""
     asm = compiled.asm

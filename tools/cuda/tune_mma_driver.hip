@@ -7,7 +7,7 @@
 // driver checks that too. Not part of the library; built and run by
 // scripts/gpu_tune_decode.sh (or by hand, here with no GPU, then run there):
 //   nvcc -x cu -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90,code=sm_90 \
-//        -Iinclude -Ihip_src hip_src/tune_mma_driver.hip -o tune_mma_driver
+//        -Iinclude -Ihip_src tools/cuda/tune_mma_driver.hip -o tune_mma_driver
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,7 +1,7 @@
 // A standalone driver of the tensor-core kernels on the cuda_mma layout, the
 // decode GEMV (qmv_mma.h) and the prefill GEMM (qmm_gemm.h), no JAX, for
 // compute-sanitizer (scripts/gpu_check_decode.sh and gpu_check_prefill.sh run it):
-//   nvcc -x cu -std=c++17 -Iinclude -Ihip_src hip_src/sanitize_mma_driver.hip \
+//   nvcc -x cu -std=c++17 -Iinclude -Ihip_src tools/cuda/sanitize_mma_driver.hip \
 //        -L<lib dir> -ljaxquant_cuda -o sanitize_mma_driver
 //   compute-sanitizer --tool memcheck --error-exitcode 9 ./sanitize_mma_driver
 // Random codes and scales (every bit pattern is a valid code) in buffers of the
@@ -9,10 +9,12 @@
 // (unaligned expert bases), float32 scales, M = 1 / 9 / 16, every x dtype,
 // gather with repeated experts (dedupe) and ids outside [0, E) (NaN rows); the
 // GEMM with M = 17 / 64 / 100 and ragged group sizes with empty groups, sizes
-// past T, rows past the groups (zero); the layout's dequantize. Values are checked
-// by tests/test_decode_gpu.py and test_prefill_gpu.py; here: NaN rows exactly where
-// the ids are bad, zero rows past the groups, every output element written. Not
-// part of the library.
+// past T, rows past the groups (zero); the layout's dequantize; the fused GEMVs
+// (rms_norm_qmm's norm with and without a weight, N with a tail; qmm_swiglu's
+// silu / gpt_oss with and without a bias, two slots). Values are checked by
+// tests/test_decode_gpu.py, test_prefill_gpu.py and test_fused_gpu.py; here: NaN
+// rows exactly where the ids are bad, zero rows past the groups, every output
+// element written. Not part of the library.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -186,6 +188,54 @@ static void run_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M,
   }
 }
 
+// The fused GEMV over S = E matrices of M rows: kFuseNorm (aux: the norm weight [K]
+// in x's dtype, or none) or kFuseSwiglu (N = 2I; aux: a float32 bias [N], or none;
+// y [E, M, I] of exactly that size). Every output element written, none NaN.
+static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M, int fuse,
+                           bool with_aux, int activation) {
+  QmvProblem q = make_problem(c, E, N, K, E, E, M, nullptr);
+  std::mt19937 rng(99 + (int)N + (int)M);
+  const int esz = c.x_dt == kF32 ? 4 : 2;
+  const int64_t out_n = fuse == kFuseSwiglu ? N / 2 : N;
+  CK(cudaFree(q.y));  // the output's exact size
+  CK(cudaMalloc(&q.y, E * M * out_n * esz));
+  CK(cudaMemset(q.y, kUnwritten, E * M * out_n * esz));
+  Problem P;
+  P.q = q;
+  P.tiles = (N + 15) / 16;
+  P.full_tiles = N / 16;
+  P.chunks = K / 64;
+  P.dedupe = 0;
+  void* aux = nullptr;
+  if (with_aux && fuse == kFuseNorm) {  // small positive weights in x's dtype
+    aux = esz == 4 ? (void*)dev_random<uint32_t>(K, rng, 0x3bffffffu)
+                   : (void*)dev_random<uint16_t>(K, rng, 0x3bffu);
+    P.aux_dt = c.x_dt;
+  } else if (with_aux) {
+    aux = dev_random<uint32_t>(N, rng, 0x3bffffffu);
+    P.aux_dt = kF32;
+  }
+  P.aux = aux;
+  P.eps = 1e-6f;
+  P.offset = 1.0f;
+  P.activation = activation;
+  P.limit = 7.0f;
+  P.alpha = 1.702f;
+  const int nt = M > 8 ? 2 : 1;
+  CK(c.x_dt == kF32   ? launch_qmv_mma_fused_f32(P, nt, fuse, 0)
+     : c.x_dt == kF16 ? launch_qmv_mma_fused_f16(P, nt, fuse, 0)
+                      : launch_qmv_mma_fused_bf16(P, nt, fuse, 0));
+  q.N = out_n;  // (the launch has its copy) finish reads E x M x out_n outputs
+  const Output y = finish(q);
+  if (aux) cudaFree(aux);
+  for (size_t i = 0; i < y.v.size(); ++i)
+    if (y.unwritten[i] || (isnan(y.v[i]) && !any_code_nan(c.fmt))) {
+      fail(fuse == kFuseNorm ? "rms_norm_qmm: NaN or unwritten" : "qmm_swiglu: NaN or unwritten",
+           c.fmt, c.bits, (long long)i);
+      break;
+    }
+}
+
 // The GEMM: qmm over E matrices of M rows (sizes == nullptr) or ragged_qmm of T = M rows.
 static void run_gemm_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M,
                           const std::vector<int32_t>* sizes) {
@@ -257,6 +307,11 @@ int main() {
       run_case(c, 5, 21, 64 * 5, 1, &ids, 0);    // odd N x groups
       run_case(c, 5, 48, 128, 1, &ids, 7);       // dedupe, 8 rows
       run_case(c, 5, 33, 128, 1, &ids, 12);      // dedupe, 16 rows
+      for (int64_t m : {1, 9, 16}) {
+        run_fused_case(c, 1, 37, 192, m, kFuseNorm, m != 9, kActSilu);  // a tail tile
+        run_fused_case(c, 2, 96, 192, m, kFuseSwiglu, m != 1, m == 16 ? kActSilu : kActGptOss);
+      }
+      run_fused_case(c, 1, 64, 4096, 1, kFuseNorm, true, kActSilu);  // 4 warps, 8-16 KiB of x
       if (xd == kF32) continue;                  // the GEMM takes 16-bit x
       for (int64_t m : {17, 64, 100}) run_gemm_case(c, 2, 37, 192, m, nullptr);
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 37, 192, 150, &sizes);

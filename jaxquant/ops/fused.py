@@ -1,0 +1,175 @@
+"""Fused decode ops: rms_norm_qmm and qmm_swiglu (docs/fused.md).
+
+Each is a primitive whose reference is the composition of the unfused
+references (docs/ops.md: a fused op equals that composition to rounding):
+
+- rms_norm_qmm(x, norm_weight, qw) == qmm(rms_norm(x, norm_weight), qw): the
+  normalized x is rounded to x's dtype before the product, as the unfused ops
+  do;
+- qmm_swiglu(x, qw, bias) splits y = qmm(x, qw) (+ bias, in float32) into
+  gate and up halves along N and returns act(gate, up) in x's dtype.
+
+A backend with a fused kernel for the case runs it (the CUDA GEMV on the
+`cuda_mma` layout: jaxquant/ffi/_mma.py); any other case runs the unfused
+primitives, each on its own best kernel for the backend asked for
+(`Op(..., composition=...)`), and `backend="reference"` the reference.
+Differentiation goes through the reference, like the norms'.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant.ops.common import (check_x, compute_dtype, default_precision, move_to_front,
+                                 require_quantized)
+from jaxquant.ops.norms import (_check_common, _jvp_through_reference, rms_norm_op,
+                                rms_norm_reference)
+from jaxquant.ops.qmm import qmm_op, qmm_reference
+from jaxquant.primitive import Op
+from jaxquant.static_args import require_static
+
+SWIGLU_ACTIVATIONS = ("silu", "gpt_oss")
+
+
+def swiglu(gate, up, *, activation, limit, alpha):
+    """The gated activation of gate and up (same dtype, the compute dtype).
+
+    silu: silu(gate) * up. gpt_oss (gpt-oss's clamped SwiGLU): gate clamped above
+    at limit, up to [-limit, limit] (limit None: no clamp), then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if activation == "silu":
+        return jax.nn.silu(gate) * up
+    if limit is not None:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
+def rms_norm_qmm_reference(x, norm_weight, qw, *, eps, weight_offset, precision):
+    h = rms_norm_reference(x, norm_weight, eps=eps, weight_offset=weight_offset)
+    return qmm_reference(h, qw, transpose=True, precision=precision)
+
+
+def _swiglu_epilogue(y, bias, *, activation, limit, alpha, dtype):
+    """y [..., 2I] (qmm's output, in x's dtype) -> [..., I] in `dtype`."""
+    acc = compute_dtype(dtype)
+    y = y.astype(acc)
+    if bias is not None:
+        y = y + bias.astype(acc)
+    gate, up = jnp.split(y, 2, axis=-1)
+    return swiglu(gate, up, activation=activation, limit=limit, alpha=alpha).astype(dtype)
+
+
+def qmm_swiglu_reference(x, qw, bias, *, activation, limit, alpha, precision):
+    y = qmm_reference(x, qw, transpose=True, precision=precision)
+    return _swiglu_epilogue(y, bias, activation=activation, limit=limit, alpha=alpha,
+                            dtype=x.dtype)
+
+
+def _rms_norm_qmm_unfused(x, norm_weight, qw, *, backend, eps, weight_offset, precision):
+    h = rms_norm_op.bind(x, norm_weight, backend=backend, eps=eps, weight_offset=weight_offset)
+    return qmm_op.bind(h, qw, backend=backend, transpose=True, precision=precision)
+
+
+def _qmm_swiglu_unfused(x, qw, bias, *, backend, activation, limit, alpha, precision):
+    y = qmm_op.bind(x, qw, backend=backend, transpose=True, precision=precision)
+    return _swiglu_epilogue(y, bias, activation=activation, limit=limit, alpha=alpha,
+                            dtype=x.dtype)
+
+
+rms_norm_qmm_op = Op("rms_norm_qmm", rms_norm_qmm_reference, composition=_rms_norm_qmm_unfused)
+qmm_swiglu_op = Op("qmm_swiglu", qmm_swiglu_reference, composition=_qmm_swiglu_unfused)
+
+
+# ---------------------------------------------------------------------------
+# Public functions.
+
+
+def _check_qw(x, qw):
+    require_quantized("qw", qw, ndim=2)
+    if x.ndim < 1 or x.shape[-1] != qw.shape[-1]:
+        raise ValueError(f"x's last axis must be K={qw.shape[-1]} (qw.shape={qw.shape}); "
+                         f"got x.shape={x.shape}")
+
+
+def rms_norm_qmm(x, norm_weight, qw, *, eps: float = 1e-6, weight_offset: float = 0.0,
+                 backend: str | None = None):
+    """qmm(rms_norm(x, norm_weight, eps, weight_offset), qw): x [..., K], norm_weight
+    [K] or None, qw [N, K] -> [..., N] in x's dtype. The normalized x is rounded to
+    x's dtype before the product, as the two ops apart round it.
+
+    Static (Python values, not traced under jax.jit): eps, weight_offset, backend."""
+    x, norm_weight = _check_common(x, norm_weight, eps, weight_offset, "rms_norm_qmm",
+                                   weight_name="norm_weight")
+    _check_qw(x, qw)
+    return rms_norm_qmm_op.bind(x, norm_weight, qw, backend=backend, eps=float(eps),
+                                weight_offset=float(weight_offset),
+                                precision=default_precision())
+
+
+def qmm_swiglu(x, qw, *, activation: str = "silu", limit: float | None = None,
+               alpha: float = 1.702, bias=None, backend: str | None = None):
+    """Gate and up as one product with its activation: x [..., K], qw [2I, K] (gate
+    rows [0, I), then up rows [I, 2I)), bias [2I] or None -> [..., I] in x's dtype.
+
+    y = qmm(x, qw) (+ bias, in float32); gate, up = its two halves;
+    "silu": silu(gate) * up; "gpt_oss": gate = min(gate, limit),
+    up = clip(up, -limit, limit) (limit None: no clamp),
+    (up + 1) * gate * sigmoid(alpha * gate). float32 math (float64 for float64 x).
+
+    Static (Python values, not traced under jax.jit): activation, limit, alpha,
+    backend."""
+    x = check_x(x)
+    _check_qw(x, qw)
+    for name, v in (("activation", activation), ("limit", limit), ("alpha", alpha)):
+        require_static(name, v, "qmm_swiglu")
+    if activation not in SWIGLU_ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not known; expected one of "
+                         f"{list(SWIGLU_ACTIVATIONS)}")
+    n = qw.shape[0]
+    if n % 2:
+        raise ValueError(f"qw must have an even number of rows N=2I (gate rows, then up "
+                         f"rows); got qw.shape={qw.shape}")
+    _check_real("alpha", alpha)
+    if limit is not None:
+        _check_real("limit", limit)
+        if activation != "gpt_oss":
+            raise ValueError(f"limit={limit!r} applies to activation='gpt_oss' only; got "
+                             f"activation={activation!r}")
+        if not limit > 0:
+            raise ValueError(f"limit must be > 0; got {limit}")
+    if bias is not None:
+        bias = check_x(bias, "bias")
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},) (qw's rows); got {bias.shape}")
+    return qmm_swiglu_op.bind(x, qw, bias, backend=backend, activation=activation,
+                              limit=None if limit is None else float(limit),
+                              alpha=float(alpha), precision=default_precision())
+
+
+def _check_real(name, v):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real scalar (Python or NumPy, static); got {v!r}")
+
+
+# ---------------------------------------------------------------------------
+# Batching: a batch of x folds into its leading axes (the weights unbatched).
+
+
+def _rows_batch(op: Op):
+    def rule(args, dims, *, backend, **params):
+        x, *rest = args
+        x_dim, *rest_dims = dims
+        if any(jax.tree_util.tree_leaves(d) for d in rest_dims):
+            return None  # batched weights: vmap of the reference
+        return op.bind(move_to_front(x, x_dim), *rest, backend=backend, **params), 0
+    return rule
+
+
+for _op in (rms_norm_qmm_op, qmm_swiglu_op):
+    _op.batch_rule = _rows_batch(_op)
+    _jvp_through_reference(_op)

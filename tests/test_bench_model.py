@@ -1,0 +1,263 @@
+"""`python -m jaxquant bench model` on the CPU with the tiny configs: the table and
+its columns, the weight-read bytes, the torch peer computing the same function as
+jaxquant.models, the profile parser on a real CPU trace and on a synthetic GPU
+one, and --mesh / --xla-flags in a subprocess with 2 fake CPU devices."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxquant import bench, demo, models
+from jaxquant.bench import harness
+from jaxquant.bench import model as bench_model
+from jaxquant.bench import profile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--prompt", "4", "--tokens", "3", "--iters", "1"]
+
+
+def _tables(lines):
+    """Each markdown table in lines: (header cells, [row cells])."""
+    out, cur = [], None
+    for line in lines + [""]:
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cur is None:
+                cur = (cells, [])
+            else:
+                cur[1].append(dict(zip(cur[0], cells)))
+        elif line.startswith("|---"):
+            continue
+        elif cur is not None:
+            out.append(cur)
+            cur = None
+    return out
+
+
+def test_table_on_cpu_with_the_peer(monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda *a, **k: pytest.fail("timed on CPU"))
+    lines = []
+    assert bench.main(["model", "--configs", "tiny-dense", "--modes", "bf16,affine4",
+                       "--batch", "1,2", "--prefill", "8", "--peer", "torch",
+                       "--peer-batch", "1,2", *TINY], out=lines.append) == 0
+    header, rows = _tables(lines)[-1]
+    assert header == ["config", "impl", "mode", "batch", "decode tok/s", "prefill tok/s",
+                      "weights read/step", "Δlogits"]          # no bound columns on a CPU
+    assert any("% of bound and bound tok/s left out" in l for l in lines)
+    got = {(r["config"], r["impl"], r["mode"], r["batch"]): r for r in rows}
+    want = {("tiny-dense", "jaxquant", m, b) for m in ("bf16", "affine4") for b in ("1", "2")}
+    want |= {("tiny-dense", bench_model.PEER_IMPL, "bf16", b) for b in ("1", "2")}
+    assert set(got) == want
+    for key, r in got.items():
+        assert float(r["decode tok/s"]) > 0, key
+        assert (r["prefill tok/s"] != "") == (r["batch"] == "1"), key
+    # the quantized model and the bf16 peer against jaxquant's bf16 logits
+    assert 0 < float(got["tiny-dense", "jaxquant", "affine4", "1"]["Δlogits"][:-1]) < 60
+    assert float(got["tiny-dense", bench_model.PEER_IMPL, "bf16", "2"]["Δlogits"][:-1]) < 3
+    assert got["tiny-dense", "jaxquant", "bf16", "1"]["Δlogits"] == ""
+    assert any("torch int4 peer skipped: " in l and "CUDA" in l for l in lines)
+
+
+def test_step_bytes():
+    for name in ("tiny-dense", "tiny"):
+        cfg = demo.preset(name, "float32")
+        params = jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0))
+        total = models.weight_bytes(params)
+        row = models.weight_bytes(params["embed"]) / cfg.vocab_size
+        experts = sum(models.weight_bytes(w) for k, w in params["layers"].items()
+                      if k.startswith("e_"))
+        assert experts > 0 if cfg.moe else experts == 0
+        for b in (1, 8):
+            share = 1 - (1 - cfg.experts_per_token / cfg.num_experts) ** b if cfg.moe else 1
+            want = total - models.weight_bytes(params["embed"]) + b * row \
+                - experts * (1 - share)
+            assert bench_model.step_bytes(cfg, params, b) == pytest.approx(want)
+        if cfg.moe:   # batch 1 reads k of E experts
+            one = bench_model.step_bytes(cfg, params, 1)
+            assert one == pytest.approx(total - models.weight_bytes(params["embed"]) + row
+                                        - experts * (1 - cfg.experts_per_token
+                                                     / cfg.num_experts))
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_peer_computes_jaxquants_function(dtype, tol):
+    pytest.importorskip("torch")
+    from jaxquant.bench import torch_peer
+
+    cfg = demo.preset("tiny-dense", dtype)
+    params = models.init_params(cfg, jax.random.key(3))
+    prompt = jax.random.randint(jax.random.key(4), (2, 6), 0, cfg.vocab_size, jnp.int32)
+    logits, cache, token = models.prefill(cfg, params, prompt, 12)
+    tokens, _, _ = models.decode(cfg, params, cache, token, 6, 6)
+    peer = torch_peer.Peer(cfg, params)
+    peer.setup(2, 12)
+    p_logits, p_token = peer.prefill(prompt)
+    ref = np.asarray(logits, np.float64)
+    err = np.max(np.abs(p_logits.numpy() - ref)) / np.max(np.abs(ref))
+    assert err < tol
+    if dtype == "float32":   # greedy tokens agree where the arithmetic does
+        np.testing.assert_array_equal(p_token.numpy()[:, 0], np.asarray(token))
+        np.testing.assert_array_equal(peer.decode(p_token, 6, 6).numpy(), np.asarray(tokens))
+    # the bytes a step reads: the same weights as jaxquant's
+    assert peer.step_bytes(2) == bench_model.step_bytes(cfg, params, 2)
+
+
+def test_peer_refuses_what_it_does_not_build():
+    pytest.importorskip("torch")
+    from jaxquant.bench import torch_peer
+
+    assert "gpt_oss" in torch_peer.unavailable(demo.preset("tiny"))
+    assert torch_peer.unavailable(demo.preset("tiny-dense")) is None
+    assert "CUDA" in torch_peer.int4_unavailable("cpu")
+    with pytest.raises(ValueError, match="dense Llama"):
+        torch_peer.Peer(demo.preset("tiny"), {})
+
+
+def test_profile_of_a_cpu_decode(tmp_path):
+    cfg = demo.preset("tiny", "float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4")
+    prompt = jnp.zeros((1, 4), jnp.int32)
+    r = bench_model.decode_run(cfg, params, prompt, 3, {}, 1, profile_dir=str(tmp_path))
+    b = r["profile"]
+    assert b.kind == "cpu" and b.steps == 3 and b.layers == cfg.num_layers
+    assert b.kernels == pytest.approx(sum(n for n, _ in b.by_class.values()))
+    assert 0 < b.busy_us <= b.span_us
+    for cls in ("copies", "attention", "norms", "qmm", "moe glue"):
+        assert b.by_class[cls][0] > 0, cls      # the scan slices its layer's weights: copies
+    assert b.copy_bytes > 0
+    assert not any(name.startswith("while") for _, name, _, _ in b.top)
+    lines = []
+    profile.print_breakdown(b, lines.append, "tiny affine4")
+    text = "\n".join(lines)
+    assert "per layer" in text and "| qmm |" in text and "# COPIES:" in text
+
+
+def _perfetto(path, events):
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+             "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
+def test_profile_parser_on_a_gpu_trace(tmp_path):
+    """Kernels on a stream, with memcpys and gaps; host events and other modules left out."""
+    def k(name, ts, dur, op="", module="jit_decode_steps", tid=7):
+        args = {"hlo_op": op, "hlo_module": module} if op else {}
+        return {"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    events = [k("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 10, "custom-call.1"),
+              k("loop_dynamic_slice_fusion", 12, 3, "wrapped_dynamic-slice.2"),
+              k("MemcpyDtoD", 15, 5),
+              k("void jaxquant::qmv_mma<4>(...)", 25, 20, "ffi_call.3"),
+              k("input_reduce_fusion", 44, 2, "add_rsqrt_fusion"),
+              k("other_module_kernel", 50, 100, "fusion.9", module="jit_other"),
+              k("XLA op summary", 0, 60, "custom-call.1", tid=9),
+              {"ph": "X", "pid": 1, "tid": 3, "name": "host", "ts": 0, "dur": 99, "args": {}}]
+    path = tmp_path / "perfetto_trace.json.gz"
+    _perfetto(path, events)
+    found, kind = profile.device_events(profile.trace_file(str(tmp_path)), "jit_decode_steps")
+    assert kind == "gpu" and [e.name for e in found][0].startswith("sm90")
+    assert len(found) == 5
+    hlo = "\n".join([
+        '  %custom-call.1 = bf16[1,4096]{1,0} custom-call(%a), custom_call_target="__cublas$gemm"',
+        '  %wrapped_dynamic-slice.2 = u32[1,4096,512]{2,1,0} fusion(%b), kind=kLoop',
+        '  %ffi_call.3 = bf16[1,1,4096]{2,1,0} custom-call(%c), custom_call_target="jaxquant_qmv"',
+        '  %add_rsqrt_fusion = f32[1,1]{1,0} fusion(%d), kind=kLoop'])
+    b = profile.breakdown(found, profile.hlo_index(hlo), steps=1, layers=2, kind=kind)
+    assert b.span_us == 46 and b.busy_us == 39 and b.gaps == 2   # [0,10] [12,20] [25,46]
+    assert {c: n for c, (n, _) in b.by_class.items() if n} == {
+        "dense mm": 1, "copies": 2, "qmm": 1, "norms": 1}
+    assert b.by_class["copies"][1] == 8
+    assert b.copy_bytes == 4096 * 512 * 4       # the memcpy's size is not in the HLO
+
+
+@pytest.mark.parametrize("kernel, op, cls", [
+    ("MemcpyDtoD", "", "copies"),
+    ("sm90_xmma_gemm_bf16", "", "dense mm"),
+    ("nvjet_hsh_64x8_64x16", "", "dense mm"),
+    ("void qmv_mma_kernel<4, 64>", "", "qmm"),
+    ("rms_norm_kernel", "", "norms"),
+    ("flash_fwd_kernel", "", "attention"),
+    ("loop_add_fusion", "", "other"),
+])
+def test_classify_kernels_the_hlo_does_not_name(kernel, op, cls):
+    assert profile.classify(kernel, op, None) == cls
+
+
+def test_profile_classes_name_the_models_functions():
+    """The classes go by the decoder's function names: they must exist there."""
+    import ast
+    import inspect
+
+    from jaxquant.models import decoder
+
+    defined = {n.name for n in ast.walk(ast.parse(inspect.getsource(decoder)))
+               if isinstance(n, ast.FunctionDef)}
+    assert profile._ATTENTION_FUNCS <= defined and profile._MOE_FUNCS <= defined
+
+
+def test_mesh_and_xla_flags_variants_in_a_subprocess():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = [sys.executable, "-m", "jaxquant", "bench", "model", "--configs", "tiny-dense",
+            "--modes", "bf16", "--batch", "1", "--prefill", "0", "--peer", "none",
+            "--mesh", "2x1,4x1", "--xla-flags=--xla_cpu_enable_fast_math=false", *TINY]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    tables = _tables(lines)
+    (header, rows), (vheader, vrows) = tables[-2], tables[-1]
+    assert header[-1] == "vs 1 device"
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {"jaxquant", "jaxquant 2x1"}
+    assert by_impl["jaxquant 2x1"]["vs 1 device"].endswith("x")
+    assert float(by_impl["jaxquant 2x1"]["decode tok/s"]) > 0
+    assert any("mesh 4x1 not run: it needs 4 devices, 2 here" in l for l in lines)
+    assert vheader[:5] == ["config", "mode", "batch", "XLA_FLAGS", "decode tok/s"]
+    assert len(vrows) == 1 and "xla_cpu_enable_fast_math" in vrows[0]["XLA_FLAGS"]
+    assert float(vrows[0]["decode tok/s"]) > 0 and vrows[0]["vs this process"].endswith("x")
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _torch_cuda(), reason="needs torch with CUDA and JAX on the same GPU")
+def test_peer_on_cuda_bf16_and_int4():
+    """On the GPU: the bf16 peer on the JAX arrays (DLPack views) agrees with jaxquant;
+    the int4 peer (gpt-fast's _weight_int4pack_mm) is near the bf16 one."""
+    from jaxquant.bench import torch_peer
+
+    cfg = demo.preset("small-dense")
+    params = jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size, jnp.int32)
+    logits, _, _ = models.prefill(cfg, params, prompt, 24)
+    ref = np.asarray(logits, np.float64)
+    got = {}
+    for int4 in (False, True):
+        peer = torch_peer.Peer(cfg, params, int4=int4, compile_mode="default")
+        peer.setup(2, 24)
+        p_logits, token = peer.prefill(prompt)
+        got[int4] = p_logits.double().cpu().numpy()
+        assert peer.decode(token, 16, 8).shape == (2, 8)
+        if int4:   # packed weights: about a quarter of the bf16 bytes
+            assert peer.step_bytes(2) < 0.35 * bench_model.step_bytes(cfg, params, 2)
+    scale = np.max(np.abs(ref))
+    assert np.max(np.abs(got[False] - ref)) / scale < 3e-2
+    assert np.max(np.abs(got[True] - got[False])) / scale < 0.3

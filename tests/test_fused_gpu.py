@@ -1,0 +1,204 @@
+"""The fused decode GEMVs (hip_src/qmv_mma.h, FUSE) on an NVIDIA GPU, on the cuda_mma
+layout: rms_norm_qmm's norm prologue and qmm_swiglu's epilogue against the unfused ffi
+ops (to rounding) and the float64 oracle, every mode x float32/float16/bfloat16 x
+M in {1, 2, 8, 16}; the cases the kernel does not take (I not a multiple of 16, more
+than 16 rows, x too large to stage) run the unfused kernels; the handler's checks.
+Skipped without a CUDA GPU and library (scripts/gpu_check_decode.sh runs it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+import jaxquant.ffi as jf
+from tests.common import DTYPES, EPS, MODES, deq64, quantize_for, rand, rms64
+from tests.test_fused import swiglu64
+
+
+def _fused_kernel():
+    try:
+        from jaxquant.ffi import _mma
+        lib = jf.libraries().get("cuda")
+        return (jax.default_backend() in ("gpu", "cuda") and "cuda" in jf.loaded_platforms()
+                and hasattr(lib.handle, "jq_gpu_qmv_mma_fused"), _mma)
+    except Exception:  # noqa: BLE001
+        return False, None
+
+
+_HAVE, _mma = _fused_kernel()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _HAVE, reason="needs an NVIDIA GPU and the CUDA library "
+                                                   "with the fused GEMV (jq_gpu_qmv_mma_fused)")]
+
+MS = (1, 2, 8, 16)
+ACTS = [dict(activation="silu"), dict(activation="gpt_oss", limit=7.0, alpha=1.702)]
+
+
+def _packed(mode, bits, shape, key=0, scale=2.0):
+    w = rand(key, shape, jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32, scale=scale)
+    qw = quantize_for(mode, bits, w)
+    return qw, jq.prepack(qw, layout="cuda_mma")
+
+
+def _targets(fn, *args):
+    return jax.jit(fn).lower(*args).as_text()
+
+
+def f64(a):
+    return np.asarray(a, np.float64)
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_rms_norm_qmm_kernel(mode, bits):
+    # N = 48: three tiles; K = 192: three chunks
+    qw, packed = _packed(mode, bits, (48, 192), key=bits)
+    w64 = deq64(qw)
+    xs = {(jnp.dtype(dt).name, m): rand(m, (m, 192), dt, scale=3.0) for dt in DTYPES for m in MS}
+    ws = {jnp.dtype(dt).name: rand(99, (192,), dt) for dt in DTYPES}
+    norm = lambda x, w, q: jq.rms_norm_qmm(x, w, q, eps=1e-5, weight_offset=0.5)
+    assert "jaxquant_qmv_mma_fused" in _targets(norm, xs["bfloat16", 1], ws["bfloat16"], packed)
+    fused = jax.jit(lambda xs, ws, q: {k: norm(x, ws[k[0]], q) for k, x in xs.items()})(
+        xs, ws, packed)
+    unfused = jax.jit(lambda xs, ws, q: {
+        k: jq.qmm(jq.rms_norm(x, ws[k[0]], eps=1e-5, weight_offset=0.5), q, backend="ffi")
+        for k, x in xs.items()})(xs, ws, packed)
+    for (name, m), y in fused.items():
+        eps = EPS[jnp.dtype(name)]
+        x = xs[name, m]
+        assert y.dtype == jnp.dtype(name) and y.shape == (m, 48)
+        h64 = rms64(x, ws[name], eps=1e-5, off=0.5)
+        mag = np.abs(h64) @ np.abs(w64).T
+        # against the unfused kernels: the normalized x may round the other way (one
+        # ulp of h; float32 x meets the MMA as two bf16 terms, ~2^-17 of each element:
+        # the GEMV's K x 2^-24 term), then the output's rounding
+        gemv = (2 * eps + 192 * 2.0**-24) * mag
+        bound = gemv + 2 * eps * np.abs(f64(unfused[name, m])) + 1e-30
+        assert np.all(np.abs(f64(y) - f64(unfused[name, m])) <= bound), (name, m)
+        # against the float64 oracle: h rounded to x's dtype, the GEMV's bound
+        want = h64 @ w64.T
+        bound = eps * mag + gemv + eps * np.abs(want) + 1e-30
+        assert np.all(np.abs(f64(y) - want) <= bound), (name, m)
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_qmm_swiglu_kernel(mode, bits):
+    # I = 32: two gate tiles and two up tiles
+    i, k = 32, 192
+    qw, packed = _packed(mode, bits, (2 * i, k), key=bits + 1, scale=0.5)
+    xs = {(jnp.dtype(dt).name, m): rand(m, (m, k), dt) for dt in DTYPES for m in MS}
+    bias = {jnp.dtype(dt).name: rand(77, (2 * i,), dt) for dt in DTYPES}
+    for act in ACTS:
+        for with_bias in (False, True):
+            def fused_fn(xs, bs, q):
+                return {key: jq.qmm_swiglu(x, q, bias=bs[key[0]] if with_bias else None, **act)
+                        for key, x in xs.items()}
+
+            def unfused_fn(xs, bs, q):
+                return {key: _unfused_swiglu(x, q, bs[key[0]] if with_bias else None, act)
+                        for key, x in xs.items()}
+            assert "jaxquant_qmv_mma_fused" in _targets(fused_fn, xs, bias, packed)
+            fused = jax.jit(fused_fn)(xs, bias, packed)
+            unfused = jax.jit(unfused_fn)(xs, bias, packed)
+            for (name, m), y in fused.items():
+                eps = EPS[jnp.dtype(name)]
+                assert y.dtype == jnp.dtype(name) and y.shape == (m, i)
+                # the halves are the unfused GEMV's outputs bit for bit; the activation's
+                # exp (a few float32 ulps: 2^-20) and the output's rounding may differ
+                # (float16's smallest subnormal, 2^-24, absolute)
+                np.testing.assert_allclose(f64(y), f64(unfused[name, m]),
+                                           rtol=max(4 * eps, 2.0**-20),
+                                           atol=2.0**-24,
+                                           err_msg=f"{name} M={m} {act} bias={with_bias}")
+
+
+def _unfused_swiglu(x, q, bias, act):
+    """The composition on the unfused ffi GEMV, its epilogue in jnp (float32)."""
+    y = jq.qmm(x, q, backend="ffi").astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    gate, up = jnp.split(y, 2, axis=-1)
+    if act["activation"] == "silu":
+        return (jax.nn.silu(gate) * up).astype(x.dtype)
+    gate, up = jnp.minimum(gate, act["limit"]), jnp.clip(up, -act["limit"], act["limit"])
+    return ((up + 1) * gate * jax.nn.sigmoid(gate * act["alpha"])).astype(x.dtype)
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("nvfp4", 4)])
+def test_qmm_swiglu_oracle_many_tiles(mode, bits):
+    # I = 16 * 300: 300 blocks, each a gate tile and the up tile 300 tiles further
+    i, k = 16 * 300, 256
+    qw, packed = _packed(mode, bits, (2 * i, k), key=3, scale=0.5)
+    w64 = deq64(qw)
+    for dt in DTYPES:
+        for m in (1, 16):
+            x = rand(m + 5, (m, k), dt)
+            y = jq.qmm_swiglu(x, packed, activation="gpt_oss", limit=7.0)
+            eps = EPS[jnp.dtype(dt)]
+            x64 = f64(x)
+            g = x64 @ w64.T
+            mag = np.abs(x64) @ np.abs(w64).T
+            b = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(g)
+            want, (dg, du) = swiglu64(g[:, :i], g[:, i:], "gpt_oss", 7.0)
+            bound = dg * b[:, :i] + du * b[:, i:] + 2 * eps * np.abs(want) + 1e-30
+            assert np.all(np.abs(f64(y) - want) <= bound), (dt, m)
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("mxfp8_e4m3", 8)])
+def test_rms_norm_qmm_long_k(mode, bits):
+    # K = 4096: four warps of 16 chunks; x (8 KiB at M = 1 in bf16) staged and normalized
+    qw, packed = _packed(mode, bits, (37, 4096), key=11)
+    w = rand(12, (4096,), jnp.bfloat16)
+    for dt in DTYPES:
+        for m in (1, 4):
+            x = rand(7 + m, (m, 4096), dt)
+            y = jq.rms_norm_qmm(x, w.astype(dt), packed)
+            z = jq.qmm(jq.rms_norm(x, w.astype(dt)), packed)
+            eps = EPS[jnp.dtype(dt)]
+            mag = np.abs(rms64(x, w)) @ np.abs(deq64(qw)).T
+            bound = (2 * eps + 4096 * 2.0**-24) * mag + 2 * eps * np.abs(f64(z))
+            assert np.all(np.abs(f64(y) - f64(z)) <= bound), (dt, m)
+
+
+def test_cases_the_kernel_does_not_take_run_unfused():
+    k = 192
+    _, packed = _packed("mxfp4", 4, (48, k), key=1)  # I = 24: not whole tiles
+    x = rand(1, (2, k), jnp.bfloat16)
+    text = _targets(lambda x, q: jq.qmm_swiglu(x, q), x, packed)
+    assert "jaxquant_qmv_mma_fused" not in text and "jaxquant_qmv_mma" in text
+    np.testing.assert_allclose(f64(jq.qmm_swiglu(x, packed)),
+                               f64(_unfused_swiglu(x, packed, None, dict(activation="silu"))),
+                               rtol=2**-7)
+    x17 = rand(2, (17, k), jnp.bfloat16)  # more than 16 rows
+    assert "jaxquant_qmv_mma_fused" not in _targets(
+        lambda x, q: jq.rms_norm_qmm(x, None, q), x17, packed)
+    np.testing.assert_array_equal(f64(jq.rms_norm_qmm(x17, None, packed)),
+                                  f64(jq.qmm(jq.rms_norm(x17), packed)))
+    _, big = _packed("affine", 4, (32, 8192), key=2)  # 16 x 32 KiB of float32 x: not staged
+    xb = rand(3, (16, 8192), jnp.float32)
+    assert "jaxquant_qmv_mma_fused" not in _targets(
+        lambda x, q: jq.rms_norm_qmm(x, None, q), xb, big)
+    np.testing.assert_array_equal(f64(jq.rms_norm_qmm(xb, None, big)),
+                                  f64(jq.qmm(jq.rms_norm(xb), big)))
+
+
+def test_handler_checks():
+    k = 128
+    _, packed = _packed("mxfp4", 4, (32, k))
+    q3 = _mma._flat_qw(packed)
+    x = rand(0, (1, 2, k), jnp.bfloat16)
+    call = lambda *a, **kw: jax.block_until_ready(_mma.qmv_mma_fused_call(*a, **kw))
+    with pytest.raises(Exception, match="norm weight must be"):
+        call(x, q3, jnp.ones((k + 1,), jnp.float32), fuse=_mma.FUSE_NORM)
+    with pytest.raises(Exception, match="bias must be"):
+        call(x, q3, jnp.ones((k,), jnp.float32), fuse=_mma.FUSE_SWIGLU)
+    with pytest.raises(Exception, match="fuse must be"):
+        call(x, q3, None, fuse=3)
+    _, odd = _packed("mxfp4", 4, (48, k))
+    with pytest.raises(Exception, match="I a multiple of 16"):
+        call(x, _mma._flat_qw(odd), None, fuse=_mma.FUSE_SWIGLU)
+    _, big = _packed("affine", 4, (32, 8192))
+    with pytest.raises(Exception, match="stages x in shared memory"):
+        call(rand(0, (1, 16, 8192), jnp.float32), _mma._flat_qw(big), None, fuse=_mma.FUSE_NORM)
