@@ -24,10 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.ops.common import (check_x, compute_dtype, default_precision, move_to_front,
-                                 require_quantized)
-from jaxquant.ops.norms import (_check_common, _jvp_through_reference, rms_norm_op,
-                                rms_norm_reference)
+from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
+                                 jvp_through_reference, move_to_front, require_quantized)
+from jaxquant.ops.norms import _check_common, rms_norm_op, rms_norm_reference
 from jaxquant.ops.qmm import qmm_op, qmm_reference
 from jaxquant.primitive import Op
 from jaxquant.static_args import require_static
@@ -172,4 +171,4 @@ def _rows_batch(op: Op):
 
 for _op in (rms_norm_qmm_op, qmm_swiglu_op):
     _op.batch_rule = _rows_batch(_op)
-    _jvp_through_reference(_op)
+    jvp_through_reference(_op)
