@@ -53,7 +53,11 @@ def _gptq_pack(prefix, w):
     torch = pytest.importorskip("torch")
     qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
     n, k = w.shape
-    g, rng = 32, np.random.default_rng(abs(hash(prefix)) % 2 ** 32)
+    # act-order sorts K by the Hessian of the layer's input: one order for the matrices
+    # that share an input (q/k/v, gate/up), so they fuse
+    shared = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace(
+        "up_proj", "gate_proj")
+    g, rng = 32, np.random.default_rng(sum(map(ord, shared)))
     g_idx = torch.from_numpy(rng.permutation(np.arange(k) // g).astype(np.int32))
     wt = torch.from_numpy(w)
     blocks = [wt[:, g_idx == j] for j in range(k // g)]       # act-order groups
@@ -75,7 +79,7 @@ def _random_gptq_pack(prefix, w):
     """No package: random act-order GPTQ words (every field value, zero fields of 15
     included), dequantized by gptqmodel's transcribed reading (tests/test_io_hf.py)."""
     n, k = w.shape
-    rng = np.random.default_rng(abs(hash(prefix)) % 2 ** 32)
+    rng = np.random.default_rng(sum(map(ord, prefix)))
     qweight = rng.integers(0, 2 ** 32, (k // 8, n), dtype=np.uint32).view(np.int32)
     qzeros = rng.integers(0, 2 ** 32, (k // 32, n // 8), dtype=np.uint32).view(np.int32)
     scales = (rng.random((k // 32, n)) * 0.02 + 1e-3).astype(np.float16)
@@ -155,6 +159,8 @@ def test_quantized_checkpoint_decodes_like_its_float_model(tmp_path, kind):
         inner = w.matrix if isinstance(w, PermutedMatrix) else w
         assert isinstance(inner, QuantizedArray), key
         assert isinstance(w, PermutedMatrix) == kind.startswith("gptq"), key
+    if kind != "gptq-random-words":  # one permutation (or none) per input: fused
+        assert "wqkv" in matrices and "w_gate_up" in matrices
     assert isinstance(params["lm_head"], QuantizedArray)           # float, quantized by mode
     assert params["lm_head"].mode == "mxfp4"
 
@@ -186,10 +192,10 @@ def test_bf16_model_keeps_float16_gptq_scales(tmp_path):
     t, _ = _quantize_linears(_float_checkpoint(9), _gptq_pack)
     _write(tmp_path, dict(LLAMA, quantization_config=QUANT_CONFIGS["gptq"][0]), t)
     cfg, params = checkpoint.load(tmp_path)
-    wq = params["layers"]["wq"]             # q/k/v permutations differ here: not fused
-    assert wq.matrix.dtype == jnp.bfloat16 and wq.matrix.scales.dtype in (jnp.float16,
-                                                                          jnp.float32)
-    assert wq.perm.shape == (2, 64)
+    wqkv = params["layers"]["wqkv"]
+    assert wqkv.matrix.dtype == jnp.bfloat16 and wqkv.matrix.scales.dtype in (jnp.float16,
+                                                                              jnp.float32)
+    assert wqkv.perm.shape == (2, 64) and wqkv.matrix.shape == (2, 128, 64)
     tokens, logits = _tokens(cfg, params)
     assert tokens.shape == (2, 6) and np.all(np.isfinite(logits))
 
