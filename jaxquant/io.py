@@ -40,6 +40,8 @@ Formats:
   MXFP6 (E2M3 or E3M2): 24 bytes holding the 32 6-bit codes as a big-endian
   bit stream, most significant bit first: byte 0 = [E0 bits 5..0][E1 bits 5..4],
   byte 1 = [E1 bits 3..0][E2 bits 5..2], byte 2 = [E2 bits 1..0][E3 bits 5..0], ...
+- GPTQ, AWQ and compressed-tensors (`from_gptq` / `to_gptq`, `from_awq` / `to_awq`,
+  `from_compressed_tensors` / `to_compressed_tensors`): jaxquant/io_hf.py and docs/checkpoints.md.
 - `load_safetensors` / `save_safetensors`: numpy dicts through the optional
   ``safetensors`` package (``pip install safetensors``, or ``jaxquant[safetensors]``).
 """
@@ -52,13 +54,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import formats
+from jaxquant.io_hf import (from_awq, from_compressed_tensors, from_gptq, to_awq,
+                             to_compressed_tensors, to_gptq, host_array as _host)
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 __all__ = [
-    "from_ggml_mxfp4", "from_gpt_oss", "from_mlx_tensors", "from_mx_blocks",
-    "load_safetensors", "save_safetensors", "to_ggml_mxfp4", "to_gpt_oss",
-    "to_mlx_tensors", "to_mx_blocks",
+    "from_awq", "from_compressed_tensors", "from_ggml_mxfp4", "from_gpt_oss", "from_gptq",
+    "from_mlx_tensors", "from_mx_blocks", "load_safetensors", "save_safetensors", "to_awq",
+    "to_compressed_tensors", "to_ggml_mxfp4", "to_gpt_oss", "to_gptq", "to_mlx_tensors",
+    "to_mx_blocks",
 ]
 
 _BLOCK = 32
@@ -69,13 +74,6 @@ MX_BLOCK_BYTES = {"mxfp4": 17, "mxfp6_e2m3": 25, "mxfp6_e3m2": 25}
 
 # ---------------------------------------------------------------------------
 # Helpers.
-
-
-def _host(x, name: str) -> np.ndarray:
-    """numpy view of an array argument (jax arrays are copied to the host)."""
-    if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array (numpy or jax); got {type(x).__name__}")
-    return np.asarray(x)
 
 
 def _check_u8(x, name: str) -> np.ndarray:

@@ -17,6 +17,11 @@ Families: Llama / Mistral / Qwen2 / Qwen3 (dense), Qwen3-MoE and gpt-oss.
   in the checkpoint, are reordered gate rows first, then up rows (exact).
 - Quantized matrices come back in the default device's fastest kernel layout
   (`layout`, as jq.prepack: "canonical" to opt out).
+- GPTQ, AWQ and compressed-tensors checkpoints (config.json's
+  "quantization_config" with quant_method "gptq", "awq" or "compressed-tensors")
+  keep their quantized matrices as they are, imported exactly through
+  `jq.io.from_gptq` / `from_awq` / `from_compressed_tensors` (`hf_quantized_matrix`;
+  docs/checkpoints.md); act-order GPTQ matrices become `PermutedMatrix`.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 import jaxquant as jq
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import (MATRICES, default_per_layer, fuse_layer, fuse_params,
-                                     prepack_params, quantize_args, quantize_matrix,
-                                     stack_layers, unstack_layers)
+from jaxquant.models.decoder import (MATRICES, PermutedMatrix, default_per_layer, fuse_layer,
+                                     fuse_params, prepack_params, quantize_args,
+                                     quantize_matrix, stack_layers, unstack_layers)
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -57,6 +63,7 @@ class _Tensors:
                               "(pip install safetensors)") from e
         self._handles = [safe_open(f, framework="numpy") for f in files]
         self._where = {k: h for h in self._handles for k in h.keys()}
+        self._file = {k: f for f, h in zip(files, self._handles) for k in h.keys()}
 
     def __contains__(self, name):
         return name in self._where
@@ -65,10 +72,28 @@ class _Tensors:
         if name not in self._where:
             near = sorted(k for k in self._where if k.rsplit(".", 2)[0] in name)[:8]
             raise KeyError(f"checkpoint has no tensor {name!r} (similar: {near})")
-        return self._where[name].get_tensor(name)
+        try:
+            return self._where[name].get_tensor(name)
+        except AttributeError:  # safetensors' numpy reader has no float8 (compressed-tensors)
+            return _read_float8(self._file[name], name)
 
     def keys(self):
         return self._where.keys()
+
+
+_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_float8(file, name) -> np.ndarray:
+    """A float8 tensor of a .safetensors file, read from its header and bytes."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[name]
+    if entry["dtype"] not in _FLOAT8:
+        raise TypeError(f"{name}: safetensors dtype {entry['dtype']} is not readable as numpy")
+    start, end = entry["data_offsets"]
+    raw = np.fromfile(file, np.uint8, count=end - start, offset=8 + size + start)
+    return raw.view(_FLOAT8[entry["dtype"]]).reshape(entry["shape"])
 
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str | None = None,
@@ -94,7 +119,7 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
         hf = json.load(f)
     cfg = from_hf(hf, dtype=dtype)
     tensors = _Tensors(path)
-    quant = _Quantizer(mode, hf.get("quantization"), dtype)
+    quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"))
     layers = tuple(_layer(cfg, tensors, quant, i, fuse) for i in range(cfg.num_layers))
     params = {"layers": layers,
               "embed": quant.matrix(tensors, "model.embed_tokens"),
@@ -108,10 +133,12 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
 
 
 class _Quantizer:
-    def __init__(self, mode, mlx_quant, dtype):
+    def __init__(self, mode, mlx_quant, dtype, hf_quant=None):
         self.kw = None if mode in (None, "bf16") else quantize_args(mode)
         self.mlx = mlx_quant
         self.dtype = jnp.dtype(dtype)
+        method = (hf_quant or {}).get("quant_method")
+        self.hf_quant = hf_quant if method in HF_QUANT_METHODS else None
 
     def float(self, a):
         return jnp.asarray(np.asarray(a), self.dtype)
@@ -125,7 +152,12 @@ class _Quantizer:
 
     def matrix(self, tensors, prefix):
         """`{prefix}.weight` [N, K] (or MLX's quantized triple) -> float array (as
-        stored) or QuantizedArray (MLX's)."""
+        stored), QuantizedArray (MLX's, GPTQ's, AWQ's, compressed-tensors') or
+        PermutedMatrix (act-order GPTQ)."""
+        if self.hf_quant is not None:
+            w = hf_quantized_matrix(tensors, prefix, self.hf_quant, self.dtype)
+            if w is not None:
+                return w
         if f"{prefix}.scales" in tensors:
             if self.mlx is None:
                 raise ValueError(f"{prefix}.scales is in the checkpoint but config.json has no "
@@ -138,8 +170,8 @@ class _Quantizer:
 
     def quantize(self, w):
         """A float matrix [N, K] or expert stack [E, N, K] quantized to `mode` (as
-        jq.quantize); QuantizedArrays and mode=None leave it as it is."""
-        if self.kw is None or isinstance(w, QuantizedArray):
+        jq.quantize); QuantizedArrays, PermutedMatrix and mode=None leave it as it is."""
+        if self.kw is None or isinstance(w, (QuantizedArray, PermutedMatrix)):
             return w
         return quantize_matrix(w, self.kw) if w.ndim == 2 else jq.quantize(w, **self.kw)
 
@@ -212,4 +244,50 @@ def _qwen3_moe_mlp(cfg, tensors, quant, pre):
     return p
 
 
-__all__ = ["load"]
+HF_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+_CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+             "weight_global_scale")
+
+
+def hf_quantized_matrix(tensors, prefix, quant_config, dtype):
+    """Module `prefix` of a GPTQ / AWQ / compressed-tensors checkpoint, imported
+    exactly (docs/checkpoints.md): a QuantizedArray, a PermutedMatrix (act-order
+    GPTQ), or None where the checkpoint keeps that module in float."""
+    method = quant_config["quant_method"]
+    if method == "compressed-tensors":
+        if f"{prefix}.weight_packed" not in tensors and f"{prefix}.weight_scale" not in tensors:
+            return None
+        own = {f"{prefix}.{p}": tensors[f"{prefix}.{p}"] for p in _CT_PARTS
+               if f"{prefix}.{p}" in tensors}
+        return _on_device(jq.io.from_compressed_tensors(own, prefix, quant_config, dtype=dtype))
+    if f"{prefix}.qweight" not in tensors:
+        return None
+    parts = [tensors[f"{prefix}.{p}"] for p in ("qweight", "qzeros", "scales")]
+    bits = int(quant_config.get("bits", quant_config.get("w_bit", 4)))
+    if method == "awq":
+        version = str(quant_config.get("version", "gemm")).lower()
+        if version != "gemm" or not quant_config.get("zero_point", True):
+            raise ValueError(f"AWQ version={version!r}, zero_point="
+                             f"{quant_config.get('zero_point')!r}: only AutoAWQ's GEMM packing "
+                             f"with zero points is supported")
+        return _on_device(jq.io.from_awq(*parts, bits=bits, dtype=dtype))
+    if quant_config.get("dynamic"):
+        raise ValueError("GPTQ 'dynamic' per-module overrides are not supported")
+    g_idx = tensors[f"{prefix}.g_idx"] if f"{prefix}.g_idx" in tensors else None
+    fmt = quant_config.get("checkpoint_format") or quant_config.get("format") or "gptq"
+    qw, perm = jq.io.from_gptq(*parts, g_idx, bits=bits, checkpoint_format=fmt, dtype=dtype)
+    qw = _on_device(qw)
+    if perm is None and not quant_config.get("desc_act"):
+        return qw
+    # act-order: every matrix carries a permutation (identity where its groups are
+    # contiguous), so the layers stack alike and q/k/v (gate/up), whose permutations
+    # are one where they share their input's statistics, fuse
+    perm = np.arange(qw.shape[-1], dtype=np.int32) if perm is None else perm
+    return PermutedMatrix(qw, jnp.asarray(perm))
+
+
+def _on_device(qw):
+    return jax.tree_util.tree_map(jnp.asarray, qw)
+
+
+__all__ = ["hf_quantized_matrix", "load"]

@@ -253,12 +253,15 @@ def _windows(f: _Fields, mt: str, layers: int) -> tuple[int, tuple]:
 
 def _quantization(f: _Fields):
     """`quantization` (mlx-lm's; the checkpoint loader reads it) and `quantization_config`:
-    gpt-oss's MXFP4 (read from the tensors) or mlx-lm's copy of `quantization`."""
+    gpt-oss's MXFP4 (read from the tensors), GPTQ, AWQ and compressed-tensors
+    (docs/checkpoints.md) or mlx-lm's copy of `quantization`."""
     mlx = f.get("quantization")
     qc = f.get("quantization_config")
-    if qc is not None and qc.get("quant_method") != "mxfp4" and qc != mlx:
+    methods = ("mxfp4", "gptq", "awq", "compressed-tensors")
+    if qc is not None and qc.get("quant_method") not in methods and qc != mlx:
         raise ValueError(f"config.json quantization_config={qc!r} is not supported (the "
-                         f"loader reads float, MLX-quantized and gpt-oss MXFP4 checkpoints)")
+                         f"loader reads float, MLX-quantized, gpt-oss MXFP4, GPTQ, AWQ and "
+                         f"compressed-tensors checkpoints)")
 
 
 def from_hf(cfg: dict, dtype: str = "bfloat16") -> Config:

@@ -2,8 +2,9 @@
 
 Parameters are a dict pytree. Per-layer weights are stacked on a leading layer
 axis (or, after `unstack_layers`, one dict per layer: separate buffers). A
-matrix is either a float array [N, K] or a `QuantizedArray` [N, K] (y = x @ W.T
-either way: `linear`), so the same code runs bf16 and every quantized mode.
+matrix is a float array [N, K], a `QuantizedArray` [N, K] or a `PermutedMatrix`
+(act-order GPTQ); y = x @ W.T any way (`linear`), so the same code runs bf16
+and every quantized mode.
 Keys (per layer, stacked under "layers"):
 
   attn_norm, mlp_norm [D]; wqkv [(Hq+2Hkv)*hd, D] (q rows, then k, then v),
@@ -51,8 +52,18 @@ GATHER_MAX_PAIRS = 64
 # Matmuls on float or quantized weights.
 
 
+class PermutedMatrix(NamedTuple):
+    """A matrix stored with its input channels in the order `perm` (GPTQ act-order:
+    jq.io.from_gptq): ``x @ W.T == x[..., perm] @ matrix.T``."""
+    matrix: QuantizedArray
+    perm: jax.Array
+
+
 def linear(x, w, bias=None):
-    """x [..., K] @ w.T (w [N, K], float or QuantizedArray) (+ bias) -> [..., N]."""
+    """x [..., K] @ w.T (w [N, K]: float, QuantizedArray or PermutedMatrix) (+ bias)
+    -> [..., N]."""
+    if isinstance(w, PermutedMatrix):
+        x, w = jnp.take(x, w.perm, axis=-1), w.matrix
     if isinstance(w, QuantizedArray):
         y = jq.qmm(x, w)
     else:
@@ -496,7 +507,15 @@ FUSED_BIASES = {"wqkv": ("bqkv", ("bq", "bk", "bv")),
 
 def _concat_rows(parts):
     """The parts' rows one after the other (float arrays, or QuantizedArrays of one
-    format without a global scale), or None where they cannot be one matrix."""
+    format without a global scale, or PermutedMatrix parts with one permutation),
+    or None where they cannot be one matrix."""
+    if any(isinstance(a, PermutedMatrix) for a in parts):
+        perm = parts[0].perm if isinstance(parts[0], PermutedMatrix) else None
+        if perm is None or not all(isinstance(a, PermutedMatrix)
+                                   and np.array_equal(a.perm, perm) for a in parts):
+            return None
+        cat = _concat_rows([a.matrix for a in parts])
+        return None if cat is None else PermutedMatrix(cat, perm)
     if not any(isinstance(a, QuantizedArray) for a in parts):
         return jnp.concatenate(parts, axis=-2)
     if not all(isinstance(a, QuantizedArray) for a in parts):
@@ -518,6 +537,8 @@ def _concat_rows(parts):
 def _split_rows(w, sizes):
     """w [..., sum(sizes), K] (float or QuantizedArray) -> its row blocks."""
     cuts = np.cumsum(sizes)[:-1].tolist()
+    if isinstance(w, PermutedMatrix):
+        return [PermutedMatrix(m, w.perm) for m in _split_rows(w.matrix, sizes)]
     if not isinstance(w, QuantizedArray):
         return jnp.split(w, cuts, axis=-2)
     canonical = jq.unpack_layout(w)
@@ -594,6 +615,14 @@ def unstack_layers(params):
                                      for i in range(n)))
 
 
+def _format_of(w):
+    if isinstance(w, PermutedMatrix):
+        return ("permuted",) + _format_of(w.matrix)
+    if isinstance(w, QuantizedArray):
+        return (w.mode, w.bits, w.group_size, w.layout)
+    return ("float",)
+
+
 def stack_layers(params):
     """params with per-layer dicts stacked into [L, ...] arrays (for lax.scan). Every
     layer's matrix must have one format (ValueError naming it otherwise)."""
@@ -603,8 +632,7 @@ def stack_layers(params):
     out = {}
     for key in layers[0]:
         parts = [lay[key] for lay in layers]
-        kinds = {(p.mode, p.bits, p.group_size, p.layout) if isinstance(p, QuantizedArray)
-                 else "float" for p in parts}
+        kinds = {_format_of(p) for p in parts}
         if len(kinds) > 1:
             raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
                              f"; stacked layers (lax.scan) need one format per matrix across "
@@ -681,12 +709,14 @@ def prepack_params(params, layout: str | None = None):
     """Every quantized weight matrix (not a quantized embedding, whose rows are
     gathered) in `layout` (jq.prepack: None picks the default device's fastest,
     "canonical" unpacks). A stacked weight converts a piece at a time."""
-    def prepack(p):
-        return {k: jq.prepack(v, layout) if isinstance(v, QuantizedArray) else v
-                for k, v in p.items()}
-    out = _map_layers(prepack, params)
-    if isinstance(out.get("lm_head"), QuantizedArray):
-        out["lm_head"] = jq.prepack(out["lm_head"], layout)
+    def prepack(v):
+        if isinstance(v, PermutedMatrix):
+            return PermutedMatrix(jq.prepack(v.matrix, layout), v.perm)
+        return jq.prepack(v, layout) if isinstance(v, QuantizedArray) else v
+
+    out = _map_layers(lambda p: {k: prepack(v) for k, v in p.items()}, params)
+    if "lm_head" in out:
+        out["lm_head"] = prepack(out["lm_head"])
     return out
 
 

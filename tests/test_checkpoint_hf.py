@@ -1,0 +1,202 @@
+"""models.checkpoint.load on GPTQ, AWQ and compressed-tensors checkpoints.
+
+Tiny Llama checkpoints in the hubs' on-disk layout (config.json's
+quantization_config; `*.qweight` / `.qzeros` / `.scales` / `.g_idx`, or
+`*.weight_packed` / `.weight_scale` / `.weight_zero_point` / `.weight_shape` /
+`.weight_global_scale`), every linear packed by the reference package itself
+(auto-gptq, AutoAWQ, compressed-tensors). The loaded model keeps them quantized
+and decodes the same greedy tokens as the float model whose weights are the
+reference dequantizer's output.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxquant import models
+from jaxquant.models import checkpoint
+from jaxquant.models.decoder import MATRICES, PermutedMatrix
+from jaxquant.quantized_array import QuantizedArray
+from tests.test_io_hf import _ct_compress, _gptqmodel_dequant, _reference_module
+from tests.test_models import LLAMA, _dense_mlps, _hf_common, _manual_common, _write
+
+pytest.importorskip("safetensors")
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+KEYS = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv",
+        "self_attn.o_proj": "wo", "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up",
+        "mlp.down_proj": "w_down"}
+
+
+def _float_checkpoint(seed):
+    rng = np.random.default_rng(seed)
+    t = _hf_common(rng, LLAMA)
+    _dense_mlps(rng, t)
+    return t
+
+
+def _quantize_linears(t, pack):
+    """Replace every decoder linear's `.weight` by pack(prefix, weight) tensors; returns
+    (checkpoint tensors, the reference dequantized weights by name)."""
+    out, ref = dict(t), {}
+    for i in range(LLAMA["num_hidden_layers"]):
+        for name in LINEARS:
+            prefix = f"model.layers.{i}.{name}"
+            tensors, w = pack(prefix, np.asarray(out.pop(prefix + ".weight"), np.float32))
+            out.update(tensors)
+            ref[prefix + ".weight"] = np.asarray(w, np.float32)
+    return out, ref
+
+
+def _gptq_pack(prefix, w):
+    torch = pytest.importorskip("torch")
+    qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
+    n, k = w.shape
+    # act-order sorts K by the Hessian of the layer's input: one order for the matrices
+    # that share an input (q/k/v, gate/up), so they fuse
+    shared = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace(
+        "up_proj", "gate_proj")
+    g, rng = 32, np.random.default_rng(sum(map(ord, shared)))
+    g_idx = torch.from_numpy(rng.permutation(np.arange(k) // g).astype(np.int32))
+    wt = torch.from_numpy(w)
+    blocks = [wt[:, g_idx == j] for j in range(k // g)]       # act-order groups
+    lo = torch.stack([b.min(1).values.clamp(max=0) for b in blocks], 1)
+    hi = torch.stack([b.max(1).values.clamp(min=0) for b in blocks], 1)
+    scales = ((hi - lo) / 15).half().float()
+    zeros = torch.round(-lo / scales).clamp(1, 15)             # v1 cannot hold a zero of 0
+    layer = qlinear.QuantLinear(4, g, k, n, False)
+    codes = torch.clamp(torch.round(wt / scales[:, g_idx.long()]) + zeros[:, g_idx.long()], 0, 15)
+    lin = torch.nn.Linear(k, n, bias=False).half()
+    lin.weight.data = ((codes - zeros[:, g_idx.long()]) * scales[:, g_idx.long()]).half()
+    layer.pack(lin, scales, zeros, g_idx)
+    deq = layer(torch.eye(k, dtype=torch.float16)).T.float().numpy()
+    return {f"{prefix}.{p}": getattr(layer, p).numpy() for p in ("qweight", "qzeros", "scales",
+                                                                 "g_idx")}, deq
+
+
+def _random_gptq_pack(prefix, w):
+    """No package: random act-order GPTQ words (every field value, zero fields of 15
+    included), dequantized by gptqmodel's transcribed reading (tests/test_io_hf.py)."""
+    n, k = w.shape
+    rng = np.random.default_rng(sum(map(ord, prefix)))
+    qweight = rng.integers(0, 2 ** 32, (k // 8, n), dtype=np.uint32).view(np.int32)
+    qzeros = rng.integers(0, 2 ** 32, (k // 32, n // 8), dtype=np.uint32).view(np.int32)
+    scales = (rng.random((k // 32, n)) * 0.02 + 1e-3).astype(np.float16)
+    g_idx = rng.permutation(np.arange(k) // 32).astype(np.int32)
+    deq = _gptqmodel_dequant(qweight, qzeros, scales, g_idx, 4, v1=True)
+    return ({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros,
+             f"{prefix}.scales": scales, f"{prefix}.g_idx": g_idx},
+            deq.astype(np.float16).astype(np.float32))
+
+
+def _awq_pack(prefix, w):
+    torch = pytest.importorskip("torch")
+    gemm = _reference_module("awq", "modules.linear.gemm")
+    packing = _reference_module("awq", "utils.packing_utils")
+    n, k = w.shape
+    g = 32
+    wt = torch.from_numpy(w).T.reshape(k // g, g, n)           # [G, g, N]
+    lo, hi = wt.amin(1).clamp(max=0), wt.amax(1).clamp(min=0)
+    scales = ((hi - lo) / 15).half()
+    zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    codes = torch.clamp(torch.round(wt / scales.float()[:, None]) + zeros[:, None], 0, 15)
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = ((codes - zeros[:, None]) * scales.float()[:, None]).reshape(k, n).T
+    layer = gemm.WQLinear_GEMM.from_linear(lin, 4, g, scales=scales, zeros=zeros)
+    deq = packing.dequantize_gemm(layer.qweight, layer.qzeros, layer.scales, 4, g)
+    return {f"{prefix}.{p}": getattr(layer, p).numpy() for p in ("qweight", "qzeros",
+                                                                 "scales")}, deq.T.float().numpy()
+
+
+CT_SCHEMES = {
+    "pack-quantized": dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                           group_size=32),
+    "nvfp4-pack-quantized": dict(num_bits=4, type="float", symmetric=True,
+                                 strategy="tensor_group", group_size=16),
+}
+
+
+def _ct_pack(fmt):
+    def pack(prefix, w):
+        torch = pytest.importorskip("torch")
+        tensors, _, deq = _ct_compress(torch.from_numpy(w).to(torch.bfloat16), CT_SCHEMES[fmt],
+                                       fmt)
+        return {prefix + name[1:]: v for name, v in tensors.items()}, deq.astype(np.float32)
+    return pack
+
+
+def _tokens(cfg, params):
+    prompt = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % cfg.vocab_size
+    run = jax.jit(lambda p: models.generate(cfg, p, prompt, 6))
+    logits = jax.jit(lambda p: models.prefill(cfg, p, prompt, 8)[0])
+    return np.asarray(run(params)), np.asarray(logits(params))
+
+
+QUANT_CONFIGS = {
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+              "sym": False, "checkpoint_format": "gptq"}, _gptq_pack),
+    "gptq-random-words": ({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                           "desc_act": True, "sym": False}, _random_gptq_pack),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+             "version": "gemm"}, _awq_pack),
+    **{fmt: ({"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": args}}},
+             _ct_pack(fmt)) for fmt, args in CT_SCHEMES.items()},
+}
+
+
+@pytest.mark.parametrize("kind", list(QUANT_CONFIGS))
+def test_quantized_checkpoint_decodes_like_its_float_model(tmp_path, kind):
+    quant_config, pack = QUANT_CONFIGS[kind]
+    t, ref = _quantize_linears(_float_checkpoint(7), pack)
+    _write(tmp_path, dict(LLAMA, quantization_config=quant_config), t)
+    cfg, params = checkpoint.load(tmp_path, mode="mxfp4", dtype="float32")  # mode: float only
+    layers = params["layers"]
+    matrices = {k: v for k, v in layers.items() if k in MATRICES}
+    assert set(matrices) >= {"wo", "w_down"} and len(matrices) >= 4
+    for key, w in matrices.items():
+        inner = w.matrix if isinstance(w, PermutedMatrix) else w
+        assert isinstance(inner, QuantizedArray), key
+        assert isinstance(w, PermutedMatrix) == kind.startswith("gptq"), key
+    if kind != "gptq-random-words":  # one permutation (or none) per input: fused
+        assert "wqkv" in matrices and "w_gate_up" in matrices
+    assert isinstance(params["lm_head"], QuantizedArray)           # float, quantized by mode
+    assert params["lm_head"].mode == "mxfp4"
+
+    float_params = _manual_common({**t, **ref}, 2)
+    for name, key in KEYS.items():
+        float_params["layers"][key] = jnp.stack(
+            [jnp.asarray(ref[f"model.layers.{i}.{name}.weight"]) for i in range(2)])
+    float_params = {k: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), v)
+                    for k, v in float_params.items()}
+    float_params["lm_head"] = params["lm_head"]
+    want_tokens, want_logits = _tokens(cfg, float_params)
+    got_tokens, got_logits = _tokens(cfg, params)
+    np.testing.assert_array_equal(got_tokens, want_tokens)
+    # the only difference: float16 / bfloat16 rounding of the reference's weights
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0,
+                               atol=2e-2 * float(np.abs(want_logits).max()))
+
+
+def test_unsupported_configs_are_refused(tmp_path):
+    t, _ = _quantize_linears(_float_checkpoint(8), _awq_pack)
+    bad = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
+    _write(tmp_path, dict(LLAMA, quantization_config=bad), t)
+    with pytest.raises(ValueError, match="GEMM"):
+        checkpoint.load(tmp_path)
+
+
+def test_bf16_model_keeps_float16_gptq_scales(tmp_path):
+    """dtype is the activation dtype; the imported scales keep their own dtype."""
+    t, _ = _quantize_linears(_float_checkpoint(9), _gptq_pack)
+    _write(tmp_path, dict(LLAMA, quantization_config=QUANT_CONFIGS["gptq"][0]), t)
+    cfg, params = checkpoint.load(tmp_path)
+    wqkv = params["layers"]["wqkv"]
+    assert wqkv.matrix.dtype == jnp.bfloat16 and wqkv.matrix.scales.dtype in (jnp.float16,
+                                                                              jnp.float32)
+    assert wqkv.perm.shape == (2, 64) and wqkv.matrix.shape == (2, 128, 64)
+    tokens, logits = _tokens(cfg, params)
+    assert tokens.shape == (2, 6) and np.all(np.isfinite(logits))
+
+
