@@ -74,7 +74,11 @@ def linear(x, w, bias=None):
 
 def norm_linear(x, norm_weight, w, eps, bias=None):
     """linear(rms_norm(x, norm_weight), w) (+ bias): a projection of the normalized
-    residual stream (one fused kernel where one exists: jq.rms_norm_qmm)."""
+    residual stream: jq.rms_norm_qmm on a quantized w (one kernel where one exists,
+    the two ops elsewhere)."""
+    if isinstance(w, QuantizedArray):
+        y = jq.rms_norm_qmm(x, norm_weight, w, eps=eps)
+        return y if bias is None else y + bias.astype(y.dtype)
     return linear(jq.rms_norm(x, norm_weight, eps=eps), w, bias)
 
 
@@ -97,7 +101,12 @@ def swiglu(gate, up, kind="silu", limit=7.0, alpha=1.702):
 def swiglu_linear(x, w_gate_up, bias=None, kind="silu", limit=7.0, alpha=1.702):
     """x [..., K] -> [..., I] (x.dtype): swiglu of linear(x, w_gate_up) (+ bias, in
     float32) split in halves, w_gate_up [2I, K] holding the gate rows, then the up
-    rows (one fused kernel where one exists: jq.qmm_swiglu)."""
+    rows: jq.qmm_swiglu on a quantized w_gate_up (one kernel where one exists)."""
+    if isinstance(w_gate_up, QuantizedArray):
+        if kind not in SWIGLU_KINDS:
+            raise ValueError(f"kind={kind!r} is not known; expected one of {SWIGLU_KINDS}")
+        return jq.qmm_swiglu(x, w_gate_up, activation=kind,
+                             limit=limit if kind == "gpt_oss" else None, alpha=alpha, bias=bias)
     gu = linear(x, w_gate_up).astype(jnp.float32)
     if bias is not None:
         gu = gu + bias.astype(jnp.float32)
