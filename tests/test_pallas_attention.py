@@ -190,13 +190,18 @@ def test_registered_for_gpus():
         impl = dispatch.select("decode_attention", None, platform, args, params)
         assert impl.func is pa.lower_decode_attention
     assert dispatch.select("decode_attention", None, "cpu", args, params) is None
-    # the auto rule is data: a limit on T leaves prefill to the reference
+    # prefill rows (more than pa.MAX_T) are the reference's, even with backend="pallas"
     prefill = (sd((1, 64, 32, 128), BF16),) + args[1:3] + (sd((1, 64), jnp.int32),) + args[4:]
+    for backend in (None, "pallas"):
+        impl = dispatch.select("decode_attention", backend, "cuda", prefill, params)
+        assert impl is None or impl.func is not pa.lower_decode_attention
+    # the auto rule is data: a limit on T leaves shorter steps to the reference too
+    four = (sd((1, 4, 32, 128), BF16),) + args[1:3] + (sd((1, 4), jnp.int32),) + args[4:]
     rule = dict(configs.AUTO_ATTENTION["cuda"])
     try:
-        configs.AUTO_ATTENTION["cuda"] = dict(rule, max_t=16)
-        assert dispatch.select("decode_attention", None, "cuda", prefill, params) is None
-        assert dispatch.select("decode_attention", "pallas", "cuda", prefill,
+        configs.AUTO_ATTENTION["cuda"] = dict(rule, max_t=2)
+        assert dispatch.select("decode_attention", None, "cuda", four, params) is None
+        assert dispatch.select("decode_attention", "pallas", "cuda", four,
                                params).func is pa.lower_decode_attention
         assert dispatch.select("decode_attention", None, "cuda", args, params) is not None
     finally:
