@@ -113,7 +113,7 @@ def _with(name, **changes):
      "mscale"),
     ("llama", {"rope_theta": 20000.0}, "rope_theta"),             # contradicts rope_parameters
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+    ("llama", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "quantization_config"),
     ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding_window"),
