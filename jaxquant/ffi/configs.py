@@ -99,5 +99,13 @@ def auto_norm(x, *operands, platform, **params) -> bool:
     return platform == "cpu" and math.prod(x.shape) >= NORM_MIN_ELEMENTS
 
 
+def auto_fused(x, *operands, platform, **params) -> bool:
+    """The fused GEMVs (rms_norm_qmm, qmm_swiglu) are opt-in (backend="ffi"): in the whole
+    model they measured slower than the unfused ops they replace. H100, Llama-3-8B dims,
+    batch 1, same bf16 row (165 tok/s) in both processes: affine4 346 tok/s unfused vs
+    312 fused, mxfp4 341 vs 305 (benchmarks/RESULTS.md, "Whole model")."""
+    return False
+
+
 def never(*args, platform, **params) -> bool:
     return False
