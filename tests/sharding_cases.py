@@ -225,6 +225,53 @@ def model_cases():
         out[name] = case
     out.update(expert_parallel_cases())
     out.update(tensor_parallel_cases())
+    out.update(checkpoint_cases())
+    return out
+
+
+def checkpoint_cases():
+    """models.checkpoint.load(..., mesh=) of a tiny Llama checkpoint (bf16, quantized
+    to affine4 on load; and MLX affine4 with 2 groups along K) on a 2 x 2 mesh:
+    every array (gathered) and its placement against shard_params of the unsharded
+    load, and the greedy tokens."""
+    import pathlib  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from jaxquant import models
+    from jaxquant.models import checkpoint, parallel
+    from tests.test_models import LLAMA, _dense_mlps, _hf_common, _write
+
+    rng = np.random.default_rng(5)
+    t = _hf_common(rng, LLAMA)
+    _dense_mlps(rng, t)
+    mlx = {}
+    for name, a in t.items():
+        if name.endswith(".weight") and a.ndim == 2 and "embed" not in name:
+            mlx.update(jq.io.to_mlx_tensors(jq.quantize(jnp.asarray(a), mode="affine", bits=4,
+                                                        group_size=32), name[:-len(".weight")]))
+        else:
+            mlx[name] = a
+    mesh = parallel.make_mesh(2, 2)
+    prompt = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % LLAMA["vocab_size"]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config, tensors, mode in (
+                ("bf16", LLAMA, t, None), ("affine4", LLAMA, t, "affine4"),
+                ("mlx", dict(LLAMA, quantization={"group_size": 32, "bits": 4}), mlx, None)):
+            path = pathlib.Path(tmp) / name
+            _write(path, config, tensors)
+            cfg, want = checkpoint.load(path, mode, dtype="float32", per_layer=True)
+            want = parallel.shard_params(cfg, want, mesh)
+            _, got = checkpoint.load(path, mode, dtype="float32", per_layer=True, mesh=mesh)
+            lw, lg = jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)
+            gen = jax.jit(lambda p: models.generate(cfg, p, prompt, 4))
+            out[f"load_{name}"] = {
+                "same_tree": jax.tree_util.tree_structure(want) == jax.tree_util.tree_structure(got),
+                "err": max(err(a, b) for a, b in zip(lw, lg)),
+                "same_placement": all(a.sharding.is_equivalent_to(b.sharding, a.ndim)
+                                      for a, b in zip(lw, lg)),
+                "split": sum(not b.sharding.is_fully_replicated for b in lg),
+                "same_tokens": bool(jnp.all(gen(want) == gen(got)))}
     return out
 
 

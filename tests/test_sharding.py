@@ -131,3 +131,13 @@ def test_tensor_parallel_dense_one_all_reduce_per_block(cases):
     assert case["per_layer"] and case["same_tokens"], case
     assert case["all_reduces"] == 2 * case["layers"], case
     assert all(n < case["weight_elements"] for n in case["gathers"]), case
+
+
+@pytest.mark.parametrize("name", ["load_bf16", "load_affine4", "load_mlx"])
+def test_checkpoint_load_on_a_mesh(cases, name):
+    """checkpoint.load(..., mesh=) (each device's slices read from the file, quantized
+    where they sit) gives shard_params(load(...)): the same arrays, the same placement,
+    split ones among them, the same greedy tokens."""
+    case = cases[name]
+    assert case["same_tree"] and case["same_placement"] and case["same_tokens"], case
+    assert case["err"] == 0.0 and case["split"] > 0, case
