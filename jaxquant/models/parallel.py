@@ -12,7 +12,13 @@ other) are split back into their parts when "tp" has several devices: a
 column split of the fused rows would give one device all the q (or gate) rows
 and another the rest, so the split into q, k, v (gate, up) would move
 activations between devices. The parts, each split on "tp", keep every
-device's heads (gate and up rows) together."""
+device's heads (gate and up rows) together.
+
+With `mesh=` (models.forward / prefill / decode / generate), the MoE blocks run
+expert parallel in a shard_map (`expert_parallel_moe`), so no path gathers the
+experts (float ones included). `init_params` draws a model straight into its
+placed, quantized form (no host copy); models.checkpoint.load(..., mesh=)
+reads each device's slices from the file. docs/sharding.md."""
 
 from __future__ import annotations
 
