@@ -159,7 +159,11 @@ def expert_parallel_moe(cfg: Config, p, x, idx, weights, mesh: Mesh):
     first = lambda k: jax.tree_util.tree_leaves(specs[k], is_leaf=_is_spec)[0]
     matrices = [k for k in names if k in EXPERT_MATRICES]
     ep_split = all(first(k)[0] == EP for k in matrices)
-    tp_split = all(TP in first(k) for k in matrices)
+    # a kernel layout's tiles span N and K: its blocks split on "tp" are not matrices
+    # (as the ops' rules, docs/sharding.md's limits: gathered on "tp", never misread)
+    tiled = any(isinstance(p[k], QuantizedArray) and p[k].layout != "canonical"
+                for k in matrices)
+    tp_split = not tiled and all(TP in first(k) for k in matrices)
     if not (ep_split and tp_split):  # one split for all of them, or none
         keep = (EP,) * ep_split + (TP,) * tp_split
         specs = {k: jax.tree_util.tree_map(
@@ -205,25 +209,28 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
             p = {n: jq.quantize(w, **kw) if n in decoder.MATRICES else w for n, w in p.items()}
         return decoder.prepack_params({"layers": (p,)}, layout)["layers"][0]
 
-    def sharded(fn, specs_of, *args):
-        shapes = jax.eval_shape(fn, *args)
+    def sharded(fn, specs_of, key):
+        """fn jitted with its result placed by specs_of(its shapes): one compile per fn."""
+        shapes = jax.eval_shape(fn, key)
         shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs_of(shapes),
                                            is_leaf=_is_spec)
-        return jax.jit(fn, out_shardings=shardings)(*args)
+        return jax.jit(fn, out_shardings=shardings)
 
     layer_keys = jax.random.split(k_layers, cfg.num_layers)
-    layers = tuple(sharded(make_layer, lambda s: layer_specs(s, mesh), k) for k in layer_keys)
+    draw_layer = sharded(make_layer, lambda s: layer_specs(s, mesh), layer_keys[0])
+    layers = tuple(draw_layer(k) for k in layer_keys)
     params = {"layers": layers, "final_norm": _place(mesh, jnp.ones((cfg.hidden_size,), dtype),
                                                      ())}
     d = cfg.hidden_size
     params["embed"] = sharded(lambda k: decoder._normal(k, (cfg.vocab_size, d), dtype, fan_in=1),
-                              lambda s: P(), k_embed)
+                              lambda s: P(), k_embed)(k_embed)
     if not cfg.tie_embeddings:
         def head(k):
             w = decoder._normal(k, (cfg.vocab_size, d), dtype)
             w = w if kw is None else jq.quantize(w, **kw)
             return decoder.prepack_params({"layers": (), "lm_head": w}, layout)["lm_head"]
-        params["lm_head"] = sharded(head, lambda s: matrix_specs(mesh, s, (TP, None)), k_head)
+        params["lm_head"] = sharded(head, lambda s: matrix_specs(mesh, s, (TP, None)),
+                                    k_head)(k_head)
     if not per_layer:
         params = shard_params(cfg, decoder.stack_layers(params), mesh)
     return params
