@@ -11,6 +11,10 @@
 #                                                  #   decode batch 1 (>= 1.4x) and 32 (>= 1.6x)
 #   TARGET=oss20b   bash scripts/gpu_scaleout.sh   # gpt-oss-20b dims, every mode, EP=2 (1x2)
 #                                                  #   and TP=2 (2x1): never below 1.0x
+# LAYOUT=canonical: quantized weights in the canonical layout on every row. The default
+# kernel layout (cuda_mma) splits on leading axes only, so on a tp mesh the ops gather
+# a tp-split dense matrix (a UserWarning in the log says so): run llama70b both ways and
+# compare the canonical 2x1 row with the default-layout 1-device row.
 # LAYERS (a smaller depth if a full model's one-device baseline does not fit, e.g. 40 /
 # 18: the scaling is per layer), LIMIT (seconds, default 570), EXTRA (more bench model
 # options). Logs: $OUT/scaleout_$TARGET.txt (the tables at the end; "vs 1 device" per row).
@@ -26,7 +30,8 @@ case "$TARGET" in
   *) echo "TARGET must be llama70b, oss120b or oss20b; got $TARGET" >&2; exit 2 ;;
 esac
 [ -n "${LAYERS:-}" ] && args+=(--layers "$LAYERS")
-log="$OUT/scaleout_$TARGET.txt"
+[ -n "${LAYOUT:-}" ] && args+=(--layout "$LAYOUT")
+log="$OUT/scaleout_$TARGET${LAYOUT:+_$LAYOUT}.txt"
 step "bench model scale-out $TARGET"
 # shellcheck disable=SC2086
 timeout "$LIMIT" $PY -m jaxquant bench model "${args[@]}" --init sharded --peer none \

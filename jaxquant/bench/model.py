@@ -254,7 +254,7 @@ def _failed(config, impl, mode, batch, e):
             "failed": f"{type(e).__name__}: {msg}"}
 
 
-def _placed(cfg, params, mode, mesh):
+def _placed(cfg, params, mode, mesh, layout=None):
     """The weights of one mode on one mesh (None: one device): params placed, or,
     without params (--init sharded), drawn straight into their placed, quantized form
     (parallel.init_params: the same values)."""
@@ -268,7 +268,8 @@ def _placed(cfg, params, mode, mesh):
     on = mesh if mesh is not None else parallel.make_mesh(1, 1)
     dtype = jnp.dtype(FLOAT_MODES.get(mode, cfg.dtype))
     return _block(parallel.init_params(cfg, jax.random.key(0), on,
-                                       None if mode in FLOAT_MODES else mode, dtype=dtype))
+                                       None if mode in FLOAT_MODES else mode, dtype=dtype,
+                                       layout=layout))
 
 
 def config_rows(args, name, out):
@@ -305,13 +306,14 @@ def config_rows(args, name, out):
                 params = jax.tree_util.tree_map(
                     lambda a: a if a.dtype == dt else a.astype(dt), base)
             else:
-                params = _block(models.quantize_params(base, mode))
+                params = _block(models.quantize_params(base, mode,
+                                                       layout=getattr(args, "layout", None)))
         except Exception as e:  # noqa: BLE001
             rows.append(_failed(name, "jaxquant", mode, 0, e))
             continue
         for mesh, impl in meshes:
             try:
-                placed = _placed(cfg, params, mode, mesh)
+                placed = _placed(cfg, params, mode, mesh, getattr(args, "layout", None))
             except Exception as e:  # noqa: BLE001
                 rows.append(_failed(name, impl, mode, 0, e))
                 continue
@@ -361,6 +363,8 @@ def _child_argv(args):
             "--tokens", str(args.tokens), "--prefill", "0", "--peer", "none",
             "--iters", str(args.iters), "--dtype", args.dtype, "--json",
             "--init", getattr(args, "init", "host")]
+    if getattr(args, "layout", None):
+        argv += ["--layout", args.layout]
     if args.layers:
         argv += ["--layers", str(args.layers)]
     if args.forward_kw:
@@ -536,6 +540,10 @@ def add_arguments(parser, cpu):
                         "a per-step breakdown: kernels per layer, time per class, gaps, copies")
     g.add_argument("--profile-dir", default=None,
                    help="where the traces go (default: a temporary directory)")
+    g.add_argument("--layout", default=None,
+                   help="the quantized weights' kernel layout (jq.prepack; default: the "
+                        "device's fastest). A kernel layout splits on leading axes only, so "
+                        "tensor parallel on a GPU wants --layout canonical (docs/sharding.md)")
     g.add_argument("--init", choices=("host", "sharded"), default="host",
                    help="host: one float copy of the weights, quantized and placed per mode and "
                         "mesh; sharded: each mode and mesh draws its weights straight into "
