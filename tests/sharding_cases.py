@@ -262,7 +262,12 @@ def checkpoint_cases():
             _write(path, config, tensors)
             cfg, want = checkpoint.load(path, mode, dtype="float32", per_layer=True)
             want = parallel.shard_params(cfg, want, mesh)
-            _, got = checkpoint.load(path, mode, dtype="float32", per_layer=True, mesh=mesh)
+            whole, read = checkpoint._Tensors.__getitem__, []
+            checkpoint._Tensors.__getitem__ = lambda self, n: read.append(n) or whole(self, n)
+            try:  # which tensors are read whole (not slice by slice)
+                _, got = checkpoint.load(path, mode, dtype="float32", per_layer=True, mesh=mesh)
+            finally:
+                checkpoint._Tensors.__getitem__ = whole
             lw, lg = jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)
             gen = jax.jit(lambda p: models.generate(cfg, p, prompt, 4))
             out[f"load_{name}"] = {
@@ -271,6 +276,7 @@ def checkpoint_cases():
                 "same_placement": all(a.sharding.is_equivalent_to(b.sharding, a.ndim)
                                       for a, b in zip(lw, lg)),
                 "split": sum(not b.sharding.is_fully_replicated for b in lg),
+                "linears_read_whole": sorted(n for n in read if "_proj." in n),
                 "same_tokens": bool(jnp.all(gen(want) == gen(got)))}
     return out
 
