@@ -82,7 +82,8 @@ class _Tensors:
 
     def part(self, name, index) -> np.ndarray:
         """tensor[index] (a tuple of slices), read from the file without the rest."""
-        self[name] if name not in self._where else None  # the KeyError with near names
+        if name not in self._where:
+            return self[name]  # raises the KeyError naming similar tensors
         return self._where[name].get_slice(name)[index]
 
     def shape(self, name) -> tuple:
