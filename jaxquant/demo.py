@@ -46,6 +46,17 @@ PRESETS = {
     "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
                       num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
                       rms_eps=1e-5, rope_theta=500000.0),
+    # meta-llama/Meta-Llama-3-70B's dimensions (config.json), random weights: bf16 does not
+    # fit one GPU; `bench model --init sharded` draws it quantized and placed (issue 30)
+    "llama3-70b": dict(family="llama", vocab_size=128256, hidden_size=8192, num_layers=80,
+                       num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=28672,
+                       rms_eps=1e-5, rope_theta=500000.0),
+    # openai/gpt-oss-120b's dimensions (config.json), random weights (as llama3-70b)
+    "gpt-oss-120b": dict(family="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36,
+                         num_heads=64, num_kv_heads=8, head_dim=64, num_experts=128,
+                         experts_per_token=4, moe_intermediate_size=2880, attention_bias=True,
+                         rms_eps=1e-5, rope_theta=150000.0, sliding_window=128,
+                         layer_windows=(128, 0) * 18),
 }
 DEFAULT_MODES = ("bf16", "affine4", "affine8", "mxfp4", "nvfp4")
 

@@ -42,12 +42,14 @@ def run(cfg, params, mesh):
     if mesh is not None:
         params = parallel.shard_params(cfg, params, mesh)
     prompt = (jnp.arange(16, dtype=jnp.int32).reshape(2, 8) * 7) % cfg.vocab_size
-    logits, cache, token = jax.jit(models.prefill, static_argnums=(0, 3))(
-        cfg, params, prompt, 8 + STEPS)
+    # mesh=: the MoE runs expert parallel (parallel.expert_parallel_moe) across processes
+    logits, cache, token = jax.jit(models.prefill, static_argnums=(0, 3),
+                                   static_argnames="mesh")(cfg, params, prompt, 8 + STEPS,
+                                                           mesh=mesh)
     if mesh is not None:
         cache = parallel.shard_cache(cfg, cache, mesh)
-    tokens, last, _ = jax.jit(models.decode, static_argnums=(0, 5))(
-        cfg, params, cache, token, 8, STEPS)
+    tokens, last, _ = jax.jit(models.decode, static_argnums=(0, 5), static_argnames="mesh")(
+        cfg, params, cache, token, 8, STEPS, mesh=mesh)
     gather = (lambda a: multihost_utils.process_allgather(a, tiled=True)) if NPROC > 1 else (
         lambda a: a)
     return {"tokens": np.asarray(gather(tokens)).tolist(),

@@ -223,7 +223,150 @@ def model_cases():
             case["decode_err"] = err(lg, lw)
             case["decode_same_tokens"] = bool(jnp.all(tw == tg))
         out[name] = case
+    out.update(expert_parallel_cases())
+    out.update(tensor_parallel_cases())
+    out.update(checkpoint_cases())
     return out
+
+
+def checkpoint_cases():
+    """models.checkpoint.load(..., mesh=) of a tiny Llama checkpoint (bf16, quantized
+    to affine4 on load; and MLX affine4 with 2 groups along K) on a 2 x 2 mesh:
+    every array (gathered) and its placement against shard_params of the unsharded
+    load, and the greedy tokens."""
+    import pathlib  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from jaxquant import models
+    from jaxquant.models import checkpoint, parallel
+    from tests.test_models import LLAMA, _dense_mlps, _hf_common, _write
+
+    rng = np.random.default_rng(5)
+    t = _hf_common(rng, LLAMA)
+    _dense_mlps(rng, t)
+    mlx = {}
+    for name, a in t.items():
+        if name.endswith(".weight") and a.ndim == 2 and "embed" not in name:
+            mlx.update(jq.io.to_mlx_tensors(jq.quantize(jnp.asarray(a), mode="affine", bits=4,
+                                                        group_size=32), name[:-len(".weight")]))
+        else:
+            mlx[name] = a
+    mesh = parallel.make_mesh(2, 2)
+    prompt = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % LLAMA["vocab_size"]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config, tensors, mode in (
+                ("bf16", LLAMA, t, None), ("affine4", LLAMA, t, "affine4"),
+                ("mlx", dict(LLAMA, quantization={"group_size": 32, "bits": 4}), mlx, None)):
+            path = pathlib.Path(tmp) / name
+            _write(path, config, tensors)
+            cfg, want = checkpoint.load(path, mode, dtype="float32", per_layer=True)
+            want = parallel.shard_params(cfg, want, mesh)
+            whole, read = checkpoint._Tensors.__getitem__, []
+            checkpoint._Tensors.__getitem__ = lambda self, n: read.append(n) or whole(self, n)
+            try:  # which tensors are read whole (not slice by slice)
+                _, got = checkpoint.load(path, mode, dtype="float32", per_layer=True, mesh=mesh)
+            finally:
+                checkpoint._Tensors.__getitem__ = whole
+            lw, lg = jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)
+            gen = jax.jit(lambda p: models.generate(cfg, p, prompt, 4))
+            out[f"load_{name}"] = {
+                "same_tree": jax.tree_util.tree_structure(want) == jax.tree_util.tree_structure(got),
+                "err": max(err(a, b) for a, b in zip(lw, lg)),
+                "same_placement": all(a.sharding.is_equivalent_to(b.sharding, a.ndim)
+                                      for a, b in zip(lw, lg)),
+                "split": sum(not b.sharding.is_fully_replicated for b in lg),
+                "linears_read_whole": sorted(n for n in read if "_proj." in n),
+                "same_tokens": bool(jnp.all(gen(want) == gen(got)))}
+    return out
+
+
+def gathers(text):
+    """Element counts of the compiled program's all-gathers' results."""
+    counts = []
+    for shapes in re.findall(r"= (\(?[^=]*?\)?) all-gather(?:-start)?\(", text):
+        for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", shapes):
+            counts.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return counts
+
+
+def count(text, name):
+    return len(re.findall(rf"= [^=]*? {name}(?:-start)?\(", text))
+
+
+def expert_parallel_cases():
+    """The MoE decoder with mesh= (parallel.expert_parallel_moe) on 1 x 4 and 2 x 2
+    meshes, bf16 and MXFP4 experts, prefill (ragged) and decode (gather): the
+    tokens of one device and the all-gathers of the compiled steps (none may be
+    near an expert's size); parallel.init_params against shard_params."""
+    from jaxquant import models
+    from jaxquant.models import parallel
+
+    cfg = models.Config(family="gpt_oss", vocab_size=256, hidden_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8,
+                        experts_per_token=2, moe_intermediate_size=64, attention_bias=True,
+                        layer_windows=(4, 0), dtype="bfloat16")
+    base = models.init_params(cfg, jax.random.key(0), per_layer=False)
+    prompt = jax.random.randint(jax.random.key(1), (2, 40), 0, cfg.vocab_size)  # 160 pairs
+    out = {}
+    for mode, (tp, ep), per_layer in ((None, (1, 4), False), ("mxfp4", (2, 2), True)):
+        params = base if mode is None else models.quantize_params(base, mode,
+                                                                  per_layer=per_layer)
+        mesh = parallel.make_mesh(tp, ep)
+        pre = jax.jit(lambda p, t, m: models.prefill(cfg, p, t, 44, mesh=m), static_argnums=2)
+        dec = jax.jit(lambda p, c, t, m: models.decode(cfg, p, c, t, 40, 3, mesh=m)[:2],
+                      static_argnums=3)
+        logits_w, cache_w, tok_w = pre(params, prompt, None)
+        tokens_w, last_w = dec(params, cache_w, tok_w, None)
+        sharded = parallel.shard_params(cfg, params, mesh)
+        logits_g, cache_g, tok_g = pre(sharded, prompt, mesh)
+        cache_g = parallel.shard_cache(cfg, cache_g, mesh)
+        tokens_g, last_g = dec(sharded, cache_g, tok_g, mesh)
+        texts = {"prefill": pre.lower(sharded, prompt, mesh).compile().as_text(),
+                 "decode": dec.lower(sharded, cache_g, tok_g, mesh).compile().as_text()}
+        inited = parallel.init_params(cfg, jax.random.key(0), mesh, mode, per_layer=per_layer)
+        init_err = max(err(a, b) for a, b in zip(
+            jax.tree_util.tree_leaves(inited), jax.tree_util.tree_leaves(sharded)))
+        name = f"ep_{mode or 'bf16'}_{tp}x{ep}"
+        out[name] = {"err": err(logits_g, logits_w), "decode_err": err(last_g, last_w),
+                     "scale": float(jnp.max(jnp.abs(logits_w.astype(jnp.float32)))),
+                     "same_tokens": bool(jnp.all(tokens_g == tokens_w)
+                                         and jnp.all(tok_g == tok_w)),
+                     "gathers": {k: gathers(t) for k, t in texts.items()},
+                     "all_reduces": {k: count(t, "all-reduce") for k, t in texts.items()},
+                     "expert_elements": 2 * cfg.moe_intermediate_size * cfg.hidden_size,
+                     "init_err": init_err, "init_same_tree": jax.tree_util.tree_structure(
+                         inited) == jax.tree_util.tree_structure(sharded)}
+    return out
+
+
+def tensor_parallel_cases():
+    """A dense decoder, per-layer buffers, affine4, on a tp=2 mesh: the compiled
+    decode step's all-reduces and all-gathers, and the tokens of one device."""
+    from jaxquant import models
+    from jaxquant.models import parallel
+
+    cfg = models.Config(family="llama", vocab_size=256, hidden_size=128, num_layers=3,
+                        num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
+                        dtype="float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(2), per_layer=True),
+                                    "affine4", per_layer=True)
+    mesh = parallel.make_mesh(2, 1)
+    prompt = jax.random.randint(jax.random.key(3), (1, 8), 0, cfg.vocab_size)
+    pre = jax.jit(lambda p, t: models.prefill(cfg, p, t, 12))
+    step = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 8, 1)[:2])
+    _, cache_w, tok_w = pre(params, prompt)
+    want, _ = step(params, cache_w, tok_w)
+    sharded = parallel.shard_params(cfg, params, mesh)
+    _, cache_g, tok_g = pre(sharded, prompt)
+    cache_g = parallel.shard_cache(cfg, cache_g, mesh)
+    got, _ = step(sharded, cache_g, tok_g)
+    text = step.lower(sharded, cache_g, tok_g).compile().as_text()
+    return {"tp_dense_decode": {
+        "layers": cfg.num_layers, "all_reduces": count(text, "all-reduce"),
+        "gathers": gathers(text), "same_tokens": bool(jnp.all(got == want)),
+        "weight_elements": cfg.hidden_size * cfg.head_dim,
+        "per_layer": all(isinstance(p, dict) for p in sharded["layers"])}}
 
 
 if __name__ == "__main__":

@@ -253,6 +253,26 @@ def test_mesh_and_xla_flags_variants_in_a_subprocess():
     assert float(vrows[0]["decode tok/s"]) > 0 and vrows[0]["vs this process"].endswith("x")
 
 
+def test_sharded_init_on_an_expert_parallel_mesh_in_a_subprocess():
+    """--init sharded (parallel.init_params: no host copy) with --mesh 1x2 on a MoE
+    config: a row per mode on one device and on the mesh; the mesh's bf16 logits those
+    of one device (the same weights drawn placed; expert parallel sums exactly here)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = [sys.executable, "-m", "jaxquant", "bench", "model", "--configs", "tiny",
+            "--modes", "bf16,mxfp4", "--batch", "1", "--prefill", "8", "--peer", "none",
+            "--init", "sharded", "--mesh", "1x2", *TINY]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    header, rows = _tables(p.stdout.splitlines())[-1]
+    assert header[-1] == "vs 1 device"
+    got = {(r["impl"], r["mode"]) for r in rows if float(r["decode tok/s"]) > 0}
+    assert got == {(i, m) for i in ("jaxquant", "jaxquant 1x2") for m in ("bf16", "mxfp4")}, rows
+    by = {(r["impl"], r["mode"]): r for r in rows}
+    assert by[("jaxquant 1x2", "bf16")]["Δlogits"] == "0.00%", rows
+    assert by[("jaxquant 1x2", "mxfp4")]["Δlogits"] == by[("jaxquant", "mxfp4")]["Δlogits"], rows
+
+
 def _torch_cuda():
     try:
         import torch

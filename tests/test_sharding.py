@@ -106,3 +106,39 @@ def test_model_ep_keeps_fused_matrices(cases):
     assert case["err"] <= 1e-5 * case["scale"], case
     assert case["weight_gathers"] == [], case
     assert case["experts_by_layer"] is False
+
+
+@pytest.mark.parametrize("name", ["ep_bf16_1x4", "ep_mxfp4_2x2"])
+def test_expert_parallel_moves_activations_only(cases, name):
+    """models.prefill / decode with mesh= (parallel.expert_parallel_moe): the tokens
+    of one device, and no all-gather in the compiled steps bigger than a few
+    activations (an expert's gate/up block is 16384 elements); one all-reduce per
+    layer body for the experts (+ one per tp-split block)."""
+    case = cases[name]
+    assert case["same_tokens"], case
+    assert case["err"] <= 1e-2 * case["scale"] and case["decode_err"] <= 1e-2 * case["scale"], case
+    for step in ("prefill", "decode"):
+        assert all(n <= 64 for n in case["gathers"][step]), case
+        assert case["all_reduces"][step] >= 1, case
+    # parallel.init_params: the same arrays, placed the same, as shard_params of the unsharded
+    assert case["init_err"] == 0.0 and case["init_same_tree"], case
+
+
+def test_tensor_parallel_dense_one_all_reduce_per_block(cases):
+    """A dense model's decode step on tp=2, per-layer buffers, affine4: one all-reduce
+    per block (attention's wo, the MLP's down: 2 per layer), no weight all-gather."""
+    case = cases["tp_dense_decode"]
+    assert case["per_layer"] and case["same_tokens"], case
+    assert case["all_reduces"] == 2 * case["layers"], case
+    assert all(n < case["weight_elements"] for n in case["gathers"]), case
+
+
+@pytest.mark.parametrize("name", ["load_bf16", "load_affine4", "load_mlx"])
+def test_checkpoint_load_on_a_mesh(cases, name):
+    """checkpoint.load(..., mesh=) (each device's slices read from the file, quantized
+    where they sit) gives shard_params(load(...)): the same arrays, the same placement,
+    split ones among them, the same greedy tokens."""
+    case = cases[name]
+    assert case["same_tree"] and case["same_placement"] and case["same_tokens"], case
+    assert case["err"] == 0.0 and case["split"] > 0, case
+    assert case["linears_read_whole"] == [], case  # q/k/v/o, gate/up/down: slices only

@@ -23,6 +23,10 @@ torch.compile(mode="max-autotune") on CUDA (eager on the CPU), bf16 weights and
 int4 group 64 through torch._weight_int4pack_mm (CUDA only). Its prefill runs
 eagerly, as gpt-fast's does by default.
 
+--init sharded draws each mode's weights straight into their quantized form on
+each mesh (`parallel.init_params`, one layer at a time: no float copy of a 70B
+model); the default draws one float copy and quantizes and places it.
+
 --profile traces each config and mode's decode at the first batch size and
 prints where a step's time goes (`jaxquant/bench/profile.py`). --mesh runs the
 same on tensor x expert parallel meshes (`jaxquant.models.parallel`) with the
@@ -116,6 +120,7 @@ def decode_run(cfg, params, prompt, tokens, kw, iters, mesh=None, profile_dir=No
 
     b, s = prompt.shape
     max_len = s + tokens
+    kw = kw if mesh is None else dict(kw, mesh=mesh)
 
     def prefill_prompt(params, prompt):
         return models.prefill(cfg, params, prompt, max_len, **kw)
@@ -138,7 +143,7 @@ def decode_run(cfg, params, prompt, tokens, kw, iters, mesh=None, profile_dir=No
     return out
 
 
-def prefill_run(cfg, params, tokens, kw, iters):
+def prefill_run(cfg, params, tokens, kw, iters, mesh=None):
     """prefill tok/s of one `tokens`-token sequence."""
     import jax
     import jax.numpy as jnp
@@ -146,6 +151,7 @@ def prefill_run(cfg, params, tokens, kw, iters):
     from jaxquant import models
 
     prompt = jax.random.randint(jax.random.key(2), (1, tokens), 0, cfg.vocab_size, jnp.int32)
+    kw = kw if mesh is None else dict(kw, mesh=mesh)
     f = jax.jit(lambda params, prompt: models.prefill(cfg, params, prompt, tokens, **kw))
     return tokens / _median_time(lambda: _block(f(params, prompt)), iters)
 
@@ -248,6 +254,24 @@ def _failed(config, impl, mode, batch, e):
             "failed": f"{type(e).__name__}: {msg}"}
 
 
+def _placed(cfg, params, mode, mesh, layout=None):
+    """The weights of one mode on one mesh (None: one device): params placed, or,
+    without params (--init sharded), drawn straight into their placed, quantized form
+    (parallel.init_params: the same values)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxquant.models import parallel
+
+    if params is not None:
+        return params if mesh is None else parallel.shard_params(cfg, params, mesh)
+    on = mesh if mesh is not None else parallel.make_mesh(1, 1)
+    dtype = jnp.dtype(FLOAT_MODES.get(mode, cfg.dtype))
+    return _block(parallel.init_params(cfg, jax.random.key(0), on,
+                                       None if mode in FLOAT_MODES else mode, dtype=dtype,
+                                       layout=layout))
+
+
 def config_rows(args, name, out):
     """Every row of one config: jaxquant per mode and batch (and mesh), then the peer."""
     import jax
@@ -258,7 +282,9 @@ def config_rows(args, name, out):
 
     cfg = demo.preset(name, args.dtype, args.layers)
     args.config_name = name
-    base = _block(jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0)))
+    # --init sharded: no host copy; each (mode, mesh) draws its own placed weights
+    base = None if getattr(args, "init", "host") == "sharded" else _block(
+        jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0)))
     prompts = {b: jax.random.randint(jax.random.key(1), (b, args.prompt), 0, cfg.vocab_size,
                                      jnp.int32) for b in args.batch}
     prompts["prefill"] = jax.random.randint(jax.random.key(2), (1, args.prefill or 1), 0,
@@ -273,21 +299,28 @@ def config_rows(args, name, out):
     for mode in args.modes:
         harness.progress(f"{name} {mode}: weights")
         try:
-            if mode in FLOAT_MODES:
+            if base is None:
+                params = None
+            elif mode in FLOAT_MODES:
                 dt = jnp.dtype(FLOAT_MODES[mode])  # no copy where base has it already
                 params = jax.tree_util.tree_map(
                     lambda a: a if a.dtype == dt else a.astype(dt), base)
             else:
-                params = _block(models.quantize_params(base, mode))
+                params = _block(models.quantize_params(base, mode,
+                                                       layout=getattr(args, "layout", None)))
         except Exception as e:  # noqa: BLE001
             rows.append(_failed(name, "jaxquant", mode, 0, e))
             continue
         for mesh, impl in meshes:
-            placed = params if mesh is None else parallel.shard_params(cfg, params, mesh)
+            try:
+                placed = _placed(cfg, params, mode, mesh, getattr(args, "layout", None))
+            except Exception as e:  # noqa: BLE001
+                rows.append(_failed(name, impl, mode, 0, e))
+                continue
             for b in args.batch:
                 harness.progress(f"{name} {impl} {mode} batch {b}")
                 row = {"config": name, "impl": impl, "mode": mode, "batch": b,
-                       "step_bytes": step_bytes(cfg, params, b)}
+                       "step_bytes": step_bytes(cfg, placed, b)}
                 profile_dir = None
                 if args.profile and mesh is None and b == args.batch[0]:
                     profile_dir = os.path.join(args.profile_dir, f"{name}_{mode}_b{b}")
@@ -301,7 +334,7 @@ def config_rows(args, name, out):
                         row["dlogits"] = _logit_diff(r["logits"], ref[b])
                     if b == args.batch[0] and args.prefill:
                         row["prefill_tps"] = prefill_run(cfg, placed, args.prefill,
-                                                         args.forward_kw, args.iters)
+                                                         args.forward_kw, args.iters, mesh)
                     if isinstance(r.get("profile"), str):
                         out(f"# profile of {name} {mode} batch {b} failed: {r['profile']}")
                     elif "profile" in r:
@@ -314,7 +347,7 @@ def config_rows(args, name, out):
                 rows.append(_done(row))
             del placed
         del params
-    if args.peer == "torch":
+    if args.peer == "torch" and base is not None:
         rows += peer_rows(args, cfg, base, {k: v for k, v in prompts.items()}, ref, out)
     del base
     return rows
@@ -328,7 +361,10 @@ def _child_argv(args):
     argv = ["--configs", ",".join(args.configs), "--modes", ",".join(args.modes),
             "--batch", ",".join(map(str, args.batch)), "--prompt", str(args.prompt),
             "--tokens", str(args.tokens), "--prefill", "0", "--peer", "none",
-            "--iters", str(args.iters), "--dtype", args.dtype, "--json"]
+            "--iters", str(args.iters), "--dtype", args.dtype, "--json",
+            "--init", getattr(args, "init", "host")]
+    if getattr(args, "layout", None):
+        argv += ["--layout", args.layout]
     if args.layers:
         argv += ["--layers", str(args.layers)]
     if args.forward_kw:
@@ -504,6 +540,16 @@ def add_arguments(parser, cpu):
                         "a per-step breakdown: kernels per layer, time per class, gaps, copies")
     g.add_argument("--profile-dir", default=None,
                    help="where the traces go (default: a temporary directory)")
+    g.add_argument("--layout", default=None,
+                   help="the quantized weights' kernel layout (jq.prepack; default: the "
+                        "device's fastest). A kernel layout splits on leading axes only, so "
+                        "tensor parallel on a GPU wants --layout canonical (docs/sharding.md)")
+    g.add_argument("--init", choices=("host", "sharded"), default="host",
+                   help="host: one float copy of the weights, quantized and placed per mode and "
+                        "mesh; sharded: each mode and mesh draws its weights straight into "
+                        "their quantized, placed form (parallel.init_params: models larger "
+                        "than one device's memory in float, e.g. llama3-70b, gpt-oss-120b; "
+                        "no peer)")
     g.add_argument("--mesh", type=_mesh_list, default=(),
                    help="also run on these tensor x expert parallel meshes, TPxEP,... (e.g. "
                         "2x1,1x2), with the scaling against one device")

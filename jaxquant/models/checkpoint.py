@@ -80,6 +80,15 @@ class _Tensors:
     def keys(self):
         return self._where.keys()
 
+    def part(self, name, index) -> np.ndarray:
+        """tensor[index] (a tuple of slices), read from the file without the rest."""
+        if name not in self._where:
+            return self[name]  # raises the KeyError naming similar tensors
+        return self._where[name].get_slice(name)[index]
+
+    def shape(self, name) -> tuple:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
 
 _FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
@@ -97,7 +106,7 @@ def _read_float8(file, name) -> np.ndarray:
 
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str | None = None,
-         fuse: bool = True, per_layer: bool | None = None):
+         fuse: bool = True, per_layer: bool | None = None, mesh=None):
     """(Config, params) from a checkpoint directory (or a single .gguf file:
     models.gguf_checkpoint). mode: quantize float matrices on load (None keeps
     them float); dtype: the activation / float weight dtype;
@@ -106,7 +115,17 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
     fuse: q/k/v and gate/up as one matrix each (models.fuse_params);
     per_layer: the layers as separate buffers, read one at a time (None: the
     default device's fastest form, models.decoder.default_per_layer); stacked,
-    a matrix must have one format in every layer."""
+    a matrix must have one format in every layer.
+
+    mesh: a ("tp", "ep") mesh (parallel.make_mesh): the params come back placed
+    as parallel.shard_params places them (the same values), read a layer at a
+    time. The attention and dense-MLP matrices, float or MLX-quantized, are read
+    slice by slice: each device's block of rows (or whole groups of K) straight
+    from the file (jax.make_array_from_callback over safetensors' get_slice), then
+    quantized where they sit (`mode`); q/k/v and gate/up stay separate parts when
+    "tp" has several devices. The other tensors (norms, biases, embeddings, the
+    experts, GPTQ / AWQ / compressed-tensors matrices) are read whole, one
+    layer's at a time, and placed."""
     if os.fspath(path).endswith(".gguf"):
         from jaxquant.models import gguf_checkpoint
         cfg, params = gguf_checkpoint.load(path, mode, dtype=dtype, lm_head=lm_head)
@@ -120,6 +139,9 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
     cfg = from_hf(hf, dtype=dtype)
     tensors = _Tensors(path)
     quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"))
+    if mesh is not None:
+        return cfg, _load_sharded(cfg, tensors, quant, mesh, lm_head=lm_head, layout=layout,
+                                  fuse=fuse, per_layer=per_layer)
     layers = tuple(_layer(cfg, tensors, quant, i, fuse) for i in range(cfg.num_layers))
     params = {"layers": layers,
               "embed": quant.matrix(tensors, "model.embed_tokens"),
@@ -176,12 +198,15 @@ class _Quantizer:
         return quantize_matrix(w, self.kw) if w.ndim == 2 else jq.quantize(w, **self.kw)
 
 
-def _layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool) -> dict:
+def _layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool, matrix=None) -> dict:
+    """Layer i's weights; matrix(key, prefix): the attention and dense-MLP matrices
+    (default: quant.matrix, read whole)."""
     pre = f"model.layers.{i}."
+    matrix = matrix or (lambda key, prefix: quant.matrix(tensors, prefix))
     p = {"attn_norm": quant.float(tensors[pre + "input_layernorm.weight"]),
          "mlp_norm": quant.float(tensors[pre + "post_attention_layernorm.weight"])}
     for key, name in ATTENTION.items():
-        p[key] = quant.matrix(tensors, pre + name)
+        p[key] = matrix(key, pre + name)
     if cfg.attention_bias:
         for key, name in BIASES.items():
             if pre + name in tensors:
@@ -195,7 +220,7 @@ def _layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool) -> dict:
         p.update(_qwen3_moe_mlp(cfg, tensors, quant, pre))
     else:
         for key, name in DENSE.items():
-            p[key] = quant.matrix(tensors, pre + name)
+            p[key] = matrix(key, pre + name)
     if fuse:  # before quantizing: a fused matrix gets the codes its parts would
         p = fuse_layer(p)
     return {k: quant.quantize(v) if k in MATRICES else v for k, v in p.items()}
@@ -242,6 +267,88 @@ def _qwen3_moe_mlp(cfg, tensors, quant, pre):
                       for j in range(cfg.num_experts)]
         p[key] = quant.float(np.stack(per_expert))
     return p
+
+
+def _load_sharded(cfg, tensors, quant, mesh, *, lm_head, layout, fuse, per_layer):
+    """load(..., mesh=mesh)'s params (its docstring)."""
+    from jaxquant.models import parallel  # noqa: PLC0415 (parallel imports the decoder)
+
+    parts = mesh.shape[parallel.TP] > 1  # tp splits q/k/v and gate/up: keep the parts
+
+    def matrix(key, prefix):
+        spec = parallel.SPECS.get(key, (None,))[1:]
+        if quant.hf_quant is None and f"{prefix}.scales" not in tensors:
+            return _float_from_slices(tensors, f"{prefix}.weight", mesh, spec, quant.dtype)
+        if quant.hf_quant is None:
+            return _mlx_from_slices(tensors, prefix, quant, mesh, spec)
+        return quant.matrix(tensors, prefix)  # read whole; placed below
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = _layer(cfg, tensors, quant, i, fuse and not parts, matrix)
+        p = prepack_params({"layers": (p,)}, layout)["layers"][0]
+        layers.append(parallel._put(mesh, p, parallel.layer_specs(p, mesh)))
+    params = {"layers": tuple(layers),
+              "embed": quant.matrix(tensors, "model.embed_tokens"),
+              "final_norm": quant.float(tensors["model.norm.weight"])}
+    if not cfg.tie_embeddings:
+        head = quant.matrix(tensors, "lm_head")
+        params["lm_head"] = prepack_params({"layers": (), "lm_head": quant.quantize(head)
+                                            if lm_head else head}, layout)["lm_head"]
+    if not (default_per_layer() if per_layer is None else per_layer):
+        params = stack_layers(params)
+    return parallel.shard_params(cfg, params, mesh)  # the rest placed; the layers stay
+
+
+def _float_from_slices(tensors, name, mesh, spec, dtype):
+    """tensor `name` as a jax.Array on `mesh` (spec, as parallel places it), each
+    device's block read from the file on its own."""
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+
+    from jaxquant.models import parallel  # noqa: PLC0415
+
+    shape = tensors.shape(name)
+    sharding = NamedSharding(mesh, parallel._spec(mesh, jax.ShapeDtypeStruct(shape, dtype), spec))
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: np.asarray(tensors.part(name, index), dtype))
+
+
+def _mlx_from_slices(tensors, prefix, quant, mesh, spec):
+    """An MLX-quantized matrix as a QuantizedArray on `mesh` (spec, as parallel
+    places it: rows, or whole groups of K), each device reading its rows / groups of
+    the packed weight, scales and biases (jq.io.from_mlx_tensors on the slices)."""
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+
+    from jaxquant.models import parallel  # noqa: PLC0415
+
+    names = [f"{prefix}.{p}" for p in ("weight", "scales", "biases")
+             if f"{prefix}.{p}" in tensors]
+    first_row = {n: tensors.part(n, (slice(0, 1),)) for n in names}
+    args = quant._mlx_args(prefix)
+    one = jq.io.from_mlx_tensors(first_row, prefix, dtype=quant.dtype, **args)
+    n_rows, words = tensors.shape(f"{prefix}.weight")
+    groups = tensors.shape(f"{prefix}.scales")[-1]
+    logical = QuantizedArray.tree_unflatten(one.tree_flatten()[1], [
+        None if c is None else jax.ShapeDtypeStruct((n_rows,) + tuple(c.shape[1:-1])
+                                                    + (words if j == 0 else groups,), c.dtype)
+        for j, c in enumerate(one.tree_flatten()[0])])
+    specs = parallel.matrix_specs(mesh, logical, spec)
+
+    def child(j, index):
+        rows, cols = index[0], index[-1]
+        per = words // groups if j == 0 else 1  # the child's columns per group
+        g = slice(None if cols.start is None else cols.start // per,
+                  None if cols.stop is None else cols.stop // per)
+        part = {n: tensors.part(n, (rows, slice(g.start and g.start * (words // groups),
+                                                g.stop and g.stop * (words // groups)))
+                                if n.endswith(".weight") else (rows, g)) for n in names}
+        qw = jq.io.from_mlx_tensors(part, prefix, dtype=quant.dtype, **args)
+        return np.asarray(qw.tree_flatten()[0][j])
+
+    children = [None if c is None else jax.make_array_from_callback(
+        c.shape, NamedSharding(mesh, s), lambda index, j=j: child(j, index))
+        for j, (c, s) in enumerate(zip(logical.tree_flatten()[0], specs.tree_flatten()[0]))]
+    return QuantizedArray.tree_unflatten(logical.tree_flatten()[1], children)
 
 
 HF_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")

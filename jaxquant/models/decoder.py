@@ -238,11 +238,26 @@ def route(cfg: Config, p, x):
     return idx.astype(jnp.int32), top
 
 
-def moe_mlp(cfg: Config, p, x):
-    """x [T, D] -> [T, D]: routed experts, weighted by the router."""
-    t, d = x.shape
-    k = cfg.experts_per_token
+def moe_mlp(cfg: Config, p, x, mesh=None):
+    """x [T, D] -> [T, D]: routed experts, weighted by the router. On a `mesh` of
+    several devices, expert parallel (parallel.expert_parallel_moe): each device
+    runs its own experts and the partial sums are reduced (activations move, never
+    the experts)."""
     idx, weights = route(cfg, p, x)
+    if mesh is not None and mesh.size > 1:
+        from jaxquant.models import parallel  # noqa: PLC0415 (parallel imports this module)
+        return parallel.expert_parallel_moe(cfg, p, x, idx, weights, mesh)
+    return experts_mlp(cfg, p, x, idx, weights, cfg.num_experts).astype(x.dtype)
+
+
+def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
+    """x [T, D] through the experts idx [T, k] chose, weighted: -> [T, D] float32.
+    p's expert weights hold `num_experts` experts; a pair whose idx is outside
+    [0, num_experts) (another device's expert, parallel.expert_parallel_moe)
+    contributes exactly 0 (masked, never multiplied: its row may be anything)."""
+    t, d = x.shape
+    k = idx.shape[1]
+    mine = (idx >= 0) & (idx < num_experts)
 
     def product(a, matmul, name, bias_rows):  # float32, + the expert's bias rows
         y = matmul(a, p[name]).astype(jnp.float32)
@@ -260,24 +275,28 @@ def moe_mlp(cfg: Config, p, x):
         return product(h, matmul, "e_down", bias_rows)
 
     if t * k <= GATHER_MAX_PAIRS:  # decode: gather_qmm reads only the chosen experts
-        y = experts(x, lambda a, w: expert_gather(a, w, idx), idx)  # [T, k, D]
-    else:  # prefill: sort (token, slot) pairs by expert, one ragged matmul each
-        flat = idx.reshape(-1)
+        local = jnp.where(mine, idx, 0)
+        y = experts(x, lambda a, w: expert_gather(a, w, local), local)  # [T, k, D]
+    else:  # prefill: sort (token, slot) pairs by expert, one ragged matmul each;
+        # other devices' pairs sort last, past every group
+        flat = jnp.where(mine, idx, num_experts).reshape(-1)
         order = jnp.argsort(flat, stable=True)
-        sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-        ys = experts(x[order // k], lambda a, w: expert_ragged(a, w, sizes), flat[order])
+        sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+        ys = experts(x[order // k], lambda a, w: expert_ragged(a, w, sizes),
+                     jnp.minimum(flat[order], num_experts - 1))
         y = jnp.zeros((t * k, d), jnp.float32).at[order].set(ys).reshape(t, k, d)
-    return jnp.einsum("tkd,tk->td", y, weights).astype(x.dtype)
+    y = jnp.where(mine[..., None], y, 0.0)
+    return jnp.einsum("tkd,tk->td", y, weights)
 
 
-def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table):
+def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table, mesh=None):
     """One pre-norm block. h [B, T, D] is the residual stream; cache (k, v) of all
-    layers, this one's updated in place. Returns (h, cache)."""
+    layers, this one's updated in place; mesh: moe_mlp's. Returns (h, cache)."""
     b, t, d = h.shape
     a, cache = attention(cfg, p, h, positions, cache, layer_index, window, rope_table)
     x, h = jq.add_rms_norm(a, h, p["mlp_norm"], eps=cfg.rms_eps)
     if cfg.moe:
-        m = moe_mlp(cfg, p, x.reshape(b * t, d)).reshape(b, t, d)
+        m = moe_mlp(cfg, p, x.reshape(b * t, d), mesh).reshape(b, t, d)
     else:
         m = dense_mlp(cfg, p, x)
     return h + m, cache
@@ -340,12 +359,13 @@ def _on_several_devices(a) -> bool:
     return sharding is not None and len(sharding.device_set) > 1
 
 
-def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer) -> bool:
+def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer, mesh=None) -> bool:
     """Whether `forward` indexes the stacked experts of all layers at once.
     None (automatic): on when the stacked experts are quantized and on one device
     (on a mesh that splits E, the flattened [L*E] axis would not be split in
-    blocks). Per-layer buffers need none of it: each layer's experts are their own."""
-    if is_per_layer(layers) or not cfg.moe:
+    blocks). Per-layer buffers need none of it: each layer's experts are their own.
+    Always off with a `mesh` of several devices (expert parallel runs per layer)."""
+    if is_per_layer(layers) or not cfg.moe or (mesh is not None and mesh.size > 1):
         return False
     if experts_by_layer is not None:
         return bool(experts_by_layer)
@@ -354,7 +374,7 @@ def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer) -> bool:
                                     for leaf in jax.tree_util.tree_leaves(qw))
 
 
-def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None):
+def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None, mesh=None):
     """tokens [B, T] at positions [B, T] -> (logits [B, T, V] float32, cache).
 
     The layer loop follows the parameters' form: per-layer buffers (a tuple of
@@ -367,7 +387,13 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     (a custom call's operand is materialized: ~400 MB per layer for gpt-oss-20b
     in MXFP4). None (default): automatic, on for quantized experts on one
     device; True / False force it. Single-device only: with experts split over
-    a mesh axis, the flattened [L*E] axis would no longer be split in blocks."""
+    a mesh axis, the flattened [L*E] axis would no longer be split in blocks.
+
+    mesh: the ("tp", "ep") mesh the parameters are placed on
+    (parallel.shard_params / parallel.init_params), or None. With a mesh, the MoE
+    blocks run expert parallel in a shard_map (parallel.expert_parallel_moe:
+    every device its own experts, one all-reduce of the [T, D] partial sums);
+    everything else is partitioned by jit from the weights' shardings either way."""
     inv_freq, factor = cfg.rope_inv_freq()
     rope_table = (jnp.asarray(inv_freq, jnp.float32), factor)
     h = embed(params, tokens).astype(jnp.dtype(cfg.dtype))
@@ -377,10 +403,10 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
         if len(layers) != cfg.num_layers:
             raise ValueError(f"params has {len(layers)} layers; the config {cfg.num_layers}")
         for i, (p, window) in enumerate(zip(layers, cfg.windows().tolist())):
-            h, cache = layer(cfg, p, h, positions, cache, i, window, rope_table)
+            h, cache = layer(cfg, p, h, positions, cache, i, window, rope_table, mesh)
     else:
         stacks = {}
-        if resolve_experts_by_layer(cfg, layers, experts_by_layer):
+        if resolve_experts_by_layer(cfg, layers, experts_by_layer, mesh):
             stacks = {k: _flatten_layers(v) for k, v in layers.items()
                       if k in EXPERT_STACKS and isinstance(v, QuantizedArray)}
             layers = {k: v for k, v in layers.items() if k not in stacks}
@@ -389,7 +415,7 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
             h, cache = carry
             p, window, i = xs
             p = dict(p, **{k: ExpertsOfLayer(v, i, cfg.num_experts) for k, v in stacks.items()})
-            return layer(cfg, p, h, positions, cache, i, window, rope_table), None
+            return layer(cfg, p, h, positions, cache, i, window, rope_table, mesh), None
 
         (h, cache), _ = lax.scan(step, (h, cache), (layers, jnp.asarray(cfg.windows()),
                                                     jnp.arange(cfg.num_layers)))
@@ -399,23 +425,24 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     return logits, cache
 
 
-def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None):
-    """prompt [B, S] -> (logits [B, S, V], cache, next token [B])."""
+def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None, mesh=None):
+    """prompt [B, S] -> (logits [B, S, V], cache, next token [B]); mesh: forward's."""
     b, s = prompt.shape
     if s > max_len:
         raise ValueError(f"max_len={max_len} must be >= the prompt's length {s} (the cache "
                          f"holds prompt and generated tokens)")
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     logits, cache = forward(cfg, params, prompt, positions, init_cache(cfg, b, max_len),
-                            experts_by_layer)
+                            experts_by_layer, mesh)
     return logits, cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
 
-def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_layer=None):
+def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_layer=None,
+           mesh=None):
     """Greedy decoding of `steps` tokens in one loop from token [B] at position
     `start`: -> (tokens [B, steps], last logits [B, V], cache). start + steps must fit
     the cache (checked where start is a Python int; a traced start past it would have
-    its cache writes clamped)."""
+    its cache writes clamped). mesh: forward's."""
     b = token.shape[0]
     max_len = cache[0].shape[2]
     if isinstance(start, (int, np.integer)) and not 0 <= start <= max_len - steps:
@@ -425,7 +452,7 @@ def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_laye
     def step(carry, i):
         token, cache, _ = carry
         pos = jnp.full((b, 1), start + i, jnp.int32)
-        logits, cache = forward(cfg, params, token[:, None], pos, cache, experts_by_layer)
+        logits, cache = forward(cfg, params, token[:, None], pos, cache, experts_by_layer, mesh)
         nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
         return (nxt, cache, logits[:, -1]), nxt
 
@@ -435,13 +462,15 @@ def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_laye
     return tokens.T, logits, cache
 
 
-def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None):
-    """Greedy generation: prompt [B, S] -> [B, steps] new tokens (jit this whole)."""
+def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=None):
+    """Greedy generation: prompt [B, S] -> [B, steps] new tokens (jit this whole);
+    mesh: forward's."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1; got {steps}")
-    _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer)
+    _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer,
+                              mesh)
     tokens, _, _ = decode(cfg, params, cache, token, prompt.shape[1], steps - 1,
-                          experts_by_layer)
+                          experts_by_layer, mesh)
     return jnp.concatenate([token[:, None], tokens], axis=1)
 
 

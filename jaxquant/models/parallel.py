@@ -12,16 +12,26 @@ other) are split back into their parts when "tp" has several devices: a
 column split of the fused rows would give one device all the q (or gate) rows
 and another the rest, so the split into q, k, v (gate, up) would move
 activations between devices. The parts, each split on "tp", keep every
-device's heads (gate and up rows) together."""
+device's heads (gate and up rows) together.
+
+With `mesh=` (models.forward / prefill / decode / generate), the MoE blocks run
+expert parallel in a shard_map (`expert_parallel_moe`), so no path gathers the
+experts (float ones included). `init_params` draws a model straight into its
+placed, quantized form (no host copy); models.checkpoint.load(..., mesh=)
+reads each device's slices from the file. docs/sharding.md."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxquant as jq
 from jaxquant.models.config import Config
+from jaxquant.models import decoder
 from jaxquant.models.decoder import unfuse_params
 from jaxquant.quantized_array import QuantizedArray
 
@@ -59,23 +69,42 @@ def _fits(mesh, shape, spec, units=None):
     return tuple(out)
 
 
+def _spec(mesh, a, spec):
+    shape = tuple(a.shape) if hasattr(a, "shape") else np.shape(a)  # arrays or their shapes
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return P(*_fits(mesh, shape, spec))
+
+
 def _place(mesh, a, spec):
-    spec = tuple(spec) + (None,) * (np.ndim(a) - len(spec))
-    return jax.device_put(a, NamedSharding(mesh, P(*_fits(mesh, np.shape(a), spec))))
+    return jax.device_put(a, NamedSharding(mesh, _spec(mesh, a, spec)))
 
 
-def _place_matrix(mesh, w, spec):
+def matrix_specs(mesh, w, spec):
+    """The PartitionSpec (a QuantizedArray: one per array, as a QuantizedArray of
+    them) each of w's arrays gets on `mesh` for the logical spec of w (SPECS)."""
     if not isinstance(w, QuantizedArray):
-        return _place(mesh, w, spec)
+        return _spec(mesh, w, spec)
     groups = w.shape[-1] // w.group_size
     spec = _fits(mesh, w.shape, spec, units=groups)
     lead = len(spec) - 2
+    children = [None if c is None else _spec(mesh, c, spec)
+                for c in (w.data, w.scales, w.biases)]
     gs = w.global_scale
-    return QuantizedArray(
-        _place(mesh, w.data, spec), _place(mesh, w.scales, spec),
-        None if w.biases is None else _place(mesh, w.biases, spec),
-        None if gs is None else _place(mesh, gs, spec[:min(np.ndim(gs), lead)]),
-        mode=w.mode, bits=w.bits, group_size=w.group_size, dtype=w.dtype, layout=w.layout)
+    children.append(None if gs is None else _spec(mesh, gs, spec[:min(len(gs.shape), lead)]))
+    return QuantizedArray.tree_unflatten(w.tree_flatten()[1], children)
+
+
+def _is_spec(x):
+    return isinstance(x, P)
+
+
+def _place_matrix(mesh, w, spec):
+    return _put(mesh, w, matrix_specs(mesh, w, spec))
+
+
+def layer_specs(p: dict, mesh: Mesh) -> dict:
+    """The specs (matrix_specs) of one layer's dict of weights (no layer axis)."""
+    return {k: matrix_specs(mesh, v, SPECS.get(k, (None,))[1:]) for k, v in p.items()}
 
 
 def shard_params(cfg: Config, params, mesh: Mesh):
@@ -85,8 +114,7 @@ def shard_params(cfg: Config, params, mesh: Mesh):
         params = unfuse_params(cfg, params)
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):  # separate per-layer buffers: no layer axis
-        layers = tuple({k: _place_matrix(mesh, v, SPECS.get(k, (None,))[1:])
-                        for k, v in p.items()} for p in layers)
+        layers = tuple(_put(mesh, p, layer_specs(p, mesh)) for p in layers)
     else:
         layers = {k: _place_matrix(mesh, v, SPECS.get(k, ())) for k, v in layers.items()}
     out = {k: _place_matrix(mesh, v, (TP, None) if k == "lm_head" else ())
@@ -95,6 +123,114 @@ def shard_params(cfg: Config, params, mesh: Mesh):
     return out
 
 
+def _put(mesh, tree, specs):
+    """tree's arrays placed by the matching specs (a pytree prefix of PartitionSpecs)."""
+    return jax.tree_util.tree_map(lambda s, a: jax.device_put(a, NamedSharding(mesh, s)),
+                                  specs, tree, is_leaf=_is_spec)
+
+
 def shard_cache(cfg: Config, cache, mesh: Mesh):
     """KV cache [L, B, S, Hkv, hd] split on heads over "tp"."""
     return tuple(_place(mesh, c, (None, None, None, TP, None)) for c in cache)
+
+
+EXPERT_MATRICES = ("e_gate_up", "e_gate", "e_up", "e_down")
+EXPERT_BIASES = ("e_gate_up_bias", "e_gate_bias", "e_up_bias", "e_down_bias")
+
+
+def expert_parallel_moe(cfg: Config, p, x, idx, weights, mesh: Mesh):
+    """decoder.moe_mlp on a mesh: x [T, D] (replicated: at decode a few rows, at
+    prefill the [T, D] activations, small beside the experts), the router's
+    idx / weights [T, k] -> [T, D].
+
+    A shard_map over the whole mesh with each expert weight in its own placement
+    (SPECS: experts split on "ep", within an expert gate/up rows and down's K on
+    "tp"): each device routes the tokens to its local experts only (another
+    device's expert: a masked pair, exactly 0), runs gather_qmm / ragged_qmm (or
+    their float forms) on its local blocks, and one psum over ("ep", "tp") adds
+    the [T, D] partial sums. The collectives move activations only; jit's own
+    partitioning of `w[idx]` / ragged_dot on float experts split over E
+    all-gathers the experts instead. Where E does not split over "ep" the
+    experts are replicated on it and every "ep" device runs them all, so the
+    psum is over "tp" only; where the experts' I does not split over "tp" the
+    same for "tp"."""
+    names = [k for k in EXPERT_MATRICES + EXPERT_BIASES if k in p]
+    specs = {k: matrix_specs(mesh, p[k], SPECS[k][1:]) for k in names}
+    first = lambda k: jax.tree_util.tree_leaves(specs[k], is_leaf=_is_spec)[0]
+    matrices = [k for k in names if k in EXPERT_MATRICES]
+    ep_split = all(first(k)[0] == EP for k in matrices)
+    # a kernel layout's tiles span N and K: its blocks split on "tp" are not matrices
+    # (as the ops' rules, docs/sharding.md's limits: gathered on "tp", never misread)
+    tiled = any(isinstance(p[k], QuantizedArray) and p[k].layout != "canonical"
+                for k in matrices)
+    tp_split = not tiled and all(TP in first(k) for k in matrices)
+    if not (ep_split and tp_split):  # one split for all of them, or none
+        keep = (EP,) * ep_split + (TP,) * tp_split
+        specs = {k: jax.tree_util.tree_map(
+            lambda s: P(*(a if a in keep else None for a in s)), specs[k], is_leaf=_is_spec)
+            for k in names}
+    axes = (EP,) * ep_split + (TP,) * tp_split
+    local_experts = cfg.num_experts // mesh.shape[EP] if ep_split else cfg.num_experts
+
+    def local(x, idx, weights, pe):
+        offset = lax.axis_index(EP) * local_experts if ep_split else 0
+        if tp_split and "e_down_bias" in pe:  # down's partial sums over tp: its bias once
+            pe = dict(pe, e_down_bias=jnp.where(lax.axis_index(TP) == 0,
+                                                pe["e_down_bias"], 0))
+        y = decoder.experts_mlp(cfg, pe, x, idx - offset, weights, local_experts)
+        return lax.psum(y, axes) if axes else y
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
+                        check_vma=False)
+    return run(x, idx, weights, {k: p[k] for k in names}).astype(x.dtype)
+
+
+def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | None = None,
+                layout: str | None = None, dtype=None):
+    """Random parameters straight into their sharded (and, with `mode`, quantized
+    and prepacked) form: the same values as
+    ``shard_params(cfg, quantize_params(models.init_params(cfg, key), mode), mesh)``
+    without ever holding a full or unsharded copy. Each layer is drawn, fused (split
+    into parts where "tp" has several devices), quantized and prepacked in one jit
+    whose out_shardings are the layer's placement, one layer at a time: the
+    peak beyond the result is one layer. mode: a decoder.MODES name or jq.quantize
+    arguments (None: float); layout, per_layer: quantize_params'."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    per_layer = decoder.default_per_layer() if per_layer is None else per_layer
+    kw = None if mode is None else decoder.quantize_args(mode)
+    k_layers, k_embed, k_head = jax.random.split(key, 3)
+    split = mesh.shape[TP] > 1
+
+    def make_layer(k):
+        p = decoder._init_layer(cfg, dtype, k)
+        if split:
+            p = unfuse_params(cfg, {"layers": (p,)})["layers"][0]
+        if kw is not None:
+            p = {n: jq.quantize(w, **kw) if n in decoder.MATRICES else w for n, w in p.items()}
+        return decoder.prepack_params({"layers": (p,)}, layout)["layers"][0]
+
+    def sharded(fn, specs_of, key):
+        """fn jitted with its result placed by specs_of(its shapes): one compile per fn."""
+        shapes = jax.eval_shape(fn, key)
+        shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs_of(shapes),
+                                           is_leaf=_is_spec)
+        return jax.jit(fn, out_shardings=shardings)
+
+    layer_keys = jax.random.split(k_layers, cfg.num_layers)
+    draw_layer = sharded(make_layer, lambda s: layer_specs(s, mesh), layer_keys[0])
+    layers = tuple(draw_layer(k) for k in layer_keys)
+    params = {"layers": layers, "final_norm": _place(mesh, jnp.ones((cfg.hidden_size,), dtype),
+                                                     ())}
+    d = cfg.hidden_size
+    params["embed"] = sharded(lambda k: decoder._normal(k, (cfg.vocab_size, d), dtype, fan_in=1),
+                              lambda s: P(), k_embed)(k_embed)
+    if not cfg.tie_embeddings:
+        def head(k):
+            w = decoder._normal(k, (cfg.vocab_size, d), dtype)
+            w = w if kw is None else jq.quantize(w, **kw)
+            return decoder.prepack_params({"layers": (), "lm_head": w}, layout)["lm_head"]
+        params["lm_head"] = sharded(head, lambda s: matrix_specs(mesh, s, (TP, None)),
+                                    k_head)(k_head)
+    if not per_layer:
+        params = shard_params(cfg, decoder.stack_layers(params), mesh)
+    return params
