@@ -173,7 +173,8 @@ def test_supports():
     assert not pa.supports(*args(q=(1, 1, 32, 512), c=(1, 64, 8, 512)), platform="cuda")
     assert not pa.supports(*args(c=(1, 0, 8, 128)), platform="cuda")
     assert not pa.supports(*args(q=(1, 1, 256, 128), c=(1, 64, 1, 128)), platform="cuda")
-    assert pa.supports(*args(q=(2, 512, 32, 128), c=(2, 640, 8, 128)), platform="cuda")
+    assert pa.supports(*args(q=(2, 16, 32, 128), c=(2, 640, 8, 128)), platform="cuda")
+    assert not pa.supports(*args(q=(2, 17, 32, 128), c=(2, 640, 8, 128)), platform="cuda")
     with pytest.raises(ValueError, match="does not take"):
         pa.decode_attention(jnp.zeros((1, 1, 4, 512)), jnp.zeros((1, 4, 2, 512)),
                             jnp.zeros((1, 4, 2, 512)), jnp.zeros((1, 1), jnp.int32))
