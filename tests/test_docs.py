@@ -10,6 +10,7 @@ before JAX touches a device: each block gets a fresh process, so it can). Shell
 commands go in ```bash blocks, and code that cannot run here (a GPU, a downloaded
 checkpoint) in a block fenced without a language."""
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -31,11 +32,31 @@ def python_blocks(path):
 
 BLOCKS = [(f"{p.relative_to(ROOT)}:{line}", code) for p in DOCS for line, code in python_blocks(p)]
 
+# Optional packages a docs block may import (pyproject's extras): a block that needs
+# one that is not installed is skipped, naming it; CI's main job installs them all.
+OPTIONAL = ("flax", "gguf", "tokenizers", "torch", "transformers", "safetensors")
+IMPORTS = re.compile(r"^\s*(?:import|from)\s+([\w.]+(?:\s*,\s*[\w.]+)*)", re.M)
+
+
+def missing_optional(code):
+    """The optional packages `code` imports that are not installed."""
+    names = {n.strip().split(".")[0] for m in IMPORTS.finditer(code) for n in m.group(1).split(",")}
+    return sorted(n for n in names & set(OPTIONAL) if importlib.util.find_spec(n) is None)
+
 
 def test_docs_have_python_blocks():
     # the extraction itself works (a renamed fence would skip all)
     names = {where.split(":")[0] for where, _ in BLOCKS}
     assert "README.md" in names and len(names) >= 2, names
+
+
+def test_missing_optional_packages_are_named():
+    code = "import os, gguf\nfrom flax import nnx\nimport jax.numpy as jnp\n"
+    missing = missing_optional(code)
+    assert set(missing) <= {"gguf", "flax"}
+    assert ("gguf" in missing) == (importlib.util.find_spec("gguf") is None)
+    assert ("flax" in missing) == (importlib.util.find_spec("flax") is None)
+    assert missing_optional("import jax, numpy as np\n") == []
 
 
 def test_fence_extraction(tmp_path):
@@ -47,6 +68,9 @@ def test_fence_extraction(tmp_path):
 
 @pytest.mark.parametrize("where,code", BLOCKS, ids=[where for where, _ in BLOCKS])
 def test_docs_python_block_runs(where, code):
+    missing = missing_optional(code)
+    if missing:
+        pytest.skip(f"{where} needs {', '.join(missing)} (pip install {' '.join(missing)})")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("JAXQUANT_BACKEND", None)
