@@ -1,9 +1,7 @@
 """python -m jaxquant eval (jaxquant/evaluate.py): the quality numbers against an
 independent float64 computation from the same logits, on a tiny checkpoint."""
 
-import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

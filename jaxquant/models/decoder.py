@@ -193,7 +193,7 @@ def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_tab
     (k, v), each [L, B, S, Hkv, hd] for all layers, updated in place at
     (layer_index, positions). Returns (out [B, T, D], cache)."""
     b, t, _ = h.shape
-    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    hq, hd = cfg.num_heads, cfg.head_dim
     q, k, v = qkv_projection(cfg, p, h)
     if cfg.qk_norm:
         q = jq.rms_norm(q, p["q_norm"], eps=cfg.rms_eps)
