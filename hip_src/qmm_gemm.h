@@ -484,8 +484,16 @@ JQ_GEMM_DECLARE(f16)
 // run on the current device (compute capability 9.0 and the library holds its
 // code; $JAXQUANT_GEMM_KERNEL=mma turns it off), and its launches.
 bool wgmma_usable();
-hipError_t launch_qmm_wgmma_bf16(const GemmProblem& pr, hipStream_t stream);
-hipError_t launch_qmm_wgmma_f16(const GemmProblem& pr, hipStream_t stream);
+#define JQ_WGMMA_DECLARE(DT)                                                              \
+  hipError_t launch_qmm_wgmma_affine_##DT(const GemmProblem& pr, hipStream_t stream);      \
+  hipError_t launch_qmm_wgmma_float_##DT(const GemmProblem& pr, hipStream_t stream);       \
+  inline hipError_t launch_qmm_wgmma_##DT(const GemmProblem& pr, hipStream_t stream) {     \
+    return pr.q.fmt == kAffine ? launch_qmm_wgmma_affine_##DT(pr, stream)                  \
+                               : launch_qmm_wgmma_float_##DT(pr, stream);                 \
+  }
+JQ_WGMMA_DECLARE(bf16)
+JQ_WGMMA_DECLARE(f16)
+#undef JQ_WGMMA_DECLARE
 
 // The GEMM's plan, for P with q, tiles, full_tiles, chunks and group_sizes set: the
 // kernel (wgmma where usable, else mma.sync), its rows of x per block and grid rows.

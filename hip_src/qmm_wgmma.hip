@@ -1,6 +1,10 @@
 // The Hopper prefill GEMM (qmm_wgmma.h) for every format and 16-bit x. Built for
 // sm_90a alone (wgmma is an sm_90a feature; CMakeLists.txt gives this file its own
 // architecture list), so the handler checks the device before it launches.
+// Compiled once per launcher (JQ_WGMMA_PART = 1..4: affine bf16, float bf16, affine
+// f16, float f16; part 1 also holds wgmma_usable and x_tensor_map), as the GEMV files
+// are per JQ_MMA_PART: the whole file was the build's longest compile (139 s of one
+// core for sm_90a, against 35 s per part). Without JQ_WGMMA_PART it defines all.
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,11 +21,22 @@ namespace jq {
 namespace gpu {
 namespace mma {
 
-#if defined(JQ_NO_WGMMA)  // nvcc < 12: no sm_90a
-bool wgmma_usable() { return false; }
-hipError_t launch_qmm_wgmma_bf16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
-hipError_t launch_qmm_wgmma_f16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+#if defined(JQ_WGMMA_PART)
+#define JQ_WGMMA_BUILDS(part) (JQ_WGMMA_PART == (part))
 #else
+#define JQ_WGMMA_BUILDS(part) 1
+#endif
+
+#if defined(JQ_NO_WGMMA)  // nvcc < 12: no sm_90a
+#if JQ_WGMMA_BUILDS(1)
+bool wgmma_usable() { return false; }
+hipError_t launch_qmm_wgmma_affine_bf16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+hipError_t launch_qmm_wgmma_float_bf16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+hipError_t launch_qmm_wgmma_affine_f16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+hipError_t launch_qmm_wgmma_float_f16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+#endif
+#else
+#if JQ_WGMMA_BUILDS(1)
 bool wgmma_usable() {
   static const bool usable = [] {
     const char* env = getenv("JAXQUANT_GEMM_KERNEL");
@@ -58,17 +73,32 @@ bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
+#endif
 
-hipError_t launch_qmm_wgmma_bf16(const GemmProblem& pr, hipStream_t stream) {
-  return pr.q.fmt == kAffine ? launch_formats<WgmmaLaunch, kBF16, kAffineFormats>(pr, 1, stream)
-                             : launch_formats<WgmmaLaunch, kBF16, kFloatFormats>(pr, 1, stream);
-}
-
-hipError_t launch_qmm_wgmma_f16(const GemmProblem& pr, hipStream_t stream) {
-  return pr.q.fmt == kAffine ? launch_formats<WgmmaLaunch, kF16, kAffineFormats>(pr, 1, stream)
-                             : launch_formats<WgmmaLaunch, kF16, kFloatFormats>(pr, 1, stream);
+#if JQ_WGMMA_BUILDS(1)
+hipError_t launch_qmm_wgmma_affine_bf16(const GemmProblem& pr, hipStream_t stream) {
+  return launch_formats<WgmmaLaunch, kBF16, kAffineFormats>(pr, 1, stream);
 }
 #endif
+
+#if JQ_WGMMA_BUILDS(2)
+hipError_t launch_qmm_wgmma_float_bf16(const GemmProblem& pr, hipStream_t stream) {
+  return launch_formats<WgmmaLaunch, kBF16, kFloatFormats>(pr, 1, stream);
+}
+#endif
+
+#if JQ_WGMMA_BUILDS(3)
+hipError_t launch_qmm_wgmma_affine_f16(const GemmProblem& pr, hipStream_t stream) {
+  return launch_formats<WgmmaLaunch, kF16, kAffineFormats>(pr, 1, stream);
+}
+#endif
+
+#if JQ_WGMMA_BUILDS(4)
+hipError_t launch_qmm_wgmma_float_f16(const GemmProblem& pr, hipStream_t stream) {
+  return launch_formats<WgmmaLaunch, kF16, kFloatFormats>(pr, 1, stream);
+}
+#endif
+#endif  // JQ_NO_WGMMA
 
 }  // namespace mma
 }  // namespace gpu
