@@ -156,7 +156,8 @@ def test_defaults_follow_the_device():
     params = models.init_params(cfg, jax.random.key(11))
     assert models.decoder.is_per_layer(params) == default_per_layer()
     layers = models.init_params(cfg, jax.random.key(11), per_layer=False)["layers"]
-    assert not resolve_experts_by_layer(cfg, layers, None)  # float experts: no kernel
+    assert resolve_experts_by_layer(cfg, layers, None)  # float experts: gather_matmul
+    assert not resolve_experts_by_layer(cfg, layers, False)
     q = models.quantize_params(params, "mxfp4", per_layer=False)["layers"]
     assert resolve_experts_by_layer(cfg, q, None)  # quantized, stacked, one device
     assert not resolve_experts_by_layer(cfg, q, False)
