@@ -130,6 +130,8 @@ def test_bad_arguments_name_the_argument():
     qw = jq.quantize(w, mode="mxfp4")
     with pytest.raises(TypeError, match="w must be a float array.*gather_qmm"):
         jq.gather_matmul(x, qw, idx)
+    with pytest.raises(TypeError, match="qw must be a jaxquant.QuantizedArray.*gather_matmul"):
+        jq.gather_qmm(x, w, idx)
     with pytest.raises(TypeError, match="w must be float"):
         jq.gather_matmul(x, w.astype(jnp.int32), idx)
     with pytest.raises(ValueError, match=r"w must be \[E, N, K\]"):

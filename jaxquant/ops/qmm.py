@@ -138,6 +138,9 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
     An index outside [0, E) gives a NaN row and reads nothing out of bounds.
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
+    if hasattr(qw, "dtype") and not isinstance(qw, QuantizedArray):
+        raise TypeError(f"qw must be a jaxquant.QuantizedArray (from jq.quantize); got a "
+                        f"plain {type(qw).__name__} (float experts go through jq.gather_matmul)")
     x, indices, k, transpose = _expert_args("gather_qmm", x, qw, "indices", indices, transpose)
     _check_gather_shapes(x, "qw", qw.shape, indices, k)
     return gather_qmm_op.bind(x, qw, indices, backend=backend, transpose=bool(transpose),
