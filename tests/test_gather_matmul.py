@@ -212,8 +212,11 @@ def test_supports_and_registration():
     assert not moe.supports_gather_matmul(sd((2, 64), jnp.float64), w, idx, transpose=True)
     assert not moe.supports_gather_matmul(x, sd((40, 64), jnp.bfloat16), idx, transpose=True)
     assert not moe.supports_gather_matmul(sd((2, 32), jnp.bfloat16), w, idx, transpose=True)
-    assert not moe.supports_gather_matmul(sd((70000, 64), jnp.bfloat16), w,
-                                          sd((70000, 1), jnp.int32), transpose=True)
+    # slots run on the first grid axis (no 65535 limit); N blocks on the second
+    assert moe.supports_gather_matmul(sd((70000, 64), jnp.bfloat16), w,
+                                      sd((70000, 1), jnp.int32), transpose=True)
+    assert not moe.supports_gather_matmul(x, sd((1, 65536 * 8, 64), jnp.bfloat16), idx,
+                                          transpose=True)
     with pytest.raises(ValueError, match="no kernel"):
         moe.gather_matmul(jnp.ones((2, 64)), jnp.ones((4, 40, 64)), jnp.zeros((2, 3), int),
                           transpose=False)

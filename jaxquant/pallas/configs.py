@@ -140,8 +140,9 @@ class FloatGemvConfig:
     block_n: int = 32        # weight rows per program; power of two
     block_k: int = 256       # elements of K per loop step (one [block_n, block_k] tile
                              # load: 16-byte loads along K); power of two
-    min_programs: int = 1    # shrink block_n (down to min_block_n) until the grid has this
-    min_block_n: int = 8     # many programs, so that every SM streams weights
+    min_programs: int = 1    # shrink block_n (down to min_block_n, at least
+    min_block_n: int = 8     # FLOAT_GEMV_MIN_BLOCK_N) until the grid has this many
+                             # programs, so that every SM streams weights
     num_warps: int = 4
     num_stages: int = 1      # the K loop prefetches the next tile into registers itself
 
@@ -158,6 +159,10 @@ FLOAT_GEMV_CONFIGS: dict[str, FloatGemvConfig] = {
     "rocm": FloatGemvConfig(block_n=32, block_k=256, min_programs=2 * 304),
     "interpret": FloatGemvConfig(block_n=16, block_k=32, min_programs=1),
 }
+
+
+# The smallest block_n a config may hold (the kernel's N-block grid axis is bounded).
+FLOAT_GEMV_MIN_BLOCK_N = 8
 
 
 def select_float_gemv(platform: str, n: int, slots: int) -> FloatGemvConfig:

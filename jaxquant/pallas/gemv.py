@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxquant.pallas import codecs
+from jaxquant.pallas import codecs, configs
 from jaxquant.pallas.common import (Tile, add_or_first, bcast, call, cdiv, finish_split,
                                     for_slots, index, interleave, iota, load, over_slots,
                                     pow2_block, split_loop, static_slots, unpack_refs,
@@ -283,15 +283,18 @@ def _launch(kernel, grid, operands, out_tail, *, qw, ids, x_div, m, split, confi
 
 # ---------------------------------------------------------------------------
 # Float expert GEMV (gather_matmul): y[s, n] = sum_k x[s // x_div, k] W[ids[s], n, k],
-# W unquantized [E, N, K]. Grid (N blocks, slots); each program streams its expert's
-# [bn, K] rows in place (an [E*N, K] view offset by id * N rows), bk elements of K per
-# step, the next step's tile loaded before this one's FMAs (register double buffering).
+# W unquantized [E, N, K]. Grid (slots, N blocks), slots fastest: the programs in flight
+# at a time are every slot's same row block, so slots whose tokens chose the same expert
+# read the same rows together (L2 hits, not a second pass over DRAM). Each program
+# streams its expert's [bn, K] rows in place (an [E*N, K] view offset by id * N rows), bk
+# elements of K per step, the next step's tile loaded before this one's FMAs (register
+# double buffering).
 
 
 def _gather_gemv_float_kernel(ids_ref, x_ref, w_ref, o_ref, *, num_experts, n, k, bn, bk,
                               steps, x_div):
-    s = pl.program_id(1)
-    n0 = pl.program_id(0) * bn
+    s = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
     r0 = _expert_id(ids_ref, s, num_experts) * n + n0     # first weight row, [E*N, K] view
     rmask = (n0 + iota(bn)) < n
     xrow = s // x_div
@@ -319,10 +322,10 @@ def gather_gemv_float(x2, w, ids, config, *, interpret, x_div=1):
     dtype: slot s is x2[s // x_div] @ w[ids[s]].T with float32 accumulation; ids outside
     [0, E) read expert 0. config: a `configs.FloatGemvConfig`."""
     e, n, k = w.shape
-    bn = pow2_block(config.block_n, n)
+    bn = pow2_block(max(config.block_n, configs.FLOAT_GEMV_MIN_BLOCK_N), n)
     bk = pow2_block(config.block_k, k)
     kernel = functools.partial(_gather_gemv_float_kernel, num_experts=e, n=n, k=k, bn=bn, bk=bk,
                                steps=cdiv(k, bk), x_div=x_div)
     out_shape = jax.ShapeDtypeStruct((ids.shape[0], n), x2.dtype)
-    return call(kernel, (cdiv(n, bn), ids.shape[0]), out_shape, [ids, x2, w.reshape(e * n, k)],
+    return call(kernel, (ids.shape[0], cdiv(n, bn)), out_shape, [ids, x2, w.reshape(e * n, k)],
                 config, interpret, f"jq_gather_matmul_{jnp.dtype(w.dtype).name}")

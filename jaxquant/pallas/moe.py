@@ -18,8 +18,9 @@ every output element goes through the same float ops as qmm(x[t], qw[indices[t, 
 gather == qmm bit for bit on this backend (docs/ops.md). Rows of bad ids read
 expert 0 (in bounds) and are then overwritten with NaN.
 
-gather_matmul(x, w, indices) (transpose=True): the same grid on float experts w [E, N, K]
-(`gemv.gather_gemv_float`): each program reads its slot's id, streams that expert's
+gather_matmul(x, w, indices) (transpose=True): a grid over (slots, N blocks) on float
+experts w [E, N, K] (`gemv.gather_gemv_float`): each program reads its slot's id, streams
+that expert's
 [bn, K] rows in place (an [E*N, K] view) against x's row with float32 FMA. Bad ids read
 expert 0 and are overwritten with NaN, as for gather_qmm.
 
@@ -154,8 +155,10 @@ def supports_gather_matmul(x, w, indices, *, transpose=True, **params) -> bool:
             return False
         e, n, k = w.shape
         t, slots = indices.shape
-        return (tuple(x.shape) in ((t, k), (t, slots, k)) and 0 < t * slots <= MAX_SLOTS
-                and e > 0 and n > 0 and k > 0 and e * n < 2**31)  # int32 row of [E*N, K]
+        # grid (slots, N blocks): Triton's second grid axis holds at most MAX_SLOTS blocks
+        return (tuple(x.shape) in ((t, k), (t, slots, k)) and t * slots > 0 and e > 0
+                and 0 < n <= MAX_SLOTS * configs.FLOAT_GEMV_MIN_BLOCK_N and k > 0
+                and e * n < 2**31)                  # int32 row index into [E*N, K]
     except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
         return False
 
