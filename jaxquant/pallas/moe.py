@@ -1,6 +1,7 @@
 """Pallas (Triton lowering) kernels for routed MoE: gather_qmm (decode) and
-ragged_qmm (prefill) on quantized experts, gather_matmul (decode) on float experts. Both are qmm's kernels (`jaxquant.pallas.gemv`,
-`jaxquant.pallas.gemm`) with an expert axis; neither repeats any decode code.
+ragged_qmm (prefill) on quantized experts, gather_matmul (decode) on float experts.
+The quantized two are qmm's kernels (`jaxquant.pallas.gemv`, `jaxquant.pallas.gemm`)
+with an expert axis; neither repeats any decode code.
 `lower_gather_qmm` / `lower_ragged_qmm` are what the dispatcher runs (cases the
 `supports_*` functions accepted, no argument checks); `gather_qmm` / `ragged_qmm`
 are the same for direct use, with a check.
