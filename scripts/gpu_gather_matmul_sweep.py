@@ -6,7 +6,7 @@ Calls are issued back to back over 8 routings that touch different experts (the 
 none of them), one sync per sample (docs/measuring.md). Bytes: the distinct experts'
 weights + x + y.
 
-  python scripts/gpu_gather_matmul_sweep.py          # about 1-2 min on an H100
+  python scripts/gpu_gather_matmul_sweep.py          # 2-4 min on an H100 (mostly compiles)
   python scripts/gpu_gather_matmul_sweep.py --smoke  # tiny shapes, CPU (interpret mode)
 
 Writes the table to stdout and, with $OUT set, to $OUT/gather_matmul_sweep.md. The best
@@ -72,8 +72,8 @@ def main():
                     got = np.asarray(many(x, w, idxs)[0], np.float32)
                     err = np.abs(got - ref).max() / np.abs(ref).max()
                     assert err < 2e-2, f"error {err:.1e}"
-                    sec = harness.timeit(many, (x, w, idxs), len(idxs), 3 if cpu else 20,
-                                         inner=2 if cpu else 20)
+                    sec = harness.timeit(many, (x, w, idxs), len(idxs), 3 if cpu else 10,
+                                         inner=2 if cpu else 10)
                     row = (f"| {name} | {t} | {label} | {sec * 1e6:.1f} | "
                            f"{100 * nbytes / sec / bw:.0f}% |")
                 except Exception as ex:  # noqa: BLE001 - a variant that fails is reported
