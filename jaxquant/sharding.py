@@ -17,7 +17,7 @@ goes through `jax.experimental.custom_partitioning`:
   function: the same primitive bound on the local blocks (so dispatch picks
   kernels for the local shapes, on every backend), followed by the collective
   the layout needs: a `psum` over the mesh axes of a contracted factor (K in
-  row-parallel `qmm`, experts in expert-parallel `gather_qmm`/`ragged_qmm`),
+  row-parallel `qmm`, experts in expert-parallel `gather_qmm`/`gather_matmul`/`ragged_qmm`),
   nothing for column-parallel N or for rows/tokens/batch.
 
 Inside the per-shard program (and inside a fully manual `shard_map`) the
@@ -132,6 +132,17 @@ def _gather_factors(x, qw, indices, *, transpose, precision):
                    replicated=("gk", "gw", "s") + _layout_replicated(qw, "r", "g"), priority=(1,))
 
 
+def _gather_matmul_factors(x, w, indices, *, transpose, precision):
+    """gather_qmm's factors on a float w [E, N, K] (or [E, K, N]): K splits anywhere."""
+    sizes = {"e": w.shape[0], "t": indices.shape[0], "s": indices.shape[1],
+             "n": w.shape[1] if transpose else w.shape[2],
+             "k": w.shape[2] if transpose else w.shape[1]}
+    wdims = Dims([("e",), ("n",), ("k",)] if transpose else [("e",), ("k",), ("n",)])
+    xdims = Dims([("t",), ("k",)] if x.ndim == 2 else [("t",), ("s",), ("k",)])
+    return Factors([xdims, wdims, Dims([("t",), ("s",)])], [Dims([("t",), ("s",), ("n",)])],
+                   sizes, contracted=("k", "e"), replicated=("s",), priority=(1,))
+
+
 def _ragged_factors(x, qw, group_sizes, *, transpose, precision):
     sizes = {"e": qw.shape[0], "t": x.shape[0], "r": qw.shape[1], "gk": qw.group_size}
     qdims = _qw_dims(qw, ["e"], "r", "g", sizes)
@@ -211,6 +222,7 @@ FACTORS = {
     "decode_attention": _attention_factors,
     "qmm": _qmm_factors,
     "gather_qmm": _gather_factors,
+    "gather_matmul": _gather_matmul_factors,
     "ragged_qmm": _ragged_factors,
     "dequantize": _dequantize_factors,
     "rms_norm": _norm_factors(1, 1),
@@ -393,13 +405,13 @@ def _partition(op, tree, backend, params, factors, leaf_dims, mesh, arg_shapes, 
     expert_axes = chosen.get("e", ())
 
     def local(*leaves):
-        if expert_axes and op.name in ("gather_qmm", "ragged_qmm"):
+        if expert_axes and op.name in ("gather_qmm", "gather_matmul", "ragged_qmm"):
             out = _expert_local(op, leaves, tree, backend, params, expert_axes)
         else:
             out = op.primitive.bind(*leaves, tree=tree, backend=backend, **params)
         if reduce_axes:
             out = jax.lax.psum(out, reduce_axes)
-        if op.name == "gather_qmm" and expert_axes:
+        if op.name in ("gather_qmm", "gather_matmul") and expert_axes:
             out = _nan_for_invalid(out, leaves, tree, factors.sizes["e"])
         return list(out) if op.multiple_results else out
 
@@ -413,7 +425,7 @@ def _expert_local(op, leaves, tree, backend, params, expert_axes):
     x, qw, third = jax.tree_util.tree_unflatten(tree, leaves)
     e_local = qw.shape[0]
     first = jax.lax.axis_index(expert_axes) * e_local
-    if op.name == "gather_qmm":
+    if op.name in ("gather_qmm", "gather_matmul"):
         local_idx = third - first.astype(third.dtype)
         mine = (local_idx >= 0) & (local_idx < e_local)
         y = op.bind(x, qw, jnp.where(mine, local_idx, 0), backend=backend, **params)

@@ -122,6 +122,13 @@ def main():
     out["gather_ep_row"] = case(jq.gather_qmm, (xt, qe, idx),
                                 (put(xt, P(None, "data")), put_q(qe, P("tp", None, "data")),
                                  put(idx, P())))
+    # float experts (gather_matmul): expert parallel (one all-reduce), and split on N
+    we = rand(5, (e, n_e, k_e))
+    out["gather_matmul_ep"] = case(jq.gather_matmul, (xt, we, idx),
+                                   (put(xt, P("data")), put(we, P("tp")), put(idx, P("data"))))
+    out["gather_matmul_col"] = case(jq.gather_matmul, (xt, we, idx),
+                                    (put(xt, P("data")), put(we, P(None, "tp")),
+                                     put(idx, P("data"))))
     sizes = jnp.array([3, 0, 5, 1, 0, 2, 4, 1], jnp.int32)  # 16 rows of 20 used
     xr = rand(8, (20, k_e))
     out["ragged_ep"] = case(jq.ragged_qmm, (xr, qe, sizes),

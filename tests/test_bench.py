@@ -133,7 +133,8 @@ def test_moe_table(capsys, skip_copy_timing, monkeypatch):
     _, rows = _table(lines)
     impls = {(r[0], r[2]) for r in rows}
     assert {("tiny T=1", "jnp ref"), ("tiny T=1", "dense gather"),
-            ("tiny T=8", "jnp ref"), ("tiny T=8", "dense ragged")} <= impls
+            ("tiny T=8", "jnp ref"), ("tiny T=8", "dense ragged"),
+            ("tiny T=1", "dense gemv 1")} <= impls
     assert not any("failed" in l for l in lines)
 
 

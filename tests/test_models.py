@@ -76,6 +76,62 @@ def test_experts_by_layer_changes_nothing(mode):
     np.testing.assert_allclose(da, db, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float_experts_decode_logits_unchanged_by_gather_matmul(dtype, monkeypatch):
+    """gpt-oss with float (unquantized) experts decodes through jq.gather_matmul (no XLA
+    gather of the chosen experts' weights): the decode logits of the gather + einsum it
+    replaced, stacked (experts_by_layer on and off) and per-layer."""
+    from jaxquant.models import decoder
+
+    def gather_einsum(x, w, idx):  # expert_gather's float path before gather_matmul
+        ws = w[idx].astype(x.dtype)
+        eq = "tk,tsnk->tsn" if x.ndim == 2 else "tsk,tsnk->tsn"
+        return jnp.einsum(eq, x, ws, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    cfg = tiny("gpt_oss", dtype=dtype)
+    stacked = models.init_params(cfg, jax.random.key(14), per_layer=False)
+    prompt = jax.random.randint(jax.random.key(15), (2, 9), 0, cfg.vocab_size)
+
+    def decode_logits(params, experts_by_layer=None):
+        jax.clear_caches()  # expert_gather is read when the step is traced
+        _, cache, tok = jax.jit(models.prefill, static_argnums=(0, 3, 4))(
+            cfg, params, prompt, 16, experts_by_layer)
+        _, last, _ = jax.jit(models.decode, static_argnums=(0, 5, 6))(
+            cfg, params, cache, tok, 9, 3, experts_by_layer)
+        return np.asarray(last, np.float64)
+
+    per_layer = models.unstack_layers(stacked)
+    got = [decode_logits(stacked, True), decode_logits(stacked, False),
+           decode_logits(per_layer)]
+    monkeypatch.setattr(decoder, "expert_gather", gather_einsum)
+    want_stacked, want_per_layer = decode_logits(stacked, False), decode_logits(per_layer)
+    # float32: another summation order of the same products; bfloat16: bit for bit here
+    tol = 1e-5 if dtype == "float32" else 0.0
+    for g, want in zip(got, [want_stacked, want_stacked, want_per_layer]):
+        np.testing.assert_allclose(g, want, rtol=tol, atol=tol)
+    monkeypatch.setattr(decoder, "expert_gather", lambda x, w, idx: 2 * gather_einsum(x, w, idx))
+    assert np.abs(decode_logits(per_layer) - want_per_layer).max() > 0.1  # the swap acts
+
+
+def test_float_experts_decode_reads_experts_in_place_on_gpus():
+    """The gpt-oss decode step lowered for CUDA (on this CPU machine) with float experts:
+    the expert products are the gather_matmul Triton kernel and no XLA gather produces
+    an expert weight tile [.., N, K]."""
+    import re
+
+    cfg = tiny("gpt_oss", dtype="bfloat16")
+    params = models.init_params(cfg, jax.random.key(16), per_layer=True)
+    cache = models.init_cache(cfg, 1, 16)
+    step = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 3, 1)[1])
+    text = step.trace(params, cache, jnp.zeros((1,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("jq_gather_matmul") >= 2 * cfg.num_layers    # gate_up and down
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    weight_tiles = re.findall(rf'"stablehlo.gather".*-> tensor<[0-9x]*x(?:{2 * i}x{d}|{d}x{i})x',
+                              text)
+    assert not weight_tiles, weight_tiles
+
+
 @pytest.mark.parametrize("family,mode", [("llama", None), ("llama", "affine4"),
                                          ("gpt_oss", "mxfp4"), ("qwen3_moe", "affine4")])
 def test_fused_matrices_equal_the_separate_ones(family, mode):
@@ -156,7 +212,8 @@ def test_defaults_follow_the_device():
     params = models.init_params(cfg, jax.random.key(11))
     assert models.decoder.is_per_layer(params) == default_per_layer()
     layers = models.init_params(cfg, jax.random.key(11), per_layer=False)["layers"]
-    assert not resolve_experts_by_layer(cfg, layers, None)  # float experts: no kernel
+    assert resolve_experts_by_layer(cfg, layers, None)  # float experts: gather_matmul
+    assert not resolve_experts_by_layer(cfg, layers, False)
     q = models.quantize_params(params, "mxfp4", per_layer=False)["layers"]
     assert resolve_experts_by_layer(cfg, q, None)  # quantized, stacked, one device
     assert not resolve_experts_by_layer(cfg, q, False)

@@ -149,6 +149,35 @@ def test_cuda_gather_sm90(fmt):
     _compile_all(_gather_kernels(fmt, "cuda", per_slot=fmt[0] == "affine"), CUDA)
 
 
+# --- gather_matmul (routed MoE decode on float experts): the float expert GEMV --------
+
+
+def _gather_matmul_kernels(platform, dtype, per_slot=False):
+    import jaxquant.pallas  # noqa: F401 - registers the Pallas lowerings
+
+    e, n, k, t, slots = 32, 2880, 2880, 2, 4          # gpt-oss-20b's down projection
+    sd = jax.ShapeDtypeStruct
+    x = sd((t, slots, k) if per_slot else (t, k), dtype)
+    kernels = cc.triton_kernels(jq.gather_matmul, x, sd((e, n, k), dtype),
+                                sd((t, slots), jnp.int32), platform=platform)
+    assert [kk.name for kk in kernels] == [f"jq_gather_matmul_{jnp.dtype(dtype).name}"]
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_rocm_gather_matmul_every_target(dtype):
+    _compile_all(_gather_matmul_kernels("rocm", dtype, per_slot=dtype == jnp.float32), ROCM)
+
+
+def test_cuda_gather_matmul_sm90_streams_16_byte_loads():
+    # K = 2880 is not a power of two (a masked tail), yet the weight tile loads stay
+    # 16 bytes wide: the kernel's bandwidth rests on it.
+    (kernel,) = _gather_matmul_kernels("cuda", jnp.bfloat16)
+    compiled = cc.compile_kernel(kernel, *CUDA[0])
+    assert len(cc.code_object(compiled)) > 0
+    assert "ld.global.v4.b32" in compiled.asm["ptx"]
+
+
 # ---------------------------------------------------------------------------
 # Norm kernels (jaxquant/pallas/norms.py): one representative case per kernel
 # shape (one pass with a masked tail, two passes over column steps, many narrow

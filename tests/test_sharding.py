@@ -2,7 +2,7 @@
 in a subprocess (tests/sharding_cases.py), each sharded case against the same op
 unsharded, and the compiled HLO's collectives: none for column-parallel qmm,
 norms on rows and dequantize; exactly one all-reduce for row-parallel qmm and
-expert-parallel gather_qmm / ragged_qmm; no all-gather unless K is split inside
+expert-parallel gather_qmm / gather_matmul / ragged_qmm; no all-gather unless K is split inside
 a quantization group (then a warning says so)."""
 
 import json
@@ -33,7 +33,8 @@ def _check(case, *, tol, collectives):
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
     "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
-    "decode_attention_heads", "decode_attention_stacked"]
+    "decode_attention_heads", "decode_attention_stacked",
+    "gather_matmul_col"]
 
 
 @pytest.mark.parametrize("name", NO_COLLECTIVES)
@@ -43,7 +44,8 @@ def test_no_collective(cases, name):
 
 
 @pytest.mark.parametrize("name", [f"qmm_row_{m}" for m in ("affine", "mxfp4", "nvfp4")]
-                         + ["gather_ep", "gather_ep_row", "ragged_ep", "ragged_ep_col",
+                         + ["gather_ep", "gather_ep_row", "gather_matmul_ep",
+                            "ragged_ep", "ragged_ep_col",
                             "ragged_ep_bad_sizes",
                             "qmm_col_grad"])
 def test_one_all_reduce(cases, name):

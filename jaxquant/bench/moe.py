@@ -3,8 +3,13 @@
     pallas      jaxquant.pallas.moe.gather_qmm (the expert-indexed GEMV)
     ffi         jq.gather_qmm(backend="ffi"), where the ffi backend runs here
     jnp ref     the reference: gather the experts' packed weights, dequantize, einsum
-    dense gather  dense weights: w[idx] gathered, then one einsum
+    dense gather  dense weights: w[idx] gathered, then one einsum (XLA copies the chosen
+                  experts' weights before the dot)
+    dense pallas  jq.gather_matmul on dense weights: the Pallas float expert GEMV, reading
+                  the chosen experts' rows in place (what models use for float experts)
     dense ragged  sort (token, slot) pairs by expert, then lax.ragged_dot on dense weights
+    dense gemv 1  one dense [T, K] x [N, K]^T product of one expert's size (cuBLAS on a
+                  GPU): the bandwidth a single matrix reaches, for scale
   prefill (T tokens, T*top_k rows sorted by expert): ragged_qmm
     pallas      jaxquant.pallas.moe.ragged_qmm (qmm's GEMM over a device-side tile schedule)
     ffi / jnp ref  dequantize every expert + lax.ragged_dot
@@ -24,6 +29,7 @@ from jaxquant.bench import harness
 # name -> (E, top_k, K, N)
 GPU_LAYERS = {
     "gptoss20b": (32, 4, 2880, 5760),
+    "gptoss20b_down": (32, 4, 2880, 2880),
     "qwen3_30b_a3b_down": (128, 8, 2048, 768),
     "qwen3_30b_a3b_gateup": (128, 8, 2048, 1536),
 }
@@ -91,6 +97,23 @@ def _rel_err(want):
     return check
 
 
+def _dense_err(x, w, idx):
+    """check(outputs) -> relative error of the first routing's [T, k, N] against a float32
+    IEEE product (precision HIGHEST) of the selected experts."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    want = np.asarray(jax.jit(lambda x, w, i: jnp.einsum(
+        "tk,tjnk->tjn", x.astype(jnp.float32), w[i].astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST))(x, w, idx), np.float64)
+
+    def check(ys):
+        y = np.asarray(ys[0].astype(jnp.float32), np.float64)
+        return float(np.linalg.norm(y - want) / np.linalg.norm(want))
+    return check
+
+
 def _quantized_impls(op, interpret):
     """[(label, f)] for gather_qmm (decode) or ragged_qmm (prefill): the peers here."""
     import jaxquant as jq
@@ -113,6 +136,7 @@ def run(args, out=print):
     import numpy as np
 
     import jaxquant as jq
+    from jaxquant.pallas import moe
 
     bw = harness.start(out, args.interpret)
     dt = jnp.dtype(args.dtype)
@@ -169,9 +193,23 @@ def run(args, out=print):
                                               preferred_element_type=jnp.float32).astype(dt)
 
                 dense_bytes = distinct * n * k * dt.itemsize + io
+                dense_check = None if args.no_check else _dense_err(x, w, idxs[0])
                 time(many(lambda x, w, i: jnp.einsum(
                     "tk,tjnk->tjn", x, w[i], preferred_element_type=jnp.float32).astype(dt)),
-                    (x, w, idxs), nbytes=dense_bytes, mode="-", impl="dense gather")
+                    (x, w, idxs), nbytes=dense_bytes, mode="-", impl="dense gather",
+                    check=dense_check)
+                label = harness.pallas_label(args.interpret)
+                if label is not None:
+                    gm = functools.partial(moe.gather_matmul, interpret=harness.on_cpu())
+                    time(many(gm), (x, w, idxs), nbytes=dense_bytes, mode="-",
+                         impl=f"dense {label}", check=dense_check)
+                # one expert's matrix per product, a different one each (distinct buffers)
+                mats = [w[c % e] + jnp.zeros((), dt) for c in range(len(idxs))]
+                time(jax.jit(lambda x, mats: tuple(
+                    jnp.einsum("tk,nk->tn", x, m, preferred_element_type=jnp.float32).astype(dt)
+                    for m in mats)), (x, mats), nbytes=n * k * dt.itemsize + t * (k + n) *
+                    dt.itemsize, mode="-", impl="dense gemv 1", flops=2.0 * t * n * k)
+                del mats
                 time(many(ragged), (x, wt, idxs), nbytes=dense_bytes, mode="-",
                      impl="dense ragged")
                 for m, qw in qws.items():

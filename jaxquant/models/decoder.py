@@ -25,9 +25,10 @@ e_gate/e_up + e_gate_bias/e_up_bias) run too: `fuse_params` and
 `unfuse_params` convert (the sharded model uses the separate ones on a mesh
 that splits them, parallel.py).
 
-MoE layers use `gather_qmm` when few tokens run (decode: each token reads its
-k experts' weights) and `ragged_qmm` otherwise (prefill: tokens sorted by
-expert, one grouped matmul per projection).
+MoE layers use `gather_qmm` (float experts: `gather_matmul`) when few tokens run
+(decode: each token reads its k experts' weights in place) and `ragged_qmm`
+(float experts: `lax.ragged_dot`) otherwise (prefill: tokens sorted by expert,
+one grouped matmul per projection).
 """
 
 from __future__ import annotations
@@ -117,13 +118,15 @@ def swiglu_linear(x, w_gate_up, bias=None, kind="silu", limit=7.0, alpha=1.702):
 class ExpertsOfLayer(NamedTuple):
     """Layer `layer`'s experts inside a stack of all layers' experts flattened to
     [L*E, N, K] (see `forward`'s experts_by_layer): expert e is row layer*E + e."""
-    stack: QuantizedArray
+    stack: QuantizedArray | jax.Array
     layer: jax.Array
     num_experts: int
 
 
-def _flatten_layers(qw: QuantizedArray) -> QuantizedArray:
-    """[L, E, N, K] -> [L*E, N, K]: a reshape of the children (no copy)."""
+def _flatten_layers(qw):
+    """[L, E, N, K] -> [L*E, N, K]: a reshape (of a QuantizedArray's children; no copy)."""
+    if not isinstance(qw, QuantizedArray):
+        return qw.reshape(-1, *qw.shape[2:])
     lead = qw.shape[:2]
     flat = lambda c: None if c is None else c.reshape(lead[0] * lead[1], *c.shape[2:])
     gs = qw.global_scale
@@ -135,18 +138,20 @@ def _flatten_layers(qw: QuantizedArray) -> QuantizedArray:
 
 
 def expert_gather(x, w, idx):
-    """x [T, K] or [T, k, K], w [E, N, K], idx [T, k] -> [T, k, N] (decode)."""
+    """x [T, K] or [T, k, K], w [E, N, K], idx [T, k] -> [T, k, N] (decode): the chosen
+    experts read in place (gather_qmm, or gather_matmul for float w; `w[idx]` in XLA
+    would copy them first)."""
     if isinstance(w, ExpertsOfLayer):
-        return jq.gather_qmm(x, w.stack, idx + w.layer * w.num_experts)
+        w, idx = w.stack, idx + w.layer * w.num_experts
     if isinstance(w, QuantizedArray):
         return jq.gather_qmm(x, w, idx)
-    ws = w[idx].astype(x.dtype)  # [T, k, N, K]
-    eq = "tk,tsnk->tsn" if x.ndim == 2 else "tsk,tsnk->tsn"
-    return jnp.einsum(eq, x, ws, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jq.gather_matmul(x, w, idx)
 
 
 def expert_ragged(x, w, group_sizes):
     """x [R, K] rows sorted by expert, w [E, N, K] -> [R, N] (prefill)."""
+    if isinstance(w, ExpertsOfLayer) and not isinstance(w.stack, QuantizedArray):
+        w = lax.dynamic_slice_in_dim(w.stack, w.layer * w.num_experts, w.num_experts)
     if isinstance(w, ExpertsOfLayer):  # this layer's groups; every other layer's empty
         sizes = jnp.zeros(w.stack.shape[0], jnp.int32)
         sizes = lax.dynamic_update_slice(sizes, group_sizes.astype(jnp.int32),
@@ -274,7 +279,7 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
         h = swiglu(gate, up, swiglu_kind(cfg), cfg.swiglu_limit).astype(x.dtype)
         return product(h, matmul, "e_down", bias_rows)
 
-    if t * k <= GATHER_MAX_PAIRS:  # decode: gather_qmm reads only the chosen experts
+    if t * k <= GATHER_MAX_PAIRS:  # decode: read only the chosen experts, in place
         local = jnp.where(mine, idx, 0)
         y = experts(x, lambda a, w: expert_gather(a, w, local), local)  # [T, k, D]
     else:  # prefill: sort (token, slot) pairs by expert, one ragged matmul each;
@@ -361,7 +366,7 @@ def _on_several_devices(a) -> bool:
 
 def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer, mesh=None) -> bool:
     """Whether `forward` indexes the stacked experts of all layers at once.
-    None (automatic): on when the stacked experts are quantized and on one device
+    None (automatic): on when the experts are stacked (quantized or float) on one device
     (on a mesh that splits E, the flattened [L*E] axis would not be split in
     blocks). Per-layer buffers need none of it: each layer's experts are their own.
     Always off with a `mesh` of several devices (expert parallel runs per layer)."""
@@ -369,9 +374,9 @@ def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer, mesh=None) -
         return False
     if experts_by_layer is not None:
         return bool(experts_by_layer)
-    stacks = [layers[k] for k in EXPERT_STACKS if isinstance(layers.get(k), QuantizedArray)]
-    return bool(stacks) and not any(_on_several_devices(leaf) for qw in stacks
-                                    for leaf in jax.tree_util.tree_leaves(qw))
+    stacks = [layers[k] for k in EXPERT_STACKS if k in layers]
+    return bool(stacks) and not any(_on_several_devices(leaf) for w in stacks
+                                    for leaf in jax.tree_util.tree_leaves(w))
 
 
 def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None, mesh=None):
@@ -381,12 +386,13 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     per-layer dicts) run in a Python loop, each layer reading its own buffers;
     stacked [L, ...] arrays run in lax.scan (one compiled layer body).
 
-    experts_by_layer (stacked form only): keep the quantized expert stacks out of
-    the scan and index all layers' experts at once ([L*E, N, K], expert
-    layer*E + e), so no step copies its layer's expert stack before the kernel
-    (a custom call's operand is materialized: ~400 MB per layer for gpt-oss-20b
-    in MXFP4). None (default): automatic, on for quantized experts on one
-    device; True / False force it. Single-device only: with experts split over
+    experts_by_layer (stacked form only): keep the expert stacks out of the scan
+    and index all layers' experts at once ([L*E, N, K], expert layer*E + e), so
+    no decode step copies its layer's expert stack before the kernel (a custom
+    call's operand is materialized: ~400 MB per layer for gpt-oss-20b in MXFP4,
+    ~1 GB in bf16). Float experts in prefill take their layer's slice for
+    lax.ragged_dot (what the scan did). None (default): automatic, on for
+    expert stacks on one device; True / False force it. Single-device only: with experts split over
     a mesh axis, the flattened [L*E] axis would no longer be split in blocks.
 
     mesh: the ("tp", "ep") mesh the parameters are placed on
@@ -407,8 +413,7 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     else:
         stacks = {}
         if resolve_experts_by_layer(cfg, layers, experts_by_layer, mesh):
-            stacks = {k: _flatten_layers(v) for k, v in layers.items()
-                      if k in EXPERT_STACKS and isinstance(v, QuantizedArray)}
+            stacks = {k: _flatten_layers(v) for k, v in layers.items() if k in EXPERT_STACKS}
             layers = {k: v for k, v in layers.items() if k not in stacks}
 
         def step(carry, xs):

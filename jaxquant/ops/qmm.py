@@ -1,12 +1,16 @@
-"""qmm, gather_qmm, ragged_qmm: quantized matmuls (docs/ops.md).
+"""qmm, gather_qmm, ragged_qmm: quantized matmuls; gather_matmul: gather_qmm's
+routed-MoE decode product on float (unquantized) expert weights (docs/ops.md).
 
-All three are linear in x: their JVP is the op on the tangent, their
-transpose is the op with `transpose` flipped, so `jax.grad` flows to x
+The three quantized ops are linear in x: their JVP is the op on the tangent,
+their transpose is the op with `transpose` flipped, so `jax.grad` flows to x
 (and through it to adapters on top of a frozen quantized base). There is
-no derivative with respect to the quantized weights.
+no derivative with respect to the quantized weights. gather_matmul's float
+weights differentiate too (through its reference).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +18,12 @@ from jax import lax
 from jax.interpreters import ad
 
 from jaxquant.ops.common import (batch_size, check_group_sizes, check_x, compute_dtype,
-                                 default_precision, move_to_front, quantized_to_front,
-                                 ragged_group_ends, require_quantized, to_front_or_broadcast)
+                                 default_precision, jvp_through_reference, move_to_front,
+                                 quantized_to_front, ragged_group_ends, require_quantized,
+                                 to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.quantize import dequantize_reference
+from jaxquant.quantized_array import QuantizedArray
 from jaxquant.static_args import require_bool
 
 
@@ -52,6 +58,12 @@ def gather_qmm_reference(x, qw, indices, *, transpose, precision,
     return jnp.where(valid[..., None], y, jnp.nan).astype(x.dtype)
 
 
+def gather_matmul_reference(x, w, indices, *, transpose, precision):
+    """gather_qmm's definition with the float weights as they are (cast to x's dtype)."""
+    return gather_qmm_reference(x, w, indices, transpose=transpose, precision=precision,
+                                dequantize=lambda w, dtype: w.astype(dtype))
+
+
 def ragged_qmm_reference(x, qw, group_sizes, *, transpose, precision,
                          dequantize=dequantize_reference):
     w = dequantize(qw, dtype=x.dtype)
@@ -66,6 +78,7 @@ def ragged_qmm_reference(x, qw, group_sizes, *, transpose, precision,
 qmm_op = Op("qmm", qmm_reference)
 gather_qmm_op = Op("gather_qmm", gather_qmm_reference)
 ragged_qmm_op = Op("ragged_qmm", ragged_qmm_reference)
+gather_matmul_op = Op("gather_matmul", gather_matmul_reference)
 
 
 # ---------------------------------------------------------------------------
@@ -86,6 +99,15 @@ def _expert_args(op, x, qw, ids_name, ids, transpose):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"{ids_name} must be an integer array; got {ids.dtype}")
     return x, ids, _k_axis(qw, transpose), transpose
+
+
+def _check_gather_shapes(x, w_name, w_shape, indices, k):
+    if indices.ndim != 2:
+        raise ValueError(f"indices must be [T, k]; got shape {indices.shape}")
+    t, slots = indices.shape
+    if x.shape not in ((t, k), (t, slots, k)):
+        raise ValueError(f"x must be [T, K] = {(t, k)} or [T, k, K] = {(t, slots, k)} "
+                         f"(indices {indices.shape}, {w_name} {w_shape}); got x.shape={x.shape}")
 
 
 def qmm(x, qw, transpose: bool = True, *, backend: str | None = None):
@@ -116,15 +138,40 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
     An index outside [0, E) gives a NaN row and reads nothing out of bounds.
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
+    if hasattr(qw, "dtype") and not isinstance(qw, QuantizedArray):
+        raise TypeError(f"qw must be a jaxquant.QuantizedArray (from jq.quantize); got a "
+                        f"plain {type(qw).__name__} (float experts go through jq.gather_matmul)")
     x, indices, k, transpose = _expert_args("gather_qmm", x, qw, "indices", indices, transpose)
-    if indices.ndim != 2:
-        raise ValueError(f"indices must be [T, k]; got shape {indices.shape}")
-    t, slots = indices.shape
-    if x.shape not in ((t, k), (t, slots, k)):
-        raise ValueError(f"x must be [T, K] = {(t, k)} or [T, k, K] = {(t, slots, k)} "
-                         f"(indices {indices.shape}, qw {qw.shape}); got x.shape={x.shape}")
+    _check_gather_shapes(x, "qw", qw.shape, indices, k)
     return gather_qmm_op.bind(x, qw, indices, backend=backend, transpose=bool(transpose),
                               precision=default_precision())
+
+
+def gather_matmul(x, w, indices, transpose: bool = True, *, backend: str | None = None):
+    """gather_qmm on float expert weights: out[t, j] = x[t] (or x[t, j]) @ w[indices[t, j]].T.
+
+    w [E, N, K] (transpose=True) or [E, K, N], float32/float16/bfloat16 (float64 under
+    x64), cast to x's dtype like `x @ w.astype(x.dtype).T`; indices int [T, k]; x [T, K]
+    or [T, k, K] -> [T, k, N], float32 accumulation. An index outside [0, E) gives a NaN
+    row and reads nothing out of bounds. Kernels read only the chosen experts' rows,
+    where `w[indices]` in XLA copies them first (docs/ops.md).
+    Static (Python values, not traced under jax.jit): transpose, backend.
+    """
+    transpose = require_bool("transpose", transpose, "gather_matmul")
+    if isinstance(w, QuantizedArray):
+        raise TypeError("w must be a float array; got a QuantizedArray (quantized experts "
+                        "go through jq.gather_qmm)")
+    w = check_x(w, "w")
+    if w.ndim != 3:
+        raise ValueError(f"w must be [E, N, K] (or [E, K, N] with transpose=False); got "
+                         f"shape {w.shape}")
+    x = check_x(x)
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"indices must be an integer array; got {indices.dtype}")
+    _check_gather_shapes(x, "w", w.shape, indices, w.shape[2] if transpose else w.shape[1])
+    return gather_matmul_op.bind(x, w, indices, backend=backend, transpose=bool(transpose),
+                                 precision=default_precision())
 
 
 def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | None = None):
@@ -172,7 +219,9 @@ def _qmm_batch(args, dims, *, backend, transpose, precision):
     return y.reshape(*x.shape[:-1], y.shape[-1]), 0
 
 
-def _gather_batch(args, dims, *, backend, transpose, precision):
+def _gather_batch(op, args, dims, *, backend, transpose, precision):
+    """gather_qmm / gather_matmul with a batch of tokens (weights unbatched): the batch
+    folds into the token axis."""
     x, qw, indices = args
     x_dim, qw_dims, i_dim = dims
     if jax.tree_util.tree_leaves(qw_dims):
@@ -180,8 +229,8 @@ def _gather_batch(args, dims, *, backend, transpose, precision):
     size = (x.shape[x_dim] if x_dim is not None else indices.shape[i_dim])
     x = to_front_or_broadcast(x, x_dim, size)
     indices = to_front_or_broadcast(indices, i_dim, size)
-    y = gather_qmm_op.bind(x.reshape(-1, *x.shape[2:]), qw, indices.reshape(-1, indices.shape[-1]),
-                           backend=backend, transpose=transpose, precision=precision)
+    y = op.bind(x.reshape(-1, *x.shape[2:]), qw, indices.reshape(-1, indices.shape[-1]),
+                backend=backend, transpose=transpose, precision=precision)
     return y.reshape(size, -1, *y.shape[1:]), 0
 
 
@@ -199,7 +248,8 @@ def _ragged_batch(args, dims, *, backend, transpose, precision):
 
 
 qmm_op.batch_rule = _qmm_batch
-gather_qmm_op.batch_rule = _gather_batch
+gather_qmm_op.batch_rule = functools.partial(_gather_batch, gather_qmm_op)
+gather_matmul_op.batch_rule = functools.partial(_gather_batch, gather_matmul_op)
 ragged_qmm_op.batch_rule = _ragged_batch
 
 
@@ -235,3 +285,5 @@ def _linear_in_x(op: Op):
 
 for _op in (qmm_op, gather_qmm_op, ragged_qmm_op):
     _linear_in_x(_op)
+# Float weights have a derivative too: gather_matmul differentiates through its reference.
+jvp_through_reference(gather_matmul_op)

@@ -39,6 +39,7 @@ def unavailable_reason() -> str | None:
 KERNELS = (
     ("qmm", qmm.lower_qmm, qmm.supports, configs.auto_qmm),
     ("gather_qmm", moe.lower_gather_qmm, moe.supports_gather, None),
+    ("gather_matmul", moe.lower_gather_matmul, moe.supports_gather_matmul, None),
     ("ragged_qmm", moe.lower_ragged_qmm, moe.supports_ragged, None),
     ("rms_norm", norms.lower_rms_norm, norms.supports, configs.auto_norm),
     ("add_rms_norm", norms.lower_add_rms_norm, norms.supports, configs.auto_norm),

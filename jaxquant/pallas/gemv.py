@@ -20,6 +20,9 @@ Triton has no scalar prefetch, so the id is one scalar load in the kernel) and
 offsets its weight, scale and bias rows by id * rows. The body is qmm's, so each
 output element goes through the same float ops as qmm(x[s], qw[ids[s]]).
 
+`gather_gemv_float` is gather_matmul's: the expert-indexed GEMV on float
+(unquantized) weights [E, N, K], reading the chosen experts' rows in place.
+
 Indexing is manual (pl.ds with masks), not BlockSpecs: the gather form's expert
 offset is data-dependent, and a block would span the whole K (or N) loop, which is
 in general not the power of two Triton requires of a block.
@@ -36,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxquant.pallas import codecs
+from jaxquant.pallas import codecs, configs
 from jaxquant.pallas.common import (Tile, add_or_first, bcast, call, cdiv, finish_split,
                                     for_slots, index, interleave, iota, load, over_slots,
                                     pow2_block, split_loop, static_slots, unpack_refs,
@@ -55,12 +58,18 @@ def _slots(refs, gather, rows):
         return refs, 0, 0, index, index
     num_experts, x_div, gs_per_expert = gather
     s = pl.program_id(2)
-    raw = refs[0][s]
-    # (A select, not jnp.clip: with a provable range the AMD backend switches to buffer
-    # loads, which pip Triton 3.9's LLVM crashes on for gfx1100 in this kernel.)
-    e = jnp.where((raw >= 0) & (raw < num_experts), raw, 0)
+    e = _expert_id(refs[0], s, num_experts)
     return (refs[1:], e * rows, e if gs_per_expert else 0, (lambda mi: s // x_div + mi),
             (lambda mi: s + mi))
+
+
+def _expert_id(ids_ref, s, num_experts):
+    """Slot s's expert id, read from the device array; an id outside [0, E) addresses
+    expert 0 (in bounds; the wrappers turn its rows into NaN)."""
+    raw = ids_ref[s]
+    # (A select, not jnp.clip: with a provable range the AMD backend switches to buffer
+    # loads, which pip Triton 3.9's LLVM crashes on for gfx1100 in this kernel.)
+    return jnp.where((raw >= 0) & (raw < num_experts), raw, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -270,3 +279,53 @@ def _launch(kernel, grid, operands, out_tail, *, qw, ids, x_div, m, split, confi
     out = call(kernel, grid, out_shape, operands, config, interpret,
                f"jq_{name}_{kind}_{qw.format.mode}{qw.bits}")
     return finish_split(out, split, dtype), m
+
+
+# ---------------------------------------------------------------------------
+# Float expert GEMV (gather_matmul): y[s, n] = sum_k x[s // x_div, k] W[ids[s], n, k],
+# W unquantized [E, N, K]. Grid (slots, N blocks), slots fastest: the programs in flight
+# at a time are every slot's same row block, so slots whose tokens chose the same expert
+# read the same rows together (L2 hits, not a second pass over DRAM). Each program
+# streams its expert's [bn, K] rows in place (an [E*N, K] view offset by id * N rows), bk
+# elements of K per step, the next step's tile loaded before this one's FMAs (register
+# double buffering).
+
+
+def _gather_gemv_float_kernel(ids_ref, x_ref, w_ref, o_ref, *, num_experts, n, k, bn, bk,
+                              steps, x_div):
+    s = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+    r0 = _expert_id(ids_ref, s, num_experts) * n + n0     # first weight row, [E*N, K] view
+    rmask = (n0 + iota(bn)) < n
+    xrow = s // x_div
+
+    def tile(i):
+        k0 = i * bk
+        kmask = (k0 + iota(bk)) < k                         # K's tail (any K) is masked
+        w = load(w_ref.at[pl.ds(r0, bn), pl.ds(k0, bk)], rmask[:, None] & kmask[None, :])
+        return w, load(x_ref.at[xrow, pl.ds(k0, bk)], kmask)
+
+    def body(i, carry):
+        acc, (w, xv) = carry
+        nxt = tile(i + 1)               # past the last step: every lane masked, no traffic
+        # w in x's dtype first, as the reference casts it (a no-op when they agree)
+        w = w.astype(xv.dtype).astype(jnp.float32)
+        return acc + w * xv.astype(jnp.float32)[None, :], nxt
+
+    acc, _ = lax.fori_loop(0, steps, body, (jnp.zeros((bn, bk), jnp.float32), tile(0)))
+    plgpu.store(o_ref.at[s, pl.ds(n0, bn)], jnp.sum(acc, axis=1).astype(o_ref.dtype),
+                mask=rmask)
+
+
+def gather_gemv_float(x2, w, ids, config, *, interpret, x_div=1):
+    """x2 [Sx, K], w float [E, N, K], ids int32 [S] (S = Sx * x_div) -> [S, N] in x2's
+    dtype: slot s is x2[s // x_div] @ w[ids[s]].T with float32 accumulation; ids outside
+    [0, E) read expert 0. config: a `configs.FloatGemvConfig`."""
+    e, n, k = w.shape
+    bn = pow2_block(max(config.block_n, configs.FLOAT_GEMV_MIN_BLOCK_N), n)
+    bk = pow2_block(config.block_k, k)
+    kernel = functools.partial(_gather_gemv_float_kernel, num_experts=e, n=n, k=k, bn=bn, bk=bk,
+                               steps=cdiv(k, bk), x_div=x_div)
+    out_shape = jax.ShapeDtypeStruct((ids.shape[0], n), x2.dtype)
+    return call(kernel, (ids.shape[0], cdiv(n, bn)), out_shape, [ids, x2, w.reshape(e * n, k)],
+                config, interpret, f"jq_gather_matmul_{jnp.dtype(w.dtype).name}")

@@ -1,6 +1,7 @@
 """Pallas (Triton lowering) kernels for routed MoE: gather_qmm (decode) and
-ragged_qmm (prefill). Both are qmm's kernels (`jaxquant.pallas.gemv`,
-`jaxquant.pallas.gemm`) with an expert axis; neither repeats any decode code.
+ragged_qmm (prefill) on quantized experts, gather_matmul (decode) on float experts.
+The quantized two are qmm's kernels (`jaxquant.pallas.gemv`, `jaxquant.pallas.gemm`)
+with an expert axis; neither repeats any decode code.
 `lower_gather_qmm` / `lower_ragged_qmm` are what the dispatcher runs (cases the
 `supports_*` functions accepted, no argument checks); `gather_qmm` / `ragged_qmm`
 are the same for direct use, with a check.
@@ -17,6 +18,12 @@ one row of x (configs.select with M=1) and the kernel body is the same code, so
 every output element goes through the same float ops as qmm(x[t], qw[indices[t, j]]):
 gather == qmm bit for bit on this backend (docs/ops.md). Rows of bad ids read
 expert 0 (in bounds) and are then overwritten with NaN.
+
+gather_matmul(x, w, indices) (transpose=True): a grid over (slots, N blocks) on float
+experts w [E, N, K] (`gemv.gather_gemv_float`): each program reads its slot's id, streams
+that expert's
+[bn, K] rows in place (an [E*N, K] view) against x's row with float32 FMA. Bad ids read
+expert 0 and are overwritten with NaN, as for gather_qmm.
 
 ragged_qmm(x, qw, group_sizes) (transpose=True): qmm's tiled GEMM (`gemm.gemm_t`) over
 work items (expert, row tile, row range) computed from cumsum(group_sizes) on the
@@ -36,7 +43,7 @@ from jaxquant.ops.common import ragged_group_ends
 from jaxquant.pallas import codecs, configs
 from jaxquant.pallas.common import X_DTYPES, dot_precision
 from jaxquant.pallas.gemm import gemm_block_m, gemm_t
-from jaxquant.pallas.gemv import gemv_n, gemv_t
+from jaxquant.pallas.gemv import gather_gemv_float, gemv_n, gemv_t
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 # Triton grids: axis 2 (the slots) is limited to 65535 programs on CUDA.
@@ -136,6 +143,59 @@ def _checked(name, supports, x, qw, third, transpose):
 
 
 # ---------------------------------------------------------------------------
+# gather_matmul (decode on float expert weights): the float expert GEMV.
+
+
+def supports_gather_matmul(x, w, indices, *, transpose=True, **params) -> bool:
+    """Whether `gather_matmul` has a kernel for these arguments (ShapedArrays or arrays;
+    other params are ignored): transpose=True, x and w float32/float16/bfloat16."""
+    try:
+        if not transpose or len(w.shape) != 3 or len(indices.shape) != 2:
+            return False
+        if jnp.dtype(x.dtype) not in X_DTYPES or jnp.dtype(w.dtype) not in X_DTYPES:
+            return False
+        e, n, k = w.shape
+        t, slots = indices.shape
+        # grid (slots, N blocks): Triton's second grid axis holds at most MAX_SLOTS blocks
+        return (tuple(x.shape) in ((t, k), (t, slots, k)) and t * slots > 0 and e > 0
+                and 0 < n <= MAX_SLOTS * configs.FLOAT_GEMV_MIN_BLOCK_N and k > 0
+                and e * n < 2**31)                  # int32 row index into [E*N, K]
+    except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
+        return False
+
+
+def lower_gather_matmul(x, w, indices, *, transpose: bool, precision, platform: str,
+                        interpret: bool = False,
+                        config: configs.FloatGemvConfig | None = None):
+    """MoE decode on float experts for a case `supports_gather_matmul` accepted: x [T, K]
+    or [T, k, K], w [E, N, K], indices int [T, k] -> [T, k, N] in x.dtype; ids outside
+    [0, E) give NaN rows."""
+    del transpose, precision  # transpose=True only; float32 FMA throughout (IEEE)
+    e, n, k = w.shape
+    t, slots = indices.shape
+    if config is None:
+        config = configs.select_float_gemv("interpret" if interpret else platform, n, t * slots)
+    ids = _slot_ids(indices, e)
+    y = gather_gemv_float(x.reshape(-1, k), w, ids, config, interpret=interpret,
+                          x_div=ids.shape[0] * k // x.size).reshape(t, slots, n)
+    valid = (indices >= 0) & (indices < e)
+    return jnp.where(valid[..., None], y, jnp.asarray(jnp.nan, x.dtype))
+
+
+def gather_matmul(x, w, indices, *, transpose: bool = True, precision=None,
+                  platform: str = "cuda", interpret: bool = False,
+                  config: configs.FloatGemvConfig | None = None):
+    """`lower_gather_matmul` for direct use: a ValueError where it has no kernel."""
+    x, w, indices = jnp.asarray(x), jnp.asarray(w), jnp.asarray(indices)
+    if not supports_gather_matmul(x, w, indices, transpose=transpose):
+        raise ValueError(f"the pallas gather_matmul has no kernel for x {x.shape} {x.dtype}, "
+                         f"w {w.shape} {w.dtype}, indices {indices.shape}, "
+                         f"transpose={transpose} (see supports_gather_matmul)")
+    return lower_gather_matmul(x, w, indices, transpose=transpose, precision=precision,
+                               platform=platform, interpret=interpret, config=config)
+
+
+# ---------------------------------------------------------------------------
 # ragged_qmm (prefill): qmm's GEMM over a device-computed tile schedule.
 
 
@@ -207,5 +267,6 @@ def ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool = True, pr
                             platform=platform, interpret=interpret, config=config)
 
 
-__all__ = ["MAX_SLOTS", "gather_qmm", "gather_raw", "lower_gather_qmm", "lower_ragged_qmm",
-           "ragged_qmm", "ragged_schedule", "supports_gather", "supports_ragged"]
+__all__ = ["MAX_SLOTS", "gather_matmul", "gather_qmm", "gather_raw", "lower_gather_matmul",
+           "lower_gather_qmm", "lower_ragged_qmm", "ragged_qmm", "ragged_schedule",
+           "supports_gather", "supports_gather_matmul", "supports_ragged"]

@@ -1,0 +1,240 @@
+"""gather_matmul (routed-MoE decode on float expert weights) on the CPU: the op (reference
+backend) against the float64 oracle and against the XLA gather + einsum it replaces, with
+random shapes (K and N not powers of two), NaN rows for bad indices, argument errors naming
+the argument, jit/vmap/grad; the Pallas kernel in interpret mode against the reference
+(tight bound), its bad-id rows read in bounds, its block choice and its registration; the
+GPU tests are tests/test_gather_matmul_gpu.py."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant.pallas import configs, moe
+from tests.common import assert_matmul_close
+
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _run(fn, *args):
+    return jax.jit(fn).trace(*args).lower().compile(compiler_options=_FAST_COMPILE)(*args)
+
+
+def _case(seed, e, n, k, t, slots, dtype, per_slot=False, w_dtype=None, bad=False):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((e, n, k), np.float32).astype(w_dtype or dtype)
+    x = rng.standard_normal((t, slots, k) if per_slot else (t, k), np.float32).astype(dtype)
+    idx = rng.integers(-1 if bad else 0, e + 1 if bad else e, (t, slots)).astype(np.int32)
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx)
+
+
+def _xla_gather_einsum(x, w, idx):
+    """What models.decoder.expert_gather did before gather_matmul: gather, then einsum."""
+    ws = w[idx].astype(x.dtype)
+    eq = "tk,tsnk->tsn" if x.ndim == 2 else "tsk,tsnk->tsn"
+    return jnp.einsum(eq, x, ws, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _check_oracle(y, x, w, idx):
+    """y [T, k, N] against float64 x @ w[idx].T per element (w rounded to x's dtype first,
+    as the op defines), NaN exactly on the rows of ids outside [0, E)."""
+    idx = np.asarray(idx)
+    valid = (idx >= 0) & (idx < w.shape[0])
+    got = np.asarray(y, np.float64)
+    assert np.all(np.isnan(got[~valid])) and np.all(np.isfinite(got[valid]))
+    w64 = np.asarray(w.astype(x.dtype), np.float64)[np.where(valid, idx, 0)]   # [T, k, N, K]
+    x64 = np.asarray(x, np.float64)
+    xs = np.broadcast_to(x64[:, None] if x64.ndim == 2 else x64, idx.shape + x64.shape[-1:])
+    assert_matmul_close(got[valid][:, None, :], xs[valid][:, None, :], w64[valid], x.dtype)
+
+
+def _assert_same_sums(y, other, x, w, idx):
+    """y and `other` are the same products summed in other float32 orders: per element
+    within float32's error bound over K of the magnitudes (|x| @ |w|.T), plus one
+    rounding to x's dtype; NaN in the same places."""
+    got, want = np.asarray(y, np.float64), np.asarray(other, np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    idx = np.clip(np.asarray(idx), 0, w.shape[0] - 1)
+    x64, w64 = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64))[idx]
+    mag = np.einsum("tk,tsnk->tsn" if x.ndim == 2 else "tsk,tsnk->tsn", x64, w64)
+    bound = 2 * x.shape[-1] * 2.0**-24 * mag + float(jnp.finfo(x.dtype).eps) * np.abs(want)
+    ok = np.isnan(want) | (np.abs(got - want) <= bound)
+    assert np.all(ok), np.nanmax(np.abs(got - want) / bound)
+
+
+# Random shapes (seeded): N and K not powers of two, one expert, one slot, one token.
+SHAPES = [(5, 40, 90, 3, 2), (1, 7, 33, 1, 1), (9, 24, 300, 4, 3), (4, 1, 17, 2, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_oracle_and_the_gather_einsum(shape, dtype):
+    i = SHAPES.index(shape)
+    x, w, idx = _case(i, *shape, dtype, per_slot=i % 2 == 1)
+    y = jax.jit(jq.gather_matmul)(x, w, idx)
+    assert y.shape == idx.shape + (shape[1],) and y.dtype == dtype
+    _check_oracle(y, x, w, idx)
+    _assert_same_sums(y, jax.jit(_xla_gather_einsum)(x, w, idx), x, w, idx)
+
+
+def test_weights_in_another_dtype_are_cast_to_x_first():
+    x, w, idx = _case(10, 3, 20, 48, 2, 2, jnp.bfloat16, w_dtype=np.float32)
+    y = jax.jit(jq.gather_matmul)(x, w, idx)
+    np.testing.assert_array_equal(y, jax.jit(jq.gather_matmul)(x, w.astype(jnp.bfloat16), idx))
+    _check_oracle(y, x, w, idx)
+
+
+def test_transpose_false():
+    x, w, idx = _case(11, 4, 24, 40, 3, 2, jnp.float32)
+    wt = jnp.swapaxes(w, 1, 2)                                   # [E, K, N]
+    y = jax.jit(functools.partial(jq.gather_matmul, transpose=False))(x, wt, idx)
+    _check_oracle(y, x, w, idx)
+
+
+def test_bad_indices_give_nan_rows():
+    e = 3
+    x, w, _ = _case(12, e, 16, 32, 3, 2, jnp.float32)
+    idx = jnp.array([[0, -1], [3, 2], [2**31 - 1, -2**31]], jnp.int32)
+    y = jax.jit(jq.gather_matmul)(x, w, idx)
+    _check_oracle(y, x, w, idx)
+    # any integer dtype: a uint8 255 is a bad id, not expert 255 % E
+    y8 = jax.jit(jq.gather_matmul)(x, w, jnp.array([[0, 255], [2, 1], [1, 0]], jnp.uint8))
+    assert np.all(np.isnan(np.asarray(y8)[0, 1])) and np.all(np.isfinite(np.asarray(y8)[1:]))
+
+
+def test_vmap_jit_and_grad():
+    x, w, _ = _case(13, 4, 16, 32, 3, 2, jnp.float32)
+    xb = jnp.stack([x, 2 * x])
+    idx = jnp.array([[[0, 1], [2, 3], [1, 1]], [[3, 3], [0, 2], [2, 0]]])
+    y = jax.jit(jax.vmap(jq.gather_matmul, in_axes=(0, None, 0)))(xb, w, idx)
+    for b in range(2):
+        np.testing.assert_array_equal(y[b], jq.gather_matmul(xb[b], w, idx[b]))
+    # a batch of weights (off the kernels: vmap of the reference)
+    wb = jnp.stack([w, -w])
+    yw = jax.vmap(jq.gather_matmul, in_axes=(None, 0, None))(x, wb, idx[0])
+    np.testing.assert_allclose(yw[1], jq.gather_matmul(x, -w, idx[0]), rtol=1e-5, atol=1e-5)
+    # gradients with respect to x and w: those of the gather + einsum
+    loss = lambda f: (lambda x, w: jnp.sum(f(x, w, idx[0]) ** 2))
+    got = jax.grad(loss(jq.gather_matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(_xla_gather_einsum), argnums=(0, 1))(x, w)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_name_the_argument():
+    x, w, idx = _case(14, 4, 16, 32, 3, 2, jnp.float32)
+    qw = jq.quantize(w, mode="mxfp4")
+    with pytest.raises(TypeError, match="w must be a float array.*gather_qmm"):
+        jq.gather_matmul(x, qw, idx)
+    with pytest.raises(TypeError, match="qw must be a jaxquant.QuantizedArray.*gather_matmul"):
+        jq.gather_qmm(x, w, idx)
+    with pytest.raises(TypeError, match="w must be float"):
+        jq.gather_matmul(x, w.astype(jnp.int32), idx)
+    with pytest.raises(ValueError, match=r"w must be \[E, N, K\]"):
+        jq.gather_matmul(x, w[0], idx)
+    with pytest.raises(TypeError, match="x must be float"):
+        jq.gather_matmul(x.astype(jnp.int8), w, idx)
+    with pytest.raises(TypeError, match="indices must be an integer array"):
+        jq.gather_matmul(x, w, idx.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"indices must be \[T, k\]"):
+        jq.gather_matmul(x, w, idx[0])
+    with pytest.raises(ValueError, match="x must be"):
+        jq.gather_matmul(x[:, :16], w, idx)
+    with pytest.raises(ValueError, match="x must be"):
+        jq.gather_matmul(x[:2], w, idx)
+    with pytest.raises(TypeError, match="transpose"):
+        jq.gather_matmul(x, w, idx, transpose="yes")
+
+
+# ---------------------------------------------------------------------------
+# The Pallas kernel, interpret mode (interpret configs: 16-row blocks, 32-element K steps,
+# so the shapes below have masked row blocks and masked K tails).
+
+KERNEL_SHAPES = [(5, 40, 90, 3, 2), (3, 33, 100, 2, 3), (32, 48, 2880 // 16, 1, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_pallas_kernel_matches_reference(shape, dtype):
+    i = KERNEL_SHAPES.index(shape)
+    x, w, idx = _case(20 + i, *shape, dtype, per_slot=i == 1, bad=i == 0)
+    y = _run(functools.partial(moe.gather_matmul, interpret=True), x, w, idx)
+    assert y.shape == idx.shape + (shape[1],) and y.dtype == dtype
+    _check_oracle(y, x, w, idx)
+    _assert_same_sums(y, jax.jit(jq.gather_matmul)(x, w, idx), x, w, idx)
+
+
+def test_pallas_bad_ids_read_expert_zero_in_bounds():
+    """The kernel addresses expert e's rows as e*N + n in an [E*N, K] view: a bad id
+    read unguarded would shift row blocks past row 0 (interpret mode clamps or pads an
+    out-of-range window). Its raw rows must equal expert 0's, bit for bit."""
+    x, w, _ = _case(30, 4, 40, 70, 3, 2, jnp.float32)
+    idx = jnp.array([[-1, 2], [4, 0], [13, -2**31]], jnp.int32)
+    y = np.asarray(_run(functools.partial(moe.gather_matmul, interpret=True), x, w, idx))
+    _check_oracle(y, x, w, idx)
+    cfg = configs.select_float_gemv("interpret", 40, 6)
+    raw = _run(lambda x, w, ids: moe.gather_gemv_float(x, w, ids, cfg, interpret=True,
+                                                        x_div=2), x, w, moe._slot_ids(idx, 4))
+    zero = _run(lambda x, w, ids: moe.gather_gemv_float(x, w, ids, cfg, interpret=True,
+                                                         x_div=2), x, w, jnp.zeros(6, jnp.int32))
+    bad = ~((np.asarray(idx) >= 0) & (np.asarray(idx) < 4)).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(raw)[bad], np.asarray(zero)[bad])
+
+
+def test_pallas_other_blocks_and_any_config():
+    x, w, idx = _case(31, 3, 50, 130, 2, 2, jnp.bfloat16)
+    ref = jax.jit(jq.gather_matmul)(x, w, idx)
+    for cfg in (configs.FloatGemvConfig(block_n=8, block_k=16),
+                configs.FloatGemvConfig(block_n=64, block_k=256)):   # blocks past N and K
+        y = _run(functools.partial(moe.gather_matmul, interpret=True, config=cfg), x, w, idx)
+        _assert_same_sums(y, ref, x, w, idx)
+
+
+def test_float_gemv_block_choice():
+    pick = lambda n, slots: configs.select_float_gemv("cuda", n, slots).block_n
+    base = configs.FLOAT_GEMV_CONFIGS["cuda"]
+    assert pick(5760, 4) == base.block_n           # gpt-oss gate_up, T=1: 720 programs
+    assert pick(2880, 4) == base.block_n // 2      # down: halved until >= 4 per H100 SM
+    assert pick(100, 1) == base.min_block_n        # never below the minimum
+    assert pick(2880, 32) == base.block_n          # T=8: enough programs already
+
+
+def test_supports_and_registration():
+    sd = jax.ShapeDtypeStruct
+    x, w, idx = sd((2, 64), jnp.bfloat16), sd((4, 40, 64), jnp.bfloat16), sd((2, 3), jnp.int32)
+    assert moe.supports_gather_matmul(x, w, idx, transpose=True)
+    assert moe.supports_gather_matmul(sd((2, 3, 64), jnp.float32), w, idx, transpose=True)
+    assert not moe.supports_gather_matmul(x, w, idx, transpose=False)
+    assert not moe.supports_gather_matmul(sd((2, 64), jnp.float64), w, idx, transpose=True)
+    assert not moe.supports_gather_matmul(x, sd((40, 64), jnp.bfloat16), idx, transpose=True)
+    assert not moe.supports_gather_matmul(sd((2, 32), jnp.bfloat16), w, idx, transpose=True)
+    # slots run on the first grid axis (no 65535 limit); N blocks on the second
+    assert moe.supports_gather_matmul(sd((70000, 64), jnp.bfloat16), w,
+                                      sd((70000, 1), jnp.int32), transpose=True)
+    assert not moe.supports_gather_matmul(x, sd((1, 65536 * 8, 64), jnp.bfloat16), idx,
+                                          transpose=True)
+    with pytest.raises(ValueError, match="no kernel"):
+        moe.gather_matmul(jnp.ones((2, 64)), jnp.ones((4, 40, 64)), jnp.zeros((2, 3), int),
+                          transpose=False)
+    from jaxquant import dispatch
+    kernels = [k for k in dispatch._KERNELS.get("gather_matmul", ()) if k.backend == "pallas"]
+    assert sorted(p for k in kernels for p in k.platforms) == ["cuda", "rocm"]
+    assert all(k.auto is None for k in kernels)    # automatic wherever it applies
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_gpu_lowering_runs_the_kernel_without_a_weight_gather(platform):
+    """jq.gather_matmul lowered for a GPU (on this CPU machine): one Triton kernel, and no
+    XLA gather of the experts' weights."""
+    from jaxquant.tools import compile_check as cc
+    sd = jax.ShapeDtypeStruct
+    args = sd((1, 2880), jnp.bfloat16), sd((32, 5760, 2880), jnp.bfloat16), sd((1, 4), jnp.int32)
+    text = jax.jit(jq.gather_matmul).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.gather" not in text and "dot_general" not in text
+    kernels = cc.triton_kernels(jq.gather_matmul, *args, platform=platform)
+    assert [k.name for k in kernels] == ["jq_gather_matmul_bfloat16"]
