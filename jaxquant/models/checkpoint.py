@@ -287,7 +287,7 @@ def _load_sharded(cfg, tensors, quant, mesh, *, lm_head, layout, fuse, per_layer
     for i in range(cfg.num_layers):
         p = _layer(cfg, tensors, quant, i, fuse and not parts, matrix)
         p = prepack_params({"layers": (p,)}, layout)["layers"][0]
-        layers.append(parallel._put(mesh, p, parallel.layer_specs(p, mesh)))
+        layers.append(parallel.put_sharded(mesh, p, parallel.layer_specs(p, mesh)))
     params = {"layers": tuple(layers),
               "embed": quant.matrix(tensors, "model.embed_tokens"),
               "final_norm": quant.float(tensors["model.norm.weight"])}
@@ -308,7 +308,7 @@ def _float_from_slices(tensors, name, mesh, spec, dtype):
     from jaxquant.models import parallel  # noqa: PLC0415
 
     shape = tensors.shape(name)
-    sharding = NamedSharding(mesh, parallel._spec(mesh, jax.ShapeDtypeStruct(shape, dtype), spec))
+    sharding = NamedSharding(mesh, parallel.named_spec(mesh, jax.ShapeDtypeStruct(shape, dtype), spec))
     return jax.make_array_from_callback(
         shape, sharding, lambda index: np.asarray(tensors.part(name, index), dtype))
 

@@ -492,30 +492,31 @@ def init_params(cfg: Config, key, dtype=None, *, per_layer: bool | None = None):
     per_layer = default_per_layer() if per_layer is None else per_layer
     k_layers, k_embed, k_head = jax.random.split(key, 3)
     layer_keys = jax.random.split(k_layers, cfg.num_layers)
-    one = functools.partial(_init_layer, cfg, dtype)
+    one = functools.partial(init_layer, cfg, dtype)
     layers = tuple(one(k) for k in layer_keys) if per_layer else jax.vmap(one)(layer_keys)
     d = cfg.hidden_size
-    params = {"embed": _normal(k_embed, (cfg.vocab_size, d), dtype, fan_in=1), "layers": layers,
+    params = {"embed": normal_init(k_embed, (cfg.vocab_size, d), dtype, fan_in=1), "layers": layers,
               "final_norm": jnp.ones((d,), dtype)}
     if not cfg.tie_embeddings:
-        params["lm_head"] = _normal(k_head, (cfg.vocab_size, d), dtype)
+        params["lm_head"] = normal_init(k_head, (cfg.vocab_size, d), dtype)
     return params
 
 
-def _normal(key, shape, dtype, fan_in=None):
+def normal_init(key, shape, dtype, fan_in=None):
+    """Random normal weights scaled by fan_in ** -0.5 (default: the last dim)."""
     # drawn in `dtype` itself: no float32 copy of a 20B-parameter model
     fan_in = fan_in or shape[-1]
     return jax.random.normal(key, shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
 
 
-def _init_layer(cfg: Config, dtype, key):
+def init_layer(cfg: Config, dtype, key):
     """One layer's random weights."""
     D, hd = cfg.hidden_size, cfg.head_dim
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     keys = iter(jax.random.split(key, 16))
 
     def w(*shape, fan_in=None):
-        return _normal(next(keys), shape, dtype, fan_in)
+        return normal_init(next(keys), shape, dtype, fan_in)
 
     p = {"attn_norm": jnp.ones((D,), dtype), "mlp_norm": jnp.ones((D,), dtype),
          "wqkv": w((hq + 2 * hkv) * hd, D), "wo": w(D, hq * hd)}

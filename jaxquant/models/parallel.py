@@ -69,28 +69,30 @@ def _fits(mesh, shape, spec, units=None):
     return tuple(out)
 
 
-def _spec(mesh, a, spec):
+def named_spec(mesh, a, spec):
+    """The PartitionSpec of `spec` for array (or shape) a on mesh: padded to a's rank,
+    axes that do not divide a's dims dropped."""
     shape = tuple(a.shape) if hasattr(a, "shape") else np.shape(a)  # arrays or their shapes
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
     return P(*_fits(mesh, shape, spec))
 
 
 def _place(mesh, a, spec):
-    return jax.device_put(a, NamedSharding(mesh, _spec(mesh, a, spec)))
+    return jax.device_put(a, NamedSharding(mesh, named_spec(mesh, a, spec)))
 
 
 def matrix_specs(mesh, w, spec):
     """The PartitionSpec (a QuantizedArray: one per array, as a QuantizedArray of
     them) each of w's arrays gets on `mesh` for the logical spec of w (SPECS)."""
     if not isinstance(w, QuantizedArray):
-        return _spec(mesh, w, spec)
+        return named_spec(mesh, w, spec)
     groups = w.shape[-1] // w.group_size
     spec = _fits(mesh, w.shape, spec, units=groups)
     lead = len(spec) - 2
-    children = [None if c is None else _spec(mesh, c, spec)
+    children = [None if c is None else named_spec(mesh, c, spec)
                 for c in (w.data, w.scales, w.biases)]
     gs = w.global_scale
-    children.append(None if gs is None else _spec(mesh, gs, spec[:min(len(gs.shape), lead)]))
+    children.append(None if gs is None else named_spec(mesh, gs, spec[:min(len(gs.shape), lead)]))
     return QuantizedArray.tree_unflatten(w.tree_flatten()[1], children)
 
 
@@ -99,7 +101,7 @@ def _is_spec(x):
 
 
 def _place_matrix(mesh, w, spec):
-    return _put(mesh, w, matrix_specs(mesh, w, spec))
+    return put_sharded(mesh, w, matrix_specs(mesh, w, spec))
 
 
 def layer_specs(p: dict, mesh: Mesh) -> dict:
@@ -114,7 +116,7 @@ def shard_params(cfg: Config, params, mesh: Mesh):
         params = unfuse_params(cfg, params)
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):  # separate per-layer buffers: no layer axis
-        layers = tuple(_put(mesh, p, layer_specs(p, mesh)) for p in layers)
+        layers = tuple(put_sharded(mesh, p, layer_specs(p, mesh)) for p in layers)
     else:
         layers = {k: _place_matrix(mesh, v, SPECS.get(k, ())) for k, v in layers.items()}
     out = {k: _place_matrix(mesh, v, (TP, None) if k == "lm_head" else ())
@@ -123,7 +125,7 @@ def shard_params(cfg: Config, params, mesh: Mesh):
     return out
 
 
-def _put(mesh, tree, specs):
+def put_sharded(mesh, tree, specs):
     """tree's arrays placed by the matching specs (a pytree prefix of PartitionSpecs)."""
     return jax.tree_util.tree_map(lambda s, a: jax.device_put(a, NamedSharding(mesh, s)),
                                   specs, tree, is_leaf=_is_spec)
@@ -202,7 +204,7 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
     split = mesh.shape[TP] > 1
 
     def make_layer(k):
-        p = decoder._init_layer(cfg, dtype, k)
+        p = decoder.init_layer(cfg, dtype, k)
         if split:
             p = unfuse_params(cfg, {"layers": (p,)})["layers"][0]
         if kw is not None:
@@ -222,11 +224,11 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
     params = {"layers": layers, "final_norm": _place(mesh, jnp.ones((cfg.hidden_size,), dtype),
                                                      ())}
     d = cfg.hidden_size
-    params["embed"] = sharded(lambda k: decoder._normal(k, (cfg.vocab_size, d), dtype, fan_in=1),
+    params["embed"] = sharded(lambda k: decoder.normal_init(k, (cfg.vocab_size, d), dtype, fan_in=1),
                               lambda s: P(), k_embed)(k_embed)
     if not cfg.tie_embeddings:
         def head(k):
-            w = decoder._normal(k, (cfg.vocab_size, d), dtype)
+            w = decoder.normal_init(k, (cfg.vocab_size, d), dtype)
             w = w if kw is None else jq.quantize(w, **kw)
             return decoder.prepack_params({"layers": (), "lm_head": w}, layout)["lm_head"]
         params["lm_head"] = sharded(head, lambda s: matrix_specs(mesh, s, (TP, None)),
