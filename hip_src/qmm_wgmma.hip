@@ -3,8 +3,9 @@
 // architecture list), so the handler checks the device before it launches.
 // Compiled once per launcher (JQ_WGMMA_PART = 1..4: affine bf16, float bf16, affine
 // f16, float f16; part 1 also holds wgmma_usable and x_tensor_map), as the GEMV files
-// are per JQ_MMA_PART: the whole file was the build's longest compile (139 s of one
-// core for sm_90a, against 35 s per part). Without JQ_WGMMA_PART it defines all.
+// are per JQ_MMA_PART: the whole file was the build's longest compile (139 s on the
+// 2-core machine under load, sm_90a; the parts 55, 22, 50 and 19 s, also under load).
+// Without JQ_WGMMA_PART it defines all.
 #include <stdlib.h>
 #include <string.h>
 
