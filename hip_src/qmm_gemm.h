@@ -463,37 +463,27 @@ struct DequantMmaLaunch {
   }
 };
 
-#define JQ_GEMM_DECLARE(DT)                                                             \
-  hipError_t launch_qmm_gemm_affine_##DT(const GemmProblem& pr, hipStream_t stream);    \
-  hipError_t launch_qmm_gemm_float_##DT(const GemmProblem& pr, hipStream_t stream);     \
-  inline hipError_t launch_qmm_gemm_##DT(const GemmProblem& pr, hipStream_t stream) {   \
-    return pr.q.fmt == kAffine ? launch_qmm_gemm_affine_##DT(pr, stream)                \
-                               : launch_qmm_gemm_float_##DT(pr, stream);               \
-  }                                                                                     \
-  hipError_t launch_dequant_mma_affine_##DT(const GemmProblem& pr, hipStream_t stream); \
-  hipError_t launch_dequant_mma_float_##DT(const GemmProblem& pr, hipStream_t stream);  \
-  inline hipError_t launch_dequant_mma_##DT(const GemmProblem& pr, hipStream_t stream) { \
-    return pr.q.fmt == kAffine ? launch_dequant_mma_affine_##DT(pr, stream)             \
-                               : launch_dequant_mma_float_##DT(pr, stream);            \
+// A launcher per format family (affine, float: separate translation units, built in
+// parallel) and the one that picks between them: NAME_DT -> NAME_affine_DT / NAME_float_DT.
+#define JQ_FAMILY_LAUNCHERS(NAME, DT)                                               \
+  hipError_t NAME##_affine_##DT(const GemmProblem& pr, hipStream_t stream);         \
+  hipError_t NAME##_float_##DT(const GemmProblem& pr, hipStream_t stream);          \
+  inline hipError_t NAME##_##DT(const GemmProblem& pr, hipStream_t stream) {        \
+    return pr.q.fmt == kAffine ? NAME##_affine_##DT(pr, stream)                     \
+                               : NAME##_float_##DT(pr, stream);                    \
   }
-JQ_GEMM_DECLARE(bf16)
-JQ_GEMM_DECLARE(f16)
-#undef JQ_GEMM_DECLARE
+JQ_FAMILY_LAUNCHERS(launch_qmm_gemm, bf16)
+JQ_FAMILY_LAUNCHERS(launch_qmm_gemm, f16)
+JQ_FAMILY_LAUNCHERS(launch_dequant_mma, bf16)
+JQ_FAMILY_LAUNCHERS(launch_dequant_mma, f16)
 
 // The Hopper GEMM (qmm_wgmma.h, built for sm_90a in qmm_wgmma.hip): whether it can
 // run on the current device (compute capability 9.0 and the library holds its
 // code; $JAXQUANT_GEMM_KERNEL=mma turns it off), and its launches.
 bool wgmma_usable();
-#define JQ_WGMMA_DECLARE(DT)                                                              \
-  hipError_t launch_qmm_wgmma_affine_##DT(const GemmProblem& pr, hipStream_t stream);      \
-  hipError_t launch_qmm_wgmma_float_##DT(const GemmProblem& pr, hipStream_t stream);       \
-  inline hipError_t launch_qmm_wgmma_##DT(const GemmProblem& pr, hipStream_t stream) {     \
-    return pr.q.fmt == kAffine ? launch_qmm_wgmma_affine_##DT(pr, stream)                  \
-                               : launch_qmm_wgmma_float_##DT(pr, stream);                 \
-  }
-JQ_WGMMA_DECLARE(bf16)
-JQ_WGMMA_DECLARE(f16)
-#undef JQ_WGMMA_DECLARE
+JQ_FAMILY_LAUNCHERS(launch_qmm_wgmma, bf16)
+JQ_FAMILY_LAUNCHERS(launch_qmm_wgmma, f16)
+#undef JQ_FAMILY_LAUNCHERS
 
 // The GEMM's plan, for P with q, tiles, full_tiles, chunks and group_sizes set: the
 // kernel (wgmma where usable, else mma.sync), its rows of x per block and grid rows.
