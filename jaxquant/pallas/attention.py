@@ -118,9 +118,9 @@ def supports(q, k_cache, v_cache, positions, window, sinks, layer=None, *, platf
     ShapedArrays). float64 anywhere, empty shapes, heads wider than 256, more query
     heads per kv head than a program's rows, or more than MAX_T query rows (prefill,
     which the reference serves) -> no (the reference runs). Within MAX_T the kernel
-    stays within 2 bf16 ulps of the float64 oracle, as the reference does (H100:
-    2.0 ulps at 16 gpt-oss rows from position 0, P rounded to bf16 for the
-    tensor-core P @ V)."""
+    stayed within 1 bf16 ulp of the float64 oracle on an H100 except at 16 gpt-oss
+    rows from position 0 (2.0 ulps: P is rounded to bf16 for the tensor-core P @ V,
+    and a query seeing few keys does not average that out); the test allows 3."""
     try:
         if any(a is not None and jnp.dtype(a.dtype) not in X_DTYPES
                for a in (q, k_cache, v_cache, sinks)):
