@@ -57,10 +57,18 @@ CUDA_ARCHS = ["80", "90"]
 # build the default variants only (all variants take about twice the defaults' time).
 ALL_QMV_CONFIG_ARCHS = ["gfx942"]
 QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
-# Relative compile cost of a job (longest first: the parallel jobs finish together).
-_COST = {"qmv_float.hip": 4, "qmv_affine.hip": 3, "gpu_ffi.hip": 1, "dequant.hip": 1,
-         "norms.hip": 0, "qmm_wgmma.hip": 10}
-_COST_MMA = 10  # each qmv_mma_<family>_<dtype>.hip (CUDA only)
+# Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, ptxas -O0;
+# ROCm: one arch, default GEMV variants): the jobs start longest first, so that the
+# parallel jobs finish together (qmm_wgmma.hip last would leave one core on it alone
+# for about 100 s).
+_SECONDS = {"qmm_wgmma.hip": 135, "qmv_mma_affine_bf16.hip": 54, "qmv_mma_affine_f16.hip": 54,
+            "qmv_mma_fused_affine_bf16.hip": 41, "qmv_mma_fused_affine_f16.hip": 41,
+            "qmv_mma_fused_affine_f32.hip": 43, "qmv_mma_affine_f32.hip": 23,
+            "qmv_mma_float_bf16.hip": 24, "qmv_mma_float_f16.hip": 24,
+            "qmv_mma_float_f32.hip": 11, "qmv_mma_fused_float_bf16.hip": 17,
+            "qmv_mma_fused_float_f16.hip": 18, "qmv_mma_fused_float_f32.hip": 19,
+            "qmv_float.hip": 8, "qmv_affine.hip": 6, "qmv_mma.hip": 6, "gpu_ffi.hip": 3,
+            "dequant.hip": 1.5, "cdna4_qmm.hip": 1, "norms.hip": 0.7}
 
 
 def ffi_include() -> str:
@@ -86,7 +94,7 @@ def hip_headers_present() -> bool:
         os.environ.get("ROCM_PATH"))
 
 
-def _run(cmd, timeout=600):
+def run(cmd, timeout=600):
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return p.returncode, (p.stdout + p.stderr).strip(), time.time() - t
@@ -111,12 +119,12 @@ def rocm_jobs(clang, archs, out_dir, all_qmv_configs=()):
     return jobs
 
 
-def _job_cost(job):
+def job_seconds(job):
+    """The job's expected seconds (_SECONDS; every GEMV variant: about twice the defaults)."""
     name, cmd = job
     arch, f = name.split(":", 1)
     every = f in QMV_FILES and "-DJQ_QMV_DEFAULT_CONFIGS_ONLY" not in cmd
-    cost = _COST.get(f, _COST_MMA if f.startswith("qmv_mma_") else 1)
-    return cost * (2 if every else 1) + (2 if arch == "host" else 0)
+    return _SECONDS.get(f, 10) * (2 if every else 1) + (2 if arch == "host" else 0)
 
 
 def qmv_launch_variants() -> list[str]:
@@ -162,7 +170,7 @@ def _probe(clang, arch):
         f.write("__attribute__((global)) void k() {}\n")
         name = f.name
     try:
-        return _run([clang, "-x", "hip", "-nogpuinc", "-nogpulib", f"--offload-arch={arch}",
+        return run([clang, "-x", "hip", "-nogpuinc", "-nogpulib", f"--offload-arch={arch}",
                      "--offload-device-only", "-S", "-emit-llvm", "-o", os.devnull, name],
                     timeout=60)
     finally:
@@ -202,7 +210,7 @@ def main(argv=None):
             summary["all_qmv_configs"] = every
             summary["qmv_launch_variants"] = qmv_launch_variants()
             jobs = rocm_jobs(clang, archs, out_dir, every)
-            jobs.sort(key=_job_cost, reverse=True)
+            jobs.sort(key=job_seconds, reverse=True)
         else:
             nvcc = shutil.which(os.environ.get("JQ_NVCC", "nvcc"))
             if nvcc is None:
@@ -210,10 +218,10 @@ def main(argv=None):
                 print(json.dumps(summary))
                 return 0
             jobs = cuda_jobs(nvcc, args.arch or CUDA_ARCHS, out_dir, args.ptxas_opt)
-            jobs.sort(key=_job_cost, reverse=True)
+            jobs.sort(key=job_seconds, reverse=True)
         t0 = time.time()
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-            futs = {ex.submit(_run, cmd): name for name, cmd in jobs}
+            futs = {ex.submit(run, cmd): name for name, cmd in jobs}
             for fut in concurrent.futures.as_completed(futs):
                 name = futs[fut]
                 code, out, dt = fut.result()

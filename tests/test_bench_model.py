@@ -41,6 +41,7 @@ def _tables(lines):
     return out
 
 
+@pytest.mark.slow
 def test_table_on_cpu_with_the_peer(monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.setattr(harness, "copy_bandwidth", lambda *a, **k: pytest.fail("timed on CPU"))
@@ -144,6 +145,7 @@ def test_peer_refuses_what_it_does_not_build():
         torch_peer.Peer(demo.preset("tiny"), {})
 
 
+@pytest.mark.slow
 def test_profile_of_a_cpu_decode(tmp_path):
     cfg = demo.preset("tiny", "float32")
     params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4")
@@ -231,6 +233,7 @@ def test_profile_classes_name_the_models_functions():
     assert {"route", "moe_mlp", "expert_gather", "expert_ragged"} <= defined
 
 
+@pytest.mark.slow
 def test_mesh_and_xla_flags_variants_in_a_subprocess():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -253,6 +256,7 @@ def test_mesh_and_xla_flags_variants_in_a_subprocess():
     assert float(vrows[0]["decode tok/s"]) > 0 and vrows[0]["vs this process"].endswith("x")
 
 
+@pytest.mark.slow
 def test_sharded_init_on_an_expert_parallel_mesh_in_a_subprocess():
     """--init sharded (parallel.init_params: no host copy) with --mesh 1x2 on a MoE
     config: a row per mode on one device and on the mesh; the mesh's bf16 logits those

@@ -182,6 +182,7 @@ def test_applies_only_to_the_cdna4_layout_on_gfx950(monkeypatch):
     assert not _cdna4.qmm_applies(x, packed, **kw)  # another GPU: the reference
 
 
+@pytest.mark.slow
 @pytest.mark.toolchain
 def test_gfx950_compile_has_the_scaled_mfma():
     sys.path.insert(0, str(ROOT / "scripts"))

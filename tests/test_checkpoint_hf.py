@@ -146,6 +146,7 @@ QUANT_CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(QUANT_CONFIGS))
 def test_quantized_checkpoint_decodes_like_its_float_model(tmp_path, kind):
     quant_config, pack = QUANT_CONFIGS[kind]

@@ -66,6 +66,7 @@ def test_fence_extraction(tmp_path):
     assert python_blocks(path) == [(2, "a = 1\n"), (8, "b = 2\n")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,code", BLOCKS, ids=[where for where, _ in BLOCKS])
 def test_docs_python_block_runs(where, code):
     missing = missing_optional(code)

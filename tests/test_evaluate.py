@@ -60,6 +60,7 @@ def test_numbers_match_float64_oracle(ckpt):
     assert got["mxfp4"]["kl"] > 0
 
 
+@pytest.mark.slow
 def test_cli_prints_a_row_per_mode(ckpt, capsys):
     assert evaluate.main(["--checkpoint", str(ckpt), "--modes", "affine8,mxfp4",
                           "--context", "32", "--dtype", "float32"]) == 0

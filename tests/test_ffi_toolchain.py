@@ -32,6 +32,7 @@ def _run(target, *args):
     return p.returncode, summary, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ncc.find_clang() is None or not ncc.hip_headers_present(),
                     reason="no clang++ with the HIP headers: run scripts/install_hip_toolchain.sh "
                            "(clang-19, lld-19, libamdhip64-dev)")
@@ -66,26 +67,48 @@ def _check_qmv_variants(summary):
 
 
 NVCC = shutil.which("nvcc") or (shutil.which("/usr/local/bin/nvcc"))
+# Every CUDA source, longest compile first (one test each: pytest-xdist spreads them
+# over the cores, and no single test holds a worker for minutes).
+CUDA_SOURCES = sorted(ncc.HIP_FILES + ncc.CUDA_ONLY_FILES + ncc.SM90A_FILES,
+                      key=lambda f: -ncc.job_seconds((f"cuda:{f}", [])))
+
+
+def _cuda_library():
+    return jf.libraries()["cuda"].path
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 def test_cuda_library_compiled():
     """Where this install built libjaxquant_cuda.so (nvcc and an NVIDIA GPU at build
-    time, or JAXQUANT_ENABLE_CUDA=ON): check it has every handler. Elsewhere (CI, a
-    machine without a GPU) compile every CUDA source here for sm_90 (qmm_wgmma.hip:
-    sm_90a), ptxas at -O0: the architecture the kernels are measured on, at about a
-    third of the library build's CPU time (docs/building.md; sm_80 differs by two
-    `__CUDA_ARCH__ >= 900` guards: `scripts/native_compile_check.py cuda` checks it)."""
-    lib = jf.libraries()["cuda"]
-    if lib.path is not None:
-        handle = ctypes.CDLL(str(lib.path))
-        assert handle.jq_abi_version() == jf._loader.ABI_VERSION
-        targets, format_ids = jf._loader.describe(handle)
-        assert set(jf.libraries()["cpu"].targets) <= set(targets), targets
-        assert format_ids == jf.FORMAT_IDS
-        for target in targets:
-            assert hasattr(handle, "jq_gpu_" + target), target
-        return
-    rc, summary, log = _run("cuda", "--arch", "90")
-    want = ncc.HIP_FILES + ncc.CUDA_ONLY_FILES + ncc.SM90A_FILES
-    assert rc == 0 and len(summary["ok"]) == len(want), log[-6000:]
+    time, or JAXQUANT_ENABLE_CUDA=ON): it has every handler. Elsewhere (CI, a machine
+    without a GPU) test_cuda_source_compiles checks every source instead."""
+    path = _cuda_library()
+    if path is None:
+        pytest.skip("this install built no libjaxquant_cuda.so (no GPU at build time): "
+                    "test_cuda_source_compiles compile-checks every CUDA source instead")
+    handle = ctypes.CDLL(str(path))
+    assert handle.jq_abi_version() == jf._loader.ABI_VERSION
+    targets, format_ids = jf._loader.describe(handle)
+    assert set(jf.libraries()["cpu"].targets) <= set(targets), targets
+    assert format_ids == jf.FORMAT_IDS
+    for target in targets:
+        assert hasattr(handle, "jq_gpu_" + target), target
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("source", CUDA_SOURCES)
+def test_cuda_source_compiles(source, tmp_path):
+    """Without the CUDA library (CI, a machine without a GPU): `source` compiles for
+    sm_90 (qmm_wgmma.hip: sm_90a) with ptxas at -O0: the architecture the kernels
+    are measured on, at about a third of the library build's CPU time
+    (docs/building.md; sm_80 differs by two `__CUDA_ARCH__ >= 900` guards:
+    `scripts/native_compile_check.py cuda` checks it). Where the library was built,
+    its build compiled every source (test_cuda_library_compiled checks it)."""
+    if _cuda_library() is not None:
+        pytest.skip("this install built libjaxquant_cuda.so from every CUDA source "
+                    "(test_cuda_library_compiled checks its handlers)")
+    (cmd,) = [cmd for name, cmd in ncc.cuda_jobs(NVCC, ["90"], tmp_path)
+              if name == f"cuda:{source}"]
+    code, out, _ = ncc.run(cmd, timeout=900)
+    assert code == 0, out[-6000:]

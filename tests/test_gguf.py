@@ -404,6 +404,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_file_decodes_like_its_float_model(tmp_path, case):
     arch, cfg, qtypes = CASES[case]

@@ -132,6 +132,7 @@ def _demo_rows(stdout):
     return rows
 
 
+@pytest.mark.slow
 def test_demo_smoke():
     """The default command on the tiny preset: one row per mode with positive
     tokens/s, quantized weights smaller than bf16's, a finite logit difference."""
@@ -163,6 +164,7 @@ def test_demo_smoke():
     assert rel(rows["affine8"], top1) >= rel(rows["mxfp4"], top1) > 0
 
 
+@pytest.mark.slow
 def test_demo_reports_a_failing_mode_and_goes_on():
     """One mode failing (here: nvfp4 quantization made to raise) prints FAILED for
     it, the table for the others, and exits 1."""

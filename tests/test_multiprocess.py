@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +40,7 @@ def _launch(nproc):
     return outs
 
 
+@pytest.mark.slow
 def test_two_processes_decode_like_one():
     (one,) = _launch(1)
     two = _launch(2)

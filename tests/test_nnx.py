@@ -90,6 +90,7 @@ def test_mlp_matches_dequantized_float_model(mode, kw):
     assert 0 < rel < 0.25
 
 
+@pytest.mark.slow
 def test_transformer_block_under_nnx_jit_and_split_merge():
     model = Block(64, 4, 128, nnx.Rngs(0))
     x = _x((2, 7, 64))

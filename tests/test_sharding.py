@@ -13,6 +13,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One work unit under pytest-xdist's `--dist loadgroup` (CI): the module fixture's
+# subprocess (about 80 s of a core) then runs once, not once per worker.
+pytestmark = [pytest.mark.xdist_group("sharding"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
