@@ -490,6 +490,25 @@ def test_quantize_matches_mlx(dtype, mode, kw):
 
 @needs_mlx
 @pytest.mark.parametrize("dtype", list(MX_DTYPES))
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
+def test_mx_scale_next_to_powers_of_two_matches_mlx(dtype, mode):
+    """Blocks whose largest magnitude lies within 2% of max_value * 2**e, e from -30 to
+    7: MLX divides by max_value in w's dtype (float16: the quotient can round to a power
+    of two, be subnormal or round to 0), jq.mlx the same."""
+    rng = np.random.default_rng(11)
+    maxv = 448.0 if mode == "mxfp8" else 6.0
+    n = 4000
+    amax = maxv * 2.0 ** rng.integers(-30, 8, n) * (1 + rng.uniform(-0.02, 0.02, n))
+    w = rng.uniform(-1, 1, (n, 32)) * amax[:, None]
+    w[:, 0] = amax
+    w = w.astype(MX_DTYPES[dtype])
+    w = w[np.abs(w.astype(F32)).max(1) < np.inf]  # non-finite blocks differ on purpose
+    for a, b in zip(jqm.quantize(w, mode=mode), mx.quantize(to_mx(w), mode=mode)):
+        assert_bits_equal(a, from_mx(b))
+
+
+@needs_mlx
+@pytest.mark.parametrize("dtype", list(MX_DTYPES))
 @pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4", "affine"])
 def test_dequantize_matches_mlx(dtype, mode):
     w = mlx_test_weights(MX_DTYPES[dtype], mode)
@@ -603,8 +622,27 @@ def test_mlx_reads_jaxquant_nvfp4_with_global_scale():
     m = np.asarray(qw.global_scale, F32)
     s = np.asarray(scales).view(E4M3).astype(F32)
     e = E2M1[unpack(w_q, 4)].astype(F32).reshape(16, 4, 16)
-    assert_bits_equal(theirs, (e * (s * m)[..., None]).reshape(16, 64))
+    # MLX multiplies by g / 2688 of the g it is given. Not every float32 multiplier m
+    # is such a quotient (g / 2688 steps over some: 9 of 600 random draws here), so
+    # to_mlx gives the g whose quotient is m where one exists, else the nearest.
+    mlx_m = F32(np.asarray(g, F32) / F32(2688))
+    assert abs(mlx_m - m) <= np.spacing(m)
+    assert_bits_equal(theirs, (e * (s * mlx_m)[..., None]).reshape(16, 64))
     assert_bits_equal(ours, ((e * s[..., None]) * m).reshape(16, 64))
+
+
+@needs_mlx
+@pytest.mark.parametrize("seed", [264, 400, 1])  # multipliers MLX's g / 2688 can / cannot give
+def test_nvfp4_global_scale_export_is_exact_where_mlx_can_express_it(seed):
+    w = np.random.default_rng(seed).standard_normal((16, 64)).astype(F32)
+    qw = jq.quantize(w, mode="nvfp4")
+    m = np.asarray(qw.global_scale, F32)
+    g = np.asarray(jqm.to_mlx(qw)[2], F32)
+    # every g within 64 float32 steps of m * 2688: is any quotient exactly m?
+    near = np.nextafter(F32(m * F32(2688)), F32(np.inf)) - F32(m * F32(2688))
+    cands = F32(m * F32(2688)) + near * np.arange(-64, 65, dtype=F32)
+    expressible = np.any(cands / F32(2688) == m)
+    assert (F32(g / F32(2688)) == m) == expressible
 
 
 @needs_mlx
