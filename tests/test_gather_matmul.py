@@ -199,7 +199,7 @@ def test_float_gemv_block_choice():
     base = configs.FLOAT_GEMV_CONFIGS["cuda"]
     assert pick(5760, 4) == base.block_n           # gpt-oss gate_up, T=1: 720 programs
     assert pick(2880, 4) == base.block_n // 2      # down: halved until >= 4 per H100 SM
-    assert pick(100, 1) == base.min_block_n        # never below the minimum
+    assert pick(100, 1) == configs.FLOAT_GEMV_MIN_BLOCK_N   # never below the minimum
     assert pick(2880, 32) == base.block_n          # T=8: enough programs already
 
 

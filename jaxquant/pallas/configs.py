@@ -140,9 +140,8 @@ class FloatGemvConfig:
     block_n: int = 32        # weight rows per program; power of two
     block_k: int = 256       # elements of K per loop step (one [block_n, block_k] tile
                              # load: 16-byte loads along K); power of two
-    min_programs: int = 1    # shrink block_n (down to min_block_n, at least
-    min_block_n: int = 8     # FLOAT_GEMV_MIN_BLOCK_N) until the grid has this many
-                             # programs, so that every SM streams weights
+    min_programs: int = 1    # shrink block_n (down to FLOAT_GEMV_MIN_BLOCK_N) until the
+                             # grid has this many programs, so every SM streams weights
     num_warps: int = 4
     num_stages: int = 1      # the K loop prefetches the next tile into registers itself
 
@@ -150,7 +149,7 @@ class FloatGemvConfig:
         return dataclasses.replace(self, **kw)
 
 
-# Not yet tuned on a GPU (scripts/gpu_gather_matmul_bench.py sweeps them): a bf16
+# Not yet tuned on a GPU (scripts/gpu_gather_matmul_sweep.py sweeps them): a bf16
 # [32, 256] tile is 16 KiB per step per program (64 B per thread of 4 warps); at least
 # 4 programs per H100 SM, 2 per MI300X CU. interpret (CPU tests): small blocks, so that
 # test shapes go through several row blocks and K steps with masked tails.
@@ -169,7 +168,7 @@ def select_float_gemv(platform: str, n: int, slots: int) -> FloatGemvConfig:
     """The float expert GEMV's blocks for N rows and `slots` (token, expert) pairs."""
     cfg = FLOAT_GEMV_CONFIGS[platform]
     bn = cfg.block_n
-    while bn > cfg.min_block_n and -(-n // bn) * slots < cfg.min_programs:
+    while bn > FLOAT_GEMV_MIN_BLOCK_N and -(-n // bn) * slots < cfg.min_programs:
         bn //= 2
     return cfg.replace(block_n=bn)
 
