@@ -381,9 +381,10 @@ def _quantize_mlx(w, fmt, group_size, global_scale):
     amax = jnp.max(jnp.abs(wg), axis=-1)
     multiplier = None
     if fmt.scale == "e8m0":
-        scales = formats.encode_e8m0(amax, fmt.element, "rceil")
-        zero = amax == 0
-        if dtype != jnp.float32:
+        if dtype == jnp.float32:
+            scales = formats.encode_e8m0(amax, fmt.element, "rceil")
+            zero = amax == 0
+        else:
             # MLX divides amax by the element's largest value in w's dtype and takes
             # the smallest e with that quotient <= 2**e: in float16 the quotient can
             # round down to a power of two, or to 0 (then 2**0, as for an all-zero
@@ -394,8 +395,8 @@ def _quantize_mlx(w, fmt, group_size, global_scale):
             r = r.astype(dtype).astype(jnp.float32)
             fl, m = formats.log2_parts(jnp.where(r > 0, r, np.float32(1)))
             e = jnp.clip(fl + (m > 1).astype(jnp.int32), -127, 127)
-            scales = jnp.where(jnp.isfinite(amax), (e + 127).astype(jnp.uint8), scales)
-            zero |= r == 0
+            scales = jnp.where(jnp.isfinite(amax), e + 127, 255).astype(jnp.uint8)
+            zero = r == 0
         scales = jnp.where(zero, jnp.uint8(127), scales)  # MLX: an all-zero block has 2**0
         x = ldexp(wg, -(scales.astype(jnp.int32) - 127)[..., None])
     else:
