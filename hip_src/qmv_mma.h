@@ -1112,16 +1112,25 @@ using GemvLaunch = FusedGemvLaunch<kFuseNone>;
 // dtype, n-tiles NT, groups per chunk P (only the group sizes each format allows)
 // and the scales' dtype SDT (uint8 codes, or for float-scale formats bfloat16,
 // half, float32).
+// Float scales (and biases) are read as float32 or in x's own 16-bit dtype, nothing
+// else: jaxquant/ffi/_mma.py converts other scales to float32 (exact) before the call,
+// and a call with others is refused. Serving every pair (bf16 scales with f16 x, 16-bit
+// scales with f32 x) built a third more affine kernels, a sixth of the CUDA build.
+template <int XDT>
+constexpr bool scales_readable(int scale_dt) {
+  return scale_dt == kF32 || (XDT != kF32 && scale_dt == XDT);
+}
+
 template <class L, class C, int XDT, int NT, int P, class Pr>
 static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
   if constexpr (C::kScale != kScaleFloat) {
     return L::template run<C, XDT, NT, P, kU8>(pr, stream);
   } else {
-    switch (pr.q.scale_dt) {
-      case kF32: return L::template run<C, XDT, NT, P, kF32>(pr, stream);
-      case kF16: return L::template run<C, XDT, NT, P, kF16>(pr, stream);
-      default: return L::template run<C, XDT, NT, P, kBF16>(pr, stream);
+    if (pr.q.scale_dt == kF32) return L::template run<C, XDT, NT, P, kF32>(pr, stream);
+    if constexpr (XDT != kF32) {
+      if (pr.q.scale_dt == XDT) return L::template run<C, XDT, NT, P, XDT>(pr, stream);
     }
+    return hipErrorInvalidValue;
   }
 }
 
@@ -1160,13 +1169,15 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
 
 // One kernel a translation unit where CMake builds the library: CMakeLists.txt compiles
 // each qmv_mma_<family>_<dtype>.hip once per launcher it defines (JQ_MMA_PART =
-// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT), so the longest compile, which bounds a
-// parallel build, is one kernel's, not three (affine bf16, sm_90: 54 s of CPU for the
-// GEMV, 18 s the GEMM, 29 s the dequantize; docs/building.md). Without JQ_MMA_PART a
-// file defines all of them (the compile checks, a hand build).
+// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT) and each qmv_mma_fused_<family>_<dtype>.hip
+// once per variant (JQ_MMA_NORM, JQ_MMA_SWIGLU), so the longest compile, which bounds a
+// parallel build, is one kernel's (docs/building.md has the times). Without JQ_MMA_PART
+// a file defines all of them (the compile checks, a hand build).
 #define JQ_MMA_GEMV 1
 #define JQ_MMA_GEMM 2
 #define JQ_MMA_DEQUANT 3
+#define JQ_MMA_NORM 4
+#define JQ_MMA_SWIGLU 5
 #if defined(JQ_MMA_PART)
 #define JQ_MMA_BUILDS(part) (JQ_MMA_PART == (part))
 #else
@@ -1180,28 +1191,31 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
     return pr.q.fmt == kAffine ? launch_qmv_mma_affine_##DT(pr, nt, stream)                   \
                                : launch_qmv_mma_float_##DT(pr, nt, stream);                  \
   }                                                                                           \
-  hipError_t launch_qmv_mma_fused_affine_##DT(const Problem& pr, int nt, int fuse,           \
-                                              hipStream_t stream);                            \
-  hipError_t launch_qmv_mma_fused_float_##DT(const Problem& pr, int nt, int fuse,            \
-                                             hipStream_t stream);                             \
+  hipError_t launch_qmv_mma_norm_affine_##DT(const Problem& pr, int nt, hipStream_t stream);  \
+  hipError_t launch_qmv_mma_norm_float_##DT(const Problem& pr, int nt, hipStream_t stream);   \
+  hipError_t launch_qmv_mma_swiglu_affine_##DT(const Problem& pr, int nt, hipStream_t stream);\
+  hipError_t launch_qmv_mma_swiglu_float_##DT(const Problem& pr, int nt, hipStream_t stream); \
   inline hipError_t launch_qmv_mma_fused_##DT(const Problem& pr, int nt, int fuse,            \
                                               hipStream_t stream) {                           \
-    return pr.q.fmt == kAffine ? launch_qmv_mma_fused_affine_##DT(pr, nt, fuse, stream)       \
-                               : launch_qmv_mma_fused_float_##DT(pr, nt, fuse, stream);      \
+    const bool affine = pr.q.fmt == kAffine;                                                  \
+    if (fuse == kFuseNorm)                                                                    \
+      return affine ? launch_qmv_mma_norm_affine_##DT(pr, nt, stream)                         \
+                    : launch_qmv_mma_norm_float_##DT(pr, nt, stream);                         \
+    return affine ? launch_qmv_mma_swiglu_affine_##DT(pr, nt, stream)                         \
+                  : launch_qmv_mma_swiglu_float_##DT(pr, nt, stream);                         \
   }
 JQ_MMA_DECLARE(bf16)
 JQ_MMA_DECLARE(f16)
 JQ_MMA_DECLARE(f32)
 #undef JQ_MMA_DECLARE
 
-// The body of a fused translation unit (qmv_mma_fused_<family>_<dtype>.hip): the
-// norm and SwiGLU variants of one family and x dtype.
-#define JQ_MMA_FUSED_TU(FAMILY, DT, XDT, FORMATS)                                            \
-  hipError_t launch_qmv_mma_fused_##FAMILY##_##DT(const Problem& pr, int nt, int fuse,      \
-                                                  hipStream_t stream) {                      \
-    return fuse == kFuseNorm                                                                 \
-               ? launch_formats<FusedGemvLaunch<kFuseNorm>, XDT, FORMATS>(pr, nt, stream)    \
-               : launch_formats<FusedGemvLaunch<kFuseSwiglu>, XDT, FORMATS>(pr, nt, stream); \
+// A fused launcher (qmv_mma_fused_<family>_<dtype>.hip defines the norm and the SwiGLU
+// one of its family and x dtype; CMake compiles the file once for each, JQ_MMA_NORM and
+// JQ_MMA_SWIGLU).
+#define JQ_MMA_FUSED_LAUNCHER(KIND, FUSE, FAMILY, DT, XDT, FORMATS)                          \
+  hipError_t launch_qmv_mma_##KIND##_##FAMILY##_##DT(const Problem& pr, int nt,             \
+                                                    hipStream_t stream) {                    \
+    return launch_formats<FusedGemvLaunch<FUSE>, XDT, FORMATS>(pr, nt, stream);              \
   }
 
 

@@ -19,6 +19,19 @@
 
 namespace ffi = xla::ffi;
 
+// Float scales (and biases) must be float32 or x's own 16-bit dtype (for the
+// dequantize: the output's): the kernels are built for those alone (qmv_mma.h,
+// launch_p); jaxquant/ffi/_mma.py converts other scales to float32 before the call.
+[[maybe_unused]] static ffi::Error check_scale_dtype(const jq::QmvProblem& q, const char* x) {
+  static const char* kNames[] = {"float32", "float16", "bfloat16"};
+  if (q.scale_dt == jq::kU8 || q.scale_dt == jq::kF32 ||
+      (q.x_dt != jq::kF32 && q.scale_dt == q.x_dt))
+    return ffi::Error::Success();
+  return jq::invalid(std::string("the cuda_mma kernels read float scales as float32 or as ") +
+                     x + "'s dtype (" + kNames[q.x_dt] + "); got " + kNames[q.scale_dt] +
+                     " scales (convert them to float32: exact)");
+}
+
 // The handler: the operands of jaxquant_qmv (data, scales, biases in the
 // cuda_mma layout, which keeps their canonical shapes), `dedupe` for gather.
 static ffi::Error qmv_mma_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
@@ -39,6 +52,7 @@ static ffi::Error qmv_mma_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
     return jq::invalid("the tensor-core GEMV takes M <= 16 rows per matrix (1 per gather slot); "
                        "got M=" + std::to_string(q.M));
   if (q.S > 65535) return jq::invalid("too many slots for one launch: " + std::to_string(q.S));
+  if (auto e = check_scale_dtype(q, "x"); e.failure()) return e;
   Problem P;
   P.q = q;
   P.tiles = (q.N + kTileRows - 1) / kTileRows;
@@ -137,6 +151,7 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
     return jq::invalid("rms_norm_qmm's kernel stages x in shared memory: M x (K x bytes + 16) = " +
                        std::to_string(x_bytes) + " is over " +
                        std::to_string(kMaxNormXSharedBytes));
+  if (auto e = check_scale_dtype(q, "x"); e.failure()) return e;
   Problem P;
   P.q = q;
   P.tiles = (q.N + kTileRows - 1) / kTileRows;
@@ -200,6 +215,7 @@ static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (q.K % kChunkK != 0)
     return jq::invalid("the cuda_mma layout needs K a multiple of 64; got K=" +
                        std::to_string(q.K));
+  if (auto e = check_scale_dtype(q, "x"); e.failure()) return e;
   GemmProblem P;
   P.q = q;
   P.tiles = (q.N + kTileRows - 1) / kTileRows;
@@ -256,6 +272,7 @@ static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi:
   q.biases = d.biases;
   q.global_scale = d.global_scale;
   q.y = d.out;
+  if (auto e = check_scale_dtype(q, "the output"); e.failure()) return e;
   P.tiles = (q.N + kTileRows - 1) / kTileRows;
   P.full_tiles = q.N / kTileRows;
   P.chunks = q.K / kChunkK;

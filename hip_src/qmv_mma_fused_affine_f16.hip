@@ -1,6 +1,6 @@
 // The fused decode GEMVs (qmv_mma.h, FUSE: rms_norm_qmm's norm prologue and
 // qmm_swiglu's epilogue) for the affine formats with f16 activations (one
-// translation unit per family and dtype, built in parallel).
+// translation unit per family and dtype; CMake compiles it once per variant).
 #include "qmv_mma.h"
 
 #if defined(JQ_PLATFORM_CUDA)
@@ -8,7 +8,12 @@ namespace jq {
 namespace gpu {
 namespace mma {
 
-JQ_MMA_FUSED_TU(affine, f16, kF16, kAffineFormats)
+#if JQ_MMA_BUILDS(JQ_MMA_NORM)
+JQ_MMA_FUSED_LAUNCHER(norm, kFuseNorm, affine, f16, kF16, kAffineFormats)
+#endif
+#if JQ_MMA_BUILDS(JQ_MMA_SWIGLU)
+JQ_MMA_FUSED_LAUNCHER(swiglu, kFuseSwiglu, affine, f16, kF16, kAffineFormats)
+#endif
 
 }  // namespace mma
 }  // namespace gpu

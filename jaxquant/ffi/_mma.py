@@ -55,6 +55,19 @@ _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloa
 _GEMM_X_DTYPES = _X_DTYPES[1:]
 
 
+def _operands(qw: QuantizedArray, dtype):
+    """The weight's operands for a kernel whose x (or output) is `dtype`: float scales
+    and biases go as float32 unless they are `dtype` (16-bit) already, the two dtypes
+    the kernels are built for (hip_src/qmv_mma.h, launch_p). The conversion is exact;
+    it is an extra small op per call, only for weights quantized in the other 16-bit
+    dtype (or 16-bit ones with float32 x)."""
+    data, scales, biases, gs = _qw_operands(qw)
+    sdt = jnp.dtype(scales.dtype)
+    if sdt not in (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float32), jnp.dtype(dtype)):
+        scales, biases = scales.astype(jnp.float32), biases.astype(jnp.float32)
+    return data, scales, biases, gs
+
+
 def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
     """x3 [Sx, M, K] with qw3 [E, N, K] in the cuda_mma layout -> [S, M, N].
 
@@ -66,7 +79,7 @@ def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
     out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
     idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-        x3, *_qw_operands(qw3), idx, **_format_attrs(qw3), dedupe=np.int64(dedupe))
+        x3, *_operands(qw3, x3.dtype), idx, **_format_attrs(qw3), dedupe=np.int64(dedupe))
 
 
 def qmv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_offset=0.0,
@@ -78,7 +91,7 @@ def qmv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_of
     out = jax.ShapeDtypeStruct((e, x3.shape[1], n // 2 if fuse == FUSE_SWIGLU else n), x3.dtype)
     aux = aux if aux is not None else jnp.zeros((0,), jnp.float32)
     return jax.ffi.ffi_call(FUSED_TARGET, out, vmap_method="sequential")(
-        x3, *_qw_operands(qw3), aux, **_format_attrs(qw3), fuse=np.int64(fuse),
+        x3, *_operands(qw3, x3.dtype), aux, **_format_attrs(qw3), fuse=np.int64(fuse),
         eps=np.float32(eps), weight_offset=np.float32(weight_offset),
         activation=np.int64(SWIGLU_ACTIVATION_IDS[activation]),
         limit=np.float32(np.inf if limit is None else limit), alpha=np.float32(alpha))
@@ -93,7 +106,7 @@ def qmm_gemm_call(x3, qw3: QuantizedArray, group_sizes=None):
     out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
     gs = group_sizes if group_sizes is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(GEMM_TARGET, out, vmap_method="sequential")(
-        x3, *_qw_operands(qw3), gs, **_format_attrs(qw3))
+        x3, *_operands(qw3, x3.dtype), gs, **_format_attrs(qw3))
 
 
 def dequantize_mma_call(qw: QuantizedArray, dtype, *, platform=None):
@@ -101,7 +114,7 @@ def dequantize_mma_call(qw: QuantizedArray, dtype, *, platform=None):
     bfloat16), canonical order: the values the GEMM multiplies."""
     out = jax.ShapeDtypeStruct(qw.shape, jnp.dtype(dtype))
     return jax.ffi.ffi_call(DEQUANT_TARGET, out, vmap_method="broadcast_all")(
-        *_qw_operands(qw), **_format_attrs(qw))
+        *_operands(qw, dtype), **_format_attrs(qw))
 
 
 def _qw_ok(qw):

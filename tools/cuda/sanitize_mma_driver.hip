@@ -307,12 +307,32 @@ int main() {
   const int xdts[3] = {kBF16, kF16, kF32};
   for (int xi = 0; xi < 3; ++xi) {
     const int xd = xdts[xi];
-    // fmt, bits, group, scale dtype
-    const int cases[][4] = {{kAffine, 4, 64, kBF16}, {kAffine, 4, 32, kF32}, {kAffine, 3, 64, kF16},
-                            {kAffine, 8, 64, kBF16}, {kMxfp4, 4, 32, kU8},  {kMxfp6E2M3, 6, 32, kU8},
+    // fmt, bits, group, scale dtype (kXdt: x's own; the kernels read float scales as
+    // float32 or x's dtype, qmv_mma.h)
+    constexpr int kXdt = -1;
+    const int cases[][4] = {{kAffine, 4, 64, kXdt}, {kAffine, 4, 32, kF32}, {kAffine, 3, 64, kXdt},
+                            {kAffine, 8, 64, kXdt}, {kMxfp4, 4, 32, kU8},  {kMxfp6E2M3, 6, 32, kU8},
                             {kMxfp8E5M2, 8, 32, kU8}, {kNvfp4, 4, 16, kU8}, {kFp4, 4, 16, kF32}};
+    {  // other float scales: refused before any launch (jaxquant/ffi/_mma.py converts them)
+      QmvProblem q = make_problem(Case{kAffine, 4, 64, xd == kBF16 ? kF16 : kBF16, xd}, 1, 16, 64,
+                                  1, 1, 1, nullptr);
+      Problem P;
+      P.q = q;
+      P.tiles = P.full_tiles = 1;
+      P.chunks = 1;
+      P.dedupe = 0;
+      const hipError_t err = xd == kF32 ? launch_qmv_mma_f32(P, 1, 0)
+                             : xd == kF16 ? launch_qmv_mma_f16(P, 1, 0) : launch_qmv_mma_bf16(P, 1, 0);
+      if (err != hipErrorInvalidValue) fail("scales in another 16-bit dtype not refused", kAffine, 4, 0);
+      const Output y = finish(q);
+      for (int64_t i = 0; i < 16; ++i)
+        if (!y.unwritten[i]) {
+          fail("a refused call wrote y", kAffine, 4, i);
+          break;
+        }
+    }
     for (const auto& cc : cases) {
-      const Case c{cc[0], cc[1], cc[2], cc[3], xd};
+      const Case c{cc[0], cc[1], cc[2], cc[3] == kXdt ? xd : cc[3], xd};
       for (int64_t m : {1, 9, 16}) run_case(c, 3, 37, 192, m, nullptr, 0);
       run_case(c, 5, 21, 64 * 5, 1, &ids, 0);    // odd N x groups
       run_case(c, 5, 48, 128, 1, &ids, 7);       // dedupe, 8 rows
