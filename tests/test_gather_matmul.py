@@ -195,12 +195,15 @@ def test_pallas_other_blocks_and_any_config():
 
 
 def test_float_gemv_block_choice():
-    pick = lambda n, slots: configs.select_float_gemv("cuda", n, slots).block_n
-    base = configs.FLOAT_GEMV_CONFIGS["cuda"]
+    pick = lambda n, slots: configs.select_float_gemv("rocm", n, slots).block_n
+    base = configs.FLOAT_GEMV_CONFIGS["rocm"]        # 32 rows, >= 608 programs (MI300X)
     assert pick(5760, 4) == base.block_n           # gpt-oss gate_up, T=1: 720 programs
-    assert pick(2880, 4) == base.block_n // 2      # down: halved until >= 4 per H100 SM
+    assert pick(2880, 4) == base.block_n // 2      # down: halved until >= 2 per MI300X CU
     assert pick(100, 1) == configs.FLOAT_GEMV_MIN_BLOCK_N   # never below the minimum
     assert pick(2880, 32) == base.block_n          # T=8: enough programs already
+    # cuda: the H100 sweep's block (8 rows) at every shape
+    assert {configs.select_float_gemv("cuda", n, s).block_n
+            for n, s in ((5760, 4), (2880, 4), (100, 1), (2880, 32))} == {8}
 
 
 def test_supports_and_registration():
