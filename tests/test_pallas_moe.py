@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant.ops.common import ragged_group_ends, sorted_search
 from jaxquant.pallas import configs, moe
 from jaxquant.pallas.qmm import qmm
 from tests import oracle
@@ -363,6 +364,20 @@ def test_ragged_schedule_covers_each_row_once():
             want = np.searchsorted(ends, np.arange(rows), side="right")
             want = np.where(np.arange(rows) < ends[-1], want, -1)
             np.testing.assert_array_equal(owner, want)
+
+
+def test_ragged_maps_run_without_a_loop():
+    """The row-to-expert maps of ragged_qmm (the Pallas GEMM's schedule, the cuda_mma
+    GEMV's slot ids) lower without a while loop: on a GPU each trip of one waits for the
+    host (jnp.searchsorted's default method)."""
+    sizes = jnp.asarray([3, 0, 9, 4], jnp.int32)
+    for f in (lambda g: _schedule(g, 50, 16),
+              lambda g: sorted_search(ragged_group_ends(g, 20), jnp.arange(20))):
+        text = jax.jit(f).lower(sizes).as_text()
+        assert "while" not in text
+    ends = np.asarray(ragged_group_ends(sizes, 20))
+    np.testing.assert_array_equal(sorted_search(jnp.asarray(ends), jnp.arange(20)),
+                                  np.searchsorted(ends, np.arange(20), side="right"))
 
 
 RAGGED = [("mxfp4", 4, jnp.bfloat16, 50, [7, 0, 30, 9]),        # skinny tiles, rows past sum

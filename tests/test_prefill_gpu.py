@@ -118,7 +118,7 @@ def test_ragged_gemm_edge_cases(case, mode, bits):
     qw, packed = _packed(mode, bits, (5, 40, 256), key=13)
     w64 = deq64(qw)
     sizes = jnp.asarray(RAGGED_CASES[case], jnp.int32)
-    t = 200  # > RAGGED_GATHER_MAX_T: the GEMM; 4 row blocks, the last partial
+    t = 264  # > RAGGED_GATHER_MAX_T: the GEMM; the last row block partial
     assert t > configs.RAGGED_GATHER_MAX_T
     for dt in X16:
         x = rand(t, (t, 256), dt)
@@ -135,6 +135,12 @@ def test_ragged_few_rows_through_the_gemv(dt):
                   [2, -3, 1, 0, 0, 0], [2**31 - 1, 2**31 - 1, 0, 0, 0, 0], [1, 2, 20, 0, 0, 0]):
         t = 4 if sum(np.maximum(sizes, 0)) <= 4 else 16
         x = rand(t, (t, 256), dt)
+        y = _ragged_ffi(x, packed, jnp.asarray(sizes, jnp.int32))
+        _check_ragged(y, x, w64, sizes, jnp.dtype(dt))
+    # up to RAGGED_GATHER_MAX_T rows: groups longer than the 16 slots that share a read
+    t = configs.RAGGED_GATHER_MAX_T
+    for sizes in ([60, 0, 90, 40, 0, 10], [t, 0, 0, 0, 0, 0], [0, 37, 0, 0, 100, 200]):
+        x = rand(t + 1, (t, 256), dt)
         y = _ragged_ffi(x, packed, jnp.asarray(sizes, jnp.int32))
         _check_ragged(y, x, w64, sizes, jnp.dtype(dt))
 

@@ -33,7 +33,7 @@ from jaxquant import dispatch
 from jaxquant.ffi import configs
 from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
 from jaxquant.layouts import cuda_mma
-from jaxquant.ops.common import ragged_group_ends
+from jaxquant.ops.common import ragged_group_ends, sorted_search
 from jaxquant.ops.qmm import qmm_reference
 from jaxquant.quantized_array import QuantizedArray
 
@@ -244,7 +244,7 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
     # few rows: each row is a gather slot of its group's expert (ids stay on the
     # device); rows past the groups get id E (a NaN row), then zero
     ends = ragged_group_ends(group_sizes, t)
-    ids = jnp.searchsorted(ends, jnp.arange(t, dtype=ends.dtype), side="right")
+    ids = sorted_search(ends, jnp.arange(t, dtype=ends.dtype))
     y = qmv_mma_call(x[:, None, :], qw, ids.astype(jnp.int32), dedupe=min(t, MMA_MAX_M))
     past = jnp.arange(t) >= ends[-1]
     return jnp.where(past[:, None], jnp.zeros((), y.dtype), y[:, 0, :])

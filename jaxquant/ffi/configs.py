@@ -27,8 +27,13 @@ from same-run measurements (benchmarks/RESULTS.md).
   interpolated); M = 4096 858 / 895 vs 862 / 806 (benchmarks/RESULTS.md, "Prefill").
 - RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
   rows runs as gather_qmm on the decode GEMV (each row a slot, rows of one
-  expert read it once); more rows take the GEMM. H100, gpt-oss-20b experts
-  (E = 32, 2880 -> 5760): T = 4 GEMV 53 us vs GEMM 89; T = 32 213 vs 486.
+  expert read it once, up to 16 rows of one expert together); more rows take the
+  GEMM. 256: the most slots the GEMV shares an expert's read over (hip_src/qmv_mma.hip;
+  past it every row would read its expert alone). H100, gpt-oss-20b experts (E = 32,
+  top-4, mxfp4), 16 / 32 / 64 / 128 / 256 rows, GEMV vs wgmma GEMM, µs (2026-11-26,
+  benchmarks/RESULTS.md "fifth session"): 2880 -> 5760 72 / 126 / 166 / 202 / 250 vs
+  152 / 269 / 346 / 367 / 365; 2880 -> 2880 42 / 70 / 93 / 110 / 135 vs 84 / 146 /
+  188 / 201 / 197.
 - auto_*: where automatic choice takes the ffi kernel (an explicit
   backend="ffi" gets every case the kernel supports). qmm: the fused GEMV only
   (above GEMV_MAX_M rows the ffi dequantize + XLA's dot is 0.5-0.7x the
@@ -57,7 +62,7 @@ NORM_MIN_ELEMENTS = 1 << 16
 
 MMA_GEMM_MAX_M = 64
 MMA_GEMM_MAX_M_SM90 = 1024
-RAGGED_GATHER_MAX_T = 64
+RAGGED_GATHER_MAX_T = 256
 
 
 def mma_gemm_max_m(qw) -> int:

@@ -37,6 +37,15 @@ def ragged_group_ends(group_sizes, rows):
     return jnp.minimum(jnp.cumsum(sizes), rows)
 
 
+def sorted_search(sorted_ends, values):
+    """jnp.searchsorted(sorted_ends, values, side="right") as one [len(values), E]
+    comparison and a sum. The default method lowers to a while loop, and a while loop on
+    a GPU waits for the host at every trip: ragged_qmm's row-to-expert map on the
+    cuda_mma GEMV spent about 140 µs a call on it at E = 32 (H100, benchmarks/RESULTS.md,
+    fifth session) for products of 20-50 µs."""
+    return jnp.searchsorted(sorted_ends, values, side="right", method="compare_all")
+
+
 def check_group_sizes(group_sizes, rows):
     """Concrete (not traced) group sizes: ValueError naming `group_sizes` if one is negative
     or they sum past the rows of x. Traced ones follow `ragged_group_ends`' rule instead."""

@@ -39,7 +39,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.ops.common import ragged_group_ends
+from jaxquant.ops.common import ragged_group_ends, sorted_search
 from jaxquant.pallas import codecs, configs
 from jaxquant.pallas.common import X_DTYPES, dot_precision
 from jaxquant.pallas.gemm import gemm_block_m, gemm_t
@@ -224,7 +224,7 @@ def ragged_schedule(group_sizes, rows, bm):
     tiles = jnp.where(ends > starts, (ends - 1) // bm - first + 1, 0)
     offsets = jnp.cumsum(tiles)                           # inclusive
     w = jnp.arange(-(-rows // bm) + num_experts - 1, dtype=jnp.int32)
-    e = jnp.minimum(jnp.searchsorted(offsets, w, side="right"), num_experts - 1)
+    e = jnp.minimum(sorted_search(offsets, w), num_experts - 1)
     used = w < offsets[-1]
     m0 = (first[e] + w - (offsets[e] - tiles[e])) * bm
     lo = jnp.where(used, jnp.maximum(starts[e], m0), 0)
