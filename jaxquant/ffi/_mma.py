@@ -245,7 +245,8 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
     # device); rows past the groups get id E (a NaN row), then zero
     ends = ragged_group_ends(group_sizes, t)
     ids = sorted_search(ends, jnp.arange(t, dtype=ends.dtype))
-    y = qmv_mma_call(x[:, None, :], qw, ids.astype(jnp.int32), dedupe=min(t, MMA_MAX_M))
+    y = qmv_mma_call(x[:, None, :], qw, ids.astype(jnp.int32),
+                     dedupe=configs.ragged_gather_dedupe(t))
     past = jnp.arange(t) >= ends[-1]
     return jnp.where(past[:, None], jnp.zeros((), y.dtype), y[:, 0, :])
 

@@ -33,7 +33,13 @@ from same-run measurements (benchmarks/RESULTS.md).
   top-4, mxfp4), 16 / 32 / 64 / 128 / 256 rows, GEMV vs wgmma GEMM, µs (2026-11-26,
   benchmarks/RESULTS.md "fifth session"): 2880 -> 5760 72 / 126 / 166 / 202 / 250 vs
   152 / 269 / 346 / 367 / 365; 2880 -> 2880 42 / 70 / 93 / 110 / 135 vs 84 / 146 /
-  188 / 201 / 197.
+  188 / 201 / 197 (every row sharing reads with up to 16 others).
+- ragged_gather_dedupe: how many consecutive rows (sorted by expert) a GEMV block
+  takes together in that path. Fewer means more blocks; more means fewer reads of an
+  expert split over blocks. Same experts, µs at dedupe 8 vs 16 (2026-11-26): gate_up
+  16 / 32 / 64 / 128 / 256 rows 68 / 108 / 147 / 186 / 288 vs 71 / 124 / 164 / 199 /
+  247; down 40 / 64 / 84 / 104 / 154 vs 43 / 70 / 89 / 109 / 133 (2 and 4 within a few
+  % of 8; 1 up to 4x slower past 64 rows).
 - auto_*: where automatic choice takes the ffi kernel (an explicit
   backend="ffi" gets every case the kernel supports). qmm: the fused GEMV only
   (above GEMV_MAX_M rows the ffi dequantize + XLA's dot is 0.5-0.7x the
@@ -63,6 +69,11 @@ NORM_MIN_ELEMENTS = 1 << 16
 MMA_GEMM_MAX_M = 64
 MMA_GEMM_MAX_M_SM90 = 1024
 RAGGED_GATHER_MAX_T = 256
+
+
+def ragged_gather_dedupe(rows: int) -> int:
+    """Rows per GEMV block in ragged_qmm's gather path (see above)."""
+    return min(rows, 8 if rows <= 128 else 16)
 
 
 def mma_gemm_max_m(qw) -> int:
