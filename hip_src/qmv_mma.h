@@ -1110,17 +1110,11 @@ using GemvLaunch = FusedGemvLaunch<kFuseNone>;
 // The launch of the kernels on this layout, shared by them: launch_formats picks the
 // codec C (jq::dispatch_format), then L::run<C, XDT, NT, P, SDT>(pr, stream) with x's
 // dtype, n-tiles NT, groups per chunk P (only the group sizes each format allows)
-// and the scales' dtype SDT (uint8 codes, or for float-scale formats bfloat16,
-// half, float32).
-// Float scales (and biases) are read as float32 or in x's own 16-bit dtype, nothing
-// else: jaxquant/ffi/_mma.py converts other scales to float32 (exact) before the call,
-// and a call with others is refused. Serving every pair (bf16 scales with f16 x, 16-bit
-// scales with f32 x) built a third more affine kernels, a sixth of the CUDA build.
-template <int XDT>
-constexpr bool scales_readable(int scale_dt) {
-  return scale_dt == kF32 || (XDT != kF32 && scale_dt == XDT);
-}
-
+// and the scales' dtype SDT: uint8 codes, or for float-scale formats float32 or x's
+// own 16-bit dtype, nothing else. jaxquant/ffi/_mma.py converts other scales to
+// float32 (exact) before the call, and the handlers refuse a call with others
+// (qmv_mma.hip, check_scale_dtype). Serving every pair (bf16 scales with f16 x,
+// 16-bit scales with f32 x) built a third more affine kernels, a sixth of the build.
 template <class L, class C, int XDT, int NT, int P, class Pr>
 static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
   if constexpr (C::kScale != kScaleFloat) {
