@@ -26,14 +26,14 @@ from same-run measurements (benchmarks/RESULTS.md).
   M = 512 117 / 127 vs 168-171; M = 1024 238 / 250 vs ~240 (cuBLAS at 1024 rows
   interpolated); M = 4096 858 / 895 vs 862 / 806 (benchmarks/RESULTS.md, "Prefill").
 - RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
-  rows runs as gather_qmm on the decode GEMV (each row a slot, rows of one
-  expert read it once, up to 16 rows of one expert together); more rows take the
-  GEMM. 256: the most slots the GEMV shares an expert's read over (hip_src/qmv_mma.hip;
+  rows runs as gather_qmm on the decode GEMV (each row a slot; up to
+  ragged_gather_dedupe rows of one expert share a read); more rows take the GEMM.
+  256: the most slots the GEMV shares an expert's read over (hip_src/qmv_mma.hip;
   past it every row would read its expert alone). H100, gpt-oss-20b experts (E = 32,
   top-4, mxfp4), 16 / 32 / 64 / 128 / 256 rows, GEMV vs wgmma GEMM, µs (2026-11-26,
   benchmarks/RESULTS.md "fifth session"): 2880 -> 5760 72 / 126 / 166 / 202 / 250 vs
   152 / 269 / 346 / 367 / 365; 2880 -> 2880 42 / 70 / 93 / 110 / 135 vs 84 / 146 /
-  188 / 201 / 197 (every row sharing reads with up to 16 others).
+  188 / 201 / 197 (measured with 16 rows per block throughout).
 - ragged_gather_dedupe: how many consecutive rows (sorted by expert) a GEMV block
   takes together in that path. Fewer means more blocks; more means fewer reads of an
   expert split over blocks. Same experts, µs at dedupe 8 vs 16 (2026-11-26): gate_up
