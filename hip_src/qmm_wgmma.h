@@ -345,8 +345,12 @@ struct WgmmaLaunch {
     if constexpr (XDT == kF32) {
       return hipErrorInvalidValue;  // float32 x: not this kernel (the handler refuses it)
     } else {
-      return pr.block_m == 256 ? go<C, XDT, P, SDT, 256>(pr, stream)
-                               : go<C, XDT, P, SDT, 128>(pr, stream);
+      if constexpr (!kEveryVariant<C>) {
+        return go<C, XDT, P, SDT, 128>(pr, stream);  // the compile check's covering set
+      } else {
+        return pr.block_m == 256 ? go<C, XDT, P, SDT, 256>(pr, stream)
+                                 : go<C, XDT, P, SDT, 128>(pr, stream);
+      }
     }
   }
   template <class C, int XDT, int P, int SDT, int BN>

@@ -1039,6 +1039,21 @@ constexpr int max_x_shared_bytes() {
   return FUSE == kFuseNorm ? kMaxNormXSharedBytes : kMaxXSharedBytes;
 }
 
+// The covering set of the CUDA compile check (tests/test_ffi_toolchain.py on machines
+// without a GPU, as in CI; never a library build): -DJQ_MMA_COVERING_SET builds every
+// codec in one variant of each kernel (one n-tile count, groups per chunk, scale dtype,
+// tiles per block, wgmma tile) and affine 4-bit, whose float scales and biases take
+// every branch, in all of them. Each codec's code and each variant's code then compiles
+// at least once, at a third of the check's time (docs/building.md, "CI's time"); every
+// build of the library compiles the whole matrix.
+#if defined(JQ_MMA_COVERING_SET)
+template <class C>
+constexpr bool kEveryVariant = C::kFmt == kAffine && C::kBits == 4;
+#else
+template <class C>
+constexpr bool kEveryVariant = true;
+#endif
+
 template <class C, int XDT, int NT, int P, int SDT, int TB, int FUSE = kFuseNone>
 static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
   constexpr int S = Stages<C::kBits>::value;
@@ -1088,7 +1103,7 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
     // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6
     // bits, with 16-bit x and 8/16-bit scales (ptxas -v, sm_90); 8-bit weights
     // weigh twice as much against x anyway
-    if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32) {
+    if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32 && kEveryVariant<C>) {
       if (tiles_per_block(NT, pr.full_tiles, pr.q.S) == 2)
         return launch_tb<C, XDT, NT, P, SDT, 2>(prx, warps, stream);
     }
@@ -1121,7 +1136,7 @@ static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
     return L::template run<C, XDT, NT, P, kU8>(pr, stream);
   } else {
     if (pr.q.scale_dt == kF32) return L::template run<C, XDT, NT, P, kF32>(pr, stream);
-    if constexpr (XDT != kF32) {
+    if constexpr (XDT != kF32 && kEveryVariant<C>) {
       if (pr.q.scale_dt == XDT) return L::template run<C, XDT, NT, P, XDT>(pr, stream);
     }
     return hipErrorInvalidValue;
@@ -1131,7 +1146,9 @@ static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
 template <class L, class C, int XDT, int NT, class Pr>
 static hipError_t launch_nt(const Pr& pr, hipStream_t stream) {
   const int g = pr.q.group;
-  if constexpr (C::kFmt == kAffine) {
+  if constexpr (!kEveryVariant<C> && (C::kFmt == kAffine || C::kFmt == kFp4)) {
+    return launch_p<L, C, XDT, NT, 1>(pr, stream);  // the compile check's covering set
+  } else if constexpr (C::kFmt == kAffine) {
     return g == 32 ? launch_p<L, C, XDT, NT, 2>(pr, stream) : launch_p<L, C, XDT, NT, 1>(pr, stream);
   } else if constexpr (C::kFmt == kNvfp4) {
     return launch_p<L, C, XDT, NT, 4>(pr, stream);
@@ -1146,7 +1163,11 @@ static hipError_t launch_nt(const Pr& pr, hipStream_t stream) {
 
 template <class L, class C, int XDT, class Pr>
 static hipError_t launch_c(const Pr& pr, int nt, hipStream_t stream) {
-  return nt == 1 ? launch_nt<L, C, XDT, 1>(pr, stream) : launch_nt<L, C, XDT, 2>(pr, stream);
+  if constexpr (!kEveryVariant<C>) {
+    return launch_nt<L, C, XDT, 1>(pr, stream);  // the compile check's covering set
+  } else {
+    return nt == 1 ? launch_nt<L, C, XDT, 1>(pr, stream) : launch_nt<L, C, XDT, 2>(pr, stream);
+  }
 }
 
 // The one switch on formats (jq::dispatch_format) over the formats in FORMATS: the

@@ -20,7 +20,10 @@ cuda: nvcc compiles every CUDA source of hip_src/ for sm_80 and sm_90 and
   ptxas at -O0 by default: ptxas still assembles every instruction, inline PTX
   included, for each target, without the register allocation and scheduling
   work that makes the release build (-O3, --ptxas-opt 3) about 10x slower
-  (docs/building.md has the times).
+  (docs/building.md has the times). By default the kernels' covering set
+  (-DJQ_MMA_COVERING_SET, hip_src/qmv_mma.h: every codec in one variant of each
+  kernel, affine 4-bit in every variant; -DJQ_QMV_DEFAULT_CONFIGS_ONLY), at about a
+  third of the time; --every-variant compiles all that the library build does.
 
 Jobs run in parallel (one per core). Exit status 0 when everything that was
 attempted compiled. The last line is a JSON summary.
@@ -57,16 +60,16 @@ CUDA_ARCHS = ["80", "90"]
 # build the default variants only (all variants take about twice the defaults' time).
 ALL_QMV_CONFIG_ARCHS = ["gfx942"]
 QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
-# Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, ptxas -O0;
-# ROCm: one arch, default GEMV variants): the jobs start longest first, so that the
-# parallel jobs finish together (qmm_wgmma.hip last would leave one core on it alone
-# for about 100 s).
-_SECONDS = {"qmm_wgmma.hip": 135, "qmv_mma_affine_bf16.hip": 54, "qmv_mma_affine_f16.hip": 54,
-            "qmv_mma_fused_affine_bf16.hip": 41, "qmv_mma_fused_affine_f16.hip": 41,
-            "qmv_mma_fused_affine_f32.hip": 43, "qmv_mma_affine_f32.hip": 23,
-            "qmv_mma_float_bf16.hip": 24, "qmv_mma_float_f16.hip": 24,
-            "qmv_mma_float_f32.hip": 11, "qmv_mma_fused_float_bf16.hip": 17,
-            "qmv_mma_fused_float_f16.hip": 18, "qmv_mma_fused_float_f32.hip": 19,
+# Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, ptxas -O0,
+# the covering set; ROCm: one arch, default GEMV variants): the jobs start longest
+# first, so that the parallel jobs finish together (qmm_wgmma.hip last would leave one
+# core on it alone). Every variant (--every-variant) takes about 2.5-5x these.
+_SECONDS = {"qmm_wgmma.hip": 40, "qmv_mma_affine_bf16.hip": 24, "qmv_mma_affine_f16.hip": 24,
+            "qmv_mma_fused_affine_bf16.hip": 19, "qmv_mma_fused_affine_f16.hip": 18,
+            "qmv_mma_fused_affine_f32.hip": 17, "qmv_mma_affine_f32.hip": 6,
+            "qmv_mma_float_bf16.hip": 15, "qmv_mma_float_f16.hip": 14,
+            "qmv_mma_float_f32.hip": 5, "qmv_mma_fused_float_bf16.hip": 9,
+            "qmv_mma_fused_float_f16.hip": 9, "qmv_mma_fused_float_f32.hip": 9,
             "qmv_float.hip": 8, "qmv_affine.hip": 6, "qmv_mma.hip": 6, "gpu_ffi.hip": 3,
             "dequant.hip": 1.5, "cdna4_qmm.hip": 1, "norms.hip": 0.7}
 
@@ -147,9 +150,11 @@ def qmv_kernels_in(obj: pathlib.Path) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0):
+def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0, every_variant=False):
     base = [nvcc, "-x", "cu", "-std=c++17", "-O3", f"-Xptxas=-O{ptxas_opt}",
             "--expt-relaxed-constexpr", "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
+    if not every_variant:  # the covering set (hip_src/qmv_mma.h: kEveryVariant)
+        base += ["-DJQ_MMA_COVERING_SET", "-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     job = lambda f, arch_flags: (f"cuda:{f}", base + arch_flags + [
         "-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
@@ -185,6 +190,10 @@ def main(argv=None):
     ap.add_argument("--ptxas-opt", type=int, choices=range(4), default=0,
                     help="cuda: ptxas's optimization level (default %(default)s; the "
                          "library builds at 3)")
+    ap.add_argument("--every-variant", action="store_true",
+                    help="cuda: every kernel variant the library builds (default: the "
+                         "covering set, -DJQ_MMA_COVERING_SET -DJQ_QMV_DEFAULT_CONFIGS_ONLY: "
+                         "each codec in one variant of each kernel, affine 4-bit in all)")
     ap.add_argument("--all-qmv-configs", nargs="*", default=ALL_QMV_CONFIG_ARCHS,
                     help="ROCm archs whose GEMV files build every kernel variant "
                          "(default: %(default)s)")
@@ -217,7 +226,8 @@ def main(argv=None):
                 summary["skipped"]["all"] = "nvcc is not on PATH"
                 print(json.dumps(summary))
                 return 0
-            jobs = cuda_jobs(nvcc, args.arch or CUDA_ARCHS, out_dir, args.ptxas_opt)
+            jobs = cuda_jobs(nvcc, args.arch or CUDA_ARCHS, out_dir, args.ptxas_opt,
+                             args.every_variant)
             jobs.sort(key=job_seconds, reverse=True)
         t0 = time.time()
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:

@@ -100,11 +100,13 @@ def test_cuda_library_compiled():
 @pytest.mark.parametrize("source", CUDA_SOURCES)
 def test_cuda_source_compiles(source, tmp_path):
     """Without the CUDA library (CI, a machine without a GPU): `source` compiles for
-    sm_90 (qmm_wgmma.hip: sm_90a) with ptxas at -O0: the architecture the kernels
-    are measured on, at about a third of the library build's CPU time
-    (docs/building.md; sm_80 differs by two `__CUDA_ARCH__ >= 900` guards:
-    `scripts/native_compile_check.py cuda` checks it). Where the library was built,
-    its build compiled every source (test_cuda_library_compiled checks it)."""
+    sm_90 (qmm_wgmma.hip: sm_90a) with ptxas at -O0, the architecture the kernels
+    are measured on, in the kernels' covering set: every codec in one variant of
+    each kernel, affine 4-bit in all (hip_src/qmv_mma.h, kEveryVariant; a third of
+    the time of every variant, docs/building.md). sm_80 differs by two
+    `__CUDA_ARCH__ >= 900` guards; `scripts/native_compile_check.py cuda
+    --every-variant` compiles both archs and every variant. Where the library was
+    built, its build compiled every source (test_cuda_library_compiled checks it)."""
     if _cuda_library() is not None:
         pytest.skip("this install built libjaxquant_cuda.so from every CUDA source "
                     "(test_cuda_library_compiled checks its handlers)")
