@@ -44,8 +44,8 @@ def put_q(qw, data_spec, scales_spec=None):
                              group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout)
 
 
-def collectives(fn, *args):
-    text = jax.jit(fn).lower(*args).compile().as_text()
+def collectives(text):
+    """The collectives in a compiled program's text, and the jaxquant FFI targets."""
     found = {}
     for name in COLLECTIVES:
         # instructions, e.g. "%all-reduce.3 = f32[8,64] all-reduce(...)"; starts count too
@@ -67,8 +67,10 @@ def case(fn, args, sharded_args):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         want = jax.jit(fn)(*args)
-        got = jax.jit(fn)(*sharded_args)
-        found, ffi = collectives(fn, *sharded_args)
+        # compiled once, run and read (the program is the tests' largest cost)
+        compiled = jax.jit(fn).lower(*sharded_args).compile()
+        got = compiled(*sharded_args)
+        found, ffi = collectives(compiled.as_text())
     leaves_w, leaves_g = jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)
     return {"err": max(err(w, g) for w, g in zip(leaves_w, leaves_g)),
             "scale": max(float(jnp.max(jnp.abs(jnp.nan_to_num(w)))) for w in leaves_w),
@@ -213,8 +215,9 @@ def model_cases():
     (want, cache_w, tok) = run(params, prompt)
     for name, (tp, ep) in (("model_gpt_oss", (2, 4)), ("model_gpt_oss_ep", (1, 4))):
         sharded = parallel.shard_params(cfg, params, parallel.make_mesh(tp, ep))
-        got, cache_g, _ = run(sharded, prompt)
-        text = run.lower(sharded, prompt).compile().as_text()
+        compiled = run.lower(sharded, prompt).compile()
+        got, cache_g, _ = compiled(sharded, prompt)
+        text = compiled.as_text()
         # packed weights are uint32, MX scales uint8: no all-gather may produce either
         gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
         case = {"err": err(got, want), "scale": float(jnp.max(jnp.abs(want))),
@@ -326,11 +329,12 @@ def expert_parallel_cases():
         logits_w, cache_w, tok_w = pre(params, prompt, None)
         tokens_w, last_w = dec(params, cache_w, tok_w, None)
         sharded = parallel.shard_params(cfg, params, mesh)
-        logits_g, cache_g, tok_g = pre(sharded, prompt, mesh)
+        pre_g = pre.lower(sharded, prompt, mesh).compile()
+        logits_g, cache_g, tok_g = pre_g(sharded, prompt)
         cache_g = parallel.shard_cache(cfg, cache_g, mesh)
-        tokens_g, last_g = dec(sharded, cache_g, tok_g, mesh)
-        texts = {"prefill": pre.lower(sharded, prompt, mesh).compile().as_text(),
-                 "decode": dec.lower(sharded, cache_g, tok_g, mesh).compile().as_text()}
+        dec_g = dec.lower(sharded, cache_g, tok_g, mesh).compile()
+        tokens_g, last_g = dec_g(sharded, cache_g, tok_g)
+        texts = {"prefill": pre_g.as_text(), "decode": dec_g.as_text()}
         inited = parallel.init_params(cfg, jax.random.key(0), mesh, mode, per_layer=per_layer)
         init_err = max(err(a, b) for a, b in zip(
             jax.tree_util.tree_leaves(inited), jax.tree_util.tree_leaves(sharded)))
@@ -367,8 +371,9 @@ def tensor_parallel_cases():
     sharded = parallel.shard_params(cfg, params, mesh)
     _, cache_g, tok_g = pre(sharded, prompt)
     cache_g = parallel.shard_cache(cfg, cache_g, mesh)
-    got, _ = step(sharded, cache_g, tok_g)
-    text = step.lower(sharded, cache_g, tok_g).compile().as_text()
+    compiled = step.lower(sharded, cache_g, tok_g).compile()
+    got, _ = compiled(sharded, cache_g, tok_g)
+    text = compiled.as_text()
     return {"tp_dense_decode": {
         "layers": cfg.num_layers, "all_reduces": count(text, "all-reduce"),
         "gathers": gathers(text), "same_tokens": bool(jnp.all(got == want)),
