@@ -485,12 +485,33 @@ JQ_FAMILY_LAUNCHERS(launch_qmm_wgmma, bf16)
 JQ_FAMILY_LAUNCHERS(launch_qmm_wgmma, f16)
 #undef JQ_FAMILY_LAUNCHERS
 
+// The wgmma kernel's weight rows per block (qmm_wgmma.h: kWgWarps 16-row tiles).
+constexpr int kWgBlockTiles = 8;
+
+// Rows of x per wgmma block for qmm (not ragged) with `rows` >= 256 rows per matrix:
+// 256 halves the decode per MMA, but where that grid is short of the GPU (one block
+// per SM) 128 rows, twice the blocks, can finish in fewer waves. A 128-row block takes
+// about 0.75 of a 256-row one's time, so 128 where 3 x its waves < 4 x 256's. H100
+// (132 SMs), M = 512, affine4 / mxfp4, us at 256 against 128 rows per block:
+// 4096 -> 4096 (64 blocks against 128) 60.6 / 69.0 vs 47.4 / 51.4; 14336 -> 4096
+// 192.2 / 210.2 vs 148.3 / 161.1; 4096 -> 6144 (96 against 192: two waves) 65.4 / 71.7
+// vs 89.6 / 101.6; 4096 -> 14336 122.7 / 134.4 vs 177.6 / 193.5.
+inline int wgmma_rows_per_block(int64_t tiles, int64_t matrices, int64_t rows) {
+  const int64_t cols = (tiles + kWgBlockTiles - 1) / kWgBlockTiles;
+  const int64_t sms = sm_count();
+  const auto waves = [&](int64_t bm) {
+    return (cols * matrices * ((rows + bm - 1) / bm) + sms - 1) / sms;
+  };
+  return 3 * waves(128) < 4 * waves(256) ? 128 : 256;
+}
+
 // The GEMM's plan, for P with q, tiles, full_tiles, chunks and group_sizes set: the
 // kernel (wgmma where usable, else mma.sync), its rows of x per block and grid rows.
 // wgmma blocks take 256 rows of x from 256 rows per matrix (or per expert, on average),
 // else 128: the decode's cost per MMA halves (H100, 4096 -> 14336, affine4 / mxfp4:
 // M = 512 117 / 127 us against 169 / 187 with 128 rows; M = 4096 860 / 894 against
-// 1189 / 1251).
+// 1189 / 1251); qmm takes 128 where the 256-row grid would leave SMs idle
+// (wgmma_rows_per_block).
 inline void plan_gemm(GemmProblem& P) {
   const QmvProblem& q = P.q;
   const bool ragged = P.group_sizes != nullptr;
@@ -502,7 +523,11 @@ inline void plan_gemm(GemmProblem& P) {
   P.wgmma = aligned && wgmma_usable();
   static const int forced_bm = env_choice("JAXQUANT_WGMMA_BN", {128, 256});  // sweeps
   const int64_t rows = ragged ? q.M / (q.E > 0 ? q.E : 1) : q.M;  // per matrix (expert)
-  P.block_m = !P.wgmma ? kBlockM : forced_bm ? forced_bm : rows >= 256 ? 256 : 128;
+  P.block_m = !P.wgmma  ? kBlockM
+              : forced_bm ? forced_bm
+              : rows < 256 ? 128
+              : ragged     ? 256
+                           : wgmma_rows_per_block(P.tiles, q.S, q.M);
   const int64_t per = (q.M + P.block_m - 1) / P.block_m;
   P.row_blocks = ragged ? per + q.E : q.S * per;
   P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);

@@ -42,7 +42,7 @@ namespace gpu {
 namespace mma {
 
 constexpr int kWgMaxStages = 6;
-constexpr int kWgWarps = 8;                         // two warpgroups
+constexpr int kWgWarps = kWgBlockTiles;             // two warpgroups (qmm_gemm.h)
 constexpr int kWgRows = kWgWarps * kTileRows;       // weight rows per block
 constexpr int kWgOutStride = kWgRows * 2 + 16;      // bytes per row of y staged in shared memory
 

@@ -70,6 +70,23 @@ def test_qmm_long_k_wide_n_batched(mode, bits, group):
         assert_matmul_close(jq.qmm(x, packed, backend="ffi"), x, w64, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4)])
+def test_qmm_rows_per_block_follow_the_grid(mode, bits):
+    # M = 512: the Hopper kernel takes 256 rows of x per block on a long grid (N = 16384:
+    # 128 x 2 blocks) and 128 on a short one (the first 1024 rows of that weight: 8 x 2
+    # blocks of 256 would leave most SMs idle; hip_src/qmm_gemm.h, wgmma_rows_per_block);
+    # either way the oracle's product, and the same numbers for the same weight rows
+    qw, packed = _packed(mode, bits, (16384, 512), key=bits + 60)
+    head = jq.prepack(qw[:1024], layout="cuda_mma")
+    w64 = deq64(qw)
+    x = rand(61, (512, 512), jnp.bfloat16)
+    y = jq.qmm(x, packed, backend="ffi")
+    y_head = jq.qmm(x, head, backend="ffi")
+    assert_matmul_close(y, x, w64, jnp.bfloat16)
+    assert_matmul_close(y_head, x, w64[:1024], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y_head), np.asarray(y[:, :1024]))
+
+
 def _ragged64(x, w64, sizes):
     """float64 oracle: row t uses the expert of its group; rows past the groups 0."""
     t = x.shape[0]
