@@ -165,6 +165,22 @@ def test_profile_of_a_cpu_decode(tmp_path):
     assert "per layer" in text and "| qmm |" in text and "# COPIES:" in text
 
 
+@pytest.mark.slow
+def test_profile_of_a_cpu_prefill(tmp_path):
+    cfg = demo.preset("tiny-dense", "float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4")
+    p = bench_model.prefill_run(cfg, params, 8, {}, 1, profile_dir=str(tmp_path))
+    assert p["prefill_tps"] > 0
+    b = p["profile"]
+    assert b.kind == "cpu" and b.steps == 1 and b.layers == cfg.num_layers
+    assert b.by_class["qmm"][0] > 0 and b.by_class["attention"][0] > 0
+    lines = []
+    profile.print_breakdown(b, lines.append, "tiny-dense affine4 prefill", what="prefill")
+    text = "\n".join(lines)
+    assert "1 prefill traced; per prefill:" in text and "| class | per prefill |" in text
+    assert bench_model.prefill_run(cfg, params, 8, {}, 1).keys() == {"prefill_tps"}
+
+
 def _perfetto(path, events):
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
             {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},

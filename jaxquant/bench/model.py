@@ -27,8 +27,8 @@ eagerly, as gpt-fast's does by default.
 each mesh (`parallel.init_params`, one layer at a time: no float copy of a 70B
 model); the default draws one float copy and quantizes and places it.
 
---profile traces each config and mode's decode at the first batch size and
-prints where a step's time goes (`jaxquant/bench/profile.py`). --mesh runs the
+--profile traces each config and mode's decode at the first batch size, and its
+prefill, and prints where the time goes (`jaxquant/bench/profile.py`). --mesh runs the
 same on tensor x expert parallel meshes (`jaxquant.models.parallel`) with the
 scaling against one device. --xla-flags re-runs the decode measurement in a
 subprocess per variant with the flags appended to XLA_FLAGS.
@@ -143,8 +143,9 @@ def decode_run(cfg, params, prompt, tokens, kw, iters, mesh=None, profile_dir=No
     return out
 
 
-def prefill_run(cfg, params, tokens, kw, iters, mesh=None):
-    """prefill tok/s of one `tokens`-token sequence."""
+def prefill_run(cfg, params, tokens, kw, iters, mesh=None, profile_dir=None):
+    """Time the prefill of one `tokens`-token sequence: dict with prefill_tps, and the
+    profile Breakdown of one prefill when asked."""
     import jax
     import jax.numpy as jnp
 
@@ -153,11 +154,24 @@ def prefill_run(cfg, params, tokens, kw, iters, mesh=None):
     prompt = jax.random.randint(jax.random.key(2), (1, tokens), 0, cfg.vocab_size, jnp.int32)
     kw = kw if mesh is None else dict(kw, mesh=mesh)
     f = jax.jit(lambda params, prompt: models.prefill(cfg, params, prompt, tokens, **kw))
-    return tokens / _median_time(lambda: _block(f(params, prompt)), iters)
+    compiled = f.lower(params, prompt).compile()
+    out = {"prefill_tps": tokens / _median_time(lambda: _block(compiled(params, prompt)), iters)}
+    if profile_dir is not None:
+        try:
+            out["profile"] = profile_run(cfg, compiled, (params, prompt), 1, profile_dir)
+        except Exception as e:  # noqa: BLE001 - the measurement stands without it
+            out["profile"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
 
 
 def profile_decode(cfg, compiled, args, steps, trace_dir):
     """Trace one run of the compiled decode loop and break it down (profile.py)."""
+    return profile_run(cfg, compiled, args, steps, trace_dir)
+
+
+def profile_run(cfg, compiled, args, steps, trace_dir):
+    """Trace one run of a compiled program (`steps` decode steps, or one prefill) and
+    break it down (profile.py)."""
     import re
 
     import jax
@@ -333,15 +347,20 @@ def config_rows(args, name, out):
                     elif b in ref:
                         row["dlogits"] = _logit_diff(r["logits"], ref[b])
                     if b == args.batch[0] and args.prefill:
-                        row["prefill_tps"] = prefill_run(cfg, placed, args.prefill,
-                                                         args.forward_kw, args.iters, mesh)
-                    if isinstance(r.get("profile"), str):
-                        out(f"# profile of {name} {mode} batch {b} failed: {r['profile']}")
-                    elif "profile" in r:
-                        from jaxquant.bench import profile
+                        p = prefill_run(cfg, placed, args.prefill, args.forward_kw, args.iters,
+                                        mesh, profile_dir and profile_dir + "_prefill")
+                        row["prefill_tps"] = p["prefill_tps"]
+                    else:
+                        p = {}
+                    for what, res, title in (
+                            ("decode steps", r, f"{name} {mode} batch {b}"),
+                            ("prefill", p, f"{name} {mode} prefill {args.prefill} tokens")):
+                        if isinstance(res.get("profile"), str):
+                            out(f"# profile of {title} failed: {res['profile']}")
+                        elif "profile" in res:
+                            from jaxquant.bench import profile
 
-                        profile.print_breakdown(r["profile"], out,
-                                                f"{name} {mode} batch {b}")
+                            profile.print_breakdown(res["profile"], out, title, what=what)
                 except Exception as e:  # noqa: BLE001
                     row = _failed(name, impl, mode, b, e)
                 rows.append(_done(row))
@@ -536,8 +555,9 @@ def add_arguments(parser, cpu):
                    help="torch.compile mode of the peer's decode step; none: eager (default "
                         "here: %(default)s)")
     g.add_argument("--profile", action="store_true",
-                   help="trace each config and mode's decode at the first batch size and print "
-                        "a per-step breakdown: kernels per layer, time per class, gaps, copies")
+                   help="trace each config and mode's decode at the first batch size (and its "
+                        "prefill) and print a breakdown per decode step (per prefill): kernels "
+                        "per layer, time per class, gaps, copies")
     g.add_argument("--profile-dir", default=None,
                    help="where the traces go (default: a temporary directory)")
     g.add_argument("--layout", default=None,

@@ -1,8 +1,10 @@
-"""Where a decode step's time goes: `python -m jaxquant bench model --profile`.
+"""Where a decode step's (and a prefill's) time goes: `python -m jaxquant bench model
+--profile`.
 
-A few decode steps run under `jax.profiler.trace(create_perfetto_trace=True)`;
-the trace's device events (GPU kernels on their streams; XLA CPU thunks on the
-CPU, where there is no device timeline) of the decode program are matched by
+A few decode steps (or one prefill) run under
+`jax.profiler.trace(create_perfetto_trace=True)`; the trace's device events (GPU
+kernels on their streams; XLA CPU thunks on the CPU, where there is no device
+timeline) of the traced program are matched by
 their `hlo_op` to the compiled HLO (opcode, result bytes, custom-call target,
 and the Python function that emitted it, from the HLO's stack frames) and put
 in classes:
@@ -18,7 +20,7 @@ in classes:
   moe glue    router, top-k, activation, combine
   other       every other fusion (residual adds, embedding, head argmax, ...)
 
-Per decode step it reports kernels (and per layer), time per class, the span
+Per decode step (per prefill) it reports kernels (and per layer), time per class, the span
 from the first kernel to the last, the time some kernel runs (union of the
 intervals) and the gaps between (span - busy: launch and host gaps).
 """
@@ -280,17 +282,21 @@ def breakdown(events: list[Event], index: dict[str, HloOp], steps: int, layers: 
                key=lambda r: -r[1] * r[2]))
 
 
-def print_breakdown(b: Breakdown, out, title: str, top: int = 12) -> None:
+def print_breakdown(b: Breakdown, out, title: str, top: int = 12,
+                    what: str = "decode steps") -> None:
+    """The breakdown as text; `what` the traced program's runs ("decode steps", or
+    "prefill": numbers per prefill)."""
     unit = "kernels" if b.kind == "gpu" else "XLA CPU ops"
+    per = "step" if what == "decode steps" else what
     out("")
-    out(f"# profile: {title}: {b.steps} decode steps traced; per step: {b.kernels:.0f} {unit} "
+    out(f"# profile: {title}: {b.steps} {what} traced; per {per}: {b.kernels:.0f} {unit} "
         f"({b.kernels / b.layers:.1f} per layer), span {b.span_us / 1e3:.3f} ms, busy "
         f"{b.busy_us / 1e3:.3f} ms, gaps {b.gap_us / 1e3:.3f} ms over {b.gaps:.0f} idle "
         f"intervals ({b.gap_us / max(b.gaps, 1):.1f} µs each)")
     if b.kind == "cpu":
         out("# (CPU: ops of several threads overlap; busy is the time any op runs)")
     out("")
-    out("| class | per step | per layer | ms/step | % of op time |")
+    out(f"| class | per {per} | per layer | ms/{per} | % of op time |")
     out("|---|---:|---:|---:|---:|")
     total = sum(us for _, us in b.by_class.values()) or 1.0
     for cls in CLASSES:
@@ -299,7 +305,7 @@ def print_breakdown(b: Breakdown, out, title: str, top: int = 12) -> None:
             out(f"| {cls} | {n:.1f} | {n / b.layers:.2f} | {us / 1e3:.3f} | "
                 f"{100 * us / total:.1f}% |")
     out("")
-    out("| op / kernel | class | per step | µs/step | µs each |")
+    out(f"| op / kernel | class | per {per} | µs/{per} | µs each |")
     out("|---|---|---:|---:|---:|")
     for cls, name, n, us in b.top[:top]:
         out(f"| {name} | {cls} | {n:.1f} | {us:.1f} | {us / n:.2f} |")
@@ -307,7 +313,7 @@ def print_breakdown(b: Breakdown, out, title: str, top: int = 12) -> None:
     if n_copy:
         biggest = ", ".join(f"{name} ({nb / 1e6:.3g} MB x {n:.3g})"
                             for name, n, nb in b.copies[:4])
-        out(f"# COPIES: {n_copy:.1f} per step moving {b.copy_bytes / 1e6:.2f} MB "
+        out(f"# COPIES: {n_copy:.1f} per {per} moving {b.copy_bytes / 1e6:.2f} MB "
             f"(by the HLO's result shapes): {biggest}")
     else:
         out("# copies: none")
