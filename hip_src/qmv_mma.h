@@ -1043,15 +1043,21 @@ constexpr int max_x_shared_bytes() {
 // without a GPU, as in CI; never a library build): -DJQ_MMA_COVERING_SET builds every
 // codec in one variant of each kernel (one n-tile count, groups per chunk, scale dtype,
 // tiles per block, wgmma tile) and affine 4-bit, whose float scales and biases take
-// every branch, in all of them. Each codec's code and each variant's code then compiles
-// at least once, at a third of the check's time (docs/building.md, "CI's time"); every
-// build of the library compiles the whole matrix.
+// every branch, in all of them; with bfloat16 x every codec, with float16 or float32
+// x affine 4-bit and MXFP4 alone (x's dtype enters a kernel through x's loads and
+// conversions, apart from the codec's decode). Each codec's code, each variant's and
+// each x dtype's then compiles at least once, at about a quarter of the check's time
+// (docs/building.md, "CI's time"); every build of the library compiles the whole matrix.
 #if defined(JQ_MMA_COVERING_SET)
 template <class C>
 constexpr bool kEveryVariant = C::kFmt == kAffine && C::kBits == 4;
+template <class C, int XDT>
+constexpr bool kBuiltForX = XDT == kBF16 || kEveryVariant<C> || C::kFmt == kMxfp4;
 #else
 template <class C>
 constexpr bool kEveryVariant = true;
+template <class C, int XDT>
+constexpr bool kBuiltForX = true;
 #endif
 
 template <class C, int XDT, int NT, int P, int SDT, int TB, int FUSE = kFuseNone>
@@ -1177,7 +1183,7 @@ template <class L, int XDT, uint32_t FORMATS, class Pr>
 static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
   hipError_t err = hipErrorInvalidValue;  // (a pair no format allows: checked before)
   dispatch_format<FORMATS>(pr.q.fmt, pr.q.bits, [&](auto codec) {
-    err = launch_c<L, decltype(codec), XDT>(pr, nt, stream);
+    if constexpr (kBuiltForX<decltype(codec), XDT>) err = launch_c<L, decltype(codec), XDT>(pr, nt, stream);
   });
   return err;
 }
