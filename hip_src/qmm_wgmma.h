@@ -345,7 +345,7 @@ struct WgmmaLaunch {
     if constexpr (XDT == kF32) {
       return hipErrorInvalidValue;  // float32 x: not this kernel (the handler refuses it)
     } else {
-      if constexpr (!kEveryVariant<C>) {
+      if constexpr (!kEveryVariant<C, XDT>) {
         return go<C, XDT, P, SDT, 128>(pr, stream);  // the compile check's covering set
       } else {
         return pr.block_m == 256 ? go<C, XDT, P, SDT, 256>(pr, stream)

@@ -1045,17 +1045,26 @@ constexpr int max_x_shared_bytes() {
 // tiles per block, wgmma tile) and affine 4-bit, whose float scales and biases take
 // every branch, in all of them; with bfloat16 x every codec, with float16 or float32
 // x affine 4-bit and MXFP4 alone (x's dtype enters a kernel through x's loads and
-// conversions, apart from the codec's decode). Each codec's code, each variant's and
-// each x dtype's then compiles at least once, at about a quarter of the check's time
-// (docs/building.md, "CI's time"); every build of the library compiles the whole matrix.
+// conversions, apart from the codec's decode), and float16 x in one variant but both
+// scale dtypes (the other variants branch on 16-bit against float32 x, never on
+// float16 against bfloat16; 16-bit scales are x's own dtype, a conversion of their own).
+// Each codec's code, each variant's and each x dtype's then compiles at least once,
+// at about a quarter of the check's time (docs/building.md, "CI's time"); every
+// build of the library compiles the whole matrix.
 #if defined(JQ_MMA_COVERING_SET)
 template <class C>
-constexpr bool kEveryVariant = C::kFmt == kAffine && C::kBits == 4;
+constexpr bool kAffine4 = C::kFmt == kAffine && C::kBits == 4;
 template <class C, int XDT>
-constexpr bool kBuiltForX = XDT == kBF16 || kEveryVariant<C> || C::kFmt == kMxfp4;
+constexpr bool kEveryVariant = kAffine4<C> && XDT != kF16;
+template <class C, int XDT>
+constexpr bool kEveryScaleDtype = kAffine4<C>;
+template <class C, int XDT>
+constexpr bool kBuiltForX = XDT == kBF16 || kAffine4<C> || C::kFmt == kMxfp4;
 #else
-template <class C>
+template <class C, int XDT>
 constexpr bool kEveryVariant = true;
+template <class C, int XDT>
+constexpr bool kEveryScaleDtype = true;
 template <class C, int XDT>
 constexpr bool kBuiltForX = true;
 #endif
@@ -1109,7 +1118,7 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
     // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6
     // bits, with 16-bit x and 8/16-bit scales (ptxas -v, sm_90); 8-bit weights
     // weigh twice as much against x anyway
-    if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32 && kEveryVariant<C>) {
+    if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32 && kEveryVariant<C, XDT>) {
       if (tiles_per_block(NT, pr.full_tiles, pr.q.S) == 2)
         return launch_tb<C, XDT, NT, P, SDT, 2>(prx, warps, stream);
     }
@@ -1142,7 +1151,7 @@ static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
     return L::template run<C, XDT, NT, P, kU8>(pr, stream);
   } else {
     if (pr.q.scale_dt == kF32) return L::template run<C, XDT, NT, P, kF32>(pr, stream);
-    if constexpr (XDT != kF32 && kEveryVariant<C>) {
+    if constexpr (XDT != kF32 && kEveryScaleDtype<C, XDT>) {
       if (pr.q.scale_dt == XDT) return L::template run<C, XDT, NT, P, XDT>(pr, stream);
     }
     return hipErrorInvalidValue;
@@ -1152,7 +1161,7 @@ static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
 template <class L, class C, int XDT, int NT, class Pr>
 static hipError_t launch_nt(const Pr& pr, hipStream_t stream) {
   const int g = pr.q.group;
-  if constexpr (!kEveryVariant<C> && (C::kFmt == kAffine || C::kFmt == kFp4)) {
+  if constexpr (!kEveryVariant<C, XDT> && (C::kFmt == kAffine || C::kFmt == kFp4)) {
     return launch_p<L, C, XDT, NT, 1>(pr, stream);  // the compile check's covering set
   } else if constexpr (C::kFmt == kAffine) {
     return g == 32 ? launch_p<L, C, XDT, NT, 2>(pr, stream) : launch_p<L, C, XDT, NT, 1>(pr, stream);
@@ -1169,7 +1178,7 @@ static hipError_t launch_nt(const Pr& pr, hipStream_t stream) {
 
 template <class L, class C, int XDT, class Pr>
 static hipError_t launch_c(const Pr& pr, int nt, hipStream_t stream) {
-  if constexpr (!kEveryVariant<C>) {
+  if constexpr (!kEveryVariant<C, XDT>) {
     return launch_nt<L, C, XDT, 1>(pr, stream);  // the compile check's covering set
   } else {
     return nt == 1 ? launch_nt<L, C, XDT, 1>(pr, stream) : launch_nt<L, C, XDT, 2>(pr, stream);

@@ -23,7 +23,8 @@ cuda: nvcc compiles every CUDA source of hip_src/ for sm_80 and sm_90 and
   (docs/building.md has the times). By default the kernels' covering set
   (-DJQ_MMA_COVERING_SET, hip_src/qmv_mma.h: every codec in one variant of each
   kernel, affine 4-bit in every variant, float16/float32 x with affine 4-bit and MXFP4
-  alone; -DJQ_QMV_DEFAULT_CONFIGS_ONLY), at about a quarter of the time;
+  alone, float16 x in one variant; -DJQ_QMV_DEFAULT_CONFIGS_ONLY), at about a fifth of
+  the time;
   --every-variant compiles all that the library build does.
 
 Jobs run in parallel (one per core). Exit status 0 when everything that was
@@ -65,13 +66,13 @@ QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
 # the covering set; ROCm: one arch, default GEMV variants): the jobs start longest
 # first, so that the parallel jobs finish together (qmm_wgmma.hip last would leave one
 # core on it alone). Every variant (--every-variant) takes about 2.5-5x these.
-_SECONDS = {"qmm_wgmma.hip": 33, "qmv_mma_affine_bf16.hip": 22, "qmv_mma_float_bf16.hip": 16,
-            "qmv_mma_fused_affine_bf16.hip": 13, "qmv_float.hip": 14, "qmv_mma.hip": 13,
-            "qmv_mma_affine_f16.hip": 11, "gpu_ffi.hip": 10, "qmv_affine.hip": 9,
-            "qmv_mma_fused_float_bf16.hip": 9, "qmv_mma_fused_affine_f16.hip": 9,
-            "qmv_mma_fused_affine_f32.hip": 5.4, "qmv_mma_affine_f32.hip": 4,
-            "qmv_mma_float_f16.hip": 3.1, "dequant.hip": 3, "qmv_mma_fused_float_f16.hip": 2.9,
-            "qmv_mma_float_f32.hip": 2.7, "qmv_mma_fused_float_f32.hip": 2.7, "norms.hip": 1.4,
+_SECONDS = {"qmm_wgmma.hip": 24, "qmv_mma_affine_bf16.hip": 18, "qmv_mma_float_bf16.hip": 16,
+            "qmv_mma_fused_affine_bf16.hip": 13, "qmv_float.hip": 13, "qmv_mma.hip": 9,
+            "qmv_mma_fused_float_bf16.hip": 8, "gpu_ffi.hip": 8, "qmv_affine.hip": 7.5,
+            "qmv_mma_fused_affine_f32.hip": 5.3, "qmv_mma_affine_f16.hip": 4,
+            "qmv_mma_affine_f32.hip": 3.7, "dequant.hip": 3.7, "qmv_mma_fused_float_f32.hip": 3.6,
+            "qmv_mma_float_f16.hip": 3.1, "qmv_mma_fused_affine_f16.hip": 2.9,
+            "qmv_mma_float_f32.hip": 2.7, "qmv_mma_fused_float_f16.hip": 2.2, "norms.hip": 1.8,
             "cdna4_qmm.hip": 1}
 
 

@@ -103,8 +103,8 @@ def test_cuda_source_compiles(source, tmp_path):
     sm_90 (qmm_wgmma.hip: sm_90a) with ptxas at -O0, the architecture the kernels
     are measured on, in the kernels' covering set: every codec in one variant of
     each kernel, affine 4-bit in all, float16/float32 x with affine 4-bit and MXFP4
-    alone (hip_src/qmv_mma.h, kEveryVariant, kBuiltForX; about a quarter of the
-    time of every variant, docs/building.md). sm_80 differs by two
+    alone, float16 x in one variant (hip_src/qmv_mma.h, kEveryVariant, kBuiltForX;
+    about a fifth of the time of every variant, docs/building.md). sm_80 differs by two
     `__CUDA_ARCH__ >= 900` guards; `scripts/native_compile_check.py cuda
     --every-variant` compiles both archs and every variant. Where the library was
     built, its build compiled every source (test_cuda_library_compiled checks it)."""

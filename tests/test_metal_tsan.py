@@ -11,7 +11,8 @@ import pytest
 
 from tests.metal_shim import shim
 
-pytestmark = [pytest.mark.toolchain, pytest.mark.slow]
+# one xdist work unit: the sanitizer build (the module fixture) then runs once, not per worker
+pytestmark = [pytest.mark.toolchain, pytest.mark.slow, pytest.mark.xdist_group("metal_tsan")]
 
 
 @pytest.fixture(scope="module")
