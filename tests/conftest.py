@@ -1,12 +1,50 @@
-"""Test order for pytest-xdist (CI: `-n auto --dist loadgroup` on 2 cores).
+"""Test order for pytest-xdist, and XLA:CPU's compile options for the tests.
 
-The tests marked `slow` (a minute or so of a core each: toolchain compile checks,
-subprocesses with several host devices, whole-model decodes) are moved to the front,
-in collection order, so that they start first and the short tests fill in around
-them; a worker left running one long test alone at the end would set the suite's
-wall time. Under `--dist loadgroup` a module whose expensive module fixture must run
-once (`pytest.mark.xdist_group`) is one work unit, and xdist starts the largest
-units first."""
+Order (CI: `-n auto --dist loadgroup` on 2 cores): the tests marked `slow` (a minute
+or so of a core each: toolchain compile checks, subprocesses with several host
+devices, whole-model decodes) are moved to the front, in collection order, so that
+they start first and the short tests fill in around them; a worker left running one
+long test alone at the end would set the suite's wall time. Under `--dist loadgroup`
+a module whose expensive module fixture must run once (`pytest.mark.xdist_group`) is
+one work unit, and xdist starts the largest units first.
+
+Compile options: on a CPU most of the suite's time is XLA compiling thousands of small
+programs (about 70%, measured per test through jax.monitoring), not running them. Where
+no GPU plugin of jax is installed, the tests' XLA:CPU compiles without LLVM
+optimization (`--xla_backend_optimization_level=0`) and, on jaxlib < 0.12 (which has
+both), with XLA:CPU's earlier loop emitters instead of its fusion emitters
+(`--xla_cpu_use_fusion_emitters=false`): the same HLO, compiled 2-3x faster
+(docs/building.md, "CI's time"). Subprocesses the tests start inherit them (those that
+set XLA_FLAGS anew add $JAXQUANT_TEST_XLA_FLAGS). A run with
+either option already in XLA_FLAGS, or with JAXQUANT_TEST_XLA_DEFAULTS=1, keeps XLA's
+defaults."""
+
+import importlib.metadata
+import os
+
+
+def _test_xla_flags() -> list[str]:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("JAXQUANT_TEST_XLA_DEFAULTS") == "1" or "xla_backend_optimization_level" in flags:
+        return []
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-")
+             for d in importlib.metadata.distributions()}
+    if any(n.startswith(("jax-cuda", "jax-rocm")) for n in names):  # GPU tests: XLA's own
+        return []
+    out = ["--xla_backend_optimization_level=0"]
+    try:
+        jaxlib = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        jaxlib = (0, 0)
+    if jaxlib < (0, 12) and "xla_cpu_use_fusion_emitters" not in flags:  # gone in 0.12
+        out.append("--xla_cpu_use_fusion_emitters=false")
+    return out
+
+
+# JAXQUANT_TEST_XLA_FLAGS: the options added, for subprocesses that set XLA_FLAGS anew
+os.environ["JAXQUANT_TEST_XLA_FLAGS"] = " ".join(_test_xla_flags())
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), os.environ["JAXQUANT_TEST_XLA_FLAGS"]]).strip()
 
 
 def pytest_collection_modifyitems(config, items):

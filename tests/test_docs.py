@@ -75,7 +75,9 @@ def test_docs_python_block_runs(where, code):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("JAXQUANT_BACKEND", None)
-    env.pop("XLA_FLAGS", None)  # a block that needs host devices sets them itself
+    # a block that needs host devices sets them itself; XLA's compile options of the
+    # tests (tests/conftest.py) stay
+    env["XLA_FLAGS"] = os.environ.get("JAXQUANT_TEST_XLA_FLAGS", "")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, f"{where} failed:\n{run.stderr[-3000:]}"

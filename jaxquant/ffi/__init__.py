@@ -21,7 +21,8 @@ include/jq/ffi_common.h):
 
 Numerics (docs/ops.md):
 - dequantize is bit for bit the reference (float32 arithmetic, affine as
-  fma(q, scale, bias) like XLA, E8M0 as an exact power of two).
+  fma(q, scale, bias) like XLA at its default optimization level, E8M0 as an exact
+  power of two; docs/ops.md, "Arithmetic").
 - qmm with transpose=True and at most configs.GEMV_MAX_M rows of x per weight matrix,
   and every gather_qmm slot, run the fused dequantize-GEMV: it never
   materializes the weight; each group's float32 partial sum is scaled once
