@@ -1,7 +1,8 @@
 """The sharded cases of tests/test_sharding.py, run in a subprocess with 8 host
 devices (the device count is fixed when JAX starts). Prints one JSON object:
 per case, the max |sharded - unsharded| error, the collectives in the compiled
-HLO, and the warnings raised. Run: python -m tests.sharding_cases"""
+HLO, and the warnings raised. Run: python -m tests.sharding_cases
+(JAXQUANT_SHARDING_CASES=ops: the ops' cases alone, not the models')"""
 
 import os
 
@@ -192,7 +193,8 @@ def main():
                           out_specs=P("data", "tp"))
     out["shard_map_qmm"] = case(per_shard, (put(x, P("data")), qs), (put(x, P("data")), qs))
     out["shard_map_qmm"]["err"] = err(jax.jit(per_shard)(put(x, P("data")), qs), jq.qmm(x, qw))
-    out.update(model_cases())
+    if os.environ.get("JAXQUANT_SHARDING_CASES") != "ops":  # ops only: .ci/run's 3.12 leg
+        out.update(model_cases())
     json.dump(out, sys.stdout)
 
 
