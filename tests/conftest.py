@@ -41,10 +41,12 @@ def _test_xla_flags() -> list[str]:
     return out
 
 
-# JAXQUANT_TEST_XLA_FLAGS: the options added, for subprocesses that set XLA_FLAGS anew
-os.environ["JAXQUANT_TEST_XLA_FLAGS"] = " ".join(_test_xla_flags())
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), os.environ["JAXQUANT_TEST_XLA_FLAGS"]]).strip()
+# JAXQUANT_TEST_XLA_FLAGS: the options added, for subprocesses that set XLA_FLAGS anew.
+# Once per run: pytest-xdist's workers inherit both variables from the controller.
+if "JAXQUANT_TEST_XLA_FLAGS" not in os.environ:
+    os.environ["JAXQUANT_TEST_XLA_FLAGS"] = " ".join(_test_xla_flags())
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), os.environ["JAXQUANT_TEST_XLA_FLAGS"]]).strip()
 
 
 def pytest_collection_modifyitems(config, items):
