@@ -16,15 +16,10 @@ import sys
 import time
 
 
-def report(n: int = 1024, k: int = 4096) -> None:
-    """python -m jaxquant report: the JAX devices, which jaxquant backends are built and
-    available here (and why not), and per format (mode, bits, group size) the bits per
-    weight and the quantize -> dequantize error on a standard normal [1024, 4096] float32
-    matrix: relative error |w - deq(q(w))| / |w|, the largest absolute error, and the
-    round trip's time in ms (jitted, after a warm-up). Takes no arguments."""
+def backends() -> None:
+    """The first lines of `report`: the JAX devices, and which jaxquant backends and
+    native libraries are built and available here (and why not). CI prints them."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     import jaxquant as jq
     from jaxquant import dispatch
@@ -44,6 +39,21 @@ def report(n: int = 1024, k: int = 4096) -> None:
                       f"{'loaded from ' + str(lib.path) if lib.handle is not None else lib.error}")
     for name, why in not_built.items():  # apart: not part of this build at all
         print(f"  (not built on this platform: {name}: {why})")
+
+
+def report(n: int = 1024, k: int = 4096) -> None:
+    """python -m jaxquant report: the JAX devices, which jaxquant backends are built and
+    available here (and why not), and per format (mode, bits, group size) the bits per
+    weight and the quantize -> dequantize error on a standard normal [1024, 4096] float32
+    matrix: relative error |w - deq(q(w))| / |w|, the largest absolute error, and the
+    round trip's time in ms (jitted, after a warm-up). Takes no arguments."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxquant as jq
+
+    backends()
     w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32)
     print(f"\nround trip on a standard normal [{n}, {k}] float32 matrix "
           f"(rel. error = |w - deq(q(w))| / |w|):")
