@@ -10,6 +10,11 @@ rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   HIP 5.2 headers call), plus the host side of the handlers once. Default
   architectures: gfx90a gfx942 gfx950 gfx1100 gfx1201; one the compiler does
   not know (gfx950 before clang 20) is reported as skipped, with the reason.
+  gfx942 (wave64) and gfx1100 (wave32) go through the whole AMDGPU backend;
+  gfx90a and gfx1201, the same source for the same wave size, stop at
+  LLVM's optimized IR (-S -emit-llvm: clang's code generation for the target,
+  its builtins and features, and the -O2 pipeline, without instruction
+  selection: half the time); --backend-archs picks the first kind.
   The GEMV files build their default kernel variants only
   (-DJQ_QMV_DEFAULT_CONFIGS_ONLY), except for --all-qmv-configs (default
   gfx942), which builds every variant launch_qmv can launch, as the real build
@@ -61,6 +66,11 @@ CUDA_ARCHS = ["80", "90"]
 # qmv_config (hip_src/gpu_ffi.hip) chooses, as the real build does; the other archs
 # build the default variants only (all variants take about twice the defaults' time).
 ALL_QMV_CONFIG_ARCHS = ["gfx942"]
+# Through the AMDGPU backend (instruction selection, register allocation); the other
+# archs stop at LLVM's optimized IR. One arch per wave size: hip_src/ branches on the
+# wave size alone (JQ_WARP) outside cdna4_qmm.hip's gfx950 code, which
+# scripts/cdna4_compile_check.py compiles to the ISA.
+BACKEND_ARCHS = ["gfx942", "gfx1100"]
 QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
 # Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, ptxas -O0,
 # the covering set; ROCm: one arch, default GEMV variants): the jobs start longest
@@ -105,7 +115,7 @@ def run(cmd, timeout=600):
     return p.returncode, (p.stdout + p.stderr).strip(), time.time() - t
 
 
-def rocm_jobs(clang, archs, out_dir, all_qmv_configs=()):
+def rocm_jobs(clang, archs, out_dir, all_qmv_configs=(), backend_archs=BACKEND_ARCHS):
     rocm_path = os.environ.get("ROCM_PATH", "/usr")
     common = [clang, "-x", "hip", "-std=c++17", "-O2", "-nogpulib", f"--rocm-path={rocm_path}",
               "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Ihip_src",
@@ -115,9 +125,10 @@ def rocm_jobs(clang, archs, out_dir, all_qmv_configs=()):
     for arch in archs:
         for f in HIP_FILES + ROCM_ONLY_FILES:
             every = arch in all_qmv_configs and f in QMV_FILES
+            stage = ["-c"] if arch in backend_archs else ["-S", "-emit-llvm"]
             jobs.append((f"{arch}:{f}", common + ([] if every else defaults_only) + [
                 f"--offload-arch={arch}", "--offload-device-only", "--no-gpu-bundle-output",
-                "-c", f"hip_src/{f}", "-o", str(out_dir / f"{arch}-{f}.o")]))
+                *stage, f"hip_src/{f}", "-o", str(out_dir / f"{arch}-{f}.o")]))
     jobs.append(("host:gpu_ffi.hip", common + defaults_only + [
         f"--offload-arch={archs[0] if archs else 'gfx942'}", "--offload-host-only", "-c",
         "hip_src/gpu_ffi.hip", "-o", str(out_dir / "host-gpu_ffi.o")]))
@@ -125,11 +136,13 @@ def rocm_jobs(clang, archs, out_dir, all_qmv_configs=()):
 
 
 def job_seconds(job):
-    """The job's expected seconds (_SECONDS; every GEMV variant: about twice the defaults)."""
+    """The job's expected seconds (_SECONDS; every GEMV variant: about twice the defaults;
+    LLVM IR only: about half)."""
     name, cmd = job
     arch, f = name.split(":", 1)
     every = f in QMV_FILES and "-DJQ_QMV_DEFAULT_CONFIGS_ONLY" not in cmd
-    return _SECONDS.get(f, 10) * (2 if every else 1) + (2 if arch == "host" else 0)
+    ir_only = 0.5 if "-emit-llvm" in cmd else 1
+    return _SECONDS.get(f, 10) * (2 if every else 1) * ir_only + (2 if arch == "host" else 0)
 
 
 def qmv_launch_variants() -> list[str]:
@@ -153,7 +166,9 @@ def qmv_kernels_in(obj: pathlib.Path) -> dict[str, list[str]]:
 
 
 def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0, every_variant=False):
-    base = [nvcc, "-x", "cu", "-std=c++17", "-O3", f"-Xptxas=-O{ptxas_opt}",
+    # -O0: the host compiler's level (nvcc's -O is host code only; the device code is
+    # the same PTX at any -O, checked: the host side compiles 10% faster)
+    base = [nvcc, "-x", "cu", "-std=c++17", "-O0", f"-Xptxas=-O{ptxas_opt}",
             "--expt-relaxed-constexpr", "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
     if not every_variant:  # the covering set (hip_src/qmv_mma.h: kEveryVariant)
         base += ["-DJQ_MMA_COVERING_SET", "-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
@@ -196,6 +211,9 @@ def main(argv=None):
                     help="cuda: every kernel variant the library builds (default: the "
                          "covering set, -DJQ_MMA_COVERING_SET -DJQ_QMV_DEFAULT_CONFIGS_ONLY: "
                          "each codec in one variant of each kernel, affine 4-bit in all)")
+    ap.add_argument("--backend-archs", nargs="*", default=BACKEND_ARCHS,
+                    help="ROCm archs compiled through the AMDGPU backend; the others stop "
+                         "at LLVM's optimized IR (default: %(default)s)")
     ap.add_argument("--all-qmv-configs", nargs="*", default=ALL_QMV_CONFIG_ARCHS,
                     help="ROCm archs whose GEMV files build every kernel variant "
                          "(default: %(default)s)")
@@ -220,7 +238,8 @@ def main(argv=None):
             every = [a for a in args.all_qmv_configs if a in archs]
             summary["all_qmv_configs"] = every
             summary["qmv_launch_variants"] = qmv_launch_variants()
-            jobs = rocm_jobs(clang, archs, out_dir, every)
+            summary["backend_archs"] = [a for a in args.backend_archs if a in archs]
+            jobs = rocm_jobs(clang, archs, out_dir, every, args.backend_archs)
             jobs.sort(key=job_seconds, reverse=True)
         else:
             nvcc = shutil.which(os.environ.get("JQ_NVCC", "nvcc"))

@@ -41,6 +41,8 @@ def test_rocm_compile():
     assert rc == 0 and not summary["failed"], log[-6000:]
     archs = {name.split(":")[0] for name in summary["ok"]}
     assert {"gfx90a", "gfx942", "gfx1100", "gfx1201", "host"} <= archs, summary
+    # one arch of each wave size through the AMDGPU backend (wave64, wave32)
+    assert {"gfx942", "gfx1100"} <= set(summary["backend_archs"]), summary
     # gfx950 compiles where the compiler knows it (clang >= 20), else is skipped with the reason
     assert "gfx950" in archs or "does not know gfx950" in summary["skipped"].get("gfx950", "")
     _check_qmv_variants(summary)
