@@ -17,10 +17,14 @@ both), with XLA:CPU's earlier loop emitters instead of its fusion emitters
 (docs/building.md, "CI's time"). Subprocesses the tests start inherit them (those that
 set XLA_FLAGS anew add $JAXQUANT_TEST_XLA_FLAGS). A run with
 either option already in XLA_FLAGS, or with JAXQUANT_TEST_XLA_DEFAULTS=1, keeps XLA's
-defaults."""
+defaults.
+
+JAXQUANT_TEST_ONE_CASE=1 runs each test function once (its first parameter set)."""
 
 import importlib.metadata
 import os
+
+import pytest
 
 
 def _test_xla_flags() -> list[str]:
@@ -49,5 +53,18 @@ if "JAXQUANT_TEST_XLA_FLAGS" not in os.environ:
         [os.environ.get("XLA_FLAGS", ""), os.environ["JAXQUANT_TEST_XLA_FLAGS"]]).strip()
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("JAXQUANT_TEST_ONE_CASE") == "1":
+        # each test function once, its first parameter set left by -k: .ci/run's Python
+        # 3.12 leg, which checks that jaxquant's jax-facing code runs under the newest
+        # jax; the parameter sweeps run in the full suite
+        seen, kept, dropped = set(), [], []
+        for item in items:
+            key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+            (dropped if key in seen else kept).append(item)
+            seen.add(key)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
