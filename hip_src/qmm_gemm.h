@@ -44,7 +44,7 @@ struct GemmProblem {
   int64_t tiles, full_tiles, chunks;
   int64_t row_blocks;  // grid rows: qmm S * ceil(M / 64); ragged ceil(T / 64) + E
   int row_tiles;       // R: 16-row tiles per block, 2, 4 or 8 (the mma.sync kernel)
-  int block_m;         // rows of x per block: kBlockM (mma.sync), 128 or 256 (wgmma)
+  int block_m;         // rows of x per block: kBlockM (mma.sync), 64, 128 or 256 (wgmma)
   bool wgmma;          // the Hopper kernel (qmm_wgmma.h), else the mma.sync one
   const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
 };
@@ -508,7 +508,8 @@ inline int wgmma_rows_per_block(int64_t tiles, int64_t matrices, int64_t rows) {
 // The GEMM's plan, for P with q, tiles, full_tiles, chunks and group_sizes set: the
 // kernel (wgmma where usable, else mma.sync), its rows of x per block and grid rows.
 // wgmma blocks take 256 rows of x from 256 rows per matrix (or per expert, on average),
-// else 128: the decode's cost per MMA halves (H100, 4096 -> 14336, affine4 / mxfp4:
+// 64 from at most 64 (the tensor cores' work halves where a 128-row block would be
+// half padding), else 128: the decode's cost per MMA halves (H100, 4096 -> 14336, affine4 / mxfp4:
 // M = 512 117 / 127 us against 169 / 187 with 128 rows; M = 4096 860 / 894 against
 // 1189 / 1251); qmm takes 128 where the 256-row grid would leave SMs idle
 // (wgmma_rows_per_block).
@@ -521,10 +522,11 @@ inline void plan_gemm(GemmProblem& P) {
                          reinterpret_cast<uintptr_t>(q.biases)) & 3) == 0 &&
                        (q.N * q.groups * ssz) % 4 == 0;
   P.wgmma = aligned && wgmma_usable();
-  static const int forced_bm = env_choice("JAXQUANT_WGMMA_BN", {128, 256});  // sweeps
+  static const int forced_bm = env_choice("JAXQUANT_WGMMA_BN", {64, 128, 256});  // sweeps
   const int64_t rows = ragged ? q.M / (q.E > 0 ? q.E : 1) : q.M;  // per matrix (expert)
   P.block_m = !P.wgmma  ? kBlockM
               : forced_bm ? forced_bm
+              : rows <= 64 ? 64
               : rows < 256 ? 128
               : ragged     ? 256
                            : wgmma_rows_per_block(P.tiles, q.S, q.M);

@@ -8,7 +8,7 @@
 // does (qmm_gemm.h: scaled_a) and the warpgroup multiplies 64 weight rows by BN
 // rows of x per k-step, x (B) read by the tensor cores from shared memory.
 //
-// A block is two warpgroups, 128 weight rows (8 tiles) x BN (128 or 256) rows of x.
+// A block is two warpgroups, 128 weight rows (8 tiles) x BN (64, 128 or 256) rows of x.
 // Per chunk of 64 k, several stages deep: one thread has the tensor-memory
 // accelerator (TMA) copy the chunk of x into wgmma's 128-byte-swizzled K-major layout
 // (rows past x's end read as zeros; an mbarrier per stage counts its bytes in), each
@@ -153,6 +153,8 @@ __device__ __forceinline__ void mma_order_unit(uint32_t (&w)[BITS], int lane) {
 // of the warpgroup's tile (warp r, lane 4 g + t).
 #define JQ_WG_ACC_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define JQ_WG_ACC_128 JQ_WG_ACC_64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define JQ_WG_ACC_32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define JQ_WG_AB_32 "{%32, %33, %34, %35}, %36"
 #define JQ_WG_AB_64 "{%64, %65, %66, %67}, %68"
 #define JQ_WG_AB_128 "{%128, %129, %130, %131}, %132"
 // 64 accumulator operands from d[o]
@@ -165,6 +167,11 @@ __device__ __forceinline__ void mma_order_unit(uint32_t (&w)[BITS], int lane) {
     "+f"(d[o + 40]), "+f"(d[o + 41]), "+f"(d[o + 42]), "+f"(d[o + 43]), "+f"(d[o + 44]), "+f"(d[o + 45]), "+f"(d[o + 46]), "+f"(d[o + 47]), \
     "+f"(d[o + 48]), "+f"(d[o + 49]), "+f"(d[o + 50]), "+f"(d[o + 51]), "+f"(d[o + 52]), "+f"(d[o + 53]), "+f"(d[o + 54]), "+f"(d[o + 55]), \
     "+f"(d[o + 56]), "+f"(d[o + 57]), "+f"(d[o + 58]), "+f"(d[o + 59]), "+f"(d[o + 60]), "+f"(d[o + 61]), "+f"(d[o + 62]), "+f"(d[o + 63])
+#define JQ_WG_OUT_32(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define JQ_WG_OUT_64(d) JQ_WG_OUT_AT(d, 0)
 #define JQ_WG_OUT_128(d) JQ_WG_OUT_AT(d, 0), JQ_WG_OUT_AT(d, 64)
 #define JQ_WGMMA(N, R, TY)                                                                      \
@@ -175,6 +182,8 @@ __device__ __forceinline__ void mma_order_unit(uint32_t (&w)[BITS], int lane) {
                  : JQ_WG_OUT_##R(d)                                                             \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                         \
   }
+JQ_WGMMA(64, 32, bf16)
+JQ_WGMMA(64, 32, f16)
 JQ_WGMMA(128, 64, bf16)
 JQ_WGMMA(128, 64, f16)
 JQ_WGMMA(256, 128, bf16)
@@ -338,32 +347,31 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
 // past the end read as zeros (qmm_wgmma.hip).
 bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map);
 
-// The launch policy of the format switches in qmv_mma.h, for this kernel.
+// The launch policy of the format switches in qmv_mma.h, for this kernel with BN rows
+// of x per block (qmm_wgmma.hip builds each BN in its own translation unit).
+template <int BN>
 struct WgmmaLaunch {
   template <class C, int XDT, int NT, int P, int SDT>
   static hipError_t run(const GemmProblem& pr, hipStream_t stream) {
     if constexpr (XDT == kF32) {
       return hipErrorInvalidValue;  // float32 x: not this kernel (the handler refuses it)
+    } else if constexpr (!kEveryVariant<C, XDT>) {
+      return go<C, XDT, P, SDT, 128>(pr, stream);  // the compile check's covering set
     } else {
-      if constexpr (!kEveryVariant<C, XDT>) {
-        return go<C, XDT, P, SDT, 128>(pr, stream);  // the compile check's covering set
-      } else {
-        return pr.block_m == 256 ? go<C, XDT, P, SDT, 256>(pr, stream)
-                                 : go<C, XDT, P, SDT, 128>(pr, stream);
-      }
+      return go<C, XDT, P, SDT, BN>(pr, stream);
     }
   }
-  template <class C, int XDT, int P, int SDT, int BN>
+  template <class C, int XDT, int P, int SDT, int N>
   static hipError_t go(const GemmProblem& pr, hipStream_t stream) {
-    using Lay = WgShared<BN, C::kBits, P>;
-    auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, BN>;
+    using Lay = WgShared<N, C::kBits, P>;
+    auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, N>;
     static const bool attr_set =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::bytes) ==
         cudaSuccess;
     if (!attr_set) return hipErrorInvalidValue;
     WgParams prm;
     prm.pr = pr;
-    if (!x_tensor_map(pr, BN, XDT == kF16, &prm.x_map)) return hipErrorInvalidValue;
+    if (!x_tensor_map(pr, N, XDT == kF16, &prm.x_map)) return hipErrorInvalidValue;
     dim3 grid((unsigned)((pr.tiles + kWgWarps - 1) / kWgWarps), (unsigned)pr.row_blocks);
     kernel<<<grid, kWgWarps * 32, Lay::bytes, stream>>>(prm);
     return hipGetLastError();

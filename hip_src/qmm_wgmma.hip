@@ -1,11 +1,12 @@
 // The Hopper prefill GEMM (qmm_wgmma.h) for every format and 16-bit x. Built for
 // sm_90a alone (wgmma is an sm_90a feature; CMakeLists.txt gives this file its own
 // architecture list), so the handler checks the device before it launches.
-// Compiled once per launcher (JQ_WGMMA_PART = 1..4: affine bf16, float bf16, affine
-// f16, float f16; part 1 also holds wgmma_usable and x_tensor_map), as the GEMV files
-// are per JQ_MMA_PART: the whole file was the build's longest compile (139 s on the
-// 2-core machine under load, sm_90a; the parts 55, 22, 50 and 19 s, also under load).
-// Without JQ_WGMMA_PART it defines all.
+// Compiled once per launcher and rows of x per block (JQ_WGMMA_PART = 1..12: affine
+// bf16, float bf16, affine f16, float f16, each for BN = 64, 128, 256; part 1 also
+// holds wgmma_usable, x_tensor_map and the launchers that pick the BN), as the GEMV
+// files are per JQ_MMA_PART: the whole file was the build's longest compile (139 s on
+// the 2-core machine under load), and one part per launcher took 125 s of the 16-core
+// machine's 148 s build once BN = 64 came. Without JQ_WGMMA_PART it defines all.
 #include <stdlib.h>
 #include <string.h>
 
@@ -76,29 +77,67 @@ bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
 }
 #endif
 
+// launch_qmm_wgmma_<family>_<dtype>_bn<BN>: one launcher's kernels for one BN (part
+// 3 * launcher + BN's index + 1); launch_qmm_wgmma_<family>_<dtype> picks by pr.block_m.
+#define JQ_WG_LAUNCH_BN(FAMILY, DT, BN) \
+  hipError_t launch_qmm_wgmma_##FAMILY##_##DT##_bn##BN(const GemmProblem& pr, hipStream_t stream)
+#define JQ_WG_LAUNCHER(FAMILY, DT)                                               \
+  JQ_WG_LAUNCH_BN(FAMILY, DT, 64);                                               \
+  JQ_WG_LAUNCH_BN(FAMILY, DT, 128);                                              \
+  JQ_WG_LAUNCH_BN(FAMILY, DT, 256);                                              \
+  hipError_t launch_qmm_wgmma_##FAMILY##_##DT(const GemmProblem& pr, hipStream_t stream) { \
+    return pr.block_m == 64    ? launch_qmm_wgmma_##FAMILY##_##DT##_bn64(pr, stream)  \
+           : pr.block_m == 256 ? launch_qmm_wgmma_##FAMILY##_##DT##_bn256(pr, stream) \
+                               : launch_qmm_wgmma_##FAMILY##_##DT##_bn128(pr, stream); \
+  }
+#define JQ_WG_PART(FAMILY, DT, XDT, FORMATS, BN)                      \
+  JQ_WG_LAUNCH_BN(FAMILY, DT, BN) {                                   \
+    return launch_formats<WgmmaLaunch<BN>, XDT, FORMATS>(pr, 1, stream); \
+  }
+
 #if JQ_WGMMA_BUILDS(1)
-hipError_t launch_qmm_wgmma_affine_bf16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_formats<WgmmaLaunch, kBF16, kAffineFormats>(pr, 1, stream);
-}
+JQ_WG_LAUNCHER(affine, bf16)
+JQ_WG_LAUNCHER(float, bf16)
+JQ_WG_LAUNCHER(affine, f16)
+JQ_WG_LAUNCHER(float, f16)
+JQ_WG_PART(affine, bf16, kBF16, kAffineFormats, 64)
 #endif
-
 #if JQ_WGMMA_BUILDS(2)
-hipError_t launch_qmm_wgmma_float_bf16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_formats<WgmmaLaunch, kBF16, kFloatFormats>(pr, 1, stream);
-}
+JQ_WG_PART(affine, bf16, kBF16, kAffineFormats, 128)
 #endif
-
 #if JQ_WGMMA_BUILDS(3)
-hipError_t launch_qmm_wgmma_affine_f16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_formats<WgmmaLaunch, kF16, kAffineFormats>(pr, 1, stream);
-}
+JQ_WG_PART(affine, bf16, kBF16, kAffineFormats, 256)
 #endif
-
 #if JQ_WGMMA_BUILDS(4)
-hipError_t launch_qmm_wgmma_float_f16(const GemmProblem& pr, hipStream_t stream) {
-  return launch_formats<WgmmaLaunch, kF16, kFloatFormats>(pr, 1, stream);
-}
+JQ_WG_PART(float, bf16, kBF16, kFloatFormats, 64)
 #endif
+#if JQ_WGMMA_BUILDS(5)
+JQ_WG_PART(float, bf16, kBF16, kFloatFormats, 128)
+#endif
+#if JQ_WGMMA_BUILDS(6)
+JQ_WG_PART(float, bf16, kBF16, kFloatFormats, 256)
+#endif
+#if JQ_WGMMA_BUILDS(7)
+JQ_WG_PART(affine, f16, kF16, kAffineFormats, 64)
+#endif
+#if JQ_WGMMA_BUILDS(8)
+JQ_WG_PART(affine, f16, kF16, kAffineFormats, 128)
+#endif
+#if JQ_WGMMA_BUILDS(9)
+JQ_WG_PART(affine, f16, kF16, kAffineFormats, 256)
+#endif
+#if JQ_WGMMA_BUILDS(10)
+JQ_WG_PART(float, f16, kF16, kFloatFormats, 64)
+#endif
+#if JQ_WGMMA_BUILDS(11)
+JQ_WG_PART(float, f16, kF16, kFloatFormats, 128)
+#endif
+#if JQ_WGMMA_BUILDS(12)
+JQ_WG_PART(float, f16, kF16, kFloatFormats, 256)
+#endif
+#undef JQ_WG_PART
+#undef JQ_WG_LAUNCHER
+#undef JQ_WG_LAUNCH_BN
 #endif  // JQ_NO_WGMMA
 
 }  // namespace mma

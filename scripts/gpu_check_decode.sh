@@ -46,8 +46,8 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
     -Iinclude -Ihip_src tools/cuda/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
-    # defaults (the wgmma GEMM on sm_90, 128 rows of x per block at these sizes), then
-    # two tiles per GEMV block wherever M > 8 with the mma.sync GEMM, then 256 rows
+    # defaults (the wgmma GEMM on sm_90, 64 or 128 rows of x per block at these sizes),
+    # then two tiles per GEMV block wherever M > 8 with the mma.sync GEMM, then 256 rows
     for setting in ${JQ_SANITIZER_SETTINGS:-JAXQUANT_DEFAULTS=1 "JAXQUANT_MMA_TILES=2 JAXQUANT_GEMM_KERNEL=mma" JAXQUANT_WGMMA_BN=256}; do
       log="$OUT/sanitizer_memcheck_${setting%%=*}.log"
       env $setting timeout ${JQ_SANITIZER_TIMEOUT:-240} compute-sanitizer --tool memcheck \

@@ -75,7 +75,8 @@ def test_qmm_rows_per_block_follow_the_grid(mode, bits):
     # M = 512: the Hopper kernel takes 256 rows of x per block on a long grid (N = 16384:
     # 128 x 2 blocks) and 128 on a short one (the first 1024 rows of that weight: 8 x 2
     # blocks of 256 would leave most SMs idle; hip_src/qmm_gemm.h, wgmma_rows_per_block);
-    # either way the oracle's product, and the same numbers for the same weight rows
+    # and 64 from at most 64 rows; either way the oracle's product, and the same numbers
+    # for the same rows
     qw, packed = _packed(mode, bits, (16384, 512), key=bits + 60)
     head = jq.prepack(qw[:1024], layout="cuda_mma")
     w64 = deq64(qw)
@@ -85,6 +86,9 @@ def test_qmm_rows_per_block_follow_the_grid(mode, bits):
     assert_matmul_close(y, x, w64, jnp.bfloat16)
     assert_matmul_close(y_head, x, w64[:1024], jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y_head), np.asarray(y[:, :1024]))
+    for m in (64, 40):  # 64 rows per block (40: the block's last 24 rows past x's end)
+        y_m = jq.qmm(x[:m], packed, backend="ffi")
+        np.testing.assert_array_equal(np.asarray(y_m), np.asarray(y[:m]))
 
 
 def _ragged64(x, w64, sizes):
