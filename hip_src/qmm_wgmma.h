@@ -347,6 +347,17 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
 // past the end read as zeros (qmm_wgmma.hip).
 bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map);
 
+// The compile check's covering set (qmv_mma.h, kEveryVariant): every codec with 128
+// rows of x per block, and the other block sizes with one of affine 4-bit's scale
+// variants (the block size changes the accumulators and the stages, not the scales).
+#if defined(JQ_MMA_COVERING_SET)
+template <int P, int SDT>
+constexpr bool kWgEveryBlockSize = P == 1 && SDT == kF32;
+#else
+template <int P, int SDT>
+constexpr bool kWgEveryBlockSize = true;
+#endif
+
 // The launch policy of the format switches in qmv_mma.h, for this kernel with BN rows
 // of x per block (qmm_wgmma.hip builds each BN in its own translation unit).
 template <int BN>
@@ -355,7 +366,7 @@ struct WgmmaLaunch {
   static hipError_t run(const GemmProblem& pr, hipStream_t stream) {
     if constexpr (XDT == kF32) {
       return hipErrorInvalidValue;  // float32 x: not this kernel (the handler refuses it)
-    } else if constexpr (!kEveryVariant<C, XDT>) {
+    } else if constexpr (!kEveryVariant<C, XDT> || (BN != 128 && !kWgEveryBlockSize<P, SDT>)) {
       return go<C, XDT, P, SDT, 128>(pr, stream);  // the compile check's covering set
     } else {
       return go<C, XDT, P, SDT, BN>(pr, stream);
