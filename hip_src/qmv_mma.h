@@ -1056,14 +1056,14 @@ template <class C>
 constexpr bool kAffine4 = C::kFmt == kAffine && C::kBits == 4;
 template <class C, int XDT>
 constexpr bool kEveryVariant = kAffine4<C> && XDT != kF16;
-template <class C, int XDT>
+template <class C>
 constexpr bool kEveryScaleDtype = kAffine4<C>;
 template <class C, int XDT>
 constexpr bool kBuiltForX = XDT == kBF16 || kAffine4<C> || C::kFmt == kMxfp4;
 #else
 template <class C, int XDT>
 constexpr bool kEveryVariant = true;
-template <class C, int XDT>
+template <class C>
 constexpr bool kEveryScaleDtype = true;
 template <class C, int XDT>
 constexpr bool kBuiltForX = true;
@@ -1151,7 +1151,7 @@ static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
     return L::template run<C, XDT, NT, P, kU8>(pr, stream);
   } else {
     if (pr.q.scale_dt == kF32) return L::template run<C, XDT, NT, P, kF32>(pr, stream);
-    if constexpr (XDT != kF32 && kEveryScaleDtype<C, XDT>) {
+    if constexpr (XDT != kF32 && kEveryScaleDtype<C>) {
       if (pr.q.scale_dt == XDT) return L::template run<C, XDT, NT, P, XDT>(pr, stream);
     }
     return hipErrorInvalidValue;

@@ -249,11 +249,16 @@ def test_profile_classes_name_the_models_functions():
     assert {"route", "moe_mlp", "expert_gather", "expert_ragged"} <= defined
 
 
+def _two_cpu_devices_env():
+    """A subprocess's environment with 2 host CPU devices (and the tests' XLA options)."""
+    return dict(os.environ, XLA_FLAGS=os.environ.get("JAXQUANT_TEST_XLA_FLAGS", "")
+                + " --xla_force_host_platform_device_count=2",
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 @pytest.mark.slow
 def test_mesh_and_xla_flags_variants_in_a_subprocess():
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("JAXQUANT_TEST_XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = _two_cpu_devices_env()
     argv = [sys.executable, "-m", "jaxquant", "bench", "model", "--configs", "tiny-dense",
             "--modes", "bf16", "--batch", "1", "--prefill", "0", "--peer", "none",
             "--mesh", "2x1,4x1", "--xla-flags=--xla_cpu_enable_fast_math=false", *TINY]
@@ -278,9 +283,7 @@ def test_sharded_init_on_an_expert_parallel_mesh_in_a_subprocess():
     """--init sharded (parallel.init_params: no host copy) with --mesh 1x2 on a MoE
     config: a row per mode on one device and on the mesh; the mesh's bf16 logits those
     of one device (the same weights drawn placed; expert parallel sums exactly here)."""
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("JAXQUANT_TEST_XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = _two_cpu_devices_env()
     argv = [sys.executable, "-m", "jaxquant", "bench", "model", "--configs", "tiny",
             "--modes", "bf16,mxfp4", "--batch", "1", "--prefill", "8", "--peer", "none",
             "--init", "sharded", "--mesh", "1x2", *TINY]
