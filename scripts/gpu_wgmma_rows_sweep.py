@@ -7,7 +7,7 @@ rows-per-block choice, e.g. the default and $JAXQUANT_WGMMA_BN=128, and compare.
   python scripts/gpu_wgmma_rows_sweep.py TAG      # about 1 minute on an H100
 """
 import sys
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
 import jaxquant as jq
 from jaxquant.bench.decode import _many, _quantize, _timeit
 from jaxquant.bench import harness, moe as bm
