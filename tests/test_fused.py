@@ -328,3 +328,20 @@ def test_fallback_is_the_unfused_ops_of_the_backend():
     # the reference backend lowers the reference: no custom call
     text = jax.jit(lambda: jq.rms_norm_qmm(x, w, qw, backend="reference")).lower().as_text()
     assert "custom_call" not in text
+
+
+def test_automatic_choice_of_the_fused_kernel_by_rows():
+    """The fused GEMV's automatic choice (the CUDA kernel; tests/test_fused_gpu.py lowers
+    it): up to configs.FUSED_MAX_ROWS rows of x, counted over every leading axis."""
+    from jaxquant.ffi import configs
+
+    assert configs.FUSED_MAX_ROWS == {"rms_norm_qmm": 1, "qmm_swiglu": 4}
+    for op, most in configs.FUSED_MAX_ROWS.items():
+        auto = configs.auto_fused(op)
+        x = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        assert auto(x(1, 64), None, platform="cuda")
+        assert auto(x(1, most, 64), None, platform="cuda")
+        assert not auto(x(most + 1, 64), None, platform="cuda")
+        assert not auto(x(2, most, 64), None, platform="cuda")  # batch x rows
+    with pytest.raises(KeyError):
+        configs.auto_fused("qmm")

@@ -188,12 +188,20 @@ def test_cases_the_kernel_does_not_take_run_unfused():
                                              backend="ffi")))
 
 
-def test_automatic_choice_runs_the_unfused_kernels():
-    """configs.auto_fused: the fused GEMV is opt-in (measured slower in the whole model)."""
+def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
+    """configs.FUSED_MAX_ROWS: the fused kernel up to its rows of x, the unfused ops above."""
+    from jaxquant.ffi import configs
+
     _, packed = _packed("mxfp4", 4, (64, 192), key=4)
-    x = rand(4, (1, 192), jnp.bfloat16)
-    text = _targets(lambda x, q: jq.qmm_swiglu(x, q), x, packed)
-    assert "jaxquant_qmv_mma_fused" not in text and "jaxquant_qmv_mma" in text
+    w = rand(5, (192,), jnp.bfloat16)
+    ops = {"rms_norm_qmm": lambda x, q: jq.rms_norm_qmm(x, w, q),
+           "qmm_swiglu": lambda x, q: jq.qmm_swiglu(x, q)}
+    for op, f in ops.items():
+        most = configs.FUSED_MAX_ROWS[op]
+        for m, fused in ((1, True), (most, True), (most + 1, False)):
+            text = _targets(f, rand(4, (m, 192), jnp.bfloat16), packed)
+            assert ("jaxquant_qmv_mma_fused" in text) == fused, (op, m)
+            assert "jaxquant_qmv_mma" in text, (op, m)
 
 
 def test_handler_checks():

@@ -273,8 +273,9 @@ def register(lib) -> None:
     optional = (
         ("jq_gpu_qmv_mma_fused", FUSED_TARGET,  # the fused GEMVs
          (("rms_norm_qmm", rms_norm_qmm_impl, rms_norm_qmm_applies, PRIORITY,
-           configs.auto_fused),
-          ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY, configs.auto_fused))),
+           configs.auto_fused("rms_norm_qmm")),
+          ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY,
+           configs.auto_fused("qmm_swiglu")))),
         ("jq_gpu_qmm_gemm", GEMM_TARGET,  # the prefill GEMM
          (("qmm", gemm_qmm_impl, gemm_qmm_applies, PRIORITY, gemm_qmm_auto),
           ("ragged_qmm", ragged_qmm_impl, ragged_qmm_applies, PRIORITY, None))),

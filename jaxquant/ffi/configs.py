@@ -115,12 +115,24 @@ def auto_norm(x, *operands, platform, **params) -> bool:
     return platform == "cpu" and math.prod(x.shape) >= NORM_MIN_ELEMENTS
 
 
-def auto_fused(x, *operands, platform, **params) -> bool:
-    """The fused GEMVs (rms_norm_qmm, qmm_swiglu) are opt-in (backend="ffi"): in the whole
-    model they measured slower than the unfused ops they replace. H100, Llama-3-8B dims,
-    batch 1, same bf16 row (165 tok/s) in both processes: affine4 346 tok/s unfused vs
-    312 fused, mxfp4 341 vs 305 (benchmarks/RESULTS.md, "Whole model")."""
-    return False
+# The fused GEMVs (rms_norm_qmm, qmm_swiglu): the rows of x per call up to which the
+# automatic choice takes the fused kernel, where it measured faster than the unfused ops
+# it replaces (H100, Llama-3-8B dims, benchmarks/RESULTS.md "Ninth session"). The norm
+# prologue (4096 -> 6144): M = 1 19.8 / 18.1 µs against 21.2 / 20.0 (affine4 / mxfp4);
+# at M = 4 slower, as every block normalizes its rows (29 µs against the plain GEMV's
+# 20). The SwiGLU epilogue (4096 -> 28672): M = 1 34.3 / 35.8 µs against 36.4 / 37.6,
+# M = 4 45 / 48 against 47 / 48. Whole model, batch 1: affine4 355-357 tok/s against
+# 352-353 unfused, mxfp4 343-346 against 340-341.
+FUSED_MAX_ROWS = {"rms_norm_qmm": 1, "qmm_swiglu": 4}
+
+
+def auto_fused(op: str):
+    """The automatic-choice predicate of the fused GEMV `op` (FUSED_MAX_ROWS)."""
+    most = FUSED_MAX_ROWS[op]
+
+    def auto(x, *operands, platform, **params) -> bool:
+        return math.prod(x.shape[:-1]) <= most
+    return auto
 
 
 def never(*args, platform, **params) -> bool:
