@@ -22,7 +22,8 @@ rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   ("qmv_kernels") and those hip_src/qmv_impl.h launches ("qmv_launch_variants").
 cuda: nvcc compiles every CUDA source of hip_src/ for sm_80 and sm_90 and
   qmm_wgmma.hip for sm_90a (the architectures of JAXQUANT_CUDA_ARCHS=all), with
-  ptxas at -O0 by default: ptxas still assembles every instruction, inline PTX
+  ptxas at -O0 by default on the sources of PTXAS_FILES (every form of inline PTX;
+  the others stop at PTX): ptxas still assembles every instruction, inline PTX
   included, for each target, without the register allocation and scheduling
   work that makes the release build (-O3, --ptxas-opt 3) about 10x slower
   (docs/building.md has the times). By default the kernels' covering set
@@ -30,7 +31,8 @@ cuda: nvcc compiles every CUDA source of hip_src/ for sm_80 and sm_90 and
   kernel, affine 4-bit in every variant, float16/float32 x with affine 4-bit and MXFP4
   alone, float16 x in one variant; -DJQ_QMV_DEFAULT_CONFIGS_ONLY), at about a fifth of
   the time;
-  --every-variant compiles all that the library build does.
+  --every-variant compiles all that the library build does, every source through
+  ptxas.
 
 Jobs run in parallel (one per core). Exit status 0 when everything that was
 attempted compiled. The last line is a JSON summary.
@@ -65,13 +67,24 @@ CUDA_ARCHS = ["80", "90"]
 # every kernel variant that launch_qmv (hip_src/qmv_impl.h) can launch for the configs
 # qmv_config (hip_src/gpu_ffi.hip) chooses, as the real build does; the other archs
 # build the default variants only (all variants take about twice the defaults' time).
-ALL_QMV_CONFIG_ARCHS = ["gfx942"]
+# gfx90a stops at LLVM's IR (BACKEND_ARCHS): the variants differ in their loop
+# parameters, not in the builtins or instructions they ask for (those go through the
+# backend on gfx942 and gfx1100 in the default variants).
+ALL_QMV_CONFIG_ARCHS = ["gfx90a"]
 # Through the AMDGPU backend (instruction selection, register allocation); the other
 # archs stop at LLVM's optimized IR. One arch per wave size: hip_src/ branches on the
 # wave size alone (JQ_WARP) outside cdna4_qmm.hip's gfx950 code, which
 # scripts/cdna4_compile_check.py compiles to the ISA.
 BACKEND_ARCHS = ["gfx942", "gfx1100"]
 QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
+# CUDA: ptxas assembles these for the target; the other sources stop at PTX (cicc's
+# output: the C++ front end, NVVM and its PTX, the host side). Past cicc, ptxas adds a
+# check of inline PTX alone (hip_src/'s asm statements and the CUDA headers' own, such as
+# __ldg's), and these sources instantiate every inline PTX form that any source's PTX
+# holds in the covering set (tests/test_ffi_toolchain.py checks it on every run:
+# inline_asm_forms). The others' ptxas was about a quarter of the check's CPU time.
+# --every-variant runs ptxas on every source.
+PTXAS_FILES = ["qmv_mma_fused_float_f16.hip", "qmv_mma_fused_float_f32.hip", "qmm_wgmma.hip"]
 # Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, ptxas -O0,
 # the covering set; ROCm: one arch, default GEMV variants): the jobs start longest
 # first, so that the parallel jobs finish together (qmm_wgmma.hip last would leave one
@@ -165,18 +178,39 @@ def qmv_kernels_in(obj: pathlib.Path) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0, every_variant=False):
+def inline_asm_forms(ptx: str) -> set[str]:
+    """The inline PTX statements of a PTX file (nvcc marks them "// begin inline asm"),
+    registers and numbers replaced by R and N: the forms ptxas would check."""
+    forms = set()
+    for block in re.findall(r"// begin inline asm\n(.*?)// end inline asm", ptx, re.S):
+        for line in block.splitlines():
+            line = line.strip().rstrip(";")
+            if line:
+                line = re.sub(r"%[a-z]+\d+", "R", line)
+                forms.add(re.sub(r"\b0[xX][0-9a-fA-F]+\b|\b\d+\b", "N", line))
+    return forms
+
+
+def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0, every_variant=False, keep_dir=None):
+    """[(name, command)]; keep_dir: nvcc keeps its intermediate files there (the PTX)."""
     # -O0: the host compiler's level (nvcc's -O is host code only; the device code is
     # the same PTX at any -O, checked: the host side compiles 10% faster)
     base = [nvcc, "-x", "cu", "-std=c++17", "-O0", f"-Xptxas=-O{ptxas_opt}",
             "--expt-relaxed-constexpr", "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
     if not every_variant:  # the covering set (hip_src/qmv_mma.h: kEveryVariant)
         base += ["-DJQ_MMA_COVERING_SET", "-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    job = lambda f, arch_flags: (f"cuda:{f}", base + arch_flags + [
-        "-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
-    return ([job(f, gencode) for f in HIP_FILES + CUDA_ONLY_FILES] +
-            [job(f, ["-gencode=arch=compute_90a,code=sm_90a"]) for f in SM90A_FILES])
+
+    def gencode(f, arch):  # code=sm_X: through ptxas; code=compute_X: PTX only
+        code = "sm" if every_variant or f in PTXAS_FILES else "compute"
+        return f"-gencode=arch=compute_{arch},code={code}_{arch}"
+
+    def job(f, arch_list):
+        keep = [] if keep_dir is None else ["--keep", f"--keep-dir={keep_dir}"]
+        return (f"cuda:{f}", base + keep + [gencode(f, a) for a in arch_list] + [
+            "-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
+
+    return ([job(f, archs) for f in HIP_FILES + CUDA_ONLY_FILES] +
+            [job(f, ["90a"]) for f in SM90A_FILES])
 
 
 def probe_rocm_arch(clang, arch) -> str | None:

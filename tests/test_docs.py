@@ -1,7 +1,7 @@
 """The docs in the repo: every ```python block of README.md and docs/*.md runs as
 written (on the CPU, each block on its own in a fresh Python process, as a reader
-pastes it), and no text points outside the repo (no ../shared links, no DESIGN.md:
-the design notes are docs/).
+pastes it: forked from tests/forked_python.py after its imports), and no text points
+outside the repo (no ../shared links, no DESIGN.md: the design notes are docs/).
 
 Every ```python block must run as written on a CPU in a few seconds: make it
 self-contained (its own imports and small inputs). A block that needs several
@@ -14,10 +14,10 @@ import importlib.util
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.forked_python import ForkedPython
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -66,21 +66,40 @@ def test_fence_extraction(tmp_path):
     assert python_blocks(path) == [(2, "a = 1\n"), (8, "b = 2\n")]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("where,code", BLOCKS, ids=[where for where, _ in BLOCKS])
-def test_docs_python_block_runs(where, code):
-    missing = missing_optional(code)
-    if missing:
-        pytest.skip(f"{where} needs {', '.join(missing)} (pip install {' '.join(missing)})")
+@pytest.fixture(scope="module")
+def python():
+    """tests/forked_python.py: a process per block, forked after the imports."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("JAXQUANT_BACKEND", None)
     # a block that needs host devices sets them itself; XLA's compile options of the
     # tests (tests/conftest.py) stay
     env["XLA_FLAGS"] = os.environ.get("JAXQUANT_TEST_XLA_FLAGS", "")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    with ForkedPython(env, ROOT) as py:
+        yield py
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,code", BLOCKS, ids=[where for where, _ in BLOCKS])
+def test_docs_python_block_runs(where, code, python):
+    missing = missing_optional(code)
+    if missing:
+        pytest.skip(f"{where} needs {', '.join(missing)} (pip install {' '.join(missing)})")
+    run = python.run(["-c", code], timeout=300)
     assert run.returncode == 0, f"{where} failed:\n{run.stderr[-3000:]}"
+
+
+def test_forked_python_is_a_fresh_process(python):
+    assert python.run(["-c", "import jaxquant\nx = 1\nprint(x)"]).stdout == "1\n"
+    failed = python.run(["-c", "x\n"])  # the run before left nothing behind
+    assert failed.returncode == 1 and "NameError" in failed.stderr, failed
+    assert python.run(["-c", "raise SystemExit(3)"]).returncode == 3
+    assert python.run(["-c", "import time\ntime.sleep(5)"], timeout=0.5).returncode == -9
+    # host devices chosen by the code: JAX had touched no device before the fork
+    code = ('import jax\njax.config.update("jax_num_cpu_devices", 3)\n'
+            'assert jax.device_count() == 3, jax.devices()\n')
+    p = python.run(["-c", code])
+    assert p.returncode == 0, p.stderr
 
 
 def _text_files():

@@ -50,9 +50,9 @@ def test_rocm_compile():
 
 def _check_qmv_variants(summary):
     """Every GEMV kernel variant that qmv_config (hip_src/gpu_ffi.hip) can choose is
-    compiled for gfx942: M > 1 -> (MT, R) = (8, 1); M = 1 -> R = 4, R = 2 (N < 4096) and,
+    compiled for gfx90a (to LLVM's IR): M > 1 -> (MT, R) = (8, 1); M = 1 -> R = 4, R = 2 (N < 4096) and,
     through $JAXQUANT_FFI_GPU_QMV, R = 1. The other archs build the defaults only."""
-    assert "gfx942" in summary["all_qmv_configs"], summary.get("all_qmv_configs")
+    assert "gfx90a" in summary["all_qmv_configs"], summary.get("all_qmv_configs")
     launched = set(summary["qmv_launch_variants"])
     assert {(1, 4), (1, 2), (1, 1), (8, 1)} <= {tuple(map(int, v.split(",")[:2]))
                                                 for v in launched}, launched
@@ -97,23 +97,51 @@ def test_cuda_library_compiled():
         assert hasattr(handle, "jq_gpu_" + target), target
 
 
+# The inline PTX forms of each source compiled here (test_cuda_source_compiles), for
+# test_ptxas_sees_every_inline_ptx_form: one xdist group, so one process runs them all.
+_ASM_FORMS: dict[str, set[str]] = {}
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("cuda_compile")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("source", CUDA_SOURCES)
 def test_cuda_source_compiles(source, tmp_path):
     """Without the CUDA library (CI, a machine without a GPU): `source` compiles for
-    sm_90 (qmm_wgmma.hip: sm_90a) with ptxas at -O0, the architecture the kernels
-    are measured on, in the kernels' covering set: every codec in one variant of
-    each kernel, affine 4-bit in all, float16/float32 x with affine 4-bit and MXFP4
-    alone, float16 x in one variant (hip_src/qmv_mma.h, kEveryVariant, kBuiltForX;
-    about a fifth of the time of every variant, docs/building.md). sm_80 differs by two
-    `__CUDA_ARCH__ >= 900` guards; `scripts/native_compile_check.py cuda
-    --every-variant` compiles both archs and every variant. Where the library was
-    built, its build compiled every source (test_cuda_library_compiled checks it)."""
+    sm_90 (qmm_wgmma.hip: sm_90a), the architecture the kernels are measured on, in the
+    kernels' covering set: every codec in one variant of each kernel, affine 4-bit in
+    all, float16/float32 x with affine 4-bit and MXFP4 alone, float16 x in one variant
+    (hip_src/qmv_mma.h, kEveryVariant, kBuiltForX; about a fifth of the time of every
+    variant, docs/building.md); through ptxas at -O0 for ncc.PTXAS_FILES, to PTX for
+    the others. sm_80 differs by two `__CUDA_ARCH__ >= 900` guards; `python
+    scripts/native_compile_check.py cuda --every-variant` compiles both archs and every
+    variant through ptxas. Where the library was built, its build compiled every
+    source (test_cuda_library_compiled checks it)."""
     if _cuda_library() is not None:
         pytest.skip("this install built libjaxquant_cuda.so from every CUDA source "
                     "(test_cuda_library_compiled checks its handlers)")
-    (cmd,) = [cmd for name, cmd in ncc.cuda_jobs(NVCC, ["90"], tmp_path)
+    (cmd,) = [cmd for name, cmd in ncc.cuda_jobs(NVCC, ["90"], tmp_path, keep_dir=tmp_path)
               if name == f"cuda:{source}"]
     code, out, _ = ncc.run(cmd, timeout=900)
     assert code == 0, out[-6000:]
+    ptx = sorted(tmp_path.glob("*.ptx"))
+    assert ptx, f"nvcc kept no PTX in {tmp_path}"
+    _ASM_FORMS[source] = set().union(*(ncc.inline_asm_forms(p.read_text()) for p in ptx))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cuda_compile")
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+def test_ptxas_sees_every_inline_ptx_form():
+    """The sources that stop at PTX hold no inline PTX form (hip_src/'s asm statements,
+    the CUDA headers' intrinsics) that ptxas does not assemble in ncc.PTXAS_FILES: ptxas
+    checks nothing else that cicc had not (docs/building.md, "CI's compile checks")."""
+    missing = [s for s in CUDA_SOURCES if s not in _ASM_FORMS]
+    if missing:
+        pytest.skip(f"test_cuda_source_compiles did not compile {missing} in this process")
+    checked = set().union(*(_ASM_FORMS[s] for s in ncc.PTXAS_FILES))
+    assert any(f.startswith("wgmma.mma_async") for f in checked), sorted(checked)[:5]
+    unchecked = {s: sorted(_ASM_FORMS[s] - checked) for s in CUDA_SOURCES
+                 if _ASM_FORMS[s] - checked}
+    assert not unchecked, f"inline PTX that ptxas does not see: {unchecked} (add a source " \
+                          f"that instantiates it to PTXAS_FILES, scripts/native_compile_check.py)"

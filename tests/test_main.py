@@ -1,15 +1,15 @@
 """`python -m jaxquant`: the demo (the default: a decoder, bf16 against each
 quantized mode), the report (backends, per-mode round-trip error) and the
-command line, run in subprocesses."""
+command line, each run in a process of its own (forked: tests/forked_python.py)."""
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from tests import oracle
+from tests.forked_python import ForkedPython
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("reference", "pallas", "ffi", "metal")
@@ -29,10 +29,21 @@ runpy.run_module("jaxquant", run_name="__main__", alter_sys=True)
 """
 
 
-def run(args, timeout=120):
+_PYTHON = []  # the module's ForkedPython (tests/forked_python.py)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_python():
     env = {k: v for k, v in os.environ.items() if k != "JAXQUANT_BACKEND"}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    with ForkedPython(env, ROOT) as py:
+        _PYTHON.append(py)
+        yield
+        _PYTHON.remove(py)
+
+
+def run(args, timeout=120):
+    """`python ARGS` in a process of its own, forked after jax's and jaxquant's imports."""
+    return _PYTHON[0].run(args, timeout=timeout)
 
 
 def test_report_prints_backends_and_one_error_row_per_mode():
