@@ -3,6 +3,7 @@ forked from a server that imported jax, numpy and jaxquant once (about a second 
 import per run otherwise) before JAX touched a device, so that the code can still choose
 its host devices (`jax.config.update("jax_num_cpu_devices", 8)`) or its environment.
 Used by tests/test_docs.py (the docs' blocks) and tests/test_main.py (the command line).
+On Linux; elsewhere each run is a plain subprocess (FORK below).
 
     with ForkedPython(env, cwd) as py:
         p = py.run(["-m", "jaxquant", "--help"], timeout=60)   # .returncode .stdout .stderr
@@ -24,13 +25,28 @@ import time
 import traceback
 
 
+# Fork after the imports on Linux only: macOS's system frameworks (Metal, which
+# jaxquant.metal loads there) are not safe to use in a forked child, and Windows has no
+# fork; there each run is a plain subprocess.
+FORK = hasattr(os, "fork") and sys.platform.startswith("linux")
+
+
 class ForkedPython:
     def __init__(self, env: dict, cwd):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.forked_python"], cwd=cwd,
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.env, self.cwd, self.proc = env, cwd, None
+        if FORK:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.forked_python"],
+                                         cwd=cwd, env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
 
     def run(self, args, timeout=120) -> subprocess.CompletedProcess:
+        if self.proc is None:
+            try:
+                return subprocess.run([sys.executable, *args], cwd=self.cwd, env=self.env,
+                                      capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                return subprocess.CompletedProcess(args, -9, e.stdout or "",
+                                                   f"(killed after {timeout} s)")
         self.proc.stdin.write(json.dumps({"args": list(args), "timeout": timeout}) + "\n")
         self.proc.stdin.flush()
         r = json.loads(self.proc.stdout.readline())
@@ -40,8 +56,9 @@ class ForkedPython:
         return self
 
     def __exit__(self, *exc):
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
 
 
 def _child(args) -> int:

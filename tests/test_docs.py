@@ -89,7 +89,19 @@ def test_docs_python_block_runs(where, code, python):
     assert run.returncode == 0, f"{where} failed:\n{run.stderr[-3000:]}"
 
 
-def test_forked_python_is_a_fresh_process(python):
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "subprocess"])
+def test_forked_python_is_a_fresh_process(fork, monkeypatch):
+    import tests.forked_python as fp
+
+    monkeypatch.setattr(fp, "FORK", fork and fp.FORK)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with ForkedPython(env, ROOT) as python:
+        assert (python.proc is not None) == (fork and fp.FORK)
+        _check_fresh_processes(python)
+
+
+def _check_fresh_processes(python):
     assert python.run(["-c", "import jaxquant\nx = 1\nprint(x)"]).stdout == "1\n"
     failed = python.run(["-c", "x\n"])  # the run before left nothing behind
     assert failed.returncode == 1 and "NameError" in failed.stderr, failed
