@@ -709,13 +709,6 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
   }
 }
 
-// Element k of a staged row of x, as float / written back in x's dtype (rounded).
-template <int XDT>
-__device__ __forceinline__ float staged_x(const uint8_t* row, int64_t k) {
-  if constexpr (XDT == kF32) return reinterpret_cast<const float*>(row)[k];
-  else return raw_to_float(reinterpret_cast<const uint16_t*>(row)[k], XDT);
-}
-
 // 16 bytes of shared memory at a shared-window address. The fused norm reads and
 // writes staged x with these: through a generic pointer the same accesses went down
 // the L1TEX path, where they queued behind the weight stream's cp.async copies.
