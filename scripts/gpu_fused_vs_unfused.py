@@ -4,8 +4,8 @@ process on a GPU (benchmarks/RESULTS.md, "Ninth session"):
   python scripts/gpu_fused_vs_unfused.py kernels      # JAX level, Llama-3-8B shapes, M = 1, 4
   python scripts/gpu_fused_vs_unfused.py model [llama3-8b|gpt-oss-20b] [affine4,mxfp4]
 
-kernels: one call = one product per weight copy (8 copies), unfused (the automatic
-choice with the fused kernels off), the plain qmm alone, and fused (backend="ffi").
+kernels: `bench decode --only fused` at M = 1 and 4: one call = one product per weight
+copy (8 copies), unfused ops, fused (backend="ffi") and the plain qmm alone.
 model: decode tok/s of the whole model, batch 1, with the automatic choice's fused
 kernels off and on, alternating (configs.FUSED_MAX_ROWS decides "on" by default)."""
 import dataclasses
@@ -14,7 +14,6 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import jaxquant as jq
 import jaxquant.ffi  # noqa: F401 - registers the CUDA kernels
 from jaxquant import demo, dispatch, models
 from jaxquant.bench import decode as bd
@@ -24,33 +23,9 @@ from jaxquant.bench.harness import copy_bandwidth
 FUSED_OPS = ("rms_norm_qmm", "qmm_swiglu")
 
 
-def kernels(bw, copies=8):
-    for op, (k, n) in {"rms_norm_qmm": (4096, 6144), "qmm_swiglu": (4096, 2 * 14336)}.items():
-        ws = [(0.05 * jax.random.normal(jax.random.key(7 * i + 1), (n, k), jnp.float32)
-               ).astype(jnp.bfloat16) for i in range(copies)]
-        nw = 1 + 0.1 * jax.random.normal(jax.random.key(5), (k,), jnp.bfloat16)
-        if op == "rms_norm_qmm":
-            impls = {"unfused": lambda x, q: jq.qmm(jq.rms_norm(x, nw), q),
-                     "fused": lambda x, q: jq.rms_norm_qmm(x, nw, q, backend="ffi")}
-        else:
-            def unfused(x, q):
-                g, u = jnp.split(jq.qmm(x, q).astype(jnp.float32), 2, axis=-1)
-                return (jax.nn.silu(g) * u).astype(x.dtype)
-            impls = {"unfused": unfused,
-                     "fused": lambda x, q: jq.qmm_swiglu(x, q, backend="ffi")}
-        impls["qmm alone"] = lambda x, q: jq.qmm(x, q)
-        with_off(True)
-        for mode in ("affine4", "mxfp4"):
-            packed = [jq.prepack(bd._quantize(mode, w), layout="cuda_mma") for w in ws]
-            nbytes = bd._nbytes(packed[0])
-            for m in (1, 4):
-                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-                for impl, f in impls.items():
-                    us = bd._timeit(bd._many(f), (x, packed), copies) * 1e6
-                    print(f"{op} M={m} {k}->{n} {mode:8s} {impl:10s} {us:7.1f} us "
-                          f"{100 * nbytes / (us * 1e-6) / bw:4.0f}% of copy", flush=True)
-            del packed
-        with_off(False)
+def kernels(bw):
+    """bench decode's fused part (jaxquant/bench/decode.py) at 1 and 4 rows of x."""
+    bd.bench_fused(bw, print, ms=(1, 4))
 
 
 _REGISTERED = {}

@@ -9,8 +9,8 @@
   on the same GPU in the same process, where torch is importable.
 - moe: gather_qmm decode layers (gpt-oss-20b, Qwen3-30B-A3B; T = 1 and 8), %
   of the copy bandwidth over the bytes of the distinct experts picked.
-- fused: the fused decode GEMVs against their unfused ops, back to back at
-  Llama-3-8B dims: rms_norm_qmm (norm + QKV, 4096 -> 6144) against rms_norm then
+- fused: the fused decode GEMVs against their unfused ops (and the plain qmm), back to
+  back at Llama-3-8B dims: rms_norm_qmm (norm + QKV, 4096 -> 6144) against rms_norm then
   qmm, qmm_swiglu (gate + up, 4096 -> 2 x 14336, silu) against qmm then the
   activation in XLA; M = 1 and 8, affine4 and mxfp4, % of the copy bandwidth.
 - step: a decode step of 8 layers (rms_norm -> gate, up, down qmm -> residual,
@@ -224,7 +224,9 @@ def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
             nbytes = _nbytes(packed[0])
             for m in ms:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-                for impl, f in (("unfused", unfused), ("fused", fused)):
+                # qmm alone: the plain GEMV on the same weight, what the fusion adds to
+                for impl, f in (("unfused", unfused), ("fused", fused),
+                                ("qmm alone", lambda x, q: jq.qmm(x, q))):
                     us = _timeit(_many(f), (x, packed), copies) * 1e6
                     res[(op, m, mode, impl)] = us
                     ratio = res[(op, m, mode, "unfused")] / us if impl == "fused" else None
