@@ -66,16 +66,21 @@ def test_fence_extraction(tmp_path):
     assert python_blocks(path) == [(2, "a = 1\n"), (8, "b = 2\n")]
 
 
-@pytest.fixture(scope="module")
-def python():
-    """tests/forked_python.py: a process per block, forked after the imports."""
+def _block_env():
+    """A reader's environment: the CPU, the repo importable, no backend chosen."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("JAXQUANT_BACKEND", None)
     # a block that needs host devices sets them itself; XLA's compile options of the
     # tests (tests/conftest.py) stay
     env["XLA_FLAGS"] = os.environ.get("JAXQUANT_TEST_XLA_FLAGS", "")
-    with ForkedPython(env, ROOT) as py:
+    return env
+
+
+@pytest.fixture(scope="module")
+def python():
+    """tests/forked_python.py: a process per block, forked after the imports."""
+    with ForkedPython(_block_env(), ROOT) as py:
         yield py
 
 
@@ -94,9 +99,7 @@ def test_forked_python_is_a_fresh_process(fork, monkeypatch):
     import tests.forked_python as fp
 
     monkeypatch.setattr(fp, "FORK", fork and fp.FORK)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    with ForkedPython(env, ROOT) as python:
+    with ForkedPython(_block_env(), ROOT) as python:
         assert (python.proc is not None) == (fork and fp.FORK)
         _check_fresh_processes(python)
 
