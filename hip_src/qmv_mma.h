@@ -177,6 +177,28 @@ __device__ __forceinline__ uint32_t hsub2_bf16(uint32_t a, uint32_t b) {
   return d;
 }
 
+// The hardware's FP8 conversions (sm_89+; exact: every E4M3 / E5M2 value, NaN and
+// infinity included, is a half). `pair`: two codes, the first in the low byte.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define JQ_HAS_FP8_CVT 1
+template <int EL>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t pair) {
+  uint32_t h;
+  const unsigned short b = (unsigned short)pair;
+  if constexpr (EL == kE4M3) asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(b));
+  else asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(h) : "h"(b));
+  return h;
+}
+__device__ __forceinline__ float2 f16x2_to_float2(uint32_t h) {
+  float lo, hi;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+      : "=f"(lo), "=f"(hi) : "r"(h));
+  return make_float2(lo, hi);
+}
+#else
+#define JQ_HAS_FP8_CVT 0
+#endif
+
 // The four A registers of k-step S from the lane's unit `w` (BITS words):
 // register j holds codes S*8 + j (low half) and S*8 + 4 + j (high half).
 template <class C, bool F16, bool FOLD, int S, int J>
@@ -196,6 +218,16 @@ __device__ __forceinline__ uint32_t a_reg(const uint32_t* w) {
       const uint32_t v = (shl<6 - 4 * J>(x) & 0x01c001c0u) | (shl<12 - 4 * J>(x) & 0x80008000u);
       return hmul2_bf16(v, 0x7e807e80u);  // 2^126
     }
+#if JQ_HAS_FP8_CVT
+  } else if constexpr (BITS == 8 && (C::kElement == kE4M3 || C::kElement == kE5M2)) {
+    // codes S*8 + J and S*8 + 4 + J are byte J of words 2S and 2S + 1: one byte
+    // permute, one conversion to half2 (x in half: the register), to bfloat16 through
+    // float32 (exact: 3 instructions, against ~20 for two element decodes)
+    const uint32_t h = fp8x2_to_f16x2<C::kElement>(__byte_perm(w[2 * S], w[2 * S + 1], J | ((J + 4) << 4)));
+    if constexpr (F16) return h;
+    const float2 f = f16x2_to_float2(h);
+    return pack_bf16x2(f.x, f.y);
+#endif
   } else {
     const float lo = C::decode(unit_code<BITS, S * 8 + J>(w));
     const float hi = C::decode(unit_code<BITS, S * 8 + 4 + J>(w));
@@ -400,6 +432,15 @@ struct ChunkScales {
     if constexpr (WIDE) return r[pc][k][h % SW];
     else return (r[pc][k][0] >> (16 * h)) & 0xffffu;
   }
+
+#if JQ_HAS_FP8_CVT
+  // E4M3 scales (nvfp4) of rows g and g + 8 for piece pc, times the global scale: one
+  // conversion of the pair to half2 (exact), as scale_e4m3(code) * gsv per row.
+  __device__ __forceinline__ float2 e4m3_pair(int pc, float gsv) const {
+    const float2 f = f16x2_to_float2(fp8x2_to_f16x2<kE4M3>(__byte_perm(r[pc][0][0], 0u, 0x20)));
+    return make_float2(f.x * gsv, f.y * gsv);
+  }
+#endif
 };
 
 // One chunk of TB tiles (the block's, same k): x (B) loads once for all of them,
@@ -450,6 +491,14 @@ __device__ __forceinline__ void compute_chunk(const TileCursor& cur, int c,
           mma16816<F16>(q, a[j][st], b[st][nt][0], b[st][nt][1]);
           if constexpr (XDT == kF32) mma16816<F16>(q, a[j][st], b[st][nt][2], b[st][nt][3]);
         }
+#if JQ_HAS_FP8_CVT
+        if constexpr (C::kScale == kScaleE4M3 && SDT == kU8) {
+          const float2 sv = sc[j].e4m3_pair(pc, gsv);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][nt][i] = fmaf(q[i], i >> 1 ? sv.y : sv.x, acc[j][nt][i]);
+          continue;
+        }
+#endif
 #pragma unroll
         for (int i = 0; i < 4; ++i)
           scale_into<C>(acc[j][nt][i], q[i], xs[i], sc[j].get(pc, 0, i >> 1),
