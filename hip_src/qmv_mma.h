@@ -199,6 +199,36 @@ __device__ __forceinline__ float2 f16x2_to_float2(uint32_t h) {
 #define JQ_HAS_FP8_CVT 0
 #endif
 
+// LEN <= 32 bits of the unit's bit stream from bit POS, in the low bits (the bits above
+// LEN are the stream's next ones, not zero). POS and LEN are compile-time constants: a
+// shift, or one funnel shift where the field straddles two words.
+template <int POS, int LEN>
+__device__ __forceinline__ uint32_t unit_bits(const uint32_t* w) {
+  constexpr int word = POS / 32, sh = POS % 32;
+  if constexpr (sh == 0) return w[word];
+  else if constexpr (sh + LEN <= 32) return w[word] >> sh;
+  else return __funnelshift_r(w[word], w[word + 1], sh);
+}
+
+// Codes S*8 + J (bits 0..BITS-1) and S*8 + 4 + J (bits 16..16+BITS-1) of the lane's
+// unit, BITS <= 7: the A register's two codes where the 4-bit layout keeps them, so the
+// same magic-number decode applies (the bits around them are not zero: the caller
+// masks). BITS <= 4: the four low codes and the four high codes of the k-step are one
+// field each, put 16 bits apart once for the step's four registers (the compiler
+// shares it); wider codes, one field per code.
+template <int BITS, int S, int J>
+__device__ __forceinline__ uint32_t code_pair(const uint32_t* w) {
+  constexpr int lo = (S * 8 + J) * BITS, hi = (S * 8 + 4 + J) * BITS;
+  if constexpr (4 * BITS <= 16) {
+    constexpr int group = S * 8 * BITS, span = 4 * BITS;
+    const uint32_t v = (unit_bits<group, span>(w) & ((1u << span) - 1u)) |
+                       (unit_bits<group + span, span>(w) << 16);
+    return shl<-BITS * J>(v);
+  } else {
+    return (unit_bits<lo, BITS>(w) & ((1u << BITS) - 1u)) | (unit_bits<hi, BITS>(w) << 16);
+  }
+}
+
 // The four A registers of k-step S from the lane's unit `w` (BITS words):
 // register j holds codes S*8 + j (low half) and S*8 + 4 + j (high half).
 template <class C, bool F16, bool FOLD, int S, int J>
@@ -217,6 +247,25 @@ __device__ __forceinline__ uint32_t a_reg(const uint32_t* w) {
     } else {
       const uint32_t v = (shl<6 - 4 * J>(x) & 0x01c001c0u) | (shl<12 - 4 * J>(x) & 0x80008000u);
       return hmul2_bf16(v, 0x7e807e80u);  // 2^126
+    }
+  } else if constexpr (C::kFmt == kAffine && BITS <= 6) {
+    // other affine widths: the 4-bit decode on the pair of codes, exact (c itself,
+    // no fold: the same values as the codec's decode, so the same bits)
+    constexpr uint32_t mask = ((1u << BITS) - 1u) * 0x00010001u;
+    const uint32_t v = and_or(code_pair<BITS, S, J>(w), mask, F16 ? 0x64006400u : 0x43004300u);
+    return F16 ? hsub2_f16(v, 0x64006400u) : hsub2_bf16(v, 0x43004300u);
+  } else if constexpr (BITS == 6 && (C::kElement == kE2M3 || C::kElement == kE3M2)) {
+    // MX 6-bit floats as E2M1 above: magnitude bits under the half's exponent LSBs,
+    // sign to bit 15, one multiply by a power of two rebases the exponent (exact:
+    // no special values; subnormals land on subnormals)
+    const uint32_t v = code_pair<6, S, J>(w);
+    constexpr bool E2M3 = C::kElement == kE2M3;
+    if constexpr (F16) {
+      const uint32_t m = E2M3 ? (shl<7>(v) & 0x0f800f80u) : (shl<8>(v) & 0x1f001f00u);
+      return hmul2_f16(m | (shl<10>(v) & 0x80008000u), E2M3 ? 0x74007400u : 0x6c006c00u);
+    } else {
+      const uint32_t m = E2M3 ? (shl<4>(v) & 0x01f001f0u) : (shl<5>(v) & 0x03e003e0u);
+      return hmul2_bf16(m | (shl<10>(v) & 0x80008000u), E2M3 ? 0x7e807e80u : 0x7d807d80u);
     }
 #if JQ_HAS_FP8_CVT
   } else if constexpr (BITS == 8 && (C::kElement == kE4M3 || C::kElement == kE5M2)) {
