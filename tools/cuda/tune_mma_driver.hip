@@ -18,38 +18,17 @@
 #include <utility>
 #include <vector>
 
+#include "driver_common.h"
 #include "qmv_mma.h"
 
 using namespace jq;
 using namespace jq::gpu::mma;
-
-#define CK(x)                                                                           \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      printf("error %s at line %d\n", cudaGetErrorString(e_), __LINE__);                \
-      exit(1);                                                                          \
-    }                                                                                   \
-  } while (0)
-
-static void* dev_random(size_t bytes, std::mt19937& rng, uint32_t mask) {
-  std::vector<uint32_t> h((bytes + 3) / 4);
-  for (auto& v : h) v = rng() & mask;
-  void* d = nullptr;
-  CK(cudaMalloc(&d, 4 * h.size()));
-  CK(cudaMemcpy(d, h.data(), 4 * h.size(), cudaMemcpyHostToDevice));
-  return d;
-}
 
 struct Shape {
   const char* name;
   int fmt, group, scale_dt;  // 4-bit formats only
   int64_t M, K, N;
 };
-
-// Copies of the weights cycled through, more bytes than L2 holds (50 MB on an H100),
-// so that every call reads them from DRAM as a model's layers do.
-constexpr double kRotateBytes = 256e6;
 
 struct Setup {
   std::vector<Problem> prs;  // one per copy of the weights
@@ -166,26 +145,6 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
          PF ? " l2pf" : "", g_carveout, res.us, blocks);
   if (PF) printf(" (%d chunks)", PF);
   return res;
-}
-
-static double copy_gbs() {
-  const size_t n = 1ull << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, n));
-  CK(cudaMalloc(&b, n));
-  CK(cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaEventRecord(e0));
-  for (int i = 0; i < 10; ++i) CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
-  CK(cudaEventRecord(e1));
-  CK(cudaEventSynchronize(e1));
-  float ms;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return 2.0 * n * 10 / (ms * 1e-3) / 1e9;
 }
 
 template <class C, int NT, int P, int SDT>
