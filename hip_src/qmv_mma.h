@@ -272,7 +272,8 @@ __device__ __forceinline__ uint32_t a_reg(const uint32_t* w) {
     // codes S*8 + J and S*8 + 4 + J are byte J of words 2S and 2S + 1: one byte
     // permute, one conversion to half2 (x in half: the register), to bfloat16 through
     // float32 (exact: 3 instructions, against ~20 for two element decodes)
-    const uint32_t h = fp8x2_to_f16x2<C::kElement>(__byte_perm(w[2 * S], w[2 * S + 1], J | ((J + 4) << 4)));
+    const uint32_t pair = __byte_perm(w[2 * S], w[2 * S + 1], J | ((J + 4) << 4));
+    const uint32_t h = fp8x2_to_f16x2<C::kElement>(pair);
     if constexpr (F16) return h;
     const float2 f = f16x2_to_float2(h);
     return pack_bf16x2(f.x, f.y);
@@ -544,7 +545,8 @@ __device__ __forceinline__ void compute_chunk(const TileCursor& cur, int c,
         if constexpr (C::kScale == kScaleE4M3 && SDT == kU8) {
           const float2 sv = sc[j].e4m3_pair(pc, gsv);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][nt][i] = fmaf(q[i], i >> 1 ? sv.y : sv.x, acc[j][nt][i]);
+          for (int i = 0; i < 4; ++i)
+            acc[j][nt][i] = fmaf(q[i], i >> 1 ? sv.y : sv.x, acc[j][nt][i]);
           continue;
         }
 #endif
