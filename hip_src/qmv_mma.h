@@ -20,9 +20,14 @@
 //     half and float32 x subtract it exactly (HSUB2);
 //   E2M1 (mxfp4, nvfp4, fp4): magnitude and sign bits moved into place with
 //     shifts/LOP3, one HMUL2 by 2^126 (bf16) / 2^14 (half) rebases the exponent;
-//   other formats: the codec's exact float decode and one F2FP pack per pair.
-// Scales are applied once per group (per chunk for group 128) to the MMA's
-// group sum: exactly, as a power of two, for E8M0. sum(x) per group (affine)
+//   affine 2/3/5/6-bit, MX 6-bit floats: the register's two codes first put 16 bits
+//     apart (code_pair), then as above (affine exact, no fold);
+//   FP8 (sm_89+): cvt.rn.f16x2.e4m3x2 / e5m2x2 per register (to bf16 via float32);
+//   affine 8-bit: the codec's exact float decode and one F2FP pack per pair.
+// The kernel is issue-bound (benchmarks/RESULTS.md, "Tenth session"): instructions
+// per weight byte decide its speed. Scales are applied once per group (per chunk for
+// group 128) to the MMA's group sum: exactly, as a power of two, for E8M0; E4M3
+// (nvfp4, sm_89+) converted a pair of rows at a time. sum(x) per group (affine)
 // is one more MMA with an all-ones A. float32 x is split into bf16 hi + lo
 // (two MMAs: ~2^-17 relative error per element instead of float32's 2^-24).
 //
