@@ -546,19 +546,19 @@ __device__ __forceinline__ void compute_chunk(const TileCursor& cur, int c,
           mma16816<F16>(q, a[j][st], b[st][nt][0], b[st][nt][1]);
           if constexpr (XDT == kF32) mma16816<F16>(q, a[j][st], b[st][nt][2], b[st][nt][3]);
         }
+        if constexpr (JQ_HAS_FP8_CVT && C::kScale == kScaleE4M3 && SDT == kU8) {
 #if JQ_HAS_FP8_CVT
-        if constexpr (C::kScale == kScaleE4M3 && SDT == kU8) {
-          const float2 sv = sc[j].e4m3_pair(pc, gsv);
+          const float2 sv = sc[j].e4m3_pair(pc, gsv);  // the pair of rows at once
 #pragma unroll
           for (int i = 0; i < 4; ++i)
             acc[j][nt][i] = fmaf(q[i], i >> 1 ? sv.y : sv.x, acc[j][nt][i]);
-          continue;
-        }
 #endif
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          scale_into<C>(acc[j][nt][i], q[i], xs[i], sc[j].get(pc, 0, i >> 1),
-                        sc[j].get(pc, 1, i >> 1), SDT, gsv, MAGIC);
+          for (int i = 0; i < 4; ++i)
+            scale_into<C>(acc[j][nt][i], q[i], xs[i], sc[j].get(pc, 0, i >> 1),
+                          sc[j].get(pc, 1, i >> 1), SDT, gsv, MAGIC);
+        }
       }
     }
   }
