@@ -488,14 +488,18 @@ struct ChunkScales {
     else return (r[pc][k][0] >> (16 * h)) & 0xffffu;
   }
 
-#if JQ_HAS_FP8_CVT
-  // E4M3 scales (nvfp4) of rows g and g + 8 for piece pc, times the global scale: one
-  // conversion of the pair to half2 (exact), as scale_e4m3(code) * gsv per row.
+  // E4M3 scales (nvfp4, uint8 codes) of rows g and g + 8 for piece pc, times the global
+  // scale: scale_e4m3(code) * gsv per row; on sm_89+ one conversion of the pair to half2
+  // (exact) instead of two software decodes.
   __device__ __forceinline__ float2 e4m3_pair(int pc, float gsv) const {
+#if JQ_HAS_FP8_CVT
     const float2 f = f16x2_to_float2(fp8x2_to_f16x2<kE4M3>(__byte_perm(r[pc][0][0], 0u, 0x20)));
+#else
+    const float2 f = make_float2(scale_e4m3((uint8_t)get(pc, 0, 0)),
+                                 scale_e4m3((uint8_t)get(pc, 0, 1)));
+#endif
     return make_float2(f.x * gsv, f.y * gsv);
   }
-#endif
 };
 
 // One chunk of TB tiles (the block's, same k): x (B) loads once for all of them,
@@ -546,13 +550,11 @@ __device__ __forceinline__ void compute_chunk(const TileCursor& cur, int c,
           mma16816<F16>(q, a[j][st], b[st][nt][0], b[st][nt][1]);
           if constexpr (XDT == kF32) mma16816<F16>(q, a[j][st], b[st][nt][2], b[st][nt][3]);
         }
-        if constexpr (JQ_HAS_FP8_CVT && C::kScale == kScaleE4M3 && SDT == kU8) {
-#if JQ_HAS_FP8_CVT
+        if constexpr (C::kScale == kScaleE4M3 && SDT == kU8) {
           const float2 sv = sc[j].e4m3_pair(pc, gsv);  // the pair of rows at once
 #pragma unroll
           for (int i = 0; i < 4; ++i)
             acc[j][nt][i] = fmaf(q[i], i >> 1 ? sv.y : sv.x, acc[j][nt][i]);
-#endif
         } else {
 #pragma unroll
           for (int i = 0; i < 4; ++i)
