@@ -14,7 +14,6 @@
 #include <random>
 #include <vector>
 #include "driver_common.h"
-#include "qmv_mma.h"
 #include "qmv_mma_old.h"
 
 using namespace jq;
@@ -25,59 +24,19 @@ namespace O = jq::gpu::mma_old;
 constexpr uint32_t kFmts = (1u << jq::kAffine) | (1u << jq::kMxfp4) | (1u << jq::kNvfp4) |
                            (1u << jq::kMxfp6E2M3) | (1u << jq::kMxfp6E3M2) |
                            (1u << jq::kMxfp8E4M3) | (1u << jq::kMxfp8E5M2);
-struct Shape { const char* name; int fmt, group, scale_dt; int64_t M, K, N; int bits = 4; };
 
-struct Setup { std::vector<QmvProblem> qs; double bytes; };
-
-static Setup make(const Shape& s) {
-  std::mt19937 rng(7);
-  const int ssz = s.scale_dt == kU8 ? 1 : 2;
-  QmvProblem q{};
-  q.fmt = s.fmt; q.bits = s.bits; q.group = s.group; q.S = 1; q.M = s.M; q.N = s.N; q.K = s.K;
-  q.E = 1; q.Sx = 1; q.x_div = 1; q.words = s.K * s.bits / 32; q.groups = s.K / s.group;
-  q.x_dt = kBF16; q.scale_dt = s.scale_dt;
-  const size_t wbytes = s.N * s.K * s.bits / 8, sbytes = s.N * q.groups * ssz;
-  // FP8 data: no NaN / infinity codes (bit 3 of each byte clear: E4M3's NaN is S.1111.111,
-  // E5M2's specials S.11111.xx), so the outputs compare by bits; signs kept
-  const uint32_t wmask = s.bits == 8 && s.fmt != kAffine ? 0xf7f7f7f7u : 0xffffffffu;
-  q.x = dev_random(s.M * s.K * 2, rng, 0x3bff3bffu);
-  void* y = nullptr;
-  CK(cudaMalloc(&y, s.M * s.N * 4));
-  q.y = y;
-  Setup st{};
-  st.bytes = (double)wbytes + (s.fmt == kAffine ? 2.0 : 1.0) * sbytes;
-  const int copies = (int)(kRotateBytes / st.bytes) + 1;
-  for (int c = 0; c < copies; ++c) {
-    std::mt19937 wrng(11);
-    q.data = static_cast<const uint32_t*>(dev_random(wbytes, wrng, wmask));
-    q.scales = dev_random(sbytes, wrng, s.scale_dt == kU8 ? 0x0f0f0f0fu : 0x00ff00ffu);
-    if (s.fmt == kAffine) q.biases = dev_random(sbytes, wrng, 0x00ff00ffu);
-    st.qs.push_back(q);
-  }
-  return st;
-}
-
-template <class P> P problem(const QmvProblem& q) {
-  P pr{};
-  pr.q = q;
-  pr.tiles = (q.N + 15) / 16;
-  pr.full_tiles = q.N / 16;
-  pr.chunks = q.K / 64;
-  return pr;
-}
-
-// one launch through the library's own launcher (its PDL, grid, warps, smem)
+// one launch through the revision's own launcher (its PDL, grid, warps, smem)
 template <bool OLD> static void launch(const QmvProblem& q) {
-  if constexpr (OLD) {
-    auto pr = problem<O::Problem>(q);
-    { auto e = O::launch_formats<O::GemvLaunch, kBF16, kFmts>(pr, q.M > 8 ? 2 : 1, 0); CK(e); }
-  } else {
-    auto pr = problem<N::Problem>(q);
-    { auto e = N::launch_formats<N::GemvLaunch, kBF16, kFmts>(pr, q.M > 8 ? 2 : 1, 0); CK(e); }
-  }
+  const int nt = q.M > 8 ? 2 : 1;
+  cudaError_t e;  // (a variable: the template arguments' commas would split CK's argument)
+  if constexpr (OLD)
+    e = O::launch_formats<O::GemvLaunch, kBF16, kFmts>(gemv_problem<O::Problem>(q), nt, 0);
+  else
+    e = N::launch_formats<N::GemvLaunch, kBF16, kFmts>(gemv_problem<N::Problem>(q), nt, 0);
+  CK(e);
 }
 
-template <bool OLD> static double time_us(const Setup& st, int iters) {
+template <bool OLD> static double time_us(const Weights& st, int iters) {
   for (int i = 0; i < 20; ++i) launch<OLD>(st.qs[i % st.qs.size()]);
   CK(cudaDeviceSynchronize());
   cudaEvent_t a, b;
@@ -96,7 +55,7 @@ template <bool OLD> static double time_us(const Setup& st, int iters) {
   return t[t.size() / 2];
 }
 
-static std::vector<uint16_t> output(const Setup& st) {
+static std::vector<uint16_t> output(const Weights& st) {
   std::vector<uint16_t> y(st.qs[0].M * st.qs[0].N);
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(y.data(), st.qs[0].y, 2 * y.size(), cudaMemcpyDeviceToHost));
@@ -138,7 +97,7 @@ int main(int argc, char** argv) {
   if (once) {
     for (auto& s : shapes) {
       if (strstr(s.name, "up") == nullptr || s.M != 1) continue;
-      Setup st = make(s);
+      Weights st = make_weights(s);
       launch<true>(st.qs[0]);
       launch<false>(st.qs[0]);
       CK(cudaDeviceSynchronize());
@@ -148,7 +107,7 @@ int main(int argc, char** argv) {
   printf("%-22s %7s %7s | %7s %6s | %7s %6s | bits\n", "shape", "MB", "copy", "old", "%copy",
          "new", "%copy");
   for (auto& s : shapes) {
-    Setup st = make(s);
+    Weights st = make_weights(s);
     const int iters = st.bytes > 100e6 ? 50 : 200;
     launch<true>(st.qs[0]);
     const auto y_old = output(st);

@@ -19,16 +19,9 @@
 #include <vector>
 
 #include "driver_common.h"
-#include "qmv_mma.h"
 
 using namespace jq;
 using namespace jq::gpu::mma;
-
-struct Shape {
-  const char* name;
-  int fmt, group, scale_dt;  // 4-bit formats only
-  int64_t M, K, N;
-};
 
 struct Setup {
   std::vector<Problem> prs;  // one per copy of the weights
@@ -36,45 +29,9 @@ struct Setup {
 };
 
 static Setup make(const Shape& s) {
-  std::mt19937 rng(7);
-  const int ssz = s.scale_dt == kU8 ? 1 : 2;
-  QmvProblem q{};
-  q.fmt = s.fmt;
-  q.bits = 4;
-  q.group = s.group;
-  q.S = 1;
-  q.M = s.M;
-  q.N = s.N;
-  q.K = s.K;
-  q.E = 1;
-  q.Sx = 1;
-  q.x_div = 1;
-  q.words = s.K * 4 / 32;
-  q.groups = s.K / s.group;
-  q.x_dt = kBF16;
-  q.scale_dt = s.scale_dt;
-  const size_t wbytes = s.N * s.K / 2, sbytes = s.N * q.groups * ssz;
-  q.x = dev_random(s.M * s.K * 2, rng, 0x3bff3bffu);
-  void* y = nullptr;
-  CK(cudaMalloc(&y, s.M * s.N * 4));
-  q.y = y;
-  Setup st{};
-  st.bytes = (double)wbytes + (s.fmt == kAffine ? 2.0 : 1.0) * sbytes;
-  const int copies = (int)(kRotateBytes / st.bytes) + 1;
-  for (int c = 0; c < copies; ++c) {
-    // every copy the same values (the outputs agree), at its own address
-    std::mt19937 wrng(11);
-    q.data = static_cast<const uint32_t*>(dev_random(wbytes, wrng, 0xffffffffu));
-    // scales: small bf16 values or E8M0 codes 0..15 (scaled sums stay finite); biases likewise
-    q.scales = dev_random(sbytes, wrng, s.scale_dt == kU8 ? 0x0f0f0f0fu : 0x00ff00ffu);
-    if (s.fmt == kAffine) q.biases = dev_random(sbytes, wrng, 0x00ff00ffu);
-    Problem pr{};
-    pr.q = q;
-    pr.tiles = (s.N + kTileRows - 1) / kTileRows;
-    pr.full_tiles = s.N / kTileRows;
-    pr.chunks = s.K / kChunkK;
-    st.prs.push_back(pr);
-  }
+  const Weights wt = make_weights(s);
+  Setup st{{}, wt.bytes};
+  for (const QmvProblem& q : wt.qs) st.prs.push_back(gemv_problem<Problem>(q));
   return st;
 }
 
