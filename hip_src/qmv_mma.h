@@ -1003,6 +1003,67 @@ __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& p
   }
 }
 
+// kFuseNorm with one row of x and at most kNormVecs 16-byte vectors a thread (K <= 4096
+// in 16-bit x with 4 warps, 8192 with 8): x and the norm weight go to registers together
+// (one memory latency, not one per phase as in stage x / normalize_staged_x), the sum of
+// squares and the normalized x from those registers, one store of it to shared memory.
+// Every float operation is normalize_staged_x's, in its order: the same bits.
+template <int XDT>
+__device__ __forceinline__ void stage_normalized_row(uint8_t* xs, const Problem& pr,
+                                                     const void* xrow, float* norm_s) {
+  constexpr int V = XDT == kF32 ? 4 : 8;  // elements per 16-byte vector
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int64_t K = pr.q.K;
+  const int vecs = (int)(K / V);
+  const uint32_t xs_s = (uint32_t)__cvta_generic_to_shared(xs);
+  const bool weighted = pr.aux != nullptr;
+  const bool vec = (reinterpret_cast<uintptr_t>(pr.aux) & 15) == 0;
+  uint4 xv[kNormVecs];
+#pragma unroll
+  for (int j = 0; j < kNormVecs; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    if (v < vecs) xv[j] = JQ_LDG(reinterpret_cast<const uint4*>(xrow) + v);
+  }
+  float wk[kNormVecs][V];
+#pragma unroll
+  for (int j = 0; j < kNormVecs; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    if (weighted && v < vecs) norm_weights<V>(pr, (int64_t)v * V, vec, wk[j]);
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormVecs; ++j) {
+    if ((int)threadIdx.x + j * (int)blockDim.x < vecs) {
+      float f[V];
+      unpack16<XDT>(xv[j], f);
+#pragma unroll
+      for (int i = 0; i < V; ++i) ss = fmaf(f[i], f[i], ss);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) norm_s[warp * 16] = ss;
+  __syncthreads();
+  ss = 0.0f;
+  for (int w = 0; w < warps; ++w) ss += norm_s[w * 16];
+  const float r = rsqrtf(ss / (float)K + pr.eps);
+#pragma unroll
+  for (int j = 0; j < kNormVecs; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    if (v < vecs) {
+      float f[V];
+      unpack16<XDT>(xv[j], f);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        f[i] *= r;
+        if (weighted) f[i] *= wk[j][i];
+      }
+      sts16(xs_s + 16 * v, pack16<XDT>(f));
+    }
+  }
+  __syncthreads();
+}
+
 // v rounded to x's dtype (the unfused qmm's output), back as float.
 __device__ __forceinline__ float round_to_dtype(float v, int32_t dt) {
   if (dt == kBF16) return bits_to_f32((uint32_t)f32_to_bf16(v) << 16);
@@ -1087,6 +1148,13 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
       }
     }
   }
+  if constexpr (FUSE == kFuseNorm) {  // the norm weight, which every block reads first
+    if (pr.aux != nullptr) {
+      const int64_t bytes = p.K * (pr.aux_dt == kF32 ? 4 : 2);
+      for (int64_t o = 128 * (int64_t)threadIdx.x; o < bytes; o += 128 * (int64_t)blockDim.x)
+        prefetch_l2(static_cast<const char*>(pr.aux) + o);
+    }
+  }
   grid_dependency_wait();
   // --- the segment: expert and rows of x / y -------------------------------
   int64_t e = s;
@@ -1148,6 +1216,13 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   auto stage_x = [&]() {
     if (x_smem == nullptr) return;
     const int esz = p.x_dt == kF32 ? 4 : 2;
+    if constexpr (FUSE == kFuseNorm) {
+      if (mcount == 1 && p.K * esz <= 16 * kNormVecs * (int64_t)blockDim.x) {
+        stage_normalized_row<XDT>(smem_dyn, pr,
+                                  static_cast<const char*>(p.x) + xrow_s[0] * p.K * esz, norm_s);
+        return;
+      }
+    }
     const int row_vecs = (int)(p.K * esz / 16);
     for (int i = threadIdx.x; i < mcount * row_vecs; i += blockDim.x) {
       const int m = i / row_vecs, v = i - m * row_vecs;
