@@ -1094,7 +1094,7 @@ __device__ __forceinline__ float swiglu_out(const Problem& pr, float gate, float
   return gate * sigmoid_f32(gate) * up;
 }
 
-// TB: full tiles per block (1, or 2 for M > 8: see tiles_per_block). Blocks
+// TB: full tiles per block (1 or 2: see tiles_per_block). Blocks
 // 0 .. ceil(full_tiles / TB) - 1 take TB consecutive full tiles each (the last
 // maybe fewer), the block after them the partial last tile, if any. FUSE
 // (kFuseNone compiles to the plain GEMV): kFuseNorm (x always staged) or kFuseSwiglu
@@ -1339,19 +1339,27 @@ inline int warps_for(int64_t chunks) {
   return chunks >= 4 ? 2 : 1;
 }
 
-// Full tiles per block. With M > 8 a block's x (M x K, read through L1/L2 when it
-// does not fit kMaxXSharedBytes) outweighs its tile's weights (16 x K codes), so
-// two tiles per block share each x load (and affine's sum(x) MMA); with the grid
-// halved the bytes in flight per warp double, so the memory parallelism stays.
-// Kept at 1 where half the tiles would leave SMs idle. A tile's float ops do not
-// depend on it. $JAXQUANT_MMA_TILES (1 or 2) overrides it for benchmark sweeps.
-inline int tiles_per_block(int nt, int64_t full_tiles, int64_t slots) {
+// Full tiles per block. A block's tiles share each x load, affine's sum(x) MMA and the
+// chunk loop's waits; with the grid halved the bytes in flight per warp double. A
+// tile's float ops do not depend on it. $JAXQUANT_MMA_TILES (1 or 2) overrides it.
+// - M > 8: x (M x K, read through L1/L2 when it does not fit kMaxXSharedBytes)
+//   outweighs a tile's weights (16 x K codes): two tiles where half the tiles still
+//   give every SM two blocks.
+// - M = 1 (qmm), 4-bit codes (launch_s): two tiles where the grid stays 8 blocks
+//   of two per SM deep (a language model's head). Per tile and chunk the loop then
+//   issues fewer instructions (affine4 108 -> 84, mxfp4 160 -> 143; SASS, sm_90); the
+//   head (4096 -> 128256) took 114 -> 104 us for affine4 and 129 -> 112 for mxfp4,
+//   gpt-oss-20b's (2880 -> 201088, mxfp4) 153 -> 128 (H100,
+//   tools/cuda/ab_mma_driver.hip); at 3-7 blocks per SM (4096 -> 14336 / 28672) the
+//   halved grid lost 0-8%.
+// - M = 2..8 keep one: measured both ways (M = 4: affine4 26.6 -> 22.8 us, mxfp4
+//   24.4 -> 26.0; M = 2 19.4 -> 19.9).
+inline int tiles_per_block(const QmvProblem& q, int nt, int64_t full_tiles) {
   static const int forced = env_choice("JAXQUANT_MMA_TILES", {1, 2});
-  // M <= 8 keeps one tile per block (measured within 0.9-1.3x of M = 1 so; one
-  // kernel per format instead of two)
-  if (nt != 2) return 1;
   if (forced) return forced;
-  return (full_tiles / 2) * slots >= 2 * (int64_t)sm_count() ? 2 : 1;
+  const int64_t pairs = (full_tiles / 2) * q.S;
+  if (nt == 2) return pairs >= 2 * (int64_t)sm_count() ? 2 : 1;
+  return q.M == 1 && q.indices == nullptr && pairs >= 8 * (int64_t)sm_count() ? 2 : 1;
 }
 
 // The most bytes of x a block of the FUSE variant stages.
@@ -1438,9 +1446,12 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   } else {
     // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6
     // bits, with 16-bit x and 8/16-bit scales (ptxas -v, sm_90); 8-bit weights
-    // weigh twice as much against x anyway
-    if constexpr (NT == 2 && C::kBits <= 6 && SDT != kF32 && XDT != kF32 && kEveryVariant<C, XDT>) {
-      if (tiles_per_block(NT, pr.full_tiles, pr.q.S) == 2)
+    // weigh twice as much against x anyway. With 8 columns (M <= 8) only at 4 bits,
+    // for a model's head at M = 1 (tiles_per_block): at every width up to 6 bits those
+    // kernels had taken the library's build from 160 to 266 s (H100 machine).
+    constexpr bool kTwoTiles = NT == 2 ? C::kBits <= 6 : C::kBits == 4;
+    if constexpr (kTwoTiles && SDT != kF32 && XDT != kF32 && kEveryVariant<C, XDT>) {
+      if (tiles_per_block(pr.q, NT, pr.full_tiles) == 2)
         return launch_tb<C, XDT, NT, P, SDT, 2>(prx, warps, stream);
     }
     return launch_tb<C, XDT, NT, P, SDT, 1>(prx, warps, stream);
