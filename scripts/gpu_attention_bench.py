@@ -15,6 +15,8 @@ reads the visible ones only (fill < 1 and windows show the difference).
   python scripts/gpu_attention_bench.py --fill 0.5       # a half-full cache
   python scripts/gpu_attention_bench.py --sweep --cases llama3-8b:1:8192,gpt-oss-20b:1:8192
                                                         # + one-at-a-time config variants
+  python scripts/gpu_attention_bench.py --variants "block_s=256;min_split_keys=64" --lengths 256
+                                                        # + the variants named
   python scripts/gpu_attention_bench.py --stacked --lengths 2048
                                                         # + a layer scan: layer= vs cache[i]
   python scripts/gpu_attention_bench.py --smoke          # tiny shapes, CPU (interpret mode)
@@ -62,6 +64,12 @@ def _lowering_platform():
     return "rocm" if "rocm" in version.lower() else "cuda"
 
 
+def _parse_variants(text):
+    """--variants "block_s=256;min_split_keys=64,block_s=32" -> [{...}, ...] (ints)."""
+    return [{k: int(v) for k, v in (f.split("=") for f in part.split(","))}
+            for part in text.split(";") if part.strip()]
+
+
 def _impls(sinks, window, t, sweep):
     """[(label, f(q, k, v, positions, *, window, sinks))] that can run here."""
     import jaxquant as jq
@@ -74,7 +82,7 @@ def _impls(sinks, window, t, sweep):
     out.append(("pallas", functools.partial(jq.decode_attention, backend="pallas")))
     platform = _lowering_platform()
     base = configs.ATTENTION_CONFIGS[platform]
-    for variant in (SWEEP if sweep else ()):
+    for variant in sweep:
         label = "pallas " + ",".join(f"{k}={v}" for k, v in variant.items())
         out.append((label, functools.partial(_pallas_config, cfg=base.replace(**variant),
                                              platform=platform)))
@@ -135,6 +143,7 @@ def run(args, out=print):
     if args.cases:
         wanted = {tuple(c.split(":")) for c in args.cases.split(",")}
         cases = [c for c in cases if (c[0], str(c[1]), str(c[2])) in wanted]
+    sweep = _parse_variants(args.variants) if args.variants else SWEEP if args.sweep else ()
     rows = []
     key = jax.random.key(0)
     for name, b, s in cases:
@@ -169,7 +178,7 @@ def run(args, out=print):
                 return float(jnp.max(jnp.abs(y - ref["y"])) / jnp.max(jnp.abs(ref["y"])))
 
             timed = [(label, jax.jit(functools.partial(_chain, f)), (qs, kc, vc))
-                     for label, f in _impls(with_sinks, window, args.t, args.sweep)]
+                     for label, f in _impls(with_sinks, window, args.t, sweep)]
             if args.stacked:
                 stacked = (jnp.stack(qs), jnp.stack(kc), jnp.stack(vc))
                 for backend in ("reference", "pallas") if _on_gpu() else ("reference",):
@@ -205,6 +214,9 @@ def main(argv=None):
                         "vs slicing the stack per layer")
     p.add_argument("--sweep", action="store_true",
                    help="also time the Pallas kernel with one config field changed at a time")
+    p.add_argument("--variants", default="",
+                   help="instead of --sweep's: config variants to time, e.g. "
+                        "'block_s=256;min_split_keys=64,block_s=32'")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes (CPU: the kernel in interpret mode; checks, not speed)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))

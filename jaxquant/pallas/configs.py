@@ -228,7 +228,8 @@ class AttentionConfig:
         return dataclasses.replace(self, **kw)
 
 
-# Not yet tuned on a GPU (scripts/gpu_attention_bench.py sweeps them): CUDA aims at two
+# CUDA's measured on an H100 (docs/attention.md: no variant faster at 192 keys, batch 1
+# and 8; longer caches not settled; scripts/gpu_attention_bench.py --variants): it aims at two
 # programs per H100 SM, ROCm at one per MI300X CU with one stage (the AMD backend
 # pipelines through registers). interpret (CPU tests): tiny blocks, so that small test
 # caches go through many steps, several splits and several row tiles.
