@@ -29,7 +29,7 @@ if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
   step "GPU tests"
   timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs ${JQ_TESTS:-tests/test_decode_gpu.py tests/test_fused_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   if [ -z "${JQ_TESTS:-}" ]; then
-    step "GPU tests, two tiles per block wherever M > 8 (JAXQUANT_MMA_TILES=2)"
+    step "GPU tests, two tiles per block wherever built (JAXQUANT_MMA_TILES=2: M > 8, and 4-bit codes at M <= 8)"
     JAXQUANT_MMA_TILES=2 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_gpu.py \
       -k "every_mode or long_k or gather or scan" 2>&1 | tee "$OUT/gpu_tests_tiles2.log" | tail -n 5
   fi
@@ -47,7 +47,7 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
     # defaults (the wgmma GEMM on sm_90, 64 or 128 rows of x per block at these sizes),
-    # then two tiles per GEMV block wherever M > 8 with the mma.sync GEMM, then 256 rows
+    # then two tiles per GEMV block wherever built with the mma.sync GEMM, then 256 rows
     for setting in ${JQ_SANITIZER_SETTINGS:-JAXQUANT_DEFAULTS=1 "JAXQUANT_MMA_TILES=2 JAXQUANT_GEMM_KERNEL=mma" JAXQUANT_WGMMA_BN=256}; do
       log="$OUT/sanitizer_memcheck_${setting%%=*}.log"
       env $setting timeout ${JQ_SANITIZER_TIMEOUT:-240} compute-sanitizer --tool memcheck \
