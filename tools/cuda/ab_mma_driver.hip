@@ -116,6 +116,11 @@ int main(int argc, char** argv) {
       {"affine4 g64 up M=4", kAffine, 64, kBF16, 4, 4096, 14336},
       {"affine4 g64 qkv M=4", kAffine, 64, kBF16, 4, 4096, 6144},
       {"mxfp4 up M=4", kMxfp4, 32, kU8, 4, 4096, 14336},
+      {"affine4 g64 up M=3", kAffine, 64, kBF16, 3, 4096, 14336},
+      {"affine4 g64 up M=6", kAffine, 64, kBF16, 6, 4096, 14336},
+      {"affine4 g64 down M=2", kAffine, 64, kBF16, 2, 14336, 4096},
+      {"affine4 g64 o M=4", kAffine, 64, kBF16, 4, 4096, 4096},
+      {"mxfp4 up M=2", kMxfp4, 32, kU8, 2, 4096, 14336},
       {"affine4 g64 up M=8", kAffine, 64, kBF16, 8, 4096, 14336},
       {"mxfp4 qkv", kMxfp4, 32, kU8, 1, 4096, 6144},
       {"mxfp4 up", kMxfp4, 32, kU8, 1, 4096, 14336},
@@ -150,6 +155,8 @@ int main(int argc, char** argv) {
       {{"mxfp4 oss qkv +norm", kMxfp4, 32, kU8, 1, 2880, 5120}, N::kFuseNorm},
       {{"affine4 gate_up +swiglu", kAffine, 64, kBF16, 1, 4096, 28672}, N::kFuseSwiglu},
       {{"mxfp4 gate_up +swiglu", kMxfp4, 32, kU8, 1, 4096, 28672}, N::kFuseSwiglu},
+      {{"affine4 gate_up +swiglu M=2", kAffine, 64, kBF16, 2, 4096, 28672}, N::kFuseSwiglu},
+      {{"affine4 gate_up +swiglu M=4", kAffine, 64, kBF16, 4, 4096, 28672}, N::kFuseSwiglu},
   };
   for (const auto& f : fused) {
     shapes.push_back(f.first);
