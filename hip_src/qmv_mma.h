@@ -1456,8 +1456,8 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
     // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6
     // bits, with 16-bit x and 8/16-bit scales (ptxas -v, sm_90); 8-bit weights
     // weigh twice as much against x anyway. With 8 columns (M <= 8) only at 4 bits,
-    // for a model's head at M = 1 (tiles_per_block): at every width up to 6 bits those
-    // kernels had taken the library's build from 160 to 266 s (H100 machine).
+    // for a model's head at M = 1 (tiles_per_block): built at every width up to 6 bits
+    // the library's build took 266 s on the H100 machine, 160-225 s without them.
     constexpr bool kTwoTiles = NT == 2 ? C::kBits <= 6 : C::kBits == 4;
     if constexpr (kTwoTiles && SDT != kF32 && XDT != kF32 && kEveryVariant<C, XDT>) {
       if (tiles_per_block(pr.q, NT, pr.full_tiles) == 2)
