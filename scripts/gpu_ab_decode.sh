@@ -8,7 +8,8 @@
 #
 # The other revision's qmv_mma.h is compiled next to this tree's with its namespace
 # renamed (mma -> mma_old); the headers it includes are this tree's, so REV must share
-# them (and the launcher's interface: Problem, launch_formats, GemvLaunch).
+# them (and the launcher's interface: Problem with the fused variants' aux / aux_dt / eps,
+# launch_formats, GemvLaunch, FusedGemvLaunch: revisions from the ninth session on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:-HEAD}

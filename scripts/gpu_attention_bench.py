@@ -66,7 +66,7 @@ def _lowering_platform():
 
 def _parse_variants(text):
     """--variants "block_s=256;min_split_keys=64,block_s=32" -> [{...}, ...] (ints)."""
-    return [{k: int(v) for k, v in (f.split("=") for f in part.split(","))}
+    return [{k.strip(): int(v) for k, v in (f.split("=") for f in part.split(","))}
             for part in text.split(";") if part.strip()]
 
 

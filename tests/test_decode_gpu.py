@@ -87,6 +87,24 @@ def test_two_tiles_per_block(mode, bits):
                                           np.asarray(one, np.float32))
 
 
+def test_one_row_two_tiles_deep_grid_and_rows_through_l1():
+    # N = 16 * 2401 + 5: 2401 full tiles, a grid deep enough that M = 1 takes two tiles
+    # per block (tiles_per_block: 8 blocks of two per SM up to 150 SMs), an odd count
+    # (the last block has one) and a canonical tail; M = 2 and 4 read x through L1 with
+    # one tile per block. Each of their rows equals the M = 1 product bit for bit.
+    for mode in ("affine", "mxfp4"):
+        qw, packed = _packed(mode, 4, (16 * 2401 + 5, 128), key=13)
+        w64 = deq64(qw)
+        x = rand(3, (4, 128), jnp.bfloat16)
+        one = jq.qmm(x[:1], packed, backend="ffi")
+        assert_matmul_close(one, x[:1], w64, jnp.bfloat16)
+        for m in (2, 4):
+            y = jq.qmm(x[:m], packed, backend="ffi")
+            assert_matmul_close(y, x[:m], w64, jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(y[:1], np.float32),
+                                          np.asarray(one, np.float32))
+
+
 def test_gather_two_tiles_per_block():
     # 32 slots over 3 experts: segments of up to 16 slots (two MMA column tiles),
     # N = 16 * 45 + 3: 32 x 22 blocks of two tiles, the last full tile alone, a tail

@@ -63,7 +63,8 @@ static Result run(const Setup& st, int warps, bool x_shared, int iters) {
   for (auto& p : prs) {
     p.x_rows = (int)p.q.M;
     p.x_stride = (int)(p.q.K * 2 + 16);
-    if (!x_shared || (int64_t)p.x_rows * p.x_stride > kMaxXSharedBytes) p.x_stride = 0;  // as launch_s
+    // x_shared: staged up to kMaxXSharedBytes at any M (launch_s stages one row only)
+    if (!x_shared || (int64_t)p.x_rows * p.x_stride > kMaxXSharedBytes) p.x_stride = 0;
   }
   const Problem& pr = prs[0];
   x_shared = pr.x_stride > 0;
