@@ -932,6 +932,31 @@ __device__ __forceinline__ void norm_weights(const Problem& pr, int64_t k, bool 
   for (int i = 0; i < V; ++i) w[i] += pr.offset;
 }
 
+// The norm's per-vector steps, shared by both staging paths so that they round alike:
+// ss + the squares of a 16-byte vector of x (in element order), and the vector
+// normalized, (x * r) * w, rounded to x's dtype.
+template <int XDT>
+__device__ __forceinline__ float add_squares16(uint4 u, float ss) {
+  float f[XDT == kF32 ? 4 : 8];
+  unpack16<XDT>(u, f);
+#pragma unroll
+  for (float e : f) ss = fmaf(e, e, ss);
+  return ss;
+}
+template <int XDT>
+__device__ __forceinline__ uint4 normalized16(uint4 u, float r, bool weighted,
+                                              const float (&w)[XDT == kF32 ? 4 : 8]) {
+  constexpr int V = XDT == kF32 ? 4 : 8;
+  float f[V];
+  unpack16<XDT>(u, f);
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    f[i] *= r;
+    if (weighted) f[i] *= w[i];
+  }
+  return pack16<XDT>(f);
+}
+
 // kFuseNorm: the block's `rows` staged rows of x, rms-normalized in place:
 // r = rsqrt(sum(x^2) / K + eps) per row, then (x * r) * (w + offset) in float32 (x * r
 // without a weight), rounded to x's dtype: the reference's float32 steps in its order.
@@ -956,14 +981,9 @@ __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& p
     const uint32_t row = xs_s + (uint32_t)(m * pr.x_stride);
     float ss = 0.0f;
 #pragma unroll 4
-    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
-      float f[V];
-      unpack16<XDT>(lds16(row + 16 * v), f);
-#pragma unroll
-      for (int i = 0; i < V; ++i) ss = fmaf(f[i], f[i], ss);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    for (int v = threadIdx.x; v < vecs; v += blockDim.x)
+      ss = add_squares16<XDT>(lds16(row + 16 * v), ss);
+    ss = warp_sum(ss);
     if (lane == 0) norm_s[warp * 16 + m] = ss;
   }
   __syncthreads();
@@ -988,16 +1008,8 @@ __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& p
 #pragma unroll
       for (int j = 0; j < kNormVecs; ++j) {
         const int v = v0 + j * blockDim.x;
-        if (v < vecs) {
-          float f[V];
-          unpack16<XDT>(lds16(row + 16 * v), f);
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            f[i] *= r;
-            if (weighted) f[i] *= wk[j][i];
-          }
-          sts16(row + 16 * v, pack16<XDT>(f));
-        }
+        if (v < vecs)
+          sts16(row + 16 * v, normalized16<XDT>(lds16(row + 16 * v), r, weighted, wk[j]));
       }
     }
   }
@@ -1032,16 +1044,9 @@ __device__ __forceinline__ void stage_normalized_row(uint8_t* xs, const Problem&
   }
   float ss = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kNormVecs; ++j) {
-    if ((int)threadIdx.x + j * (int)blockDim.x < vecs) {
-      float f[V];
-      unpack16<XDT>(xv[j], f);
-#pragma unroll
-      for (int i = 0; i < V; ++i) ss = fmaf(f[i], f[i], ss);
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  for (int j = 0; j < kNormVecs; ++j)
+    if ((int)threadIdx.x + j * (int)blockDim.x < vecs) ss = add_squares16<XDT>(xv[j], ss);
+  ss = warp_sum(ss);
   if (lane == 0) norm_s[warp * 16] = ss;
   __syncthreads();
   ss = 0.0f;
@@ -1050,16 +1055,7 @@ __device__ __forceinline__ void stage_normalized_row(uint8_t* xs, const Problem&
 #pragma unroll
   for (int j = 0; j < kNormVecs; ++j) {
     const int v = threadIdx.x + j * blockDim.x;
-    if (v < vecs) {
-      float f[V];
-      unpack16<XDT>(xv[j], f);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        f[i] *= r;
-        if (weighted) f[i] *= wk[j][i];
-      }
-      sts16(xs_s + 16 * v, pack16<XDT>(f));
-    }
+    if (v < vecs) sts16(xs_s + 16 * v, normalized16<XDT>(xv[j], r, weighted, wk[j]));
   }
   __syncthreads();
 }
