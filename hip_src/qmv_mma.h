@@ -39,7 +39,9 @@
 //   kFuseSwiglu: N = 2I, a block owns gate tile j and up tile j + I/16 (the
 //     two-tiles-per-block mode with the tiles I rows apart) and writes
 //     act(gate, up) for its 16 of the I outputs: each half rounded to x's dtype
-//     (the unfused qmm's output), + bias in float32, then the activation.
+//     (the unfused qmm's output), + bias in float32, then the activation. With
+//     indices (jq.gather_qmm_swiglu) each slot's expert and its bias row; an
+//     invalid id gives a NaN row, as gather_qmm's.
 // A tile's float ops are those of the plain GEMV, so the fused outputs match the
 // unfused ops' to the rounding of the norm's statistics and of the activation.
 //
@@ -86,11 +88,13 @@ struct Problem {
   int x_stride;      // > 0: the block stages its rows of x in shared memory, this many
                      // bytes apart (K * x bytes + 16, against bank conflicts); 0: from L1/L2
   int x_rows;        // rows of x staged (x_stride > 0)
-  // the fused variants (FUSE != kFuseNone): norm weight [K] (kFuseNorm) or bias [N]
-  // (kFuseSwiglu), nullptr for none; the norm's eps and weight offset; the SwiGLU's
-  // activation (SwigluActivation), clamp limit (gpt_oss; inf: none) and alpha
+  // the fused variants (FUSE != kFuseNone): norm weight [K] (kFuseNorm) or bias
+  // (kFuseSwiglu: [N], or [E, N] with aux_stride = N, a row per expert), nullptr for
+  // none; the norm's eps and weight offset; the SwiGLU's activation
+  // (SwigluActivation), clamp limit (gpt_oss; inf: none) and alpha
   const void* aux = nullptr;
   int32_t aux_dt = kOther;
+  int64_t aux_stride = 0;
   float eps = 0.0f, offset = 0.0f;
   int activation = kActSilu;
   float limit = 0.0f, alpha = 0.0f;
@@ -1074,13 +1078,15 @@ __device__ __forceinline__ float sigmoid_f32(float v) { return 1.0f / (1.0f + ex
 // silu(gate) * up, or gpt-oss's gate = min(gate, limit), up = clip(up, -limit,
 // limit), (up + 1) * gate * sigmoid(gate * alpha). The comparisons keep NaN as
 // jnp.minimum / jnp.clip do.
-__device__ __forceinline__ float swiglu_out(const Problem& pr, float gate, float up, int64_t n,
-                                            int64_t half) {
+// e: the matrix's expert (the bias row, with aux_stride).
+__device__ __forceinline__ float swiglu_out(const Problem& pr, float gate, float up, int64_t e,
+                                            int64_t n, int64_t half) {
   gate = round_to_dtype(gate, pr.q.x_dt);
   up = round_to_dtype(up, pr.q.x_dt);
   if (pr.aux != nullptr) {
-    gate += raw_to_float(load_raw(pr.aux, n, pr.aux_dt), pr.aux_dt);
-    up += raw_to_float(load_raw(pr.aux, n + half, pr.aux_dt), pr.aux_dt);
+    const int64_t b = e * pr.aux_stride + n;
+    gate += raw_to_float(load_raw(pr.aux, b, pr.aux_dt), pr.aux_dt);
+    up += raw_to_float(load_raw(pr.aux, b + half, pr.aux_dt), pr.aux_dt);
   }
   if (pr.activation == kActGptOss) {
     gate = gate > pr.limit ? pr.limit : gate;
@@ -1269,7 +1275,8 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
         gate += red[wi][r][m];
         up += red[warps + wi][r][m];
       }
-      store_out(p.y, yrow_s[m] * half + n, p.x_dt, swiglu_out(pr, gate, up, n, half));
+      store_out(p.y, yrow_s[m] * half + n, p.x_dt,
+                valid ? swiglu_out(pr, gate, up, e, n, half) : quiet_nan());
     }
   } else {
     for (int idx = threadIdx.x; idx < ntile * kTileRows * mcount; idx += blockDim.x) {

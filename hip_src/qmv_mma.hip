@@ -91,22 +91,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma, qmv_mma_impl,
                               bind_layout_kernel().Attr<int64_t>("dedupe"), JQ_CAPTURABLE);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma_uncaptured, qmv_mma_impl,
                               bind_layout_kernel().Attr<int64_t>("dedupe"));
-// jaxquant_qmv_mma_fused (qmv_mma.h, FUSE): the GEMV's operands for qmm (no indices;
-// slot s uses matrix s) with `aux` in place of the indices, plus the fused op's
-// attributes. fuse 1, rms_norm_qmm: aux = the norm weight [K] or [0], y [S, M, N];
-// fuse 2, qmm_swiglu: N = 2I with I % 16 == 0, aux = the bias [N] or [0],
-// y [S, M, I]. activation: 0 silu, 1 gpt_oss (limit: its clamp, inf for none).
+// jaxquant_qmv_mma_fused (qmv_mma.h, FUSE): the GEMV's operands, then `aux`, plus the
+// fused op's attributes. fuse 1, rms_norm_qmm: no indices (slot s uses matrix s), aux =
+// the norm weight [K] or [0], y [S, M, N]; fuse 2, qmm_swiglu: N = 2I with I % 16 == 0,
+// y [S, M, I]; without indices aux = the bias [N] or [0]; with indices int32 [S]
+// (jq.gather_qmm_swiglu: slot s uses expert indices[s], M = 1, `dedupe` as
+// jaxquant_qmv_mma's) aux = the bias [E, N] or [0]. activation: 0 silu, 1 gpt_oss
+// (limit: its clamp, inf for none).
 static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
                                      ffi::AnyBuffer scales, ffi::AnyBuffer biases,
-                                     ffi::AnyBuffer gs, ffi::AnyBuffer aux,
-                                     ffi::Result<ffi::AnyBuffer> y, int64_t fmt, int64_t bits,
-                                     int64_t group_size, int64_t fuse, float eps,
-                                     float weight_offset, int64_t activation, float limit,
-                                     float alpha) {
+                                     ffi::AnyBuffer gs, ffi::AnyBuffer indices,
+                                     ffi::AnyBuffer aux, ffi::Result<ffi::AnyBuffer> y,
+                                     int64_t fmt, int64_t bits, int64_t group_size, int64_t fuse,
+                                     float eps, float weight_offset, int64_t activation,
+                                     float limit, float alpha, int64_t dedupe) {
   if (fuse != 1 && fuse != 2)
     return jq::invalid("attribute fuse must be 1 (rms_norm_qmm) or 2 (qmm_swiglu); got " +
                        std::to_string(fuse));
   const bool swiglu = fuse == 2;
+  const bool gather = indices.element_count() != 0;
+  if (gather && !swiglu)
+    return jq::invalid("rms_norm_qmm's kernel takes no indices (fuse 1); got " +
+                       jq::dims_str(indices.dimensions()));
   auto dd = data.dimensions();
   if (dd.size() != 3) return jq::invalid("data must be [E, N, W] (rank 3); got shape " +
                                          jq::dims_str(dd));
@@ -114,21 +120,20 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
     return jq::invalid("qmm_swiglu's kernel takes N = 2I rows with I a multiple of 16; got N=" +
                        std::to_string(dd[1]));
   jq::QmvProblem q;
-  // own_slot_map: aux is not an index array; the slots map to the matrices (below)
-  if (auto e = jq::make_qmv(x, data, scales, biases, gs, aux, *y, fmt, bits, group_size, &q,
-                            true, swiglu ? dd[1] / 2 : -1);
+  if (auto e = jq::make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &q,
+                            false, swiglu ? dd[1] / 2 : -1);
       e.failure())
     return e;
-  if (q.S != q.E)
-    return jq::invalid("the slots map to the matrices: S=" + std::to_string(q.S) +
-                       " must equal E=" + std::to_string(q.E));
+  // the bias: one row [N], or one per expert [E, N] when the slots pick experts
   const int64_t aux_len = swiglu ? q.N : q.K;
   const char* aux_name = swiglu ? "bias" : "norm weight";
   const int32_t aux_dt = jq::dtype_of(aux.element_type());
   auto ad = aux.dimensions();
-  if (aux.element_count() != 0 &&
-      (!jq::is_float_dt(aux_dt) || ad.size() != 1 || ad[0] != aux_len))
+  const bool aux_shape_ok = gather ? ad.size() == 2 && ad[0] == q.E && ad[1] == aux_len
+                                   : ad.size() == 1 && ad[0] == aux_len;
+  if (aux.element_count() != 0 && (!jq::is_float_dt(aux_dt) || !aux_shape_ok))
     return jq::invalid(std::string(aux_name) + " must be float32, float16 or bfloat16 [" +
+                       (gather ? std::to_string(q.E) + ", " : std::string()) +
                        std::to_string(aux_len) + "] or empty; got " +
                        jq::dtype_name(aux.element_type()) + " " + jq::dims_str(ad));
   if (!(eps >= 0.0f)) return jq::invalid("attribute eps must be >= 0; got " + std::to_string(eps));
@@ -142,9 +147,9 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
   if (q.K % kChunkK != 0)
     return jq::invalid("the cuda_mma layout needs K a multiple of 64; got K=" +
                        std::to_string(q.K));
-  if (q.M > 16)
-    return jq::invalid("the tensor-core GEMV takes M <= 16 rows per matrix; got M=" +
-                       std::to_string(q.M));
+  if (q.M > 16 || (gather && q.M != 1))
+    return jq::invalid("the tensor-core GEMV takes M <= 16 rows per matrix (1 per gather slot); "
+                       "got M=" + std::to_string(q.M));
   if (q.S > 65535) return jq::invalid("too many slots for one launch: " + std::to_string(q.S));
   const int64_t x_bytes = q.M * (q.K * (q.x_dt == jq::kF32 ? 4 : 2) + 16);
   if (!swiglu && x_bytes > kMaxNormXSharedBytes)
@@ -157,15 +162,17 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
   P.tiles = (q.N + kTileRows - 1) / kTileRows;
   P.full_tiles = q.N / kTileRows;
   P.chunks = q.K / kChunkK;
-  P.dedupe = 0;
+  P.dedupe = gather && dedupe != 0 && q.S <= 256;  // as qmv_mma_impl
   P.aux = aux.element_count() != 0 ? aux.untyped_data() : nullptr;
   P.aux_dt = aux_dt;
+  P.aux_stride = gather ? q.N : 0;
   P.eps = eps;
   P.offset = weight_offset;
   P.activation = (int)activation;
   P.limit = limit;
   P.alpha = alpha;
-  const int nt = q.M > 8 ? 2 : 1;
+  const int64_t rows_per_segment = gather ? (P.dedupe ? dedupe : 1) : q.M;
+  const int nt = rows_per_segment > 8 ? 2 : 1;
   const int kind = swiglu ? kFuseSwiglu : kFuseNorm;
   JQ_LAUNCH_CHECK(q.x_dt == jq::kF32   ? launch_qmv_mma_fused_f32(P, nt, kind, stream)
                   : q.x_dt == jq::kF16 ? launch_qmv_mma_fused_f16(P, nt, kind, stream)
@@ -174,18 +181,22 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
   return ffi::Error::Success();
 #else
   (void)stream;
+  (void)dedupe;
   return ffi::Error::Unimplemented("jaxquant ffi: the tensor-core GEMV is CUDA only");
 #endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma_fused, qmv_mma_fused_impl,
-                              bind_layout_kernel()
+                              jq::format_attrs(jq::ffi_rets<1>(jq::ffi_args<7>(
+                                                   ffi::Ffi::Bind()
+                                                       .Ctx<ffi::PlatformStream<hipStream_t>>())))
                                   .Attr<int64_t>("fuse")
                                   .Attr<float>("eps")
                                   .Attr<float>("weight_offset")
                                   .Attr<int64_t>("activation")
                                   .Attr<float>("limit")
-                                  .Attr<float>("alpha"),
+                                  .Attr<float>("alpha")
+                                  .Attr<int64_t>("dedupe"),
                               JQ_CAPTURABLE);
 
 static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,

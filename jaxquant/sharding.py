@@ -203,6 +203,19 @@ def _qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
     return Factors([xdims, qdims, bdims], [out], f.sizes,
                    replicated=f.replicated + ("g", "r", "i"), priority=(1,))
 
+def _gather_qmm_swiglu_factors(x, qw, indices, bias, *, activation, limit, alpha, precision):
+    """Tokens split; experts do not (each shard's activation needs its slots' whole
+    sums: an expert-parallel partial sum would be summed after the activation), nor
+    N or K (as qmm_swiglu's)."""
+    f = _gather_factors(x, qw, indices, transpose=True, precision=precision)
+    xdims, qdims, idims = f.operands
+    f.sizes["i"] = qw.shape[1] // 2
+    out = Dims(list(f.results[0][:-1]) + [("i",)])
+    bdims = None if bias is None else Dims([("e",), ("r",)])
+    return Factors([xdims, qdims, idims, bdims], [out], f.sizes,
+                   replicated=f.replicated + ("e", "g", "r", "i"), priority=(1,))
+
+
 def _attention_factors(q, k_cache, v_cache, positions, window, sinks, layer, **params):
     # Batch, query rows and kv heads split (q's heads are (kv head, group)); the
     # softmax's keys, the head dim and a stack's layers (one is read) do not.
@@ -230,6 +243,7 @@ FACTORS = {
     "gated_rms_norm": _norm_factors(2, 1),
     "rms_norm_qmm": _rms_norm_qmm_factors,
     "qmm_swiglu": _qmm_swiglu_factors,
+    "gather_qmm_swiglu": _gather_qmm_swiglu_factors,
 }
 
 

@@ -125,6 +125,17 @@ def main():
     out["gather_ep_row"] = case(jq.gather_qmm, (xt, qe, idx),
                                 (put(xt, P(None, "data")), put_q(qe, P("tp", None, "data")),
                                  put(idx, P())))
+    # gather_qmm_swiglu: tokens split; experts do not (the activation follows the
+    # whole sum): tp-sharded experts are gathered, with a warning
+    be = rand(8, (e, n_e))
+    gsw = lambda x, q, i, b: jq.gather_qmm_swiglu(x, q, i, bias=b, activation="gpt_oss",
+                                                  limit=7.0)
+    out["gather_qmm_swiglu_tokens"] = case(gsw, (xt, qe, idx, be),
+                                           (put(xt, P("data")), put_q(qe, P()),
+                                            put(idx, P("data")), put(be, P())))
+    out["gather_qmm_swiglu_ep_gathered"] = case(gsw, (xt, qe, idx, be),
+                                                (put(xt, P("data")), put_q(qe, P("tp")),
+                                                 put(idx, P("data")), put(be, P("tp"))))
     # float experts (gather_matmul): expert parallel (one all-reduce), and split on N
     we = rand(5, (e, n_e, k_e))
     out["gather_matmul_ep"] = case(jq.gather_matmul, (xt, we, idx),

@@ -1,5 +1,5 @@
-"""The fused decode ops (jaxquant/ops/fused.py) on CPU: rms_norm_qmm and qmm_swiglu
-against the float64 oracle and against the composition of the unfused ops, every
+"""The fused decode ops (jaxquant/ops/fused.py) on CPU: rms_norm_qmm, qmm_swiglu and
+gather_qmm_swiglu against the float64 oracle and against the composition of the unfused ops, every
 mode of the activation, float32/bfloat16, edge values, bad inputs, jit/vmap/scan/grad,
 and the fallback to the unfused ops on a backend without a fused kernel."""
 
@@ -52,8 +52,8 @@ def swiglu64(gate, up, activation, limit=None, alpha=1.702):
             (np.abs(up + 1) * (1 + alpha * np.abs(gate)), np.abs(gate * s)))
 
 
-def assert_swiglu_close(out, x, qw, bias, dtype, activation, limit=None, alpha=1.702):
-    y, b = matmul_bound(f64(x), deq64(qw), dtype)
+def assert_swiglu_close(out, x, qw, bias, dtype, activation, limit=None, alpha=1.702, w64=None):
+    y, b = matmul_bound(f64(x), deq64(qw) if w64 is None else w64, dtype)
     if bias is not None:
         y = y + f64(bias)
     i = y.shape[-1] // 2
@@ -200,6 +200,108 @@ def test_qmm_swiglu_float64():
 
 
 # ---------------------------------------------------------------------------
+# gather_qmm_swiglu
+
+
+def assert_gather_swiglu_close(out, x, qw, indices, bias, dtype, activation, limit=None,
+                               alpha=1.702):
+    """Slot by slot against the float64 oracle: expert indices[t, j]'s product and bias
+    row; NaN rows for ids outside [0, E)."""
+    w64, ids = deq64(qw), np.asarray(indices)
+    assert out.shape == (*ids.shape, qw.shape[1] // 2) and out.dtype == dtype
+    for t, j in np.ndindex(*ids.shape):
+        e = ids[t, j]
+        xr = (x[t] if x.ndim == 2 else x[t, j])[None]
+        if not 0 <= e < qw.shape[0]:
+            assert np.all(np.isnan(f64(out[t, j]))), (t, j)
+            continue
+        assert_swiglu_close(out[t, j][None], xr, None, None if bias is None else bias[e],
+                            dtype, activation, limit, alpha, w64=w64[e])
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", [dict(activation="silu"), GPT_OSS], ids=["silu", "gpt_oss"])
+def test_gather_qmm_swiglu_matches_oracle(mode, bits, dtype, act):
+    e, i, k = 4, 24, 128
+    qw = oracle_quantized(nrand(0, (e, 2 * i, k), scale=0.5), mode, bits)
+    idx = np.array([[3, 0, 3], [1, 2, 0]], np.int32)  # a repeated expert
+    bias = jnp.asarray(nrand(2, (e, 2 * i)), dtype)
+    f = jax.jit(lambda x, q, ix, b: jq.gather_qmm_swiglu(x, q, ix, bias=b, **act))
+    for x in (nrand(1, (2, k)), nrand(3, (2, 3, k))):  # x per token, or per slot
+        x = jnp.asarray(x, dtype)
+        assert_gather_swiglu_close(f(x, qw, idx, bias), x, qw, idx, bias, dtype,
+                                   act["activation"], act.get("limit"))
+
+
+@settings(max_examples=10, deadline=None)
+@given(t=st.integers(1, 4), slots=st.integers(1, 4), e=st.integers(1, 6),
+       i=st.integers(1, 24), groups=st.integers(1, 3), act=st.sampled_from(["silu", "gpt_oss"]),
+       with_bias=st.booleans(), per_slot_x=st.booleans(), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_gather_qmm_swiglu_equals_unfused(t, slots, e, i, groups, act, with_bias, per_slot_x,
+                                          dtype, seed):
+    k = 64 * groups
+    qw = oracle_quantized(nrand(seed, (e, 2 * i, k)), "mxfp4")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(-1, e + 1, (t, slots)).astype(np.int32)  # some outside [0, E)
+    x = jnp.asarray(nrand(seed + 1, (t, slots, k) if per_slot_x else (t, k),
+                          scale=np.exp(seed % 5 - 2)), dtype)
+    bias = jnp.asarray(nrand(seed + 2, (e, 2 * i)), dtype) if with_bias else None
+    limit = 5.0 if act == "gpt_oss" else None
+    fused = jq.gather_qmm_swiglu(x, qw, idx, activation=act, limit=limit, bias=bias)
+    # the decoder's unfused steps (jaxquant/models/decoder.py's experts_mlp)
+    y = jq.gather_qmm(x, qw, idx).astype(jnp.float32)
+    if bias is not None:
+        y = y + bias[np.clip(idx, 0, e - 1)].astype(jnp.float32)
+    gate, up = y[..., :i], y[..., i:]
+    if act == "silu":
+        want = jax.nn.silu(gate) * up
+    else:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        want = (up + 1) * gate * jax.nn.sigmoid(gate * 1.702)
+    np.testing.assert_array_equal(f64(fused), f64(want.astype(dtype)))
+    bad = (idx < 0) | (idx >= e)
+    assert np.all(np.isnan(f64(fused)[bad])) and not np.any(np.isnan(f64(fused)[~bad]))
+
+
+def test_gather_qmm_swiglu_bias_row_per_expert():
+    # each slot adds its own expert's bias row: zero weights leave act(bias) alone
+    e, i, k = 3, 16, 64
+    qw = oracle_quantized(np.zeros((e, 2 * i, k), np.float32), "affine", 4)
+    bias = nrand(0, (e, 2 * i))
+    idx = np.array([[2, 0, 1, 2]], np.int32)
+    y = f64(jq.gather_qmm_swiglu(nrand(1, (1, k)), qw, idx, bias=bias))
+    b = f64(bias)
+    for j, ex in enumerate(idx[0]):
+        g, u = b[ex, :i], b[ex, i:]
+        np.testing.assert_allclose(y[0, j], g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-7)
+
+
+def test_gather_qmm_swiglu_float64_and_transforms():
+    with jax.enable_x64(True):
+        qw = oracle_quantized(nrand(0, (3, 32, 64)), "affine", 4)
+        x = jnp.asarray(nrand(1, (2, 64)), jnp.float64)
+        y = jq.gather_qmm_swiglu(x, qw, np.array([[0, 2], [1, 1]]), bias=np.ones((3, 32)))
+        assert y.dtype == jnp.float64 and y.shape == (2, 2, 16)
+    qw = oracle_quantized(nrand(0, (3, 64, 64)), "mxfp4")
+    x, idx, b = nrand(1, (4, 2, 64)), np.array([[0, 2], [1, 1]], np.int32), nrand(2, (3, 64))
+    glu = lambda x: jq.gather_qmm_swiglu(x, qw, idx, bias=b, **GPT_OSS)
+    # vmap over a batch of tokens folds into the primitive's token axis
+    np.testing.assert_array_equal(jax.vmap(glu)(x), jnp.stack([glu(xi) for xi in x]))
+    names = [q.primitive.name for q in jax.make_jaxpr(jax.vmap(glu))(x).eqns]
+    assert names.count("jaxquant_gather_qmm_swiglu") == 1, names
+    # grad to x and bias through the reference equals the unfused ops' grad
+    def unfused(x, b):
+        y = jq.gather_qmm(x, qw, idx) + b[idx]
+        g, u = jnp.minimum(y[..., :32], 7.0), jnp.clip(y[..., 32:], -7.0, 7.0)
+        return jnp.sum((u + 1) * g * jax.nn.sigmoid(1.702 * g))
+    fused = lambda x, b: jnp.sum(jq.gather_qmm_swiglu(x, qw, idx, bias=b, **GPT_OSS))
+    for a, c in zip(jax.grad(fused, (0, 1))(x[0], b), jax.grad(unfused, (0, 1))(x[0], b)):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
 # Bad inputs: ValueError / TypeError naming the argument.
 
 
@@ -245,6 +347,33 @@ def test_bad_inputs():
         jq.qmm_swiglu(x[:, :32], qw)
     with pytest.raises(TypeError, match="qw"):
         jq.qmm_swiglu(x, None)
+
+
+def test_gather_qmm_swiglu_bad_inputs():
+    qw = oracle_quantized(nrand(0, (3, 6, 64)), "mxfp4")
+    x, idx = nrand(1, (2, 64)), np.array([[0, 1], [2, 0]], np.int32)
+    with pytest.raises(ValueError, match=r"bias must have shape \(3, 6\)"):
+        jq.gather_qmm_swiglu(x, qw, idx, bias=np.ones(6, np.float32))
+    with pytest.raises(TypeError, match="bias"):
+        jq.gather_qmm_swiglu(x, qw, idx, bias=np.ones((3, 6), np.int32))
+    with pytest.raises(TypeError, match="indices must be an integer array"):
+        jq.gather_qmm_swiglu(x, qw, idx.astype(np.float32))
+    with pytest.raises(ValueError, match=r"indices must be \[T, k\]"):
+        jq.gather_qmm_swiglu(x, qw, idx[0])
+    with pytest.raises(ValueError, match="x must be"):
+        jq.gather_qmm_swiglu(x[:1], qw, idx)
+    with pytest.raises(ValueError, match="qw must have 3 dimensions"):
+        jq.gather_qmm_swiglu(x, qw[0], idx)
+    with pytest.raises(TypeError, match="QuantizedArray"):
+        jq.gather_qmm_swiglu(x, np.ones((3, 6, 64), np.float32), idx)
+    with pytest.raises(ValueError, match="even number of rows"):
+        jq.gather_qmm_swiglu(x, oracle_quantized(nrand(0, (3, 5, 64)), "mxfp4"), idx)
+    with pytest.raises(ValueError, match="activation='relu' is not known"):
+        jq.gather_qmm_swiglu(x, qw, idx, activation="relu")
+    with pytest.raises(ValueError, match="limit"):
+        jq.gather_qmm_swiglu(x, qw, idx, limit=7.0)
+    with pytest.raises(TypeError, match="alpha of jq.gather_qmm_swiglu is a static argument"):
+        jax.jit(lambda a: jq.gather_qmm_swiglu(x, qw, idx, alpha=a))(1.0)
 
 
 # ---------------------------------------------------------------------------

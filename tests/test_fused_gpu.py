@@ -1,7 +1,8 @@
 """The fused decode GEMVs (hip_src/qmv_mma.h, FUSE) on an NVIDIA GPU, on the cuda_mma
 layout: rms_norm_qmm's norm prologue and qmm_swiglu's epilogue against the unfused ffi
 ops (to rounding) and the float64 oracle, every mode x float32/float16/bfloat16 x
-M in {1, 2, 8, 16}; the cases the kernel does not take (I not a multiple of 16, more
+M in {1, 2, 8, 16}; gather_qmm_swiglu's on gather slots (bad ids, dedupe, a bias row
+per expert); the cases the kernel does not take (I not a multiple of 16, more
 than 16 rows, x too large to stage) run the unfused kernels; the handler's checks.
 Skipped without a CUDA GPU and library (scripts/gpu_check_decode.sh runs it)."""
 
@@ -126,6 +127,77 @@ def _unfused_swiglu(x, q, bias, act):
     return ((up + 1) * gate * jax.nn.sigmoid(gate * act["alpha"])).astype(x.dtype)
 
 
+# gather_qmm_swiglu's slots: one token's four experts with a repeat and an id past E
+# (a NaN row); three tokens sharing experts (dedupe: segments of up to 8 rows); 16
+# tokens of one expert (a 16-row segment, the two-n-tile kernel)
+GATHER_IDS = {"t1": np.array([[3, 0, 3, 7]], np.int32),
+              "t3": np.array([[1, 4], [4, 1], [1, -2]], np.int32),
+              "t16": np.full((16, 1), 2, np.int32)}
+
+
+def _unfused_gather_swiglu(x, q, idx, bias, act):
+    """The composition on the unfused ffi gather GEMV, its epilogue in jnp (float32)."""
+    y = jq.gather_qmm(x, q, idx, backend="ffi").astype(jnp.float32)
+    if bias is not None:
+        y = y + bias[jnp.clip(idx, 0, bias.shape[0] - 1)].astype(jnp.float32)
+    gate, up = jnp.split(y, 2, axis=-1)
+    if act["activation"] == "silu":
+        return (jax.nn.silu(gate) * up).astype(x.dtype)
+    gate, up = jnp.minimum(gate, act["limit"]), jnp.clip(up, -act["limit"], act["limit"])
+    return ((up + 1) * gate * jax.nn.sigmoid(gate * act["alpha"])).astype(x.dtype)
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_gather_qmm_swiglu_kernel(mode, bits):
+    # E = 5 experts of I = 32 (two gate and two up tiles), K = 192; every dtype, slot
+    # set, activation, x per token or per slot, with and without a bias [E, 2I]
+    e, i, k = 5, 32, 192
+    qw, packed = _packed(mode, bits, (e, 2 * i, k), key=bits + 2, scale=0.5)
+    names = [jnp.dtype(dt).name for dt in DTYPES]
+    xs = {(n, ids, per_slot): rand(len(ids) + 3 * per_slot,
+                                   GATHER_IDS[ids].shape + (k,) if per_slot
+                                   else (GATHER_IDS[ids].shape[0], k), jnp.dtype(n))
+          for n in names for ids in GATHER_IDS for per_slot in (False, True)}
+    bias = {n: rand(78, (e, 2 * i), jnp.dtype(n)) for n in names}
+    cases = [(key, a, with_bias) for key in xs for a in range(len(ACTS))
+             for with_bias in (False, True)]
+
+    def run(one):
+        return jax.jit(lambda xs, bs, q: {
+            c: one(xs[c[0]], q, GATHER_IDS[c[0][1]], bs[c[0][0]] if c[2] else None, ACTS[c[1]])
+            for c in cases})(xs, bias, packed)
+    fused_one = lambda x, q, idx, b, act: jq.gather_qmm_swiglu(x, q, idx, bias=b, backend="ffi",
+                                                               **act)
+    assert "jaxquant_qmv_mma_fused" in _targets(
+        lambda x, q: fused_one(x, q, GATHER_IDS["t1"], None, ACTS[1]), xs["bfloat16", "t1", False],
+        packed)
+    fused, unfused = run(fused_one), run(_unfused_gather_swiglu)
+    w64 = deq64(qw)
+    for c in cases:
+        (name, ids, per_slot), a, with_bias = c
+        idx = GATHER_IDS[ids]
+        y, eps = fused[c], EPS[jnp.dtype(name)]
+        assert y.dtype == jnp.dtype(name) and y.shape == idx.shape + (i,)
+        bad = (idx < 0) | (idx >= e)
+        assert np.all(np.isnan(f64(y)[bad])), c
+        # as qmm_swiglu's: the halves are the unfused GEMV's bit for bit, the
+        # activation's exp and the output's rounding may differ
+        np.testing.assert_allclose(f64(y), f64(unfused[c]), rtol=max(4 * eps, 2.0**-20),
+                                   atol=2.0**-24, err_msg=str(c))
+        if name != "float16" and a == 1:  # the float64 oracle (gpt_oss clamps), valid slots
+            x64 = f64(xs[c[0]])
+            for t, j in zip(*np.nonzero(~bad)):
+                xr = x64[t, j] if per_slot else x64[t]
+                g = w64[idx[t, j]] @ xr
+                mag = np.abs(w64[idx[t, j]]) @ np.abs(xr)
+                b = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(g)  # the GEMV's output
+                if with_bias:
+                    g = g + f64(bias[name][idx[t, j]])
+                want, (dg, du) = swiglu64(g[:i], g[i:], "gpt_oss", 7.0)
+                bound = dg * b[:i] + du * b[i:] + 2 * eps * np.abs(want) + 1e-30
+                assert np.all(np.abs(f64(y[t, j]) - want) <= bound), (c, t, j)
+
+
 @pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("nvfp4", 4)])
 def test_qmm_swiglu_oracle_many_tiles(mode, bits):
     # I = 16 * 300: 300 blocks, each a gate tile and the up tile 300 tiles further
@@ -189,7 +261,8 @@ def test_cases_the_kernel_does_not_take_run_unfused():
 
 
 def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
-    """configs.FUSED_MAX_ROWS: the fused kernel up to its rows of x, the unfused ops above."""
+    """configs.FUSED_MAX_ROWS: the fused kernel up to its rows of x, the unfused ops above;
+    gather_qmm_swiglu's only when asked for."""
     from jaxquant.ffi import configs
 
     _, packed = _packed("mxfp4", 4, (64, 192), key=4)
@@ -202,6 +275,13 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
             text = _targets(f, rand(4, (m, 192), jnp.bfloat16), packed)
             assert ("jaxquant_qmv_mma_fused" in text) == fused, (op, m)
             assert "jaxquant_qmv_mma" in text, (op, m)
+    # gather_qmm_swiglu: opt-in (configs.py): the gather GEMV, then XLA's epilogue
+    _, experts = _packed("mxfp4", 4, (3, 64, 192), key=5)
+    idx = jnp.array([[0, 2]], jnp.int32)
+    for backend, fused in ((None, False), ("ffi", True)):
+        text = _targets(lambda x, q: jq.gather_qmm_swiglu(x, q, idx, backend=backend),
+                        rand(4, (1, 192), jnp.bfloat16), experts)
+        assert ("jaxquant_qmv_mma_fused" in text) == fused and "jaxquant_qmv_mma" in text
 
 
 def test_handler_checks():
@@ -222,3 +302,12 @@ def test_handler_checks():
     _, big = _packed("affine", 4, (32, 8192))
     with pytest.raises(Exception, match="stages x in shared memory"):
         call(rand(0, (1, 16, 8192), jnp.float32), _mma._flat_qw(big), None, fuse=_mma.FUSE_NORM)
+    # gather_qmm_swiglu: a bias row per expert; no indices with the norm
+    _, experts = _packed("mxfp4", 4, (3, 32, k))
+    ids, x1 = jnp.array([0, 2], jnp.int32), rand(0, (2, 1, k), jnp.bfloat16)
+    with pytest.raises(Exception, match=r"bias must be .*\[3, 32\]"):
+        call(x1, experts, jnp.ones((32,), jnp.float32), fuse=_mma.FUSE_SWIGLU, indices=ids)
+    with pytest.raises(Exception, match="takes no indices"):
+        call(x1, experts, None, fuse=_mma.FUSE_NORM, indices=ids)
+    with pytest.raises(Exception, match="1 per gather slot"):
+        call(rand(0, (2, 2, k), jnp.bfloat16), experts, None, fuse=_mma.FUSE_SWIGLU, indices=ids)

@@ -36,6 +36,7 @@ def _check(case, *, tol, collectives):
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
     "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
+    "gather_qmm_swiglu_tokens",
     "decode_attention_heads", "decode_attention_stacked",
     "gather_matmul_col"]
 
@@ -71,6 +72,11 @@ def test_fused_ops_split_as_documented(cases):
     case = cases["qmm_swiglu_col_gathered"]
     assert case["err"] <= 1e-6 * case["scale"] and case["collectives"]["all-gather"] >= 1
     assert any("qmm_swiglu" in w and "'r'" in w for w in case["warnings"]), case
+    # gather_qmm_swiglu: tokens only; experts on tp are gathered
+    assert cases["gather_qmm_swiglu_tokens"]["out_spec"] == ["P('data',)"]
+    case = cases["gather_qmm_swiglu_ep_gathered"]
+    assert case["err"] <= 1e-6 * case["scale"] and case["collectives"]["all-gather"] >= 1
+    assert any("gather_qmm_swiglu" in w and "'e'" in w for w in case["warnings"]), case
 
 
 def test_k_split_inside_a_group_is_gathered_with_a_warning(cases):

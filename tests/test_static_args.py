@@ -43,6 +43,9 @@ CASES = {
     "qmm_swiglu-alpha": (lambda: jax.jit(
         lambda x, a: jq.qmm_swiglu(x, QW, activation="gpt_oss", alpha=a))(X, 1.7), "alpha",
         "qmm_swiglu"),
+    "gather_qmm_swiglu-limit": (lambda: jax.jit(
+        lambda x, lim: jq.gather_qmm_swiglu(x, QE, IDX, activation="gpt_oss", limit=lim))(X, 7.0),
+        "limit", "gather_qmm_swiglu"),
 }
 
 

@@ -111,5 +111,8 @@ def test_decode_attention_and_fused_ops_wrong_scalars():
     qw = jq.quantize(W[0], mode="mxfp4")
     with pytest.raises(ValueError, match="alpha must be finite"):
         jq.qmm_swiglu(X, qw, alpha=float("nan"))
+    with pytest.raises(ValueError, match="limit must be finite"):
+        jq.gather_qmm_swiglu(X, jq.quantize(W[:1], mode="mxfp4"), np.zeros((3, 1), np.int32),
+                             activation="gpt_oss", limit=float("inf"))
     with pytest.raises(ValueError, match="eps must be finite"):
         jq.rms_norm_qmm(X, None, qw, eps=float("nan"))

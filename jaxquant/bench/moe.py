@@ -3,6 +3,9 @@
     pallas      jaxquant.pallas.moe.gather_qmm (the expert-indexed GEMV)
     ffi         jq.gather_qmm(backend="ffi"), where the ffi backend runs here
     jnp ref     the reference: gather the experts' packed weights, dequantize, einsum
+    ffi fused swiglu / ffi + XLA swiglu  (gate+up layers, SWIGLU_LAYERS) the product with
+                its per-expert bias and activation: jq.gather_qmm_swiglu (one kernel on
+                the cuda_mma layout) against the ffi gather_qmm, then XLA's epilogue
     dense gather  dense weights: w[idx] gathered, then one einsum (XLA copies the chosen
                   experts' weights before the dot)
     dense pallas  jq.gather_matmul on dense weights: the Pallas float expert GEMV, reading
@@ -34,6 +37,8 @@ GPU_LAYERS = {
     "qwen3_30b_a3b_gateup": (128, 8, 2048, 1536),
 }
 CPU_LAYERS = {"small": (8, 2, 512, 1024), "small_wide": (16, 4, 256, 1024)}
+# gate+up layers (N = 2I): their decode also times gather_qmm_swiglu, with this activation
+SWIGLU_LAYERS = {"gptoss20b": "gpt_oss", "qwen3_30b_a3b_gateup": "silu", "small": "silu"}
 LAYERS = {**GPU_LAYERS, **CPU_LAYERS}
 GPU_DECODE_T, GPU_PREFILL_T = (1, 8), 4096
 CPU_DECODE_T, CPU_PREFILL_T = (1, 8), 64
@@ -130,6 +135,32 @@ def _quantized_impls(op, interpret):
     return out
 
 
+def _time_swiglu(time, many, x, qw, idxs, activation, nbytes, mode):
+    """A gate+up layer's product with its activation and per-expert bias:
+    jq.gather_qmm_swiglu on the ffi backend (one fused kernel where it runs) against
+    the ffi gather_qmm followed by the bias and activation in XLA (what it replaces)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxquant as jq
+    from jaxquant.ops.fused import swiglu
+
+    e, n = qw.shape[0], qw.shape[1]
+    bias = (jax.random.normal(jax.random.key(1), (e, n), jnp.float32) * 0.1).astype(x.dtype)
+    limit = 7.0 if activation == "gpt_oss" else None
+
+    def unfused(x, qw, i):
+        y = jq.gather_qmm(x, qw, i, backend="ffi").astype(jnp.float32)
+        gate, up = jnp.split(y + bias[i].astype(jnp.float32), 2, axis=-1)
+        return swiglu(gate, up, activation=activation, limit=limit,
+                      alpha=1.702).astype(x.dtype)
+
+    fused = functools.partial(jq.gather_qmm_swiglu, activation=activation, limit=limit,
+                              bias=bias, backend="ffi")
+    time(many(unfused), (x, qw, idxs), nbytes=nbytes, mode=mode, impl="ffi + XLA swiglu")
+    time(many(fused), (x, qw, idxs), nbytes=nbytes, mode=mode, impl="ffi fused swiglu")
+
+
 def run(args, out=print):
     import jax
     import jax.numpy as jnp
@@ -219,6 +250,9 @@ def run(args, out=print):
                     for impl, f in _quantized_impls("gather_qmm", args.interpret):
                         time(many(f), (x, qw, idxs), nbytes=distinct * qw.nbytes / e + io,
                              mode=m, impl=impl, check=check)
+                    if name in SWIGLU_LAYERS and "ffi" in jq.available_backends():
+                        _time_swiglu(time, many, x, qw, idxs, SWIGLU_LAYERS[name],
+                                     distinct * qw.nbytes / e + io, m)
             harness.print_table(block, bw, out, base="dense ragged", ref="jnp ref",
                                 case_title="layer, T")
             rows += block

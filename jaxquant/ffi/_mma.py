@@ -10,8 +10,10 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
   few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
 - The fused GEMVs (hip_src/qmv_mma.h, FUSE): rms_norm_qmm (the norm applied to x
   as the block stages it) and qmm_swiglu (a block owns a gate tile and its up tile
-  and writes the activation), with at most MMA_MAX_M rows of x; other cases of
-  those ops run the unfused ops (jaxquant/ops/fused.py).
+  and writes the activation), with at most MMA_MAX_M rows of x, and
+  gather_qmm_swiglu (the same epilogue on gather_qmm's slots, each with its
+  expert's bias row); other cases of those ops run the unfused ops
+  (jaxquant/ops/fused.py).
 - The layout's dequantize (hip_src/qmm_gemm.h) for `jq.dequantize` into a 16-bit
   dtype and, under automatic choice, for qmm with more than
   configs.mma_gemm_max_m rows: the dequantized weight, then XLA's dot (cuBLAS).
@@ -83,18 +85,23 @@ def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
 
 
 def qmv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_offset=0.0,
-                       activation="silu", limit=None, alpha=0.0):
-    """The fused GEMV: x3 [E, M, K] with qw3 [E, N, K] in the cuda_mma layout.
+                       activation="silu", limit=None, alpha=0.0, indices=None, dedupe=0):
+    """The fused GEMV: x3 [Sx, M, K] with qw3 [E, N, K] in the cuda_mma layout.
     FUSE_NORM: rms_norm_qmm, aux the norm weight [K] or None -> [E, M, N];
-    FUSE_SWIGLU: qmm_swiglu, aux the bias [N] or None -> [E, M, N / 2]."""
+    FUSE_SWIGLU: qmm_swiglu, aux the bias [N] or None -> [E, M, N / 2]; with
+    `indices` int32 [S] (gather_qmm_swiglu: slot s uses expert indices[s], M = 1,
+    `dedupe` as qmv_mma_call's) aux the bias [E, N] or None -> [S, 1, N / 2]."""
     e, n, _ = qw3.shape
-    out = jax.ShapeDtypeStruct((e, x3.shape[1], n // 2 if fuse == FUSE_SWIGLU else n), x3.dtype)
+    s = indices.shape[0] if indices is not None else e
+    out = jax.ShapeDtypeStruct((s, x3.shape[1], n // 2 if fuse == FUSE_SWIGLU else n), x3.dtype)
     aux = aux if aux is not None else jnp.zeros((0,), jnp.float32)
+    idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(FUSED_TARGET, out, vmap_method="sequential")(
-        x3, *_operands(qw3, x3.dtype), aux, **_format_attrs(qw3), fuse=np.int64(fuse),
+        x3, *_operands(qw3, x3.dtype), idx, aux, **_format_attrs(qw3), fuse=np.int64(fuse),
         eps=np.float32(eps), weight_offset=np.float32(weight_offset),
         activation=np.int64(SWIGLU_ACTIVATION_IDS[activation]),
-        limit=np.float32(np.inf if limit is None else limit), alpha=np.float32(alpha))
+        limit=np.float32(np.inf if limit is None else limit), alpha=np.float32(alpha),
+        dedupe=np.int64(dedupe))
 
 
 def qmm_gemm_call(x3, qw3: QuantizedArray, group_sizes=None):
@@ -218,15 +225,38 @@ def gather_qmm_applies(x, qw, indices, *, transpose, precision, platform):
             and qw.shape[1] > 0 and indices.shape[0] * indices.shape[1] <= 65535)
 
 
-def gather_qmm_impl(x, qw, indices, *, transpose, precision, platform):
+def _gather_slots(x, qw, indices):
+    """gather_qmm's operands as the GEMV takes them: x3 [T or T*k, 1, K], the ids
+    int32 [T*k] (one outside [0, E) as -1: a NaN row), and the dedupe."""
     t, slots = indices.shape
     idx = jnp.where((indices >= 0) & (indices < qw.shape[0]), indices, -1)
     x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
     # decode (T > 1): the tokens that pick one expert share one read of it (at most T
     # of them when a token's k ids are distinct; more simply start another segment)
     dedupe = min(t, MMA_MAX_M) if t > 1 else 0
-    y = qmv_mma_call(x3, qw, idx.astype(jnp.int32).reshape(-1), dedupe=dedupe)
-    return y.reshape(t, slots, qw.shape[1])
+    return x3, idx.astype(jnp.int32).reshape(-1), dedupe
+
+
+def gather_qmm_impl(x, qw, indices, *, transpose, precision, platform):
+    x3, ids, dedupe = _gather_slots(x, qw, indices)
+    y = qmv_mma_call(x3, qw, ids, dedupe=dedupe)
+    return y.reshape(*indices.shape, qw.shape[1])
+
+
+def gather_qmm_swiglu_applies(x, qw, indices, bias, *, activation, limit, alpha, precision,
+                              platform):
+    return (gather_qmm_applies(x, qw, indices, transpose=True, precision=precision,
+                               platform=platform)
+            and qw.shape[1] % (2 * cuda_mma.TILE_ROWS) == 0
+            and (bias is None or jnp.dtype(bias.dtype) in _X_DTYPES))
+
+
+def gather_qmm_swiglu_impl(x, qw, indices, bias, *, activation, limit, alpha, precision,
+                           platform):
+    x3, ids, dedupe = _gather_slots(x, qw, indices)
+    y = qmv_mma_fused_call(x3, qw, bias, fuse=FUSE_SWIGLU, activation=activation, limit=limit,
+                           alpha=alpha, indices=ids, dedupe=dedupe)
+    return y.reshape(*indices.shape, qw.shape[1] // 2)
 
 
 def ragged_qmm_applies(x, qw, group_sizes, *, transpose, precision, platform):
@@ -275,7 +305,10 @@ def register(lib) -> None:
          (("rms_norm_qmm", rms_norm_qmm_impl, rms_norm_qmm_applies, PRIORITY,
            configs.auto_fused("rms_norm_qmm")),
           ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY,
-           configs.auto_fused("qmm_swiglu")))),
+           configs.auto_fused("qmm_swiglu")),
+          # opt-in: slower than the unfused ops it replaces (configs.py)
+          ("gather_qmm_swiglu", gather_qmm_swiglu_impl, gather_qmm_swiglu_applies, PRIORITY,
+           configs.never))),
         ("jq_gpu_qmm_gemm", GEMM_TARGET,  # the prefill GEMM
          (("qmm", gemm_qmm_impl, gemm_qmm_applies, PRIORITY, gemm_qmm_auto),
           ("ragged_qmm", ragged_qmm_impl, ragged_qmm_applies, PRIORITY, None))),

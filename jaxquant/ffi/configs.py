@@ -124,6 +124,13 @@ def auto_norm(x, *operands, platform, **params) -> bool:
 # M = 4 45 / 48 against 47 / 48. Whole model, batch 1: affine4 355-357 tok/s against
 # 352-353 unfused, mxfp4 343-346 against 340-341.
 FUSED_MAX_ROWS = {"rms_norm_qmm": 1, "qmm_swiglu": 4}
+# gather_qmm_swiglu's fused kernel is opt-in (backend="ffi"): a block owns a gate tile and
+# its up tile, which halves the gather GEMV's grid, and at gpt-oss-20b's experts that
+# costs what the epilogue saves (H100, `bench moe`, T = 1: 34.4 µs fused against 33.9 for
+# the gather GEMV + XLA's epilogue; T = 8: 209.3 / 209.0). In the whole model (one
+# process, alternating) it decoded 480-484 tok/s against 490-496 unfused: XLA had merged
+# the epilogue into a fusion the step runs anyway, so no kernel went away
+# (benchmarks/RESULTS.md, "Twelfth session").
 
 
 def auto_fused(op: str):

@@ -148,6 +148,19 @@ def expert_gather(x, w, idx):
     return jq.gather_matmul(x, w, idx)
 
 
+def expert_gather_swiglu(cfg: Config, x, w_gate_up, idx, bias):
+    """x [T, K], w_gate_up [E, 2I, K] (quantized), idx [T, k], bias [E, 2I] or None
+    -> [T, k, I] in x's dtype (decode): jq.gather_qmm_swiglu, the chosen experts'
+    gate+up projection with its activation in one kernel where one exists."""
+    if isinstance(w_gate_up, ExpertsOfLayer):  # its bias rows flattened with it
+        w_gate_up, idx = w_gate_up.stack, idx + w_gate_up.layer * w_gate_up.num_experts
+        bias = None if bias is None else bias.stack
+    kind = swiglu_kind(cfg)
+    return jq.gather_qmm_swiglu(x, w_gate_up, idx, activation=kind,
+                                limit=cfg.swiglu_limit if kind == "gpt_oss" else None,
+                                bias=bias)
+
+
 def expert_ragged(x, w, group_sizes):
     """x [R, K] rows sorted by expert, w [E, N, K] -> [R, N] (prefill)."""
     if isinstance(w, ExpertsOfLayer) and not isinstance(w.stack, QuantizedArray):
@@ -266,8 +279,10 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
 
     def product(a, matmul, name, bias_rows):  # float32, + the expert's bias rows
         y = matmul(a, p[name]).astype(jnp.float32)
-        bias = name + "_bias"
-        return y if bias not in p else y + p[bias][bias_rows].astype(jnp.float32)
+        bias = p.get(name + "_bias")
+        if isinstance(bias, ExpertsOfLayer):
+            bias, bias_rows = bias.stack, bias_rows + bias.layer * bias.num_experts
+        return y if bias is None else y + bias[bias_rows].astype(jnp.float32)
 
     def experts(a, matmul, bias_rows):
         """The experts' SwiGLU MLP of a through matmul(a, expert weights), float32 out;
@@ -281,7 +296,13 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
 
     if t * k <= GATHER_MAX_PAIRS:  # decode: read only the chosen experts, in place
         local = jnp.where(mine, idx, 0)
-        y = experts(x, lambda a, w: expert_gather(a, w, local), local)  # [T, k, D]
+        gather = lambda a, w: expert_gather(a, w, local)
+        w_gate_up = p.get("e_gate_up")
+        if isinstance(getattr(w_gate_up, "stack", w_gate_up), QuantizedArray):
+            h = expert_gather_swiglu(cfg, x, w_gate_up, local, p.get("e_gate_up_bias"))
+            y = product(h, gather, "e_down", local)  # [T, k, D]
+        else:
+            y = experts(x, gather, local)
     else:  # prefill: sort (token, slot) pairs by expert, one ragged matmul each;
         # other devices' pairs sort last, past every group
         flat = jnp.where(mine, idx, num_experts).reshape(-1)
@@ -333,6 +354,8 @@ def embed(params, tokens):
 
 
 EXPERT_STACKS = ("e_gate_up", "e_gate", "e_up", "e_down")
+# flattened with them under experts_by_layer (indexed by the same expert rows)
+EXPERT_BIASES = tuple(k + "_bias" for k in EXPERT_STACKS)
 
 
 def is_per_layer(params_or_layers) -> bool:
@@ -413,7 +436,8 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     else:
         stacks = {}
         if resolve_experts_by_layer(cfg, layers, experts_by_layer, mesh):
-            stacks = {k: _flatten_layers(v) for k, v in layers.items() if k in EXPERT_STACKS}
+            stacks = {k: _flatten_layers(v) for k, v in layers.items()
+                      if k in EXPERT_STACKS + EXPERT_BIASES}
             layers = {k: v for k, v in layers.items() if k not in stacks}
 
         def step(carry, xs):

@@ -1,4 +1,4 @@
-"""Fused decode ops: rms_norm_qmm and qmm_swiglu (docs/fused.md).
+"""Fused decode ops: rms_norm_qmm, qmm_swiglu and gather_qmm_swiglu (docs/fused.md).
 
 Each is a primitive whose reference is the composition of the unfused
 references (docs/ops.md: a fused op equals that composition to rounding):
@@ -7,7 +7,10 @@ references (docs/ops.md: a fused op equals that composition to rounding):
   normalized x is rounded to x's dtype before the product, as the unfused ops
   do;
 - qmm_swiglu(x, qw, bias) splits y = qmm(x, qw) (+ bias, in float32) into
-  gate and up halves along N and returns act(gate, up) in x's dtype.
+  gate and up halves along N and returns act(gate, up) in x's dtype;
+- gather_qmm_swiglu(x, qw, indices, bias) is the same epilogue on
+  y = gather_qmm(x, qw, indices) with each slot's expert's bias row, bias[indices]
+  (a routed MoE's gate+up projection at decode).
 
 A backend with a fused kernel for the case runs it (the CUDA GEMV on the
 `cuda_mma` layout: jaxquant/ffi/_mma.py); any other case runs the unfused
@@ -25,10 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
-                                 jvp_through_reference, move_to_front, require_quantized)
+                                 jvp_through_reference, move_to_front, require_quantized,
+                                 to_front_or_broadcast)
 from jaxquant.ops.norms import _check_common, rms_norm_op, rms_norm_reference
-from jaxquant.ops.qmm import qmm_op, qmm_reference
+from jaxquant.ops.qmm import (_check_gather_shapes, _expert_args, gather_qmm_op,
+                              gather_qmm_reference, qmm_op, qmm_reference)
 from jaxquant.primitive import Op
+from jaxquant.quantized_array import QuantizedArray
 from jaxquant.static_args import require_static
 
 SWIGLU_ACTIVATIONS = ("silu", "gpt_oss")
@@ -69,6 +75,21 @@ def qmm_swiglu_reference(x, qw, bias, *, activation, limit, alpha, precision):
                             dtype=x.dtype)
 
 
+def _expert_bias(bias, qw, indices):
+    """Each slot's bias row: bias [E, N] at indices [T, k] -> [T, k, N] (an id outside
+    [0, E) reads row 0; gather_qmm's row is NaN there anyway)."""
+    if bias is None:
+        return None
+    valid = (indices >= 0) & (indices < qw.shape[0])
+    return bias[jnp.where(valid, indices, 0)]
+
+
+def gather_qmm_swiglu_reference(x, qw, indices, bias, *, activation, limit, alpha, precision):
+    y = gather_qmm_reference(x, qw, indices, transpose=True, precision=precision)
+    return _swiglu_epilogue(y, _expert_bias(bias, qw, indices), activation=activation,
+                            limit=limit, alpha=alpha, dtype=x.dtype)
+
+
 def _rms_norm_qmm_unfused(x, norm_weight, qw, *, backend, eps, weight_offset, precision):
     h = rms_norm_op.bind(x, norm_weight, backend=backend, eps=eps, weight_offset=weight_offset)
     return qmm_op.bind(h, qw, backend=backend, transpose=True, precision=precision)
@@ -80,8 +101,17 @@ def _qmm_swiglu_unfused(x, qw, bias, *, backend, activation, limit, alpha, preci
                             dtype=x.dtype)
 
 
+def _gather_qmm_swiglu_unfused(x, qw, indices, bias, *, backend, activation, limit, alpha,
+                               precision):
+    y = gather_qmm_op.bind(x, qw, indices, backend=backend, transpose=True, precision=precision)
+    return _swiglu_epilogue(y, _expert_bias(bias, qw, indices), activation=activation,
+                            limit=limit, alpha=alpha, dtype=x.dtype)
+
+
 rms_norm_qmm_op = Op("rms_norm_qmm", rms_norm_qmm_reference, composition=_rms_norm_qmm_unfused)
 qmm_swiglu_op = Op("qmm_swiglu", qmm_swiglu_reference, composition=_qmm_swiglu_unfused)
+gather_qmm_swiglu_op = Op("gather_qmm_swiglu", gather_qmm_swiglu_reference,
+                          composition=_gather_qmm_swiglu_unfused)
 
 
 # ---------------------------------------------------------------------------
@@ -124,15 +154,44 @@ def qmm_swiglu(x, qw, *, activation: str = "silu", limit: float | None = None,
     backend."""
     x = check_x(x)
     _check_qw(x, qw)
+    params = _swiglu_params("qmm_swiglu", activation, limit, alpha, qw.shape[0], qw.shape)
+    bias = _check_bias(bias, qw.shape[:1], "qw's rows")
+    return qmm_swiglu_op.bind(x, qw, bias, backend=backend, **params)
+
+
+def gather_qmm_swiglu(x, qw, indices, *, activation: str = "silu", limit: float | None = None,
+                      alpha: float = 1.702, bias=None, backend: str | None = None):
+    """A routed MoE's gate and up projections with their activation, at decode:
+    qw [E, 2I, K] (each expert's gate rows [0, I), then up rows [I, 2I)), indices
+    int [T, k], x [T, K] or [T, k, K], bias [E, 2I] or None -> [T, k, I] in x's dtype.
+
+    y = gather_qmm(x, qw, indices) (+ bias[indices], in float32), then qmm_swiglu's
+    activation of its two halves. An index outside [0, E) gives a NaN row (as
+    gather_qmm) and reads nothing out of bounds.
+
+    Static (Python values, not traced under jax.jit): activation, limit, alpha,
+    backend."""
+    if hasattr(qw, "dtype") and not isinstance(qw, QuantizedArray):
+        raise TypeError(f"qw must be a jaxquant.QuantizedArray (from jq.quantize); got a "
+                        f"plain {type(qw).__name__}")
+    x, indices, k, _ = _expert_args("gather_qmm_swiglu", x, qw, "indices", indices, True)
+    _check_gather_shapes(x, "qw", qw.shape, indices, k)
+    params = _swiglu_params("gather_qmm_swiglu", activation, limit, alpha, qw.shape[1],
+                            qw.shape)
+    bias = _check_bias(bias, qw.shape[:2], "qw's experts and rows")
+    return gather_qmm_swiglu_op.bind(x, qw, indices, bias, backend=backend, **params)
+
+
+def _swiglu_params(op, activation, limit, alpha, n, qw_shape):
+    """The SwiGLU's static arguments checked (n: qw's rows, gate then up) -> the params."""
     for name, v in (("activation", activation), ("limit", limit), ("alpha", alpha)):
-        require_static(name, v, "qmm_swiglu")
+        require_static(name, v, op)
     if activation not in SWIGLU_ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not known; expected one of "
                          f"{list(SWIGLU_ACTIVATIONS)}")
-    n = qw.shape[0]
     if n % 2:
         raise ValueError(f"qw must have an even number of rows N=2I (gate rows, then up "
-                         f"rows); got qw.shape={qw.shape}")
+                         f"rows); got qw.shape={qw_shape}")
     _check_real("alpha", alpha)
     if limit is not None:
         _check_real("limit", limit)
@@ -141,13 +200,17 @@ def qmm_swiglu(x, qw, *, activation: str = "silu", limit: float | None = None,
                              f"activation={activation!r}")
         if not limit > 0:
             raise ValueError(f"limit must be > 0; got {limit}")
-    if bias is not None:
-        bias = check_x(bias, "bias")
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape ({n},) (qw's rows); got {bias.shape}")
-    return qmm_swiglu_op.bind(x, qw, bias, backend=backend, activation=activation,
-                              limit=None if limit is None else float(limit),
-                              alpha=float(alpha), precision=default_precision())
+    return dict(activation=activation, limit=None if limit is None else float(limit),
+                alpha=float(alpha), precision=default_precision())
+
+
+def _check_bias(bias, shape, what):
+    if bias is None:
+        return None
+    bias = check_x(bias, "bias")
+    if bias.shape != tuple(shape):
+        raise ValueError(f"bias must have shape {tuple(shape)} ({what}); got {bias.shape}")
+    return bias
 
 
 def _check_real(name, v):
@@ -171,6 +234,24 @@ def _rows_batch(op: Op):
     return rule
 
 
+def _gather_swiglu_batch(args, dims, *, backend, **params):
+    """A batch of tokens folds into the token axis (gather_qmm's rule); batched
+    weights or biases: vmap of the reference."""
+    x, qw, indices, bias = args
+    x_dim, qw_dims, i_dim, b_dims = dims
+    if jax.tree_util.tree_leaves(qw_dims) or jax.tree_util.tree_leaves(b_dims):
+        return None
+    size = x.shape[x_dim] if x_dim is not None else indices.shape[i_dim]
+    x = to_front_or_broadcast(x, x_dim, size)
+    indices = to_front_or_broadcast(indices, i_dim, size)
+    y = gather_qmm_swiglu_op.bind(x.reshape(-1, *x.shape[2:]), qw,
+                                  indices.reshape(-1, indices.shape[-1]), bias,
+                                  backend=backend, **params)
+    return y.reshape(size, -1, *y.shape[1:]), 0
+
+
 for _op in (rms_norm_qmm_op, qmm_swiglu_op):
     _op.batch_rule = _rows_batch(_op)
+gather_qmm_swiglu_op.batch_rule = _gather_swiglu_batch
+for _op in (rms_norm_qmm_op, qmm_swiglu_op, gather_qmm_swiglu_op):
     jvp_through_reference(_op)

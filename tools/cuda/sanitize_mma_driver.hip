@@ -11,7 +11,8 @@
 // GEMM with M = 17 / 64 / 100 and ragged group sizes with empty groups, sizes
 // past T, rows past the groups (zero); the layout's dequantize; the fused GEMVs
 // (rms_norm_qmm's norm with and without a weight, N with a tail; qmm_swiglu's
-// silu / gpt_oss with and without a bias, two slots). Values are checked by
+// silu / gpt_oss with and without a bias, two slots; gather_qmm_swiglu with bad ids,
+// a bias per expert and dedupe). Values are checked by
 // tests/test_decode_gpu.py, test_prefill_gpu.py and test_fused_gpu.py; here: NaN
 // rows exactly where the ids are bad, zero rows past the groups, every output
 // element written. Not part of the library.
@@ -190,10 +191,14 @@ static void run_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M,
 
 // The fused GEMV over S = E matrices of M rows: kFuseNorm (aux: the norm weight [K]
 // in x's dtype, or none) or kFuseSwiglu (N = 2I; aux: a float32 bias [N], or none;
-// y [E, M, I] of exactly that size). Every output element written, none NaN.
+// y [E, M, I] of exactly that size); or gather_qmm_swiglu (ids: slot s of M = 1 row
+// uses expert ids[s]; aux: a float32 bias [E, N] or none; y [S, 1, I]). Every output
+// element written, NaN exactly in the rows of ids outside [0, E).
 static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M, int fuse,
-                           bool with_aux, int activation) {
-  QmvProblem q = make_problem(c, E, N, K, E, E, M, nullptr);
+                           bool with_aux, int activation,
+                           const std::vector<int32_t>* ids = nullptr, int dedupe = 0) {
+  const int64_t S = ids ? (int64_t)ids->size() : E;
+  QmvProblem q = make_problem(c, E, N, K, S, S, M, ids);
   std::mt19937 rng(99 + (int)N + (int)M);
   const int esz = c.x_dt == kF32 ? 4 : 2;
   if (fuse == kFuseSwiglu && c.x_dt == kF16) {
@@ -201,26 +206,27 @@ static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64
     // activation of -inf is NaN, as the unfused ops give. Smaller x (<= 2^-8) keeps
     // y finite, so every NaN below is the kernel's.
     CK(cudaFree(const_cast<void*>(q.x)));
-    q.x = dev_random<uint16_t>(E * M * K, rng, 0x1bffu);
+    q.x = dev_random<uint16_t>(S * M * K, rng, 0x1bffu);
   }
   const int64_t out_n = fuse == kFuseSwiglu ? N / 2 : N;
   CK(cudaFree(q.y));  // the output's exact size
-  CK(cudaMalloc(&q.y, E * M * out_n * esz));
-  CK(cudaMemset(q.y, kUnwritten, E * M * out_n * esz));
+  CK(cudaMalloc(&q.y, S * M * out_n * esz));
+  CK(cudaMemset(q.y, kUnwritten, S * M * out_n * esz));
   Problem P;
   P.q = q;
   P.tiles = (N + 15) / 16;
   P.full_tiles = N / 16;
   P.chunks = K / 64;
-  P.dedupe = 0;
+  P.dedupe = ids != nullptr && dedupe > 0;
   void* aux = nullptr;
   if (with_aux && fuse == kFuseNorm) {  // small positive weights in x's dtype
     aux = esz == 4 ? (void*)dev_random<uint32_t>(K, rng, 0x3bffffffu)
                    : (void*)dev_random<uint16_t>(K, rng, 0x3bffu);
     P.aux_dt = c.x_dt;
   } else if (with_aux) {
-    aux = dev_random<uint32_t>(N, rng, 0x3bffffffu);
+    aux = dev_random<uint32_t>(ids ? E * N : N, rng, 0x3bffffffu);
     P.aux_dt = kF32;
+    P.aux_stride = ids ? N : 0;
   }
   P.aux = aux;
   P.eps = 1e-6f;
@@ -228,22 +234,26 @@ static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64
   P.activation = activation;
   P.limit = 7.0f;
   P.alpha = 1.702f;
-  const int nt = M > 8 ? 2 : 1;
+  const int nt = (ids ? dedupe : M) > 8 ? 2 : 1;
   CK(c.x_dt == kF32   ? launch_qmv_mma_fused_f32(P, nt, fuse, 0)
      : c.x_dt == kF16 ? launch_qmv_mma_fused_f16(P, nt, fuse, 0)
                       : launch_qmv_mma_fused_bf16(P, nt, fuse, 0));
-  q.N = out_n;  // (the launch has its copy) finish reads E x M x out_n outputs
+  q.N = out_n;  // (the launch has its copy) finish reads S x M x out_n outputs
   const Output y = finish(q);
   if (aux) cudaFree(aux);
-  for (size_t i = 0; i < y.v.size(); ++i)
-    if (y.unwritten[i] || (isnan(y.v[i]) && !any_code_nan(c.fmt))) {
+  for (size_t i = 0; i < y.v.size(); ++i) {
+    const int64_t s = (int64_t)i / (M * out_n);
+    const bool bad = ids && ((*ids)[s] < 0 || (*ids)[s] >= E);
+    const bool nan = isnan(y.v[i]);
+    if (y.unwritten[i] || (bad ? !nan : (nan && !any_code_nan(c.fmt)))) {
       const char* what = fuse == kFuseNorm ? (y.unwritten[i] ? "rms_norm_qmm: unwritten"
                                                              : "rms_norm_qmm: NaN")
                                            : (y.unwritten[i] ? "qmm_swiglu: unwritten"
-                                                             : "qmm_swiglu: NaN");
+                                                             : "qmm_swiglu: NaN mismatch");
       fail(what, c.fmt, c.bits, (long long)i);
       break;
     }
+  }
 }
 
 // The GEMM: qmm over E matrices of M rows (sizes == nullptr) or ragged_qmm of T = M rows.
@@ -342,6 +352,10 @@ int main() {
         run_fused_case(c, 2, 96, 192, m, kFuseSwiglu, m != 1, m == 16 ? kActSilu : kActGptOss);
       }
       run_fused_case(c, 1, 64, 4096, 1, kFuseNorm, true, kActSilu);  // 4 warps, 8-16 KiB of x
+      // gather_qmm_swiglu: bad ids, per-expert bias rows, dedupe of 8 and 16 rows
+      run_fused_case(c, 5, 64, 192, 1, kFuseSwiglu, true, kActGptOss, &ids, 0);
+      run_fused_case(c, 5, 32, 128, 1, kFuseSwiglu, false, kActSilu, &ids, 7);
+      run_fused_case(c, 5, 96, 128, 1, kFuseSwiglu, true, kActGptOss, &ids, 12);
       if (xd == kF32) continue;                  // the GEMM takes 16-bit x
       for (int64_t m : {17, 64, 100}) run_gemm_case(c, 2, 37, 192, m, nullptr);
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 37, 192, 150, &sizes);
