@@ -43,7 +43,9 @@
 //     indices (jq.gather_qmm_swiglu) each slot's expert and its bias row; an
 //     invalid id gives a NaN row, as gather_qmm's.
 // A tile's float ops are those of the plain GEMV, so the fused outputs match the
-// unfused ops' to the rounding of the norm's statistics and of the activation.
+// unfused ops' to the rounding of the norm's statistics and of the activation; the
+// SwiGLU variant at affine 4-bit may split K over more warps (swiglu_warps), which
+// sums each half in another float32 order.
 //
 // gather_qmm: slot s uses expert indices[s] (on the device). With `dedupe`,
 // the slots that pick the same expert are one segment of up to 8*NT rows
@@ -1342,6 +1344,22 @@ inline int warps_for(int64_t chunks) {
   return chunks >= 4 ? 2 : 1;
 }
 
+// The SwiGLU variant's warps. Its block owns a gate and an up tile; at 4-bit affine
+// codes 4 warps measured slow there and 8 faster (H100, tools/cuda/ab_mma_driver.hip,
+// 4096 -> 2 x 14336: M = 1 32.7 us at 4 warps, 28.2 at 8, 31.0 at 2; M = 2 37.6 / 33.2;
+// M = 4 39.8 / 38.1), while MXFP4 went the other way (29.1 at 4, 34.9 at 8), so only
+// affine 4-bit takes 8 where warps_for gives 4. $JAXQUANT_MMA_WARPS (every kernel) and
+// $JAXQUANT_MMA_SWIGLU_WARPS (this variant) override it.
+template <class C>
+inline int swiglu_warps(int64_t chunks) {
+  static const int forced = env_choice("JAXQUANT_MMA_SWIGLU_WARPS", {1, 2, 4, 8});
+  if (forced) return forced;
+  static const bool all_forced = env_choice("JAXQUANT_MMA_WARPS", {1, 2, 4, 8}) != 0;
+  const int w = warps_for(chunks);
+  constexpr bool affine4 = C::kFmt == kAffine && C::kBits == 4;
+  return affine4 && w == 4 && !all_forced ? 8 : w;
+}
+
 // Full tiles per block. A block's tiles share each x load, affine's sum(x) MMA and the
 // chunk loop's waits; with the grid halved the bytes in flight per warp double. A
 // tile's float ops do not depend on it. $JAXQUANT_MMA_TILES (1 or 2) overrides it.
@@ -1434,7 +1452,7 @@ static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
 // memory, not L1/L2: nothing for a second tile to share); kFuseSwiglu takes two.
 template <class C, int XDT, int NT, int P, int SDT, int FUSE = kFuseNone>
 static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
-  const int warps = warps_for(pr.chunks);
+  const int warps = FUSE == kFuseSwiglu ? swiglu_warps<C>(pr.chunks) : warps_for(pr.chunks);
   const int esz = XDT == kF32 ? 4 : 2;
   Problem prx = pr;
   prx.x_rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;

@@ -198,6 +198,29 @@ def test_gather_qmm_swiglu_kernel(mode, bits):
                 assert np.all(np.abs(f64(y[t, j]) - want) <= bound), (c, t, j)
 
 
+def test_qmm_swiglu_affine4_eight_warps():
+    # K = 4096 (64 chunks): warps_for gives 4, the affine 4-bit SwiGLU variant takes 8
+    # (swiglu_warps): its halves are summed in another float32 order than the unfused
+    # GEMV's; both within the GEMV's bound of the float64 oracle
+    i, k = 48, 4096
+    qw, packed = _packed("affine", 4, (2 * i, k), key=21, scale=0.5)
+    w64 = deq64(qw)
+    for dt in DTYPES:
+        for m in (1, 4):
+            x = rand(30 + m, (m, k), dt)
+            y = jq.qmm_swiglu(x, packed, activation="gpt_oss", limit=7.0, backend="ffi")
+            z = _unfused_swiglu(x, packed, None, ACTS[1])
+            eps = EPS[jnp.dtype(dt)]
+            x64 = f64(x)
+            g = x64 @ w64.T
+            mag = np.abs(x64) @ np.abs(w64).T
+            b = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(g)
+            want, (dg, du) = swiglu64(g[:, :i], g[:, i:], "gpt_oss", 7.0)
+            bound = dg * b[:, :i] + du * b[:, i:] + 2 * eps * np.abs(want) + 1e-30
+            assert np.all(np.abs(f64(y) - want) <= bound), (dt, m)
+            assert np.all(np.abs(f64(z) - want) <= bound), (dt, m)
+
+
 @pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("nvfp4", 4)])
 def test_qmm_swiglu_oracle_many_tiles(mode, bits):
     # I = 16 * 300: 300 blocks, each a gate tile and the up tile 300 tiles further
