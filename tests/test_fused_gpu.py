@@ -185,17 +185,26 @@ def test_gather_qmm_swiglu_kernel(mode, bits):
         np.testing.assert_allclose(f64(y), f64(unfused[c]), rtol=max(4 * eps, 2.0**-20),
                                    atol=2.0**-24, err_msg=str(c))
         if name != "float16" and a == 1:  # the float64 oracle (gpt_oss clamps), valid slots
-            x64 = f64(xs[c[0]])
+            x = xs[c[0]]
             for t, j in zip(*np.nonzero(~bad)):
-                xr = x64[t, j] if per_slot else x64[t]
-                g = w64[idx[t, j]] @ xr
-                mag = np.abs(w64[idx[t, j]]) @ np.abs(xr)
-                b = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(g)  # the GEMV's output
-                if with_bias:
-                    g = g + f64(bias[name][idx[t, j]])
-                want, (dg, du) = swiglu64(g[:i], g[i:], "gpt_oss", 7.0)
-                bound = dg * b[:i] + du * b[i:] + 2 * eps * np.abs(want) + 1e-30
-                assert np.all(np.abs(f64(y[t, j]) - want) <= bound), (c, t, j)
+                want, bound = _swiglu_oracle((x[t, j] if per_slot else x[t])[None],
+                                             w64[idx[t, j]], name,
+                                             bias[name][idx[t, j]] if with_bias else None)
+                assert np.all(np.abs(f64(y[t, j]) - want[0]) <= bound[0]), (c, t, j)
+
+
+def _swiglu_oracle(x, w64, dt, bias=None):
+    """The float64 act(gate, up) of x [M, K] and w64 [2I, K] (gpt_oss, limit 7) and the
+    bound a GEMV's output meets: its product's (rounded to dt) through the activation."""
+    eps, x64 = EPS[jnp.dtype(dt)], f64(x)
+    g = x64 @ w64.T
+    mag = np.abs(x64) @ np.abs(w64).T
+    b = (2 * eps + x64.shape[-1] * 2.0**-24) * mag + eps * np.abs(g)  # the GEMV's output
+    if bias is not None:
+        g = g + f64(bias)
+    i = w64.shape[0] // 2
+    want, (dg, du) = swiglu64(g[..., :i], g[..., i:], "gpt_oss", 7.0)
+    return want, dg * b[..., :i] + du * b[..., i:] + 2 * eps * np.abs(want) + 1e-30
 
 
 def test_qmm_swiglu_affine4_eight_warps():
@@ -210,13 +219,7 @@ def test_qmm_swiglu_affine4_eight_warps():
             x = rand(30 + m, (m, k), dt)
             y = jq.qmm_swiglu(x, packed, activation="gpt_oss", limit=7.0, backend="ffi")
             z = _unfused_swiglu(x, packed, None, ACTS[1])
-            eps = EPS[jnp.dtype(dt)]
-            x64 = f64(x)
-            g = x64 @ w64.T
-            mag = np.abs(x64) @ np.abs(w64).T
-            b = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(g)
-            want, (dg, du) = swiglu64(g[:, :i], g[:, i:], "gpt_oss", 7.0)
-            bound = dg * b[:, :i] + du * b[:, i:] + 2 * eps * np.abs(want) + 1e-30
+            want, bound = _swiglu_oracle(x, w64, dt)
             assert np.all(np.abs(f64(y) - want) <= bound), (dt, m)
             assert np.all(np.abs(f64(z) - want) <= bound), (dt, m)
 
@@ -231,13 +234,7 @@ def test_qmm_swiglu_oracle_many_tiles(mode, bits):
         for m in (1, 16):
             x = rand(m + 5, (m, k), dt)
             y = jq.qmm_swiglu(x, packed, activation="gpt_oss", limit=7.0, backend="ffi")
-            eps = EPS[jnp.dtype(dt)]
-            x64 = f64(x)
-            g = x64 @ w64.T
-            mag = np.abs(x64) @ np.abs(w64).T
-            b = (2 * eps + k * 2.0**-24) * mag + eps * np.abs(g)
-            want, (dg, du) = swiglu64(g[:, :i], g[:, i:], "gpt_oss", 7.0)
-            bound = dg * b[:, :i] + du * b[:, i:] + 2 * eps * np.abs(want) + 1e-30
+            want, bound = _swiglu_oracle(x, w64, dt)
             assert np.all(np.abs(f64(y) - want) <= bound), (dt, m)
 
 
