@@ -67,6 +67,44 @@ def test_table_on_cpu_with_the_peer(monkeypatch):
     assert any("torch int4 peer skipped: " in l and "CUDA" in l for l in lines)
 
 
+def test_matmul_flops_per_token_counts_the_weight_products():
+    # 2 x the elements of every matrix a token multiplies: each layer's 2-D weights, the
+    # k/E share of its experts, the head
+    for name in ("tiny-dense", "tiny"):
+        cfg = demo.preset(name, "float32")
+        params = jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0))
+        layers = params["layers"]
+        layers = layers if isinstance(layers, (list, tuple)) else [
+            jax.tree_util.tree_map(lambda a: a[i], layers) for i in range(cfg.num_layers)]
+        macs = params["lm_head"].size
+        for layer in layers:
+            for key, w in layer.items():
+                if key.startswith("e_") and w.ndim == 3:
+                    macs += w.size * cfg.experts_per_token / cfg.num_experts
+                elif w.ndim == 2 and not key.startswith("e_"):
+                    macs += w.size
+        assert bench_model.matmul_flops_per_token(cfg) == 2 * macs, name
+
+
+def test_prefill_share_of_the_gemm_column():
+    rows = [{"config": "c", "impl": "jaxquant", "mode": "bf16", "batch": 1, "decode_tps": 10.0,
+             "step_bytes": 1e9, "prefill_tps": 1000.0, "prefill_flops": 4e14},
+            {"config": "c", "impl": "jaxquant", "mode": "bf16", "batch": 8, "decode_tps": 70.0,
+             "step_bytes": 1e9}]
+    lines = []
+    bench_model.print_rows(rows, 2e12, lines.append, False, [], gemm_flops=8e14)
+    header, got = _tables(lines)[-1]
+    assert header[5:9] == ["% of bound", "bound tok/s", "prefill tok/s", "prefill % of GEMM"]
+    assert [r["prefill % of GEMM"] for r in got] == ["50%", ""]
+    lines.clear()
+    bench_model.print_rows(rows, 2e12, lines.append, False, [])  # no GEMM timed: no column
+    assert "prefill % of GEMM" not in _tables(lines)[-1][0]
+
+
+def test_dense_matmul_flops_on_cpu():
+    assert harness.dense_matmul_flops(n=128, iters=1) > 0
+
+
 def test_step_bytes():
     for name in ("tiny-dense", "tiny"):
         cfg = demo.preset(name, "float32")

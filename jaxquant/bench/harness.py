@@ -89,6 +89,26 @@ def copy_bandwidth(nbytes=None, iters=None):
     return 2 * nbytes / sec
 
 
+def dense_matmul_flops(n=None, iters=None):
+    """FLOP/s of one dense bf16 n x n x n product (XLA's dot: cuBLAS on a GPU), calls
+    back to back: the tensor-core rate a prefill is held against in the same process.
+    Default n = 8192 on accelerators (1.1 TFLOP a call), 512 on the CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    cpu = on_cpu()
+    n = n or (512 if cpu else 8192)
+    iters = iters or (3 if cpu else 10)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+    b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+                .astype(jnp.bfloat16))
+    sec = timeit(f, (a, b), 1, iters, inner=5)
+    del a, b
+    return 2.0 * n**3 / sec
+
+
 def start(out, interpret) -> float:
     """Times the copy bandwidth and prints the lines every run starts with: the device,
     jax version, copy bandwidth and which backends cannot run here. Returns bytes/s."""

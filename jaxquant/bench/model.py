@@ -14,7 +14,9 @@ the share of them the batch picks, expected 1-(1-k/E)^B under uniform routing,
 k/E at batch 1; the head; one embedding row per sequence; KV cache not
 counted) at the copy bandwidth measured in this process (a streaming
 read+write, calls back to back). On a CPU a copy measures caches, so the
-bound's columns are left out there. "Δlogits" is max |logits - float logits| /
+bound's columns are left out there. "prefill % of GEMM" (accelerators) is the
+prefill's weight-product FLOP/s (`matmul_flops_per_token`) against a dense bf16
+8192^3 GEMM timed in this process. "Δlogits" is max |logits - float logits| /
 max |float logits| at the prompt's last position.
 
 The peer (dense configs; `jaxquant/bench/torch_peer.py`): the same function on
@@ -78,6 +80,20 @@ def step_bytes(cfg, params, batch: int) -> float:
         else:
             total += models.weight_bytes(value)
     return total
+
+
+def matmul_flops_per_token(cfg) -> float:
+    """FLOPs of one token's weight products in a prefill (2 per multiply-add: q/k/v, o,
+    the MLP or the token's k experts and the router, the head); the attention's own
+    products (2 x T x Hq x hd a token and layer, a few % at 512 tokens) are not counted,
+    so the rate this gives is a lower bound."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attn = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d
+    if cfg.moe:
+        mlp = cfg.experts_per_token * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts
+    else:
+        mlp = 3 * d * cfg.intermediate_size
+    return 2.0 * (cfg.num_layers * (attn + mlp) + cfg.vocab_size * d)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -350,6 +366,7 @@ def config_rows(args, name, out):
                         p = prefill_run(cfg, placed, args.prefill, args.forward_kw, args.iters,
                                         mesh, profile_dir and profile_dir + "_prefill")
                         row["prefill_tps"] = p["prefill_tps"]
+                        row["prefill_flops"] = p["prefill_tps"] * matmul_flops_per_token(cfg)
                     else:
                         p = {}
                     for what, res, title in (
@@ -415,10 +432,13 @@ def _cell(row, key, fmt):
     return fmt.format(row[key]) if row.get(key) is not None else ""
 
 
-def print_rows(rows, bw, out, cpu, meshes):
+def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
+    """The table; gemm_flops (FLOP/s of a dense bf16 GEMM in this process, or None) adds
+    each prefill's weight-product FLOP/s as a share of it."""
     cols = ["config", "impl", "mode", "batch", "decode tok/s"]
     cols += [] if cpu else ["% of bound", "bound tok/s"]
-    cols += ["prefill tok/s", "weights read/step", "Δlogits"]
+    cols += ["prefill tok/s"] + (["prefill % of GEMM"] if gemm_flops else [])
+    cols += ["weights read/step", "Δlogits"]
     cols += ["vs 1 device"] if meshes else []
     out("")
     out("| " + " | ".join(cols) + " |")
@@ -436,8 +456,11 @@ def print_rows(rows, bw, out, cpu, meshes):
             on_mesh = r["impl"] not in ("jaxquant", PEER_IMPL)
             cells += ["" if on_mesh else f"{100 * r['decode_tps'] / bound:.0f}%",
                       "" if on_mesh else f"{bound:.0f}"]
-        cells += [_cell(r, "prefill_tps", "{:.0f}"), _fmt_bytes(r["step_bytes"]),
-                  _cell(r, "dlogits", "{:.2%}")]
+        cells.append(_cell(r, "prefill_tps", "{:.0f}"))
+        if gemm_flops:
+            cells.append(f"{100 * r['prefill_flops'] / gemm_flops:.0f}%"
+                         if "prefill_flops" in r else "")
+        cells += [_fmt_bytes(r["step_bytes"]), _cell(r, "dlogits", "{:.2%}")]
         if meshes:
             one = single.get((r["config"], r["mode"], r["batch"]))
             cells.append(f"{r['decode_tps'] / one:.2f}x" if one and r["impl"] != "jaxquant"
@@ -608,6 +631,12 @@ def run(args, out=print):
         bw = harness.copy_bandwidth()
         out(f"# copy bandwidth (read+write, back to back): {bw / 1e9:.0f} GB/s; bound = that "
             f"/ weights read per step x batch")
+    gemm_flops = None
+    if not cpu and args.prefill:
+        gemm_flops = harness.dense_matmul_flops()
+        out(f"# dense bf16 GEMM (8192^3, XLA's dot) here: {gemm_flops / 1e12:.0f} TFLOP/s; "
+            f"prefill % of GEMM = the prefill's weight-product FLOP/s (attention's own not "
+            f"counted) / that")
     if args.peer == "torch":
         import torch
 
@@ -618,7 +647,7 @@ def run(args, out=print):
     if args.json:
         for r in rows:
             out("#json " + json.dumps(r))
-    print_rows(rows, bw, out, cpu, args.mesh)
+    print_rows(rows, bw, out, cpu, args.mesh, gemm_flops)
     if variants:
         print_variants(variants, rows, bw, out, cpu)
     return [], bw

@@ -31,10 +31,9 @@ from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
                                  jvp_through_reference, move_to_front, require_quantized,
                                  to_front_or_broadcast)
 from jaxquant.ops.norms import _check_common, rms_norm_op, rms_norm_reference
-from jaxquant.ops.qmm import (_check_gather_shapes, _expert_args, gather_qmm_op,
-                              gather_qmm_reference, qmm_op, qmm_reference)
+from jaxquant.ops.qmm import (check_gather_args, gather_qmm_op, gather_qmm_reference, qmm_op,
+                              qmm_reference)
 from jaxquant.primitive import Op
-from jaxquant.quantized_array import QuantizedArray
 from jaxquant.static_args import require_static
 
 SWIGLU_ACTIVATIONS = ("silu", "gpt_oss")
@@ -171,11 +170,7 @@ def gather_qmm_swiglu(x, qw, indices, *, activation: str = "silu", limit: float 
 
     Static (Python values, not traced under jax.jit): activation, limit, alpha,
     backend."""
-    if hasattr(qw, "dtype") and not isinstance(qw, QuantizedArray):
-        raise TypeError(f"qw must be a jaxquant.QuantizedArray (from jq.quantize); got a "
-                        f"plain {type(qw).__name__}")
-    x, indices, k, _ = _expert_args("gather_qmm_swiglu", x, qw, "indices", indices, True)
-    _check_gather_shapes(x, "qw", qw.shape, indices, k)
+    x, indices, _ = check_gather_args("gather_qmm_swiglu", x, qw, indices)
     params = _swiglu_params("gather_qmm_swiglu", activation, limit, alpha, qw.shape[1],
                             qw.shape)
     bias = _check_bias(bias, qw.shape[:2], "qw's experts and rows")

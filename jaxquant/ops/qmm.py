@@ -110,6 +110,17 @@ def _check_gather_shapes(x, w_name, w_shape, indices, k):
                          f"(indices {indices.shape}, {w_name} {w_shape}); got x.shape={x.shape}")
 
 
+def check_gather_args(op, x, qw, indices, transpose=True):
+    """gather_qmm's checks (gather_qmm_swiglu's too): qw a QuantizedArray [E, N, K],
+    indices integer [T, k], x [T, K] or [T, k, K]. Returns x, indices, transpose."""
+    if hasattr(qw, "dtype") and not isinstance(qw, QuantizedArray):
+        raise TypeError(f"qw must be a jaxquant.QuantizedArray (from jq.quantize); got a "
+                        f"plain {type(qw).__name__} (float experts go through jq.gather_matmul)")
+    x, indices, k, transpose = _expert_args(op, x, qw, "indices", indices, transpose)
+    _check_gather_shapes(x, "qw", qw.shape, indices, k)
+    return x, indices, transpose
+
+
 def qmm(x, qw, transpose: bool = True, *, backend: str | None = None):
     """y = x @ dequantize(qw).T (transpose=True, qw [N, K], x [..., K] -> [..., N])
     or x @ dequantize(qw) (transpose=False, qw [K, N]), like MLX's quantized_matmul.
@@ -138,11 +149,7 @@ def gather_qmm(x, qw, indices, transpose: bool = True, *, backend: str | None = 
     An index outside [0, E) gives a NaN row and reads nothing out of bounds.
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
-    if hasattr(qw, "dtype") and not isinstance(qw, QuantizedArray):
-        raise TypeError(f"qw must be a jaxquant.QuantizedArray (from jq.quantize); got a "
-                        f"plain {type(qw).__name__} (float experts go through jq.gather_matmul)")
-    x, indices, k, transpose = _expert_args("gather_qmm", x, qw, "indices", indices, transpose)
-    _check_gather_shapes(x, "qw", qw.shape, indices, k)
+    x, indices, transpose = check_gather_args("gather_qmm", x, qw, indices, transpose)
     return gather_qmm_op.bind(x, qw, indices, backend=backend, transpose=bool(transpose),
                               precision=default_precision())
 

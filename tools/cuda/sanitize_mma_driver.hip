@@ -352,6 +352,7 @@ int main() {
         run_fused_case(c, 2, 96, 192, m, kFuseSwiglu, m != 1, m == 16 ? kActSilu : kActGptOss);
       }
       run_fused_case(c, 1, 64, 4096, 1, kFuseNorm, true, kActSilu);  // 4 warps, 8-16 KiB of x
+      run_fused_case(c, 1, 64, 4096, 1, kFuseSwiglu, true, kActGptOss);  // affine4: 8 warps
       // gather_qmm_swiglu: bad ids, per-expert bias rows, dedupe of 8 and 16 rows
       run_fused_case(c, 5, 64, 192, 1, kFuseSwiglu, true, kActGptOss, &ids, 0);
       run_fused_case(c, 5, 32, 128, 1, kFuseSwiglu, false, kActSilu, &ids, 7);
