@@ -151,7 +151,8 @@ def expert_gather(x, w, idx):
 def expert_gather_swiglu(cfg: Config, x, w_gate_up, idx, bias):
     """x [T, K], w_gate_up [E, 2I, K] (quantized), idx [T, k], bias [E, 2I] or None
     -> [T, k, I] in x's dtype (decode): jq.gather_qmm_swiglu, the chosen experts'
-    gate+up projection with its activation in one kernel where one exists."""
+    gate+up projection with its activation (its fused kernel is opt-in, so by default
+    the gather GEMV and XLA's epilogue: docs/fused.md)."""
     if isinstance(w_gate_up, ExpertsOfLayer):  # its bias rows flattened with it
         w_gate_up, idx = w_gate_up.stack, idx + w_gate_up.layer * w_gate_up.num_experts
         bias = None if bias is None else bias.stack
@@ -298,7 +299,8 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
         local = jnp.where(mine, idx, 0)
         gather = lambda a, w: expert_gather(a, w, local)
         w_gate_up = p.get("e_gate_up")
-        if isinstance(getattr(w_gate_up, "stack", w_gate_up), QuantizedArray):
+        stack = w_gate_up.stack if isinstance(w_gate_up, ExpertsOfLayer) else w_gate_up
+        if isinstance(stack, QuantizedArray):
             h = expert_gather_swiglu(cfg, x, w_gate_up, local, p.get("e_gate_up_bias"))
             y = product(h, gather, "e_down", local)  # [T, k, D]
         else:
