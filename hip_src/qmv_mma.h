@@ -1336,9 +1336,12 @@ inline bool programmatic_launch() {
 // element's float ops do not depend on M, the slot or N (gather_qmm == qmm
 // bit for bit on this kernel too).
 // $JAXQUANT_MMA_WARPS (1, 2, 4 or 8) overrides it for benchmark sweeps.
-inline int warps_for(int64_t chunks) {
+inline int forced_warps() {
   static const int forced = env_choice("JAXQUANT_MMA_WARPS", {1, 2, 4, 8});
-  if (forced) return forced;
+  return forced;
+}
+inline int warps_for(int64_t chunks) {
+  if (const int forced = forced_warps()) return forced;
   if (chunks >= 128) return 8;
   if (chunks >= 16) return 4;
   return chunks >= 4 ? 2 : 1;
@@ -1354,10 +1357,9 @@ template <class C>
 inline int swiglu_warps(int64_t chunks) {
   static const int forced = env_choice("JAXQUANT_MMA_SWIGLU_WARPS", {1, 2, 4, 8});
   if (forced) return forced;
-  static const bool all_forced = env_choice("JAXQUANT_MMA_WARPS", {1, 2, 4, 8}) != 0;
   const int w = warps_for(chunks);
   constexpr bool affine4 = C::kFmt == kAffine && C::kBits == 4;
-  return affine4 && w == 4 && !all_forced ? 8 : w;
+  return affine4 && w == 4 && !forced_warps() ? 8 : w;
 }
 
 // Full tiles per block. A block's tiles share each x load, affine's sum(x) MMA and the

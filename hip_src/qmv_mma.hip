@@ -32,6 +32,25 @@ namespace ffi = xla::ffi;
                      " scales (convert them to float32: exact)");
 }
 
+#if defined(JQ_PLATFORM_CUDA)
+// The decode GEMV's Problem for q, both handlers': its tiles and chunks, and with
+// indices the dedupe (it scans the slots' ids once per block: worth it for
+// decode-sized S only). *nt: the n-tiles, 2 where a segment holds more than 8 rows of x.
+static jq::gpu::mma::Problem gemv_launch_problem(const jq::QmvProblem& q, int64_t dedupe,
+                                                 int* nt) {
+  using namespace jq::gpu::mma;
+  Problem P;
+  P.q = q;
+  P.tiles = (q.N + kTileRows - 1) / kTileRows;
+  P.full_tiles = q.N / kTileRows;
+  P.chunks = q.K / kChunkK;
+  P.dedupe = q.indices != nullptr && dedupe != 0 && q.S <= 256;
+  const int64_t rows_per_segment = q.indices != nullptr ? (P.dedupe ? dedupe : 1) : q.M;
+  *nt = rows_per_segment > 8 ? 2 : 1;
+  return P;
+}
+#endif
+
 // The handler: the operands of jaxquant_qmv (data, scales, biases in the
 // cuda_mma layout, which keeps their canonical shapes), `dedupe` for gather.
 static ffi::Error qmv_mma_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
@@ -53,15 +72,8 @@ static ffi::Error qmv_mma_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                        "got M=" + std::to_string(q.M));
   if (q.S > 65535) return jq::invalid("too many slots for one launch: " + std::to_string(q.S));
   if (auto e = check_scale_dtype(q, "x"); e.failure()) return e;
-  Problem P;
-  P.q = q;
-  P.tiles = (q.N + kTileRows - 1) / kTileRows;
-  P.full_tiles = q.N / kTileRows;
-  P.chunks = q.K / kChunkK;
-  // dedupe scans the slots' ids once per block: worth it for decode-sized S only
-  P.dedupe = q.indices != nullptr && dedupe != 0 && q.S <= 256;
-  const int64_t rows_per_segment = q.indices != nullptr ? (P.dedupe ? dedupe : 1) : q.M;
-  const int nt = rows_per_segment > 8 ? 2 : 1;
+  int nt = 1;
+  const Problem P = gemv_launch_problem(q, dedupe, &nt);
   JQ_LAUNCH_CHECK(q.x_dt == jq::kF32   ? launch_qmv_mma_f32(P, nt, stream)
                   : q.x_dt == jq::kF16 ? launch_qmv_mma_f16(P, nt, stream)
                                        : launch_qmv_mma_bf16(P, nt, stream),
@@ -157,12 +169,8 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
                        std::to_string(x_bytes) + " is over " +
                        std::to_string(kMaxNormXSharedBytes));
   if (auto e = check_scale_dtype(q, "x"); e.failure()) return e;
-  Problem P;
-  P.q = q;
-  P.tiles = (q.N + kTileRows - 1) / kTileRows;
-  P.full_tiles = q.N / kTileRows;
-  P.chunks = q.K / kChunkK;
-  P.dedupe = gather && dedupe != 0 && q.S <= 256;  // as qmv_mma_impl
+  int nt = 1;
+  Problem P = gemv_launch_problem(q, dedupe, &nt);
   P.aux = aux.element_count() != 0 ? aux.untyped_data() : nullptr;
   P.aux_dt = aux_dt;
   P.aux_stride = gather ? q.N : 0;
@@ -171,8 +179,6 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
   P.activation = (int)activation;
   P.limit = limit;
   P.alpha = alpha;
-  const int64_t rows_per_segment = gather ? (P.dedupe ? dedupe : 1) : q.M;
-  const int nt = rows_per_segment > 8 ? 2 : 1;
   const int kind = swiglu ? kFuseSwiglu : kFuseNorm;
   JQ_LAUNCH_CHECK(q.x_dt == jq::kF32   ? launch_qmv_mma_fused_f32(P, nt, kind, stream)
                   : q.x_dt == jq::kF16 ? launch_qmv_mma_fused_f16(P, nt, kind, stream)
