@@ -203,6 +203,7 @@ def _qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
     return Factors([xdims, qdims, bdims], [out], f.sizes,
                    replicated=f.replicated + ("g", "r", "i"), priority=(1,))
 
+
 def _gather_qmm_swiglu_factors(x, qw, indices, bias, *, activation, limit, alpha, precision):
     """Tokens split; experts do not (each shard's activation needs its slots' whole
     sums: an expert-parallel partial sum would be summed after the activation), nor

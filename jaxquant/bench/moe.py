@@ -143,20 +143,17 @@ def _time_swiglu(time, many, x, qw, idxs, activation, nbytes, mode):
     import jax.numpy as jnp
 
     import jaxquant as jq
-    from jaxquant.ops.fused import swiglu
+    from jaxquant.ops.common import default_precision
+    from jaxquant.ops.fused import _gather_qmm_swiglu_unfused
 
     e, n = qw.shape[0], qw.shape[1]
     bias = (jax.random.normal(jax.random.key(1), (e, n), jnp.float32) * 0.1).astype(x.dtype)
-    limit = 7.0 if activation == "gpt_oss" else None
-
-    def unfused(x, qw, i):
-        y = jq.gather_qmm(x, qw, i, backend="ffi").astype(jnp.float32)
-        gate, up = jnp.split(y + bias[i].astype(jnp.float32), 2, axis=-1)
-        return swiglu(gate, up, activation=activation, limit=limit,
-                      alpha=1.702).astype(x.dtype)
-
-    fused = functools.partial(jq.gather_qmm_swiglu, activation=activation, limit=limit,
-                              bias=bias, backend="ffi")
+    act = dict(activation=activation, limit=7.0 if activation == "gpt_oss" else None,
+               alpha=1.702)
+    # the op's own composition: the ffi gather_qmm, then its epilogue in XLA
+    unfused = lambda x, qw, i: _gather_qmm_swiglu_unfused(
+        x, qw, i, bias, backend="ffi", precision=default_precision(), **act)
+    fused = functools.partial(jq.gather_qmm_swiglu, bias=bias, backend="ffi", **act)
     time(many(unfused), (x, qw, idxs), nbytes=nbytes, mode=mode, impl="ffi + XLA swiglu")
     time(many(fused), (x, qw, idxs), nbytes=nbytes, mode=mode, impl="ffi fused swiglu")
 

@@ -137,12 +137,19 @@ def _flatten_layers(qw):
                           layout=qw.layout)
 
 
+def _in_stack(w, rows):
+    """(w, rows), or for an ExpertsOfLayer its whole stack and the rows moved to its
+    layer's experts."""
+    if isinstance(w, ExpertsOfLayer):
+        return w.stack, rows + w.layer * w.num_experts
+    return w, rows
+
+
 def expert_gather(x, w, idx):
     """x [T, K] or [T, k, K], w [E, N, K], idx [T, k] -> [T, k, N] (decode): the chosen
     experts read in place (gather_qmm, or gather_matmul for float w; `w[idx]` in XLA
     would copy them first)."""
-    if isinstance(w, ExpertsOfLayer):
-        w, idx = w.stack, idx + w.layer * w.num_experts
+    w, idx = _in_stack(w, idx)
     if isinstance(w, QuantizedArray):
         return jq.gather_qmm(x, w, idx)
     return jq.gather_matmul(x, w, idx)
@@ -153,9 +160,9 @@ def expert_gather_swiglu(cfg: Config, x, w_gate_up, idx, bias):
     -> [T, k, I] in x's dtype (decode): jq.gather_qmm_swiglu, the chosen experts'
     gate+up projection with its activation (its fused kernel is opt-in, so by default
     the gather GEMV and XLA's epilogue: docs/fused.md)."""
-    if isinstance(w_gate_up, ExpertsOfLayer):  # its bias rows flattened with it
-        w_gate_up, idx = w_gate_up.stack, idx + w_gate_up.layer * w_gate_up.num_experts
-        bias = None if bias is None else bias.stack
+    if bias is not None:  # flattened with the weights under experts_by_layer
+        bias, _ = _in_stack(bias, idx)
+    w_gate_up, idx = _in_stack(w_gate_up, idx)
     kind = swiglu_kind(cfg)
     return jq.gather_qmm_swiglu(x, w_gate_up, idx, activation=kind,
                                 limit=cfg.swiglu_limit if kind == "gpt_oss" else None,
@@ -280,10 +287,10 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
 
     def product(a, matmul, name, bias_rows):  # float32, + the expert's bias rows
         y = matmul(a, p[name]).astype(jnp.float32)
-        bias = p.get(name + "_bias")
-        if isinstance(bias, ExpertsOfLayer):
-            bias, bias_rows = bias.stack, bias_rows + bias.layer * bias.num_experts
-        return y if bias is None else y + bias[bias_rows].astype(jnp.float32)
+        if name + "_bias" not in p:
+            return y
+        bias, rows = _in_stack(p[name + "_bias"], bias_rows)
+        return y + bias[rows].astype(jnp.float32)
 
     def experts(a, matmul, bias_rows):
         """The experts' SwiGLU MLP of a through matmul(a, expert weights), float32 out;
@@ -299,8 +306,7 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
         local = jnp.where(mine, idx, 0)
         gather = lambda a, w: expert_gather(a, w, local)
         w_gate_up = p.get("e_gate_up")
-        stack = w_gate_up.stack if isinstance(w_gate_up, ExpertsOfLayer) else w_gate_up
-        if isinstance(stack, QuantizedArray):
+        if isinstance(_in_stack(w_gate_up, local)[0], QuantizedArray):
             h = expert_gather_swiglu(cfg, x, w_gate_up, local, p.get("e_gate_up_bias"))
             y = product(h, gather, "e_down", local)  # [T, k, D]
         else:
