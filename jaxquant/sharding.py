@@ -17,7 +17,8 @@ goes through `jax.experimental.custom_partitioning`:
   function: the same primitive bound on the local blocks (so dispatch picks
   kernels for the local shapes, on every backend), followed by the collective
   the layout needs: a `psum` over the mesh axes of a contracted factor (K in
-  row-parallel `qmm`, experts in expert-parallel `gather_qmm`/`gather_matmul`/`ragged_qmm`),
+  row-parallel `qmm`, experts in expert-parallel `gather_qmm`/`gather_matmul`/`ragged_qmm`/
+  `ragged_matmul`),
   nothing for column-parallel N or for rows/tokens/batch.
 
 Inside the per-shard program (and inside a fully manual `shard_map`) the
@@ -143,6 +144,17 @@ def _gather_matmul_factors(x, w, indices, *, transpose, precision):
                    sizes, contracted=("k", "e"), replicated=("s",), priority=(1,))
 
 
+def _ragged_matmul_factors(x, w, group_sizes, *, transpose, precision):
+    """ragged_qmm's factors on a float w [E, N, K] (or [E, K, N]): K splits anywhere."""
+    sizes = {"e": w.shape[0], "t": x.shape[0], "es": w.shape[0],
+             "n": w.shape[1] if transpose else w.shape[2],
+             "k": w.shape[2] if transpose else w.shape[1]}
+    wdims = Dims([("e",), ("n",), ("k",)] if transpose else [("e",), ("k",), ("n",)])
+    # Token rows are grouped by expert in order, so they do not split (as ragged_qmm's).
+    return Factors([Dims([("t",), ("k",)]), wdims, Dims([("es",)])], [Dims([("t",), ("n",)])],
+                   sizes, contracted=("k", "e"), replicated=("t", "es"), priority=(1,))
+
+
 def _ragged_factors(x, qw, group_sizes, *, transpose, precision):
     sizes = {"e": qw.shape[0], "t": x.shape[0], "r": qw.shape[1], "gk": qw.group_size}
     qdims = _qw_dims(qw, ["e"], "r", "g", sizes)
@@ -238,6 +250,7 @@ FACTORS = {
     "gather_qmm": _gather_factors,
     "gather_matmul": _gather_matmul_factors,
     "ragged_qmm": _ragged_factors,
+    "ragged_matmul": _ragged_matmul_factors,
     "dequantize": _dequantize_factors,
     "rms_norm": _norm_factors(1, 1),
     "add_rms_norm": _norm_factors(2, 2),
@@ -420,7 +433,8 @@ def _partition(op, tree, backend, params, factors, leaf_dims, mesh, arg_shapes, 
     expert_axes = chosen.get("e", ())
 
     def local(*leaves):
-        if expert_axes and op.name in ("gather_qmm", "gather_matmul", "ragged_qmm"):
+        if expert_axes and op.name in ("gather_qmm", "gather_matmul", "ragged_qmm",
+                                       "ragged_matmul"):
             out = _expert_local(op, leaves, tree, backend, params, expert_axes)
         else:
             out = op.primitive.bind(*leaves, tree=tree, backend=backend, **params)
@@ -445,7 +459,7 @@ def _expert_local(op, leaves, tree, backend, params, expert_axes):
         mine = (local_idx >= 0) & (local_idx < e_local)
         y = op.bind(x, qw, jnp.where(mine, local_idx, 0), backend=backend, **params)
         return jnp.where(mine[..., None], y, jnp.zeros((), y.dtype))
-    # ragged_qmm: this shard's rows are contiguous, from `start`; rotate them to
+    # ragged_qmm / ragged_matmul: this shard's rows are contiguous, from `start`; rotate them to
     # row 0, run the local experts' groups, rotate back (rows past them are zero).
     # The sizes as cut at T first (negative ones 0), so no group wraps round to row 0.
     from jaxquant.ops.common import ragged_group_ends

@@ -154,6 +154,12 @@ def main():
     out["ragged_ep_bad_sizes"] = case(jq.ragged_qmm, (xr, qe, bad),
                                       (put(xr, P()), put_q(qe, P("tp")), put(bad, P())))
 
+    # float experts (ragged_matmul): expert parallel (one all-reduce), and split on N
+    out["ragged_matmul_ep"] = case(jq.ragged_matmul, (xr, we, bad),
+                                   (put(xr, P()), put(we, P("tp")), put(bad, P())))
+    out["ragged_matmul_col"] = case(jq.ragged_matmul, (xr, we, sizes),
+                                    (put(xr, P()), put(we, P(None, "tp")), put(sizes, P())))
+
     # norms on rows
     h = rand(9, (16, 256))
     r = rand(10, (16, 256))

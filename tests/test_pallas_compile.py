@@ -178,6 +178,31 @@ def test_cuda_gather_matmul_sm90_streams_16_byte_loads():
     assert "ld.global.v4.b32" in compiled.asm["ptx"]
 
 
+# --- ragged_matmul (routed MoE prefill on float experts): the float ragged GEMM -------
+
+
+def _ragged_matmul_kernels(platform, dtype, rows=2048):
+    import jaxquant.pallas  # noqa: F401 - registers the Pallas lowerings
+
+    e, n, k = 32, 2880, 2880                          # gpt-oss-20b's down projection
+    sd = jax.ShapeDtypeStruct
+    kernels = cc.triton_kernels(jq.ragged_matmul, sd((rows, k), dtype), sd((e, n, k), dtype),
+                                sd((e,), jnp.int32), platform=platform)
+    assert [kk.name for kk in kernels] == [f"jq_ragged_matmul_{jnp.dtype(dtype).name}"]
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_rocm_ragged_matmul_every_target(dtype):
+    _compile_all(_ragged_matmul_kernels("rocm", dtype), ROCM)
+
+
+@pytest.mark.parametrize("rows", [256, 4096])
+def test_cuda_ragged_matmul_sm90(rows):
+    # both tile classes of RAGGED_FLOAT_CONFIGS (32- and 128-row work items)
+    _compile_all(_ragged_matmul_kernels("cuda", jnp.bfloat16, rows), CUDA)
+
+
 # ---------------------------------------------------------------------------
 # Norm kernels (jaxquant/pallas/norms.py): one representative case per kernel
 # shape (one pass with a masked tail, two passes over column steps, many narrow

@@ -2,7 +2,7 @@
 in a subprocess (tests/sharding_cases.py), each sharded case against the same op
 unsharded, and the compiled HLO's collectives: none for column-parallel qmm,
 norms on rows and dequantize; exactly one all-reduce for row-parallel qmm and
-expert-parallel gather_qmm / gather_matmul / ragged_qmm; no all-gather unless K is split inside
+expert-parallel gather_qmm / gather_matmul / ragged_qmm / ragged_matmul; no all-gather unless K is split inside
 a quantization group (then a warning says so)."""
 
 import json
@@ -38,7 +38,7 @@ NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
     "gather_qmm_swiglu_tokens",
     "decode_attention_heads", "decode_attention_stacked",
-    "gather_matmul_col"]
+    "gather_matmul_col", "ragged_matmul_col"]
 
 
 @pytest.mark.parametrize("name", NO_COLLECTIVES)
@@ -50,7 +50,7 @@ def test_no_collective(cases, name):
 @pytest.mark.parametrize("name", [f"qmm_row_{m}" for m in ("affine", "mxfp4", "nvfp4")]
                          + ["gather_ep", "gather_ep_row", "gather_matmul_ep",
                             "ragged_ep", "ragged_ep_col",
-                            "ragged_ep_bad_sizes",
+                            "ragged_ep_bad_sizes", "ragged_matmul_ep",
                             "qmm_col_grad"])
 def test_one_all_reduce(cases, name):
     # partial sums in another order: float32 rounding over K=512

@@ -1,11 +1,12 @@
-"""qmm, gather_qmm, ragged_qmm: quantized matmuls; gather_matmul: gather_qmm's
-routed-MoE decode product on float (unquantized) expert weights (docs/ops.md).
+"""qmm, gather_qmm, ragged_qmm: quantized matmuls; gather_matmul and ragged_matmul:
+gather_qmm's and ragged_qmm's routed-MoE products on float (unquantized) expert
+weights (docs/ops.md).
 
 The three quantized ops are linear in x: their JVP is the op on the tangent,
 their transpose is the op with `transpose` flipped, so `jax.grad` flows to x
 (and through it to adapters on top of a frozen quantized base). There is
-no derivative with respect to the quantized weights. gather_matmul's float
-weights differentiate too (through its reference).
+no derivative with respect to the quantized weights. gather_matmul's and
+ragged_matmul's float weights differentiate too (through their references).
 """
 
 from __future__ import annotations
@@ -75,10 +76,17 @@ def ragged_qmm_reference(x, qw, group_sizes, *, transpose, precision,
     return y.astype(x.dtype)
 
 
+def ragged_matmul_reference(x, w, group_sizes, *, transpose, precision):
+    """ragged_qmm's definition with the float weights as they are (cast to x's dtype)."""
+    return ragged_qmm_reference(x, w, group_sizes, transpose=transpose, precision=precision,
+                                dequantize=lambda w, dtype: w.astype(dtype))
+
+
 qmm_op = Op("qmm", qmm_reference)
 gather_qmm_op = Op("gather_qmm", gather_qmm_reference)
 ragged_qmm_op = Op("ragged_qmm", ragged_qmm_reference)
 gather_matmul_op = Op("gather_matmul", gather_matmul_reference)
+ragged_matmul_op = Op("ragged_matmul", ragged_matmul_reference)
 
 
 # ---------------------------------------------------------------------------
@@ -198,6 +206,38 @@ def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | Non
                               precision=default_precision())
 
 
+def ragged_matmul(x, w, group_sizes, transpose: bool = True, *, backend: str | None = None):
+    """ragged_qmm on float expert weights, like `lax.ragged_dot`: rows of x [T, K] are
+    grouped by expert in order, group e has group_sizes[e] rows; rows past
+    sum(group_sizes) are zero. w [E, N, K] (transpose=True) or [E, K, N],
+    float32/float16/bfloat16 (float64 under x64), cast to x's dtype; float32
+    accumulation -> [T, N] in x's dtype. Group sizes are checked like ragged_qmm's.
+    Kernels read the experts in place, where `lax.ragged_dot` on a GPU transposes
+    them and multiplies every row by every expert (docs/ops.md).
+    Static (Python values, not traced under jax.jit): transpose, backend.
+    """
+    transpose = require_bool("transpose", transpose, "ragged_matmul")
+    if isinstance(w, QuantizedArray):
+        raise TypeError("w must be a float array; got a QuantizedArray (quantized experts "
+                        "go through jq.ragged_qmm)")
+    w = check_x(w, "w")
+    if w.ndim != 3:
+        raise ValueError(f"w must be [E, N, K] (or [E, K, N] with transpose=False); got "
+                         f"shape {w.shape}")
+    x = check_x(x)
+    group_sizes = jnp.asarray(group_sizes)
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be an integer array; got {group_sizes.dtype}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must be [E] = ({w.shape[0]},); got {group_sizes.shape}")
+    k = w.shape[2] if transpose else w.shape[1]
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
+    check_group_sizes(group_sizes, x.shape[0])
+    return ragged_matmul_op.bind(x, w, group_sizes, backend=backend, transpose=bool(transpose),
+                                 precision=default_precision())
+
+
 # ---------------------------------------------------------------------------
 # Batching: keep the primitive where the batch folds into token rows.
 
@@ -241,23 +281,24 @@ def _gather_batch(op, args, dims, *, backend, transpose, precision):
     return y.reshape(size, -1, *y.shape[1:]), 0
 
 
-def _ragged_batch(args, dims, *, backend, transpose, precision):
-    # lax.ragged_dot has no general batching rule: map over the batch, on the primitive.
+def _ragged_batch(op, args, dims, *, backend, transpose, precision):
+    """ragged_qmm / ragged_matmul: lax.ragged_dot has no general batching rule, so map
+    over the batch, on the primitive."""
     fronted = jax.tree_util.tree_map(lambda a, d: None if d is None else move_to_front(a, d),
                                      args, dims, is_leaf=lambda d: d is None)
 
     def one(batched):
         full = jax.tree_util.tree_map(lambda a, b: a if b is None else b, args, batched,
                                       is_leaf=lambda b: b is None)
-        return ragged_qmm_op.bind(*full, backend=backend, transpose=transpose,
-                                  precision=precision)
+        return op.bind(*full, backend=backend, transpose=transpose, precision=precision)
     return jax.lax.map(one, fronted), 0
 
 
 qmm_op.batch_rule = _qmm_batch
 gather_qmm_op.batch_rule = functools.partial(_gather_batch, gather_qmm_op)
 gather_matmul_op.batch_rule = functools.partial(_gather_batch, gather_matmul_op)
-ragged_qmm_op.batch_rule = _ragged_batch
+ragged_qmm_op.batch_rule = functools.partial(_ragged_batch, ragged_qmm_op)
+ragged_matmul_op.batch_rule = functools.partial(_ragged_batch, ragged_matmul_op)
 
 
 # ---------------------------------------------------------------------------
@@ -292,5 +333,6 @@ def _linear_in_x(op: Op):
 
 for _op in (qmm_op, gather_qmm_op, ragged_qmm_op):
     _linear_in_x(_op)
-# Float weights have a derivative too: gather_matmul differentiates through its reference.
+# Float weights have a derivative too: the float ops differentiate through their references.
 jvp_through_reference(gather_matmul_op)
+jvp_through_reference(ragged_matmul_op)

@@ -41,6 +41,7 @@ KERNELS = (
     ("gather_qmm", moe.lower_gather_qmm, moe.supports_gather, None),
     ("gather_matmul", moe.lower_gather_matmul, moe.supports_gather_matmul, None),
     ("ragged_qmm", moe.lower_ragged_qmm, moe.supports_ragged, None),
+    ("ragged_matmul", moe.lower_ragged_matmul, moe.supports_ragged_matmul, None),
     ("rms_norm", norms.lower_rms_norm, norms.supports, configs.auto_norm),
     ("add_rms_norm", norms.lower_add_rms_norm, norms.supports, configs.auto_norm),
     ("gated_rms_norm", norms.lower_gated_rms_norm, norms.supports, configs.auto_norm),

@@ -168,6 +168,42 @@ FLOAT_GEMV_CONFIGS: dict[str, FloatGemvConfig] = {
 FLOAT_GEMV_MIN_BLOCK_N = 8
 
 
+# ---------------------------------------------------------------------------
+# ragged_matmul (float expert weights, prefill): block configurations of the float
+# ragged GEMM (jaxquant.pallas.gemm.ragged_gemm_float), by the mean rows per expert.
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatGemmConfig:
+    block_m: int = 64        # rows of x per work item (the schedule's tile); power of two >= 16
+    block_n: int = 128       # weight rows per program; power of two >= 16
+    block_k: int = 64        # elements of K per loop step; power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 3      # Triton's software pipeline over the K loop
+
+    def replace(self, **kw) -> "FloatGemmConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# (most mean rows per expert, config), first match. cuda: see select_ragged_float's
+# measurements; rocm: the cuda table (not tuned); interpret (CPU tests): small blocks,
+# so test shapes go through several tiles, N blocks and K steps with masked tails.
+RAGGED_FLOAT_CONFIGS: dict[str, tuple[tuple[float, FloatGemmConfig], ...]] = {
+    "cuda": ((32, FloatGemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4)),
+             (96, FloatGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4)),
+             (math.inf, FloatGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8))),
+    "interpret": ((math.inf, FloatGemmConfig(block_m=16, block_n=16, block_k=16,
+                                             num_warps=1, num_stages=1)),),
+}
+RAGGED_FLOAT_CONFIGS["rocm"] = RAGGED_FLOAT_CONFIGS["cuda"]
+
+
+def select_ragged_float(platform: str, rows: int, num_experts: int) -> FloatGemmConfig:
+    """The float ragged GEMM's blocks for `rows` rows of x over `num_experts` experts."""
+    mean = rows / max(1, num_experts)
+    return next(cfg for most, cfg in RAGGED_FLOAT_CONFIGS[platform] if mean <= most)
+
+
 def select_float_gemv(platform: str, n: int, slots: int) -> FloatGemvConfig:
     """The float expert GEMV's blocks for N rows and `slots` (token, expert) pairs."""
     cfg = FLOAT_GEMV_CONFIGS[platform]

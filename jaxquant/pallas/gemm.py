@@ -198,6 +198,54 @@ def gemm_block_m(x_dtype, config) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Float ragged GEMM (ragged_matmul): x's rows sorted by expert against float experts w
+# [E, N, K], over ragged_qmm's device-computed schedule. Each program multiplies its
+# work item's rows (one expert's rows of an bm-row tile) with bn rows of that expert,
+# read in place from an [E*N, K] view (no transpose, no copy of the experts), and
+# stores only those rows: a tile that straddles groups is written by one item per group.
+
+
+def _ragged_gemm_float_kernel(*refs, m_rows, n_rows, k, bm, bn, bk, steps, precision):
+    (x_ref, w_ref, o_ref), m0, mmask, w_off, _, busy = _ragged_tile(
+        refs, (False,), bm, m_rows, n_rows)
+    n0 = pl.program_id(1) * bn
+    r0 = n0 + w_off
+    rmask = (n0 + iota(bn)) < n_rows
+
+    def body(i, acc):
+        k0 = i * bk
+        kmask = (k0 + iota(bk)) < k                         # K's tail (any K) is masked
+        xt = load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mmask[:, None] & kmask[None, :])
+        w = load(w_ref.at[pl.ds(r0, bn), pl.ds(k0, bk)], rmask[:, None] & kmask[None, :])
+        # w in x's dtype first, as the reference casts it (a no-op when they agree)
+        return acc + _dot_nt(xt, w.astype(xt.dtype), precision)
+
+    def run():
+        acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype),
+                    mask=mmask[:, None] & rmask[None, :])
+
+    pl.when(busy)(run)          # an empty work item does nothing
+
+
+def ragged_gemm_float(x2, w, schedule, config, *, interpret, precision):
+    """x2 [T, K] (rows sorted by expert), w float [E, N, K], schedule int32 [4, W] (see
+    `_ragged_tile`, built with block_m = config.block_m) -> [T, N] in x2's dtype, float32
+    accumulation. Rows no work item covers are left unwritten (the caller zeroes them).
+    config: a `configs.FloatGemmConfig`."""
+    e, n, k = w.shape
+    m = x2.shape[0]
+    bm = config.block_m
+    bn = max(16, min(config.block_n, pow2_ceil(n)))     # dot operands: at least 16
+    bk = max(16, min(config.block_k, pow2_ceil(k)))
+    kernel = functools.partial(_ragged_gemm_float_kernel, m_rows=m, n_rows=n, k=k, bm=bm, bn=bn,
+                               bk=bk, steps=cdiv(k, bk), precision=precision)
+    return call(kernel, (schedule.shape[1], cdiv(n, bn)), jax.ShapeDtypeStruct((m, n), x2.dtype),
+                [schedule, x2, w.reshape(e * n, k)], config, interpret,
+                f"jq_ragged_matmul_{jnp.dtype(w.dtype).name}")
+
+
+# ---------------------------------------------------------------------------
 # GEMM (tensor cores), transpose=False.
 
 

@@ -1,5 +1,6 @@
 """Pallas (Triton lowering) kernels for routed MoE: gather_qmm (decode) and
-ragged_qmm (prefill) on quantized experts, gather_matmul (decode) on float experts.
+ragged_qmm (prefill) on quantized experts, gather_matmul (decode) and ragged_matmul
+(prefill) on float experts.
 The quantized two are qmm's kernels (`jaxquant.pallas.gemv`, `jaxquant.pallas.gemm`)
 with an expert axis; neither repeats any decode code.
 `lower_gather_qmm` / `lower_ragged_qmm` are what the dispatcher runs (cases the
@@ -30,6 +31,11 @@ work items (expert, row tile, row range) computed from cumsum(group_sizes) on th
 device by a small jnp prologue (`ragged_schedule`); a tile that straddles groups
 is one item per group (masked rows), items past the last are empty. Rows past
 sum(group_sizes) are zeroed after the kernel.
+
+ragged_matmul(x, w, group_sizes) (transpose=True): the same schedule over a float GEMM
+(`gemm.ragged_gemm_float`): each work item's rows against bn rows of its expert, read in
+place from an [E*N, K] view, where XLA's `lax.ragged_dot` on a GPU transposes every
+expert and multiplies every row by every expert.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import numpy as np
 from jaxquant.ops.common import ragged_group_ends, sorted_search
 from jaxquant.pallas import codecs, configs
 from jaxquant.pallas.common import X_DTYPES, dot_precision
-from jaxquant.pallas.gemm import gemm_block_m, gemm_t
+from jaxquant.pallas.gemm import gemm_block_m, gemm_t, ragged_gemm_float
 from jaxquant.pallas.gemv import gather_gemv_float, gemv_n, gemv_t
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
@@ -267,6 +273,59 @@ def ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool = True, pr
                             platform=platform, interpret=interpret, config=config)
 
 
+# ---------------------------------------------------------------------------
+# ragged_matmul (prefill on float expert weights): the float GEMM over the same schedule.
+
+
+def supports_ragged_matmul(x, w, group_sizes, *, transpose=True, **params) -> bool:
+    """Whether `ragged_matmul` has a kernel for these arguments (ShapedArrays or arrays;
+    other params are ignored): transpose=True, x and w float32/float16/bfloat16."""
+    try:
+        if not transpose or len(w.shape) != 3 or len(x.shape) != 2:
+            return False
+        if jnp.dtype(x.dtype) not in X_DTYPES or jnp.dtype(w.dtype) not in X_DTYPES:
+            return False
+        e, n, k = w.shape
+        # grid (work items, N blocks): the second axis holds at most MAX_SLOTS blocks
+        return (tuple(group_sizes.shape) == (e,) and x.shape[1] == k and x.shape[0] > 0
+                and e > 0 and 0 < n <= MAX_SLOTS * 16 and k > 0
+                and e * n < 2**31)                  # int32 row index into [E*N, K]
+    except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
+        return False
+
+
+def lower_ragged_matmul(x, w, group_sizes, *, transpose: bool, precision, platform: str,
+                        interpret: bool = False,
+                        config: configs.FloatGemmConfig | None = None):
+    """MoE prefill on float experts for a case `supports_ragged_matmul` accepted: x [T, K]
+    rows sorted by expert, group_sizes int [E], w [E, N, K] -> [T, N] in x.dtype; rows
+    past sum(group_sizes) are zero (like lax.ragged_dot)."""
+    del transpose
+    t = x.shape[0]
+    if config is None:
+        config = configs.select_ragged_float("interpret" if interpret else platform, t,
+                                             w.shape[0])
+    sched = ragged_schedule(group_sizes, t, config.block_m)
+    y = ragged_gemm_float(x, w, sched, config, interpret=interpret,
+                          precision=dot_precision(precision, x.dtype))
+    total = ragged_group_ends(group_sizes, t)[-1]
+    return jnp.where((jnp.arange(t) < total)[:, None], y, jnp.zeros((), x.dtype))
+
+
+def ragged_matmul(x, w, group_sizes, *, transpose: bool = True, precision=None,
+                  platform: str = "cuda", interpret: bool = False,
+                  config: configs.FloatGemmConfig | None = None):
+    """`lower_ragged_matmul` for direct use: a ValueError where it has no kernel."""
+    x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
+    if not supports_ragged_matmul(x, w, group_sizes, transpose=transpose):
+        raise ValueError(f"the pallas ragged_matmul has no kernel for x {x.shape} {x.dtype}, "
+                         f"w {w.shape} {w.dtype}, group_sizes {group_sizes.shape}, "
+                         f"transpose={transpose} (see supports_ragged_matmul)")
+    return lower_ragged_matmul(x, w, group_sizes, transpose=transpose, precision=precision,
+                               platform=platform, interpret=interpret, config=config)
+
+
 __all__ = ["MAX_SLOTS", "gather_matmul", "gather_qmm", "gather_raw", "lower_gather_matmul",
-           "lower_gather_qmm", "lower_ragged_qmm", "ragged_qmm", "ragged_schedule",
-           "supports_gather", "supports_gather_matmul", "supports_ragged"]
+           "lower_gather_qmm", "lower_ragged_matmul", "lower_ragged_qmm", "ragged_matmul",
+           "ragged_qmm", "ragged_schedule", "supports_gather", "supports_gather_matmul",
+           "supports_ragged", "supports_ragged_matmul"]
