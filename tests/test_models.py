@@ -628,3 +628,30 @@ def test_mlx_checkpoint(tmp_path):
     assert [lay["w_down"].bits for lay in mixed["layers"]] == [4, 8]
     logits = _logits(cfg, mixed)
     assert logits.shape == (2, 6, 64) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_float_gemv_is_linears_product_and_its_rule(dtype, monkeypatch):
+    """decoder.float_gemv (a float matrix as gather_matmul's one expert) computes
+    linear's einsum (same float32 sums, one rounding), for x [B, 1, K] and [K]; the rule
+    takes decode rows of mid-sized matrices on a GPU only."""
+    from jaxquant.models import decoder
+
+    w = jax.random.normal(jax.random.key(0), (300, 72), jnp.float32).astype(dtype)  # any shape
+    for shape in [(3, 1, 72), (72,), (2, 2, 72)]:
+        x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+        want = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
+        got = jax.jit(decoder.float_gemv)(x, w)
+        assert got.shape == shape[:-1] + (300,) and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want.astype(dtype),
+                                   np.float32), rtol=float(jnp.finfo(dtype).eps), atol=1e-5)
+    x1 = jnp.ones((1, 1, 4096), dtype)
+    assert not decoder.float_gemv_applies(x1, jnp.ones((6144, 4096)))       # the CPU: never
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert decoder.float_gemv_applies(x1, jnp.ones((6144, 4096)))           # q/k/v
+    assert decoder.float_gemv_applies(jnp.ones((8, 1, 2880)), jnp.ones((5120, 2880)))
+    assert not decoder.float_gemv_applies(jnp.ones((9, 1, 2880)), jnp.ones((5120, 2880)))
+    assert not decoder.float_gemv_applies(jnp.ones((1, 14336)), jnp.ones((4096, 14336)))
+    assert not decoder.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((32, 2880)))
+    assert not decoder.float_gemv_applies(jnp.ones((1, 4096)), jnp.ones((2880, 4096)))  # o
+    assert not decoder.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((201088, 16)))

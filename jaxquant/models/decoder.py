@@ -27,7 +27,7 @@ that splits them, parallel.py).
 
 MoE layers use `gather_qmm` (float experts: `gather_matmul`) when few tokens run
 (decode: each token reads its k experts' weights in place) and `ragged_qmm`
-(float experts: `lax.ragged_dot`) otherwise (prefill: tokens sorted by expert,
+(float experts: `ragged_matmul`) otherwise (prefill: tokens sorted by expert,
 one grouped matmul per projection).
 """
 
@@ -60,6 +60,35 @@ class PermutedMatrix(NamedTuple):
     perm: jax.Array
 
 
+# A float matrix at decode goes through the Pallas float GEMV (jq.gather_matmul with the
+# matrix as its one expert) on a GPU where XLA's dot was measured slower. H100, bf16,
+# batch 1, µs per product inside the models' decode step (profiles, 2026-11-27,
+# benchmarks/RESULTS.md, thirteenth session), XLA / Pallas: gpt-oss q/k/v 2880 -> 5120
+# 28.1 / 13.1, Llama q/k/v 4096 -> 6144 20.4 / 20.0, gate+up 4096 -> 28672 82.4 / 79.7;
+# XLA stays where it was as fast or faster: the o projections (N <= 4096: gpt-oss
+# 4096 -> 2880 11.0 / 12.3, Llama 4096 -> 4096 14.5 / 14.8), K >= 8192 (Llama's down
+# 14336 -> 4096, alone 45.9 / 48.6), the router (N = 32) and the heads (N >= 128k, XLA at
+# 96-99% of copy). Whole model, one process: gpt-oss-20b 262.6 -> 286.8 tok/s, Llama-3-8B
+# 166.7 -> 169.1.
+FLOAT_GEMV = dict(max_rows=8, min_n=5120, max_n=32768, max_k=8192)
+
+
+def float_gemv_applies(x, w) -> bool:
+    """Whether linear(x, w) on a float w [N, K] takes the Pallas float GEMV (FLOAT_GEMV)."""
+    rows = int(np.prod(x.shape[:-1]))
+    n, k = w.shape
+    return (jax.default_backend() == "gpu" and 0 < rows <= FLOAT_GEMV["max_rows"]
+            and FLOAT_GEMV["min_n"] <= n <= FLOAT_GEMV["max_n"] and k <= FLOAT_GEMV["max_k"])
+
+
+def float_gemv(x, w):
+    """x [..., K] @ w.T for a float w [N, K] as jq.gather_matmul's one-expert product: the
+    same float32 sums as the einsum's definition (w cast to x's dtype)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jq.gather_matmul(x2, w[None], jnp.zeros((x2.shape[0], 1), jnp.int32))
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
 def linear(x, w, bias=None):
     """x [..., K] @ w.T (w [N, K]: float, QuantizedArray or PermutedMatrix) (+ bias)
     -> [..., N]."""
@@ -67,6 +96,8 @@ def linear(x, w, bias=None):
         x, w = jnp.take(x, w.perm, axis=-1), w.matrix
     if isinstance(w, QuantizedArray):
         y = jq.qmm(x, w)
+    elif w.ndim == 2 and float_gemv_applies(x, w):
+        y = float_gemv(x, w)
     else:
         y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype),
                        preferred_element_type=jnp.float32).astype(x.dtype)
@@ -170,19 +201,21 @@ def expert_gather_swiglu(cfg: Config, x, w_gate_up, idx, bias):
 
 
 def expert_ragged(x, w, group_sizes):
-    """x [R, K] rows sorted by expert, w [E, N, K] -> [R, N] (prefill)."""
-    if isinstance(w, ExpertsOfLayer) and not isinstance(w.stack, QuantizedArray):
+    """x [R, K] rows sorted by expert, w [E, N, K] -> [R, N] (prefill): ragged_qmm, or
+    ragged_matmul on float experts. A layer of a flattened stack is read in place (its
+    groups; every other layer's empty), except float experts where no GPU kernel runs:
+    XLA's ragged_dot (the reference) multiplies every row by every expert of the
+    stack, so there the layer's slice is cheaper."""
+    quantized = isinstance(getattr(w, "stack", w), QuantizedArray)
+    ragged = jq.ragged_qmm if quantized else jq.ragged_matmul
+    if isinstance(w, ExpertsOfLayer) and not quantized and jax.default_backend() == "cpu":
         w = lax.dynamic_slice_in_dim(w.stack, w.layer * w.num_experts, w.num_experts)
-    if isinstance(w, ExpertsOfLayer):  # this layer's groups; every other layer's empty
+    if isinstance(w, ExpertsOfLayer):
         sizes = jnp.zeros(w.stack.shape[0], jnp.int32)
         sizes = lax.dynamic_update_slice(sizes, group_sizes.astype(jnp.int32),
                                          (w.layer * w.num_experts,))
-        return jq.ragged_qmm(x, w.stack, sizes)
-    if isinstance(w, QuantizedArray):
-        return jq.ragged_qmm(x, w, group_sizes)
-    y = lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), group_sizes.astype(jnp.int32),
-                       preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+        return ragged(x, w.stack, sizes)
+    return ragged(x, w, group_sizes)
 
 
 # ---------------------------------------------------------------------------
@@ -421,8 +454,8 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     and index all layers' experts at once ([L*E, N, K], expert layer*E + e), so
     no decode step copies its layer's expert stack before the kernel (a custom
     call's operand is materialized: ~400 MB per layer for gpt-oss-20b in MXFP4,
-    ~1 GB in bf16). Float experts in prefill take their layer's slice for
-    lax.ragged_dot (what the scan did). None (default): automatic, on for
+    ~1 GB in bf16). Float experts in prefill are read in place too (ragged_matmul),
+    except on the CPU (see expert_ragged). None (default): automatic, on for
     expert stacks on one device; True / False force it. Single-device only: with experts split over
     a mesh axis, the flattened [L*E] axis would no longer be split in blocks.
 
