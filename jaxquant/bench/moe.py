@@ -17,6 +17,11 @@
     pallas      jaxquant.pallas.moe.ragged_qmm (qmm's GEMM over a device-side tile schedule)
     ffi / jnp ref  dequantize every expert + lax.ragged_dot
     dense ragged  lax.ragged_dot on dense weights
+    dense pallas  jq.ragged_matmul's Pallas kernel on dense weights: the float GEMM over
+                  the same schedule, reading the experts in place (what models use for
+                  float experts)
+    dense gemm  one dense [T*top_k, K] x [N, K]^T product (cuBLAS on a GPU): the same
+                FLOPs as the routed product, for scale
 Each timed call does one product per routing, over `--copies` distinct routings
 drawn so that successive products touch different experts (the rotation defeats
 the cache). "%copy" counts only the distinct experts a routing selects (packed
@@ -203,6 +208,19 @@ def run(args, out=print):
                     .astype(dt) for a, g in zip(xs, sizes)))
                 time(rag, (xs, wt, sizes), nbytes=e * n * k * dt.itemsize + io, mode="-",
                      impl="dense ragged")
+                label = harness.pallas_label(args.interpret)
+                if label is not None:
+                    rm = functools.partial(moe.ragged_matmul, interpret=harness.on_cpu())
+                    f = jax.jit(lambda xs, w, sizes: tuple(rm(a, w, g)
+                                                           for a, g in zip(xs, sizes)))
+                    time(f, (xs, w, sizes), nbytes=e * n * k * dt.itemsize + io, mode="-",
+                         impl=f"dense {label}")
+                mats = [w[c % e] + jnp.zeros((), dt) for c in range(len(idxs))]
+                time(jax.jit(lambda xs, mats: tuple(
+                    jnp.einsum("tk,nk->tn", a, m, preferred_element_type=jnp.float32).astype(dt)
+                    for a, m in zip(xs, mats))), (xs, mats),
+                    nbytes=n * k * dt.itemsize + io, mode="-", impl="dense gemm")
+                del mats
                 for m, qw in qws.items():
                     check = None if args.no_check else _rel_err(
                         _exact_prefix(xs[0], qw, sizes[0], CHECK_ROWS))
