@@ -74,11 +74,14 @@ FLOAT_GEMV = dict(max_rows=8, min_n=5120, max_n=32768, max_k=8192)
 
 
 def float_gemv_applies(x, w) -> bool:
-    """Whether linear(x, w) on a float w [N, K] takes the Pallas float GEMV (FLOAT_GEMV)."""
+    """Whether linear(x, w) on a float w [N, K] takes the Pallas float GEMV (FLOAT_GEMV).
+    One device only: the GEMV was measured on one GPU; over a mesh, XLA partitions its
+    own dot."""
     rows = int(np.prod(x.shape[:-1]))
     n, k = w.shape
     return (jax.default_backend() == "gpu" and 0 < rows <= FLOAT_GEMV["max_rows"]
-            and FLOAT_GEMV["min_n"] <= n <= FLOAT_GEMV["max_n"] and k <= FLOAT_GEMV["max_k"])
+            and FLOAT_GEMV["min_n"] <= n <= FLOAT_GEMV["max_n"] and k <= FLOAT_GEMV["max_k"]
+            and not _on_several_devices(w))
 
 
 def float_gemv(x, w):
