@@ -185,8 +185,13 @@ class FloatGemmConfig:
         return dataclasses.replace(self, **kw)
 
 
-# (most mean rows per expert, config), first match. cuda: see select_ragged_float's
-# measurements; rocm: the cuda table (not tuned); interpret (CPU tests): small blocks,
+# (most mean rows per expert, config), first match. cuda: an H100 sweep (2026-11-27,
+# benchmarks/RESULTS.md thirteenth session; gpt-oss-20b experts E = 32, K = 2880, bf16;
+# block_m 64/128 x block_n 128/256 x 4/8 warps x 3/4 stages): 64 rows per expert (2048
+# rows) best at 64 x 128, 4 warps, 3 stages (gate+up 514 µs, down 279; the rest within
+# 6-10%); 128 rows per expert best at 128 x 128 (643 / 360 µs, 4 or 8 warps within 2%).
+# 32-row tiles below 32 rows per expert: not measured (half of a 64-row tile would be
+# padding there). rocm: the cuda table (not tuned); interpret (CPU tests): small blocks,
 # so test shapes go through several tiles, N blocks and K steps with masked tails.
 RAGGED_FLOAT_CONFIGS: dict[str, tuple[tuple[float, FloatGemmConfig], ...]] = {
     "cuda": ((32, FloatGemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4)),

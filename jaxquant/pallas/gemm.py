@@ -200,7 +200,7 @@ def gemm_block_m(x_dtype, config) -> int:
 # ---------------------------------------------------------------------------
 # Float ragged GEMM (ragged_matmul): x's rows sorted by expert against float experts w
 # [E, N, K], over ragged_qmm's device-computed schedule. Each program multiplies its
-# work item's rows (one expert's rows of an bm-row tile) with bn rows of that expert,
+# work item's rows (one expert's rows of a bm-row tile) with bn rows of that expert,
 # read in place from an [E*N, K] view (no transpose, no copy of the experts), and
 # stores only those rows: a tile that straddles groups is written by one item per group.
 
