@@ -109,6 +109,33 @@ def _expert_args(op, x, qw, ids_name, ids, transpose):
     return x, ids, _k_axis(qw, transpose), transpose
 
 
+def _float_expert_args(op, quantized_op, x, w, ids_name, ids, transpose):
+    """_expert_args for the float ops (gather_matmul, ragged_matmul): w a float array
+    [E, N, K] (or [E, K, N]). Returns x, w, ids, K, transpose."""
+    transpose = require_bool("transpose", transpose, op)
+    if isinstance(w, QuantizedArray):
+        raise TypeError(f"w must be a float array; got a QuantizedArray (quantized experts "
+                        f"go through jq.{quantized_op})")
+    w = check_x(w, "w")
+    if w.ndim != 3:
+        raise ValueError(f"w must be [E, N, K] (or [E, K, N] with transpose=False); got "
+                         f"shape {w.shape}")
+    x = check_x(x)
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{ids_name} must be an integer array; got {ids.dtype}")
+    return x, w, ids, w.shape[2] if transpose else w.shape[1], transpose
+
+
+def _check_ragged_shapes(x, num_experts, group_sizes, k):
+    """ragged_qmm's and ragged_matmul's: group_sizes [E], x [T, K], concrete sizes valid."""
+    if group_sizes.shape != (num_experts,):
+        raise ValueError(f"group_sizes must be [E] = ({num_experts},); got {group_sizes.shape}")
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
+    check_group_sizes(group_sizes, x.shape[0])
+
+
 def _check_gather_shapes(x, w_name, w_shape, indices, k):
     if indices.ndim != 2:
         raise ValueError(f"indices must be [T, k]; got shape {indices.shape}")
@@ -172,19 +199,9 @@ def gather_matmul(x, w, indices, transpose: bool = True, *, backend: str | None 
     where `w[indices]` in XLA copies them first (docs/ops.md).
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
-    transpose = require_bool("transpose", transpose, "gather_matmul")
-    if isinstance(w, QuantizedArray):
-        raise TypeError("w must be a float array; got a QuantizedArray (quantized experts "
-                        "go through jq.gather_qmm)")
-    w = check_x(w, "w")
-    if w.ndim != 3:
-        raise ValueError(f"w must be [E, N, K] (or [E, K, N] with transpose=False); got "
-                         f"shape {w.shape}")
-    x = check_x(x)
-    indices = jnp.asarray(indices)
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise TypeError(f"indices must be an integer array; got {indices.dtype}")
-    _check_gather_shapes(x, "w", w.shape, indices, w.shape[2] if transpose else w.shape[1])
+    x, w, indices, k, transpose = _float_expert_args("gather_matmul", "gather_qmm", x, w,
+                                                     "indices", indices, transpose)
+    _check_gather_shapes(x, "w", w.shape, indices, k)
     return gather_matmul_op.bind(x, w, indices, backend=backend, transpose=bool(transpose),
                                  precision=default_precision())
 
@@ -197,11 +214,7 @@ def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | Non
     Static (Python values, not traced under jax.jit): transpose, backend."""
     x, group_sizes, k, transpose = _expert_args("ragged_qmm", x, qw, "group_sizes",
                                                 group_sizes, transpose)
-    if group_sizes.shape != (qw.shape[0],):
-        raise ValueError(f"group_sizes must be [E] = ({qw.shape[0]},); got {group_sizes.shape}")
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
-    check_group_sizes(group_sizes, x.shape[0])
+    _check_ragged_shapes(x, qw.shape[0], group_sizes, k)
     return ragged_qmm_op.bind(x, qw, group_sizes, backend=backend, transpose=bool(transpose),
                               precision=default_precision())
 
@@ -216,24 +229,9 @@ def ragged_matmul(x, w, group_sizes, transpose: bool = True, *, backend: str | N
     them and multiplies every row by every expert (docs/ops.md).
     Static (Python values, not traced under jax.jit): transpose, backend.
     """
-    transpose = require_bool("transpose", transpose, "ragged_matmul")
-    if isinstance(w, QuantizedArray):
-        raise TypeError("w must be a float array; got a QuantizedArray (quantized experts "
-                        "go through jq.ragged_qmm)")
-    w = check_x(w, "w")
-    if w.ndim != 3:
-        raise ValueError(f"w must be [E, N, K] (or [E, K, N] with transpose=False); got "
-                         f"shape {w.shape}")
-    x = check_x(x)
-    group_sizes = jnp.asarray(group_sizes)
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be an integer array; got {group_sizes.dtype}")
-    if group_sizes.shape != (w.shape[0],):
-        raise ValueError(f"group_sizes must be [E] = ({w.shape[0]},); got {group_sizes.shape}")
-    k = w.shape[2] if transpose else w.shape[1]
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
-    check_group_sizes(group_sizes, x.shape[0])
+    x, w, group_sizes, k, transpose = _float_expert_args(
+        "ragged_matmul", "ragged_qmm", x, w, "group_sizes", group_sizes, transpose)
+    _check_ragged_shapes(x, w.shape[0], group_sizes, k)
     return ragged_matmul_op.bind(x, w, group_sizes, backend=backend, transpose=bool(transpose),
                                  precision=default_precision())
 
