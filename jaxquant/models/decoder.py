@@ -206,9 +206,9 @@ def expert_gather_swiglu(cfg: Config, x, w_gate_up, idx, bias):
 def expert_ragged(x, w, group_sizes):
     """x [R, K] rows sorted by expert, w [E, N, K] -> [R, N] (prefill): ragged_qmm, or
     ragged_matmul on float experts. A layer of a flattened stack is read in place (its
-    groups; every other layer's empty), except float experts where no GPU kernel runs:
-    XLA's ragged_dot (the reference) multiplies every row by every expert of the
-    stack, so there the layer's slice is cheaper."""
+    groups; every other layer's empty), except float experts on the CPU: there XLA's
+    ragged_dot (the reference) multiplies every row by every expert of the stack, so
+    the layer's slice is cheaper."""
     quantized = isinstance(getattr(w, "stack", w), QuantizedArray)
     ragged = jq.ragged_qmm if quantized else jq.ragged_matmul
     if isinstance(w, ExpertsOfLayer) and not quantized and jax.default_backend() == "cpu":
