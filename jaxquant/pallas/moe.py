@@ -148,6 +148,24 @@ def _checked(name, supports, x, qw, third, transpose):
     return x, third
 
 
+def _checked_float(name, supports, x, w, third, third_name, transpose):
+    """_checked for the float ops (gather_matmul, ragged_matmul): arrays, else a ValueError."""
+    x, w, third = jnp.asarray(x), jnp.asarray(w), jnp.asarray(third)
+    if not supports(x, w, third, transpose=transpose):
+        raise ValueError(f"the pallas {name} has no kernel for x {x.shape} {x.dtype}, "
+                         f"w {w.shape} {w.dtype}, {third_name} {third.shape}, "
+                         f"transpose={transpose} (see supports_{name})")
+    return x, w, third
+
+
+def _zero_rows_past_groups(y, group_sizes):
+    """ragged_qmm's and ragged_matmul's rows past sum(group_sizes): zero (like
+    lax.ragged_dot); the kernels leave them unwritten."""
+    t = y.shape[0]
+    total = ragged_group_ends(group_sizes, t)[-1]
+    return jnp.where((jnp.arange(t) < total)[:, None], y, jnp.zeros((), y.dtype))
+
+
 # ---------------------------------------------------------------------------
 # gather_matmul (decode on float expert weights): the float expert GEMV.
 
@@ -192,11 +210,8 @@ def gather_matmul(x, w, indices, *, transpose: bool = True, precision=None,
                   platform: str = "cuda", interpret: bool = False,
                   config: configs.FloatGemvConfig | None = None):
     """`lower_gather_matmul` for direct use: a ValueError where it has no kernel."""
-    x, w, indices = jnp.asarray(x), jnp.asarray(w), jnp.asarray(indices)
-    if not supports_gather_matmul(x, w, indices, transpose=transpose):
-        raise ValueError(f"the pallas gather_matmul has no kernel for x {x.shape} {x.dtype}, "
-                         f"w {w.shape} {w.dtype}, indices {indices.shape}, "
-                         f"transpose={transpose} (see supports_gather_matmul)")
+    x, w, indices = _checked_float("gather_matmul", supports_gather_matmul, x, w, indices,
+                                   "indices", transpose)
     return lower_gather_matmul(x, w, indices, transpose=transpose, precision=precision,
                                platform=platform, interpret=interpret, config=config)
 
@@ -260,8 +275,7 @@ def lower_ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool, pre
     sched = ragged_schedule(group_sizes, t, gemm_block_m(x.dtype, config))
     y = gemm_t(x, qw, config, interpret=interpret, hw=not interpret,
                precision=dot_precision(precision, x.dtype), schedule=sched)
-    total = ragged_group_ends(group_sizes, t)[-1]
-    return jnp.where((jnp.arange(t) < total)[:, None], y, jnp.zeros((), x.dtype))
+    return _zero_rows_past_groups(y, group_sizes)
 
 
 def ragged_qmm(x, qw: QuantizedArray, group_sizes, *, transpose: bool = True, precision=None,
@@ -308,19 +322,15 @@ def lower_ragged_matmul(x, w, group_sizes, *, transpose: bool, precision, platfo
     sched = ragged_schedule(group_sizes, t, config.block_m)
     y = ragged_gemm_float(x, w, sched, config, interpret=interpret,
                           precision=dot_precision(precision, x.dtype))
-    total = ragged_group_ends(group_sizes, t)[-1]
-    return jnp.where((jnp.arange(t) < total)[:, None], y, jnp.zeros((), x.dtype))
+    return _zero_rows_past_groups(y, group_sizes)
 
 
 def ragged_matmul(x, w, group_sizes, *, transpose: bool = True, precision=None,
                   platform: str = "cuda", interpret: bool = False,
                   config: configs.FloatGemmConfig | None = None):
     """`lower_ragged_matmul` for direct use: a ValueError where it has no kernel."""
-    x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
-    if not supports_ragged_matmul(x, w, group_sizes, transpose=transpose):
-        raise ValueError(f"the pallas ragged_matmul has no kernel for x {x.shape} {x.dtype}, "
-                         f"w {w.shape} {w.dtype}, group_sizes {group_sizes.shape}, "
-                         f"transpose={transpose} (see supports_ragged_matmul)")
+    x, w, group_sizes = _checked_float("ragged_matmul", supports_ragged_matmul, x, w,
+                                       group_sizes, "group_sizes", transpose)
     return lower_ragged_matmul(x, w, group_sizes, transpose=transpose, precision=precision,
                                platform=platform, interpret=interpret, config=config)
 
