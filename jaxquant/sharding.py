@@ -133,23 +133,27 @@ def _gather_factors(x, qw, indices, *, transpose, precision):
                    replicated=("gk", "gw", "s") + _layout_replicated(qw, "r", "g"), priority=(1,))
 
 
+def _float_experts(w, transpose, sizes):
+    """A float w [E, N, K] (or [E, K, N] with transpose=False): its e, n, k added to
+    `sizes`, and its Dims. Unlike a quantized w, K splits anywhere (no groups)."""
+    e, a, b = w.shape
+    sizes.update(e=e, n=a if transpose else b, k=b if transpose else a)
+    return Dims([("e",), ("n",), ("k",)] if transpose else [("e",), ("k",), ("n",)])
+
+
 def _gather_matmul_factors(x, w, indices, *, transpose, precision):
-    """gather_qmm's factors on a float w [E, N, K] (or [E, K, N]): K splits anywhere."""
-    sizes = {"e": w.shape[0], "t": indices.shape[0], "s": indices.shape[1],
-             "n": w.shape[1] if transpose else w.shape[2],
-             "k": w.shape[2] if transpose else w.shape[1]}
-    wdims = Dims([("e",), ("n",), ("k",)] if transpose else [("e",), ("k",), ("n",)])
+    """gather_qmm's factors on a float w."""
+    sizes = {"t": indices.shape[0], "s": indices.shape[1]}
+    wdims = _float_experts(w, transpose, sizes)
     xdims = Dims([("t",), ("k",)] if x.ndim == 2 else [("t",), ("s",), ("k",)])
     return Factors([xdims, wdims, Dims([("t",), ("s",)])], [Dims([("t",), ("s",), ("n",)])],
                    sizes, contracted=("k", "e"), replicated=("s",), priority=(1,))
 
 
 def _ragged_matmul_factors(x, w, group_sizes, *, transpose, precision):
-    """ragged_qmm's factors on a float w [E, N, K] (or [E, K, N]): K splits anywhere."""
-    sizes = {"e": w.shape[0], "t": x.shape[0], "es": w.shape[0],
-             "n": w.shape[1] if transpose else w.shape[2],
-             "k": w.shape[2] if transpose else w.shape[1]}
-    wdims = Dims([("e",), ("n",), ("k",)] if transpose else [("e",), ("k",), ("n",)])
+    """ragged_qmm's factors on a float w."""
+    sizes = {"t": x.shape[0], "es": w.shape[0]}
+    wdims = _float_experts(w, transpose, sizes)
     # Token rows are grouped by expert in order, so they do not split (as ragged_qmm's).
     return Factors([Dims([("t",), ("k",)]), wdims, Dims([("es",)])], [Dims([("t",), ("n",)])],
                    sizes, contracted=("k", "e"), replicated=("t", "es"), priority=(1,))

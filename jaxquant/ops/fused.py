@@ -21,6 +21,7 @@ Differentiation goes through the reference, like the norms'.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
@@ -28,11 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
-                                 jvp_through_reference, move_to_front, require_quantized,
-                                 to_front_or_broadcast)
+                                 jvp_through_reference, move_to_front, require_quantized)
 from jaxquant.ops.norms import _check_common, rms_norm_op, rms_norm_reference
-from jaxquant.ops.qmm import (check_gather_args, gather_qmm_op, gather_qmm_reference, qmm_op,
-                              qmm_reference)
+from jaxquant.ops.qmm import (check_gather_args, gather_batch, gather_qmm_op,
+                              gather_qmm_reference, qmm_op, qmm_reference)
 from jaxquant.primitive import Op
 from jaxquant.static_args import require_static
 
@@ -229,24 +229,8 @@ def _rows_batch(op: Op):
     return rule
 
 
-def _gather_swiglu_batch(args, dims, *, backend, **params):
-    """A batch of tokens folds into the token axis (gather_qmm's rule); batched
-    weights or biases: vmap of the reference."""
-    x, qw, indices, bias = args
-    x_dim, qw_dims, i_dim, b_dims = dims
-    if jax.tree_util.tree_leaves(qw_dims) or jax.tree_util.tree_leaves(b_dims):
-        return None
-    size = x.shape[x_dim] if x_dim is not None else indices.shape[i_dim]
-    x = to_front_or_broadcast(x, x_dim, size)
-    indices = to_front_or_broadcast(indices, i_dim, size)
-    y = gather_qmm_swiglu_op.bind(x.reshape(-1, *x.shape[2:]), qw,
-                                  indices.reshape(-1, indices.shape[-1]), bias,
-                                  backend=backend, **params)
-    return y.reshape(size, -1, *y.shape[1:]), 0
-
-
 for _op in (rms_norm_qmm_op, qmm_swiglu_op):
     _op.batch_rule = _rows_batch(_op)
-gather_qmm_swiglu_op.batch_rule = _gather_swiglu_batch
+gather_qmm_swiglu_op.batch_rule = functools.partial(gather_batch, gather_qmm_swiglu_op)
 for _op in (rms_norm_qmm_op, qmm_swiglu_op, gather_qmm_swiglu_op):
     jvp_through_reference(_op)

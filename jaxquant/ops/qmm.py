@@ -264,18 +264,19 @@ def _qmm_batch(args, dims, *, backend, transpose, precision):
     return y.reshape(*x.shape[:-1], y.shape[-1]), 0
 
 
-def _gather_batch(op, args, dims, *, backend, transpose, precision):
-    """gather_qmm / gather_matmul with a batch of tokens (weights unbatched): the batch
-    folds into the token axis."""
-    x, qw, indices = args
-    x_dim, qw_dims, i_dim = dims
-    if jax.tree_util.tree_leaves(qw_dims):
+def gather_batch(op, args, dims, *, backend, **params):
+    """gather_qmm / gather_matmul / gather_qmm_swiglu (x, qw, indices, then operands
+    per expert such as a bias) with a batch of tokens: the batch folds into the token
+    axis. Batched weights (or per-expert operands): None, vmap of the reference."""
+    x, qw, indices, *per_expert = args
+    x_dim, qw_dims, i_dim, *per_expert_dims = dims
+    if jax.tree_util.tree_leaves((qw_dims, per_expert_dims)):
         return None
     size = (x.shape[x_dim] if x_dim is not None else indices.shape[i_dim])
     x = to_front_or_broadcast(x, x_dim, size)
     indices = to_front_or_broadcast(indices, i_dim, size)
     y = op.bind(x.reshape(-1, *x.shape[2:]), qw, indices.reshape(-1, indices.shape[-1]),
-                backend=backend, transpose=transpose, precision=precision)
+                *per_expert, backend=backend, **params)
     return y.reshape(size, -1, *y.shape[1:]), 0
 
 
@@ -293,8 +294,8 @@ def _ragged_batch(op, args, dims, *, backend, transpose, precision):
 
 
 qmm_op.batch_rule = _qmm_batch
-gather_qmm_op.batch_rule = functools.partial(_gather_batch, gather_qmm_op)
-gather_matmul_op.batch_rule = functools.partial(_gather_batch, gather_matmul_op)
+gather_qmm_op.batch_rule = functools.partial(gather_batch, gather_qmm_op)
+gather_matmul_op.batch_rule = functools.partial(gather_batch, gather_matmul_op)
 ragged_qmm_op.batch_rule = functools.partial(_ragged_batch, ragged_qmm_op)
 ragged_matmul_op.batch_rule = functools.partial(_ragged_batch, ragged_matmul_op)
 
