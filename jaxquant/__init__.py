@@ -4,16 +4,17 @@ from jaxquant import formats, io, layouts, mlx
 from jaxquant.dispatch import available_backends, backend
 from jaxquant.formats import FORMATS
 from jaxquant.layouts import prepack, unpack_layout
-from jaxquant.ops import (add_rms_norm, decode_attention, dequantize, gated_rms_norm,
-                          gather_matmul, gather_qmm, gather_qmm_swiglu, qmm, qmm_swiglu,
-                          ragged_matmul, ragged_qmm, rms_norm, rms_norm_qmm)
+from jaxquant.ops import (RowQuantizedArray, add_rms_norm, decode_attention, dequantize,
+                          gated_rms_norm, gather_matmul, gather_qmm, gather_qmm_swiglu, qmm,
+                          qmm_a8, qmm_swiglu, quantize_rows, ragged_matmul, ragged_qmm,
+                          rms_norm, rms_norm_qmm)
 from jaxquant.quantize import quantize
 from jaxquant.quantized_array import QuantizedArray
 
 __all__ = [
-    "FORMATS", "QuantizedArray", "add_rms_norm", "available_backends", "backend",
+    "FORMATS", "QuantizedArray", "RowQuantizedArray", "add_rms_norm", "available_backends", "backend",
     "decode_attention", "dequantize", "formats", "gated_rms_norm", "io", "layouts", "mlx",
-    "gather_matmul", "gather_qmm", "gather_qmm_swiglu", "prepack", "qmm", "qmm_swiglu", "quantize",
+    "gather_matmul", "gather_qmm", "gather_qmm_swiglu", "prepack", "qmm", "qmm_a8", "qmm_swiglu", "quantize", "quantize_rows",
     "ragged_matmul", "ragged_qmm", "rms_norm", "rms_norm_qmm", "unpack_layout",
 ]
 __version__ = "0.2.0"
