@@ -208,6 +208,49 @@ def test_per_layer_buffers_equal_the_stacked_layers(family, mode):
         models.prefill(cfg, dict(split, layers=split["layers"][:1]), prompt, 16)
 
 
+@pytest.mark.parametrize("family,mode", [("llama", "affine4"), ("gpt_oss", "mxfp4"),
+                                         ("llama", None)])
+def test_a8_params_prefill(family, mode):
+    """models.a8_params (docs/a8.md): the dense matrices become RowQuantizedArrays (the
+    experts, router and embedding stay), stacked and per-layer alike, layer by layer
+    equal to jq.quantize_rows of the matrix; the prefill's logits stay near the
+    original params' and its cache decodes with the original params."""
+    cfg = tiny(family, dtype="float32")
+    params = models.init_params(cfg, jax.random.key(4), per_layer=False)
+    if mode:
+        params = models.quantize_params(params, mode, per_layer=False)
+    prompt = jax.random.randint(jax.random.key(5), (1, 12), 0, cfg.vocab_size)
+    prefill = jax.jit(models.prefill, static_argnums=(0, 3))
+    want, _, _ = prefill(cfg, params, prompt, 16)
+    for dtype, tol in (("int8", 0.03), ("float8_e4m3fn", 0.12)):
+        a8 = models.a8_params(params, dtype)
+        layers = a8["layers"]
+        assert isinstance(a8["lm_head"], jq.RowQuantizedArray)
+        for k, v in layers.items():
+            dense = k in ("wqkv", "wo", "w_gate_up", "w_down")
+            assert isinstance(v, jq.RowQuantizedArray) == dense, k
+            if dense:
+                # jitted as a8_params is (the affine dequantize's float32 s * q + b
+                # contracts to one FMA under jit, not op by op)
+                one = jax.jit(jq.quantize_rows, static_argnums=1)(params["layers"][k][1], dtype)
+                np.testing.assert_array_equal(v.codes[1].astype(jnp.float32),
+                                              one.codes.astype(jnp.float32))
+                np.testing.assert_array_equal(v.scales[1], one.scales)
+            else:
+                assert v is params["layers"][k], k
+        logits, cache, tok = prefill(cfg, a8, prompt, 16)
+        # at the last position, as bench model's Δlogits (at another position of the
+        # MoE model a routing choice flips under 8-bit q/k/v)
+        err = float(jnp.max(jnp.abs(logits[:, -1] - want[:, -1])) / jnp.max(jnp.abs(want[:, -1])))
+        assert 0 < err < tol, (dtype, err)
+        split, _, _ = prefill(cfg, models.a8_params(models.unstack_layers(params), dtype),
+                              prompt, 16)
+        np.testing.assert_allclose(split, logits, rtol=1e-5, atol=1e-5)
+        toks, _, _ = jax.jit(models.decode, static_argnums=(0, 5))(cfg, params, cache, tok,
+                                                                   12, 3)
+        assert toks.shape == (1, 3)
+
+
 def test_defaults_follow_the_device():
     from jaxquant.models.decoder import default_per_layer, resolve_experts_by_layer
     assert default_per_layer() == (jax.default_backend() != "cpu")

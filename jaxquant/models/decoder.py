@@ -93,12 +93,14 @@ def float_gemv(x, w):
 
 
 def linear(x, w, bias=None):
-    """x [..., K] @ w.T (w [N, K]: float, QuantizedArray or PermutedMatrix) (+ bias)
-    -> [..., N]."""
+    """x [..., K] @ w.T (w [N, K]: float, QuantizedArray, RowQuantizedArray or
+    PermutedMatrix) (+ bias) -> [..., N]."""
     if isinstance(w, PermutedMatrix):
         x, w = jnp.take(x, w.perm, axis=-1), w.matrix
     if isinstance(w, QuantizedArray):
         y = jq.qmm(x, w)
+    elif isinstance(w, jq.RowQuantizedArray):  # a8_params: the prefill opt-in
+        y = jq.qmm_a8(x, w)
     elif w.ndim == 2 and float_gemv_applies(x, w):
         y = float_gemv(x, w)
     else:
@@ -830,6 +832,35 @@ def prepack_params(params, layout: str | None = None):
     if "lm_head" in out:
         out["lm_head"] = prepack(out["lm_head"])
     return out
+
+
+def a8_params(params, dtype: str = "float8_e4m3fn", *, lm_head: bool = True):
+    """The prefill opt-in of docs/a8.md: every dense weight matrix (float or quantized:
+    q/k/v, o, the MLP's, and lm_head unless lm_head=False) as a jq.RowQuantizedArray of
+    `dtype`, so `linear` runs jq.qmm_a8 (x quantized per token). The experts, the
+    router and the embedding stay as they are. Prefill with the result and decode with
+    the original params (8-bit rows are 2x the bytes of 4-bit ones, and decode is
+    read-bound). A stacked [L, ...] matrix converts a layer at a time."""
+    dense = tuple(k for k in MATRICES if k not in EXPERT_STACKS)
+
+    def rows(w):
+        if isinstance(w, PermutedMatrix):
+            return PermutedMatrix(rows(w.matrix), w.perm)
+        if w.ndim == 2:
+            return _jitted_quantize_rows(dtype)(w)
+        return jax.tree_util.tree_map(lambda *c: jnp.stack(c),
+                                      *[rows(w[i]) for i in range(w.shape[0])])
+
+    out = _map_layers(lambda p: {k: rows(v) if k in dense else v for k, v in p.items()},
+                      params)
+    if lm_head and "lm_head" in out:
+        out["lm_head"] = rows(out["lm_head"])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_quantize_rows(dtype):
+    return jax.jit(functools.partial(jq.quantize_rows, dtype=dtype))
 
 
 def quantize_matrix(w, kw):
