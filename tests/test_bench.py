@@ -138,6 +138,20 @@ def test_moe_table(capsys, skip_copy_timing, monkeypatch):
     assert not any("failed" in l for l in lines)
 
 
+def test_prefill_qmm_table_has_the_a8_rows(capsys, skip_copy_timing):
+    """bench prefill's qmm rows on the CPU, the opt-in 8-bit activations among them,
+    each timed and near the 4-bit weight's product (x rounded to 8 bits)."""
+    lines, _ = _run(["prefill", "--only", "qmm", "--shapes", "8,64,96", "--modes", "mxfp4",
+                     "--iters", "1"], capsys)
+    rows = [[c.strip() for c in l.split("|")] for l in lines if l.startswith("8, 64, 96 |")]
+    a8 = {r[2]: r for r in rows if r[2].startswith("qmm_a8")}
+    assert set(a8) == {f"qmm_a8 {t} (opt-in; weight rows from mxfp4)"
+                       for t in ("int8", "float8_e4m3fn")}
+    for impl, r in a8.items():
+        assert float(r[3]) > 0 and 0 < float(r[6]) < (0.03 if "int8" in impl else 0.1), r
+    assert not any("failed" in l for l in lines)
+
+
 def test_import_jaxquant_leaves_bench_and_tools_out():
     import subprocess
 

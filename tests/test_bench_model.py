@@ -67,6 +67,28 @@ def test_table_on_cpu_with_the_peer(monkeypatch):
     assert any("torch int4 peer skipped: " in l and "CUDA" in l for l in lines)
 
 
+def test_prefill_a8_rows(monkeypatch):
+    """--prefill-a8: a prefill-only row per mode and 8-bit type, its logits against the
+    float run's (the MoE config: experts stay 4-bit, the dense matrices go 8-bit)."""
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda *a, **k: pytest.fail("timed on CPU"))
+    lines = []
+    assert bench.main(["model", "--configs", "tiny", "--modes", "float32,mxfp4", "--batch", "1",
+                       "--prefill", "8", "--peer", "none", "--dtype", "float32",
+                       "--prefill-a8", "int8,float8_e4m3fn", *TINY], out=lines.append) == 0
+    header, rows = _tables(lines)[-1]
+    got = {(r["impl"], r["mode"]): r for r in rows}
+    for mode in ("float32", "mxfp4"):
+        for dtype in ("int8", "float8_e4m3fn"):
+            r = got[f"jaxquant, prefill a8 {dtype}", mode]
+            assert r["decode tok/s"] == "" and float(r["prefill tok/s"]) > 0
+            # 8-bit activations move the logits (float32: int8 1.2%, FP8 5.6%); on the
+            # mxfp4 weights they add little to the weights' own error (40% in this tiny
+            # random model)
+            base = float(got["jaxquant", mode]["Δlogits"][:-1] or 0)
+            assert 0 < float(r["Δlogits"][:-1]) < base + (5 if dtype == "int8" else 15), r
+        assert float(got["jaxquant", mode]["decode tok/s"]) > 0
+
+
 def test_matmul_flops_per_token_counts_the_weight_products():
     # 2 x the elements of every matrix a token multiplies: each layer's 2-D weights, the
     # k/E share of its experts, the head

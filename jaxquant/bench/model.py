@@ -4,11 +4,13 @@ weight-read bound and a PyTorch peer built the way gpt-fast builds one.
 
   python -m jaxquant bench model [--configs llama3-8b,gpt-oss-20b] [--modes bf16,affine4,mxfp4]
       [--batch 1,8] [--peer torch|none] [--profile] [--mesh 2x1] [--xla-flags FLAGS ...]
+      [--prefill-a8 int8,float8_e4m3fn]
 
 Per config, mode and batch: a prompt is prefilled, then `--tokens` greedy
 tokens are decoded in one jitted `models.decode` loop, timed after compilation
 (median of --iters runs, each on a fresh copy of the prefilled cache); prefill
-tok/s is `models.prefill` of one `--prefill`-token sequence. The bound is the
+tok/s is `models.prefill` of one `--prefill`-token sequence (with --prefill-a8, also
+with 8-bit activations: rows "prefill a8 <dtype>", docs/a8.md). The bound is the
 weight bytes one decode step must read (every layer weight; experts scaled by
 the share of them the batch picks, expected 1-(1-k/E)^B under uniform routing,
 k/E at batch 1; the head; one embedding row per sequence; KV cache not
@@ -180,6 +182,34 @@ def prefill_run(cfg, params, tokens, kw, iters, mesh=None, profile_dir=None):
     return out
 
 
+def prefill_a8_rows(cfg, name, mode, params, prompt, ref_logits, args):
+    """--prefill-a8: the prefill timed again with each 8-bit activation type
+    (models.a8_params: the dense matrices as jq.RowQuantizedArrays, jq.qmm_a8; docs/a8.md),
+    and its last-position logits on the decode prompt against the float run's."""
+    import jax
+
+    from jaxquant import models
+
+    rows = []
+    for dtype in args.prefill_a8:
+        row = {"config": name, "impl": f"jaxquant, prefill a8 {dtype}", "mode": mode,
+               "batch": 1, "step_bytes": step_bytes(cfg, params, 1)}
+        try:
+            a8 = _block(models.a8_params(params, dtype))
+            p = prefill_run(cfg, a8, args.prefill, args.forward_kw, args.iters)
+            row["prefill_tps"] = p["prefill_tps"]
+            row["prefill_flops"] = p["prefill_tps"] * matmul_flops_per_token(cfg)
+            if ref_logits is not None:
+                logits, _, _ = jax.jit(lambda a8, t: models.prefill(
+                    cfg, a8, t, t.shape[1], **args.forward_kw))(a8, prompt[:1])
+                row["dlogits"] = _logit_diff(logits[:, -1], ref_logits[:1])
+            del a8
+        except Exception as e:  # noqa: BLE001
+            row = _failed(name, row["impl"], mode, 1, e)
+        rows.append(row)
+    return rows
+
+
 def profile_decode(cfg, compiled, args, steps, trace_dir):
     """Trace one run of the compiled decode loop and break it down (profile.py)."""
     return profile_run(cfg, compiled, args, steps, trace_dir)
@@ -272,8 +302,9 @@ def _done(row):
     """The row, its numbers also on stderr at once (a run cut short keeps them)."""
     if "failed" not in row:
         extra = "".join(f", {k} {row[k]:.4g}" for k in ("prefill_tps", "dlogits") if k in row)
+        decode = f"decode {row['decode_tps']:.1f} tok/s" if "decode_tps" in row else "prefill"
         harness.progress(f"{row['config']} {row['impl']} {row['mode']} batch {row['batch']}: "
-                         f"decode {row['decode_tps']:.1f} tok/s{extra}")
+                         f"{decode}{extra}")
     return row
 
 
@@ -341,6 +372,7 @@ def config_rows(args, name, out):
         except Exception as e:  # noqa: BLE001
             rows.append(_failed(name, "jaxquant", mode, 0, e))
             continue
+        a8_rows = []
         for mesh, impl in meshes:
             try:
                 placed = _placed(cfg, params, mode, mesh, getattr(args, "layout", None))
@@ -369,6 +401,9 @@ def config_rows(args, name, out):
                         row["prefill_flops"] = p["prefill_tps"] * matmul_flops_per_token(cfg)
                     else:
                         p = {}
+                    if b == args.batch[0] and args.prefill and mesh is None:
+                        a8_rows += prefill_a8_rows(cfg, name, mode, placed, prompts[b], ref.get(b),
+                                                   args)
                     for what, res, title in (
                             ("decode steps", r, f"{name} {mode} batch {b}"),
                             ("prefill", p, f"{name} {mode} prefill {args.prefill} tokens")):
@@ -381,6 +416,8 @@ def config_rows(args, name, out):
                 except Exception as e:  # noqa: BLE001
                     row = _failed(name, impl, mode, b, e)
                 rows.append(_done(row))
+                rows += [_done(r) for r in a8_rows]
+                a8_rows = []
             del placed
         del params
     if args.peer == "torch" and base is not None:
@@ -451,9 +488,10 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
                                    "failed: " + r["failed"]] + [""] * (len(cols) - 5)) + " |")
             continue
         bound = r["batch"] * bw / r["step_bytes"] if bw else None
-        cells = [r["config"], r["impl"], r["mode"], str(r["batch"]), f"{r['decode_tps']:.1f}"]
+        cells = [r["config"], r["impl"], r["mode"], str(r["batch"]),
+                 _cell(r, "decode_tps", "{:.1f}")]
         if not cpu:
-            on_mesh = r["impl"] not in ("jaxquant", PEER_IMPL)
+            on_mesh = r["impl"] not in ("jaxquant", PEER_IMPL) or "decode_tps" not in r
             cells += ["" if on_mesh else f"{100 * r['decode_tps'] / bound:.0f}%",
                       "" if on_mesh else f"{bound:.0f}"]
         cells.append(_cell(r, "prefill_tps", "{:.0f}"))
@@ -463,8 +501,8 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
         cells += [_fmt_bytes(r["step_bytes"]), _cell(r, "dlogits", "{:.2%}")]
         if meshes:
             one = single.get((r["config"], r["mode"], r["batch"]))
-            cells.append(f"{r['decode_tps'] / one:.2f}x" if one and r["impl"] != "jaxquant"
-                         and r["impl"] != PEER_IMPL else "")
+            cells.append(f"{r['decode_tps'] / one:.2f}x" if one and "decode_tps" in r
+                         and r["impl"] not in ("jaxquant", PEER_IMPL) else "")
         out("| " + " | ".join(cells) + " |")
 
 
@@ -559,6 +597,11 @@ def add_arguments(parser, cpu):
     g.add_argument("--prefill", type=int, default=32 if cpu else 512,
                    help="tokens of the timed prefill (batch 1); 0 skips it (default here: "
                         "%(default)s)")
+    g.add_argument("--prefill-a8", type=harness.names(("int8", "float8_e4m3fn"), "dtype"),
+                   default=(),
+                   help="also time each mode's prefill with 8-bit activations of these types "
+                        "(models.a8_params, jq.qmm_a8: docs/a8.md), int8,float8_e4m3fn "
+                        "(default: none)")
     g.add_argument("--iters", type=int, default=2 if cpu else 3,
                    help="timed runs per measurement, after a warm-up run; the median is "
                         "reported (default here: %(default)s)")

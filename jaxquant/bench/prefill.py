@@ -8,7 +8,9 @@
   configs.MMA_GEMM_MAX_M rows, then the layout's dequantize + cuBLAS) and on
   canonical ones (XLA's dequantize fusion + cuBLAS), the reference on prepacked
   weights, bf16 dense (cuBLAS) and, where torch is importable, torch's bf16
-  F.linear, with TFLOP/s and the ratio to bf16 dense.
+  F.linear, and the opt-in 8-bit activations (`jq.qmm_a8`, int8 and FP8 rows made by
+  `jq.quantize_rows` from the mode's weight; docs/a8.md), with TFLOP/s and the ratio
+  to bf16 dense.
 - ragged: ragged_qmm on gpt-oss-20b's expert stack (E = 32, 2880 -> 5760) with T =
   4, 32, 512, 4096 rows spread evenly over the experts (T < E: one row each for
   the first T): the ffi kernel (prepacked), `auto` on canonical weights, bf16
@@ -34,6 +36,7 @@ from jaxquant.ffi import configs
 QMM_SHAPES = ((64, 4096, 14336), (512, 4096, 14336), (4096, 4096, 14336))  # (M, K, N)
 RAGGED_TS = (4, 32, 512, 4096)
 RAGGED_LAYER = (32, 2880, 5760)  # gpt-oss-20b: E, K, N
+A8_CODE_TYPES = ("int8", "float8_e4m3fn")
 
 
 def _rel_err(y, want):
@@ -82,6 +85,14 @@ def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
                 res[(m, mode, impl)] = us
                 _line(out, case, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
                       f"{_rel_err(jax.jit(f)(x, q[0]), want):.1e}")
+            for code_type in A8_CODE_TYPES:  # the opt-in 8-bit activations (docs/a8.md)
+                impl = f"qmm_a8 {code_type} (opt-in; weight rows from {mode})"
+                rows = [jq.quantize_rows(q, code_type) for q in qws[mode]]
+                us = _timeit(_many(jq.qmm_a8), (x, rows), copies) * 1e6
+                res[(m, mode, impl)] = us
+                _line(out, case, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
+                      f"{_rel_err(jax.jit(jq.qmm_a8)(x, rows[0]), want):.1e}")
+                del rows
     return res
 
 
