@@ -68,13 +68,15 @@ def assert_codes_equal(got, codes, ties):
     np.testing.assert_array_equal(got, codes)
 
 
-def oracle_qmm_a8(x, codes, scales, code_type, out_dtype, precision=None):
-    """(float64 y before the output rounding, bound on |y_op - y|): the sum's rounding
-    (int8: exact int32 sums; FP8: float32 on the CPU, on a GPU the tensor cores' fast
-    accumulation, 2**-10 of the sum of |products| with the default precision and 2**-14
-    with HIGHEST, 8x and 4x what an H100 showed), two float32 scalings, one rounding of
-    the output, and a code of x one off at a tie (GPU)."""
+def oracle_qmm_a8(x, w, code_type, out_dtype, precision=None):
+    """(float64 y before the output rounding, bound on |y_op - y|) of qmm_a8(x,
+    quantize_rows(w)): the sum's rounding (int8: exact int32 sums; FP8: float32 on the
+    CPU; on a GPU the tensor cores' fast accumulation, bounded by 2**-10 of the sum of
+    |products| with the default precision and 2**-14 with HIGHEST), the scales' product
+    and its product with the sum in float32, one rounding of the output, and a code one
+    off at a tie (GPU) on either side."""
     qx, sx, ties = oracle_rows(x, code_type)
+    codes, scales, w_ties = oracle_rows(w, code_type)
     acc = qx @ codes.T  # exact in float64 (integers; e4m3 products)
     y = acc * sx[..., None] * scales
     mag = (np.abs(qx) @ np.abs(codes).T) * sx[..., None] * scales
@@ -84,17 +86,23 @@ def oracle_qmm_a8(x, codes, scales, code_type, out_dtype, precision=None):
         if jax.default_backend() != "cpu":
             acc_err = max(acc_err, 2.0**-14 if precision == jax.lax.Precision.HIGHEST
                           else 2.0**-10)
-    at_ties = (ties @ np.abs(codes).T) * sx[..., None] * scales
+    at_ties = (ties @ np.abs(codes).T + (np.abs(qx) + 1) @ w_ties.T) * sx[..., None] * scales
     bound = acc_err * mag + (2 * EPS[jnp.dtype(out_dtype)] + 2.0**-22) * np.abs(y) + at_ties
     return y, bound + 1e-30
 
 
 def _check_close(y, want, bound):
+    """y within bound of want; NaN where want is NaN; +-Inf where |want| is past y's
+    dtype's largest finite value by more than the bound (either where it is within)."""
     got = np.asarray(y, np.float64)
     assert got.shape == want.shape
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
-    err = np.where(nan, 0, np.abs(got - want))
+    top = float(jnp.finfo(y.dtype).max)
+    over = np.abs(want) - bound > top
+    np.testing.assert_array_equal(got[over], np.sign(want[over]) * np.inf)
+    either = ~over & (np.abs(want) + bound > top) & np.isinf(got)
+    err = np.where(nan | over | either, 0, np.abs(got - want))
     bound = np.where(nan, np.inf, bound)
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
     assert np.all(err <= bound), (worst, got[worst], want[worst], bound[worst])
@@ -114,7 +122,30 @@ def test_quantize_rows_matches_oracle(code_type, dtype, seed):
     assert r.codes.dtype == jnp.dtype(code_type) and r.scales.dtype == jnp.float32
     assert_codes_equal(r.codes, codes, ties)
     np.testing.assert_array_equal(np.asarray(r.scales, np.float64), scales)
-    assert np.all(np.abs(codes) <= (127 if code_type == "int8" else 448))
+    assert np.all(np.abs(np.asarray(r.codes, np.float64)) <= (127 if code_type == "int8" else 448))
+
+
+@pytest.mark.parametrize("code_type", CODE_TYPES)
+def test_scale_edges(code_type):
+    """The scale rule at its edges: rows whose largest magnitude is 0, float32's smallest
+    normal and a subnormal, powers of two, 448 * 2**k and 127 * 2**k exactly and one ulp
+    above, float32's largest; int8 rows with exact rounding ties (x.5 codes)."""
+    up = lambda v: np.nextafter(np.float32(v), np.float32(np.inf))
+    amaxes = [0.0, 2.0**-126, 2.0**-140, 1.0, 2.0**-20, 2.0**40, float(np.finfo(np.float32).max)]
+    for k in (-100, -3, 0, 5, 100):
+        for cap in (448.0, 127.0):
+            amaxes += [cap * 2.0**k, float(up(cap * 2.0**k))]
+    rows = np.zeros((len(amaxes) + 1, 8), np.float32)
+    rows[:-1, 0] = amaxes
+    third = np.float32(amaxes) / 3
+    rows[:-1, 1] = -np.where(third >= 2.0**-126, third, 0)  # no subnormals (docs/a8.md)
+    rows[-1] = [127, 0.5, 1.5, 2.5, -0.5, -2.5, 63.5, 1]  # scale 1: ties at every .5
+    r = jax.jit(jq.quantize_rows, static_argnums=1)(jnp.asarray(rows), code_type)
+    codes, scales, ties = oracle_rows(rows, code_type)
+    np.testing.assert_array_equal(np.asarray(r.scales, np.float64), scales)
+    assert_codes_equal(r.codes, codes, ties)
+    if code_type == "int8":
+        assert codes[-1].tolist() == [127, 0, 2, 2, 0, -2, 64, 1]  # half to even
 
 
 @pytest.mark.parametrize("precision", [None, jax.lax.Precision.HIGHEST], ids=["default", "highest"])
@@ -128,22 +159,23 @@ def test_qmm_a8_matches_oracle(code_type, dtype, seed, precision):
     lead = tuple(rng.integers(1, 4, rng.integers(0, 2)))
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     x = jnp.asarray(rng.standard_normal(lead + (m, k)).astype(np.float32) * 3).astype(dtype)
-    wq = jq.quantize_rows(w, code_type)
-    y = jax.jit(jq.qmm_a8, static_argnums=2)(x, wq, precision)
+    y = jax.jit(jq.qmm_a8, static_argnums=2)(x, jq.quantize_rows(w, code_type), precision)
     assert y.dtype == dtype and y.shape == lead + (m, n)
-    want, bound = oracle_qmm_a8(np.asarray(x, np.float32), np.asarray(wq.codes, np.float64),
-                                np.asarray(wq.scales, np.float64), code_type, dtype, precision)
+    want, bound = oracle_qmm_a8(np.asarray(x, np.float32), w, code_type, dtype, precision)
     _check_close(y, want, bound)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("code_type", CODE_TYPES)
-def test_edge_rows(code_type):
+def test_edge_rows(code_type, dtype):
     """Zero, huge, tiny, Inf and NaN rows of x and of w: NaN exactly where a non-finite
-    row meets, every other product as the oracle says."""
+    row meets, every other product as the oracle says; a row near float32's largest
+    against a small weight row stays finite (the scales multiply first)."""
     rng = np.random.default_rng(7)
     k = 96
-    x = rng.standard_normal((7, k)).astype(np.float32)
+    x = rng.standard_normal((8, k)).astype(np.float32)
     x[0] = 0
+    x[7] = 1e38
     x[1] *= 1e18
     x[2] *= 1e-30
     x[3, 5] = np.inf
@@ -155,15 +187,18 @@ def test_edge_rows(code_type):
     w[1] *= 1e-25
     w[2, 1] = -np.inf
     w[3] *= 1e18
+    w[4] *= 1e-8
     wq = jq.quantize_rows(jnp.asarray(w), code_type)
     codes, scales, ties = oracle_rows(w, code_type)
     assert_codes_equal(wq.codes, codes, ties)
     np.testing.assert_array_equal(np.asarray(wq.scales, np.float64), scales)
-    y = jax.jit(jq.qmm_a8)(jnp.asarray(x), wq)
-    want, bound = oracle_qmm_a8(x, codes, scales, code_type, jnp.float32)
+    x = np.asarray(jnp.asarray(x).astype(dtype), np.float32)  # x's values in its dtype
+    y = jax.jit(jq.qmm_a8)(jnp.asarray(x).astype(dtype), wq)
+    want, bound = oracle_qmm_a8(x, w, code_type, dtype)
     assert np.isnan(want[3]).all() and np.isnan(want[:, 2]).all() and np.isfinite(want[0, 0])
+    assert np.isfinite(want[7, 4]) and abs(want[7, 4]) > 1e28
     _check_close(y, want, bound)
-    y = np.asarray(y)
+    y = np.asarray(y, np.float32)
     assert (y[0, [0, 1, 3, 4, 5]] == 0).all() and (y[[0, 1, 2, 5, 6], 0] == 0).all()
 
 
@@ -197,19 +232,21 @@ def test_mxfp4_rows_convert_exactly_within_14_binades():
 
 def test_bfloat16_output_path_rounds_once():
     """x in bfloat16 with E4M3 codes lets the GEMM round to bfloat16 (power-of-two
-    scales): within half a bfloat16 ulp of the float64 product plus the sum's rounding,
-    like the float32 path rounded to bfloat16."""
+    scales): on the CPU bit for bit the float32 path rounded to bfloat16."""
     rng = np.random.default_rng(11)
     w = rng.standard_normal((33, 200)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((17, 200)).astype(np.float32)).astype(jnp.bfloat16)
     wq = jq.quantize_rows(w)
     y16 = np.asarray(jq.qmm_a8(x, wq), np.float64)
     y32 = np.asarray(jq.qmm_a8(x.astype(jnp.float32), wq).astype(jnp.bfloat16), np.float64)
+    if jax.default_backend() == "cpu":  # the same float32 sum: the same bits
+        np.testing.assert_array_equal(y16, y32)
+        return
+    # two GEMMs, each with its fast accumulation: one bfloat16 ulp and both sums' errors
+    qx, sx, _ = oracle_rows(np.asarray(x, np.float32), "float8_e4m3fn")
+    codes = np.abs(np.asarray(wq.codes, np.float64))
     bound = np.abs(y32) * 2.0**-7
-    if jax.default_backend() != "cpu":  # two GEMMs, each with its fast accumulation
-        qx, sx, _ = oracle_rows(np.asarray(x, np.float32), "float8_e4m3fn")
-        codes = np.abs(np.asarray(wq.codes, np.float64))
-        bound += 2 * 2.0**-10 * (np.abs(qx) @ codes.T) * sx[:, None] * np.asarray(wq.scales)
+    bound += 2 * 2.0**-10 * (np.abs(qx) @ codes.T) * sx[:, None] * np.asarray(wq.scales)
     assert np.all(np.abs(y16 - y32) <= bound)
 
 
@@ -252,5 +289,18 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="int32 accumulator"):
         big = jq.RowQuantizedArray(jnp.zeros((1, 140000), jnp.int8), jnp.ones((1,)))
         jq.qmm_a8(jnp.zeros((1, 140000)), big)
+    with pytest.raises(TypeError, match="w.scales must be a float32"):
+        jq.qmm_a8(x, jq.RowQuantizedArray(wq.codes, wq.scales.astype(jnp.int32)))
+    with pytest.raises(TypeError, match="w.scales must be a float32"):
+        jq.qmm_a8(x, jq.RowQuantizedArray(wq.codes, [1.0] * 8))
+    with pytest.raises(ValueError, match="w.codes's dtype"):
+        jq.qmm_a8(x, jq.RowQuantizedArray(wq.codes.astype(jnp.int16), wq.scales))
+    with pytest.raises(ValueError, match="int32 accumulator"):  # -128 codes are possible
+        big = jq.RowQuantizedArray(jnp.zeros((1, 131072), jnp.int8), jnp.ones((1,)))
+        jq.qmm_a8(jnp.zeros((1, 131072)), big)
+    # empty x and K = 0: empty and zero products, no error
+    assert jq.qmm_a8(jnp.zeros((0, 16)), wq).shape == (0, 8)
+    empty_k = jq.quantize_rows(jnp.zeros((8, 0)), "int8")
+    np.testing.assert_array_equal(jq.qmm_a8(jnp.zeros((2, 0)), empty_k), np.zeros((2, 8)))
     with pytest.raises(TypeError, match="not differentiable"):
         jax.grad(lambda x: jq.qmm_a8(x, wq).sum())(x)

@@ -31,8 +31,8 @@ class CodeType:
     "amax": scale = max|row| * float32(1 / max_code) (the SmoothQuant / per-token int8
     rule, max|row| / max_code up to that rounding);
     "pow2": scale = the smallest power of two with max|row| <= max_code * scale, so
-    dividing by it is exact and only the code's own rounding is left (a row of an MX
-    weight whose block exponents span at most `exact_span` binades converts exactly)."""
+    dividing by it is exact and only the code's own rounding is left (docs/a8.md: an
+    MX-FP4 row converts exactly while its block exponents span at most 14 binades)."""
 
     dtype: np.dtype
     max_code: float
@@ -46,15 +46,19 @@ CODE_TYPES: dict[str, CodeType] = {
                               jnp.dtype(jnp.float32)),
 }
 
-# The largest K whose int8 products cannot overflow the int32 accumulator (127**2 * K).
-MAX_INT8_K = (2**31 - 1) // 127**2
+# The largest K whose int8 products cannot overflow the int32 accumulator (128**2 * K: a
+# RowQuantizedArray made by hand may hold -128).
+MAX_INT8_K = (2**31 - 1) // 128**2
 _TINY = float(np.finfo(np.float32).tiny)  # 2**-126: no scale is ever subnormal
 
 
-def code_type(dtype) -> CodeType:
-    name = dtype if isinstance(dtype, str) else getattr(jnp.dtype(dtype), "name", str(dtype))
+def code_type(dtype, what="dtype") -> CodeType:
+    try:
+        name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    except TypeError:
+        name = None
     if name not in CODE_TYPES:
-        raise ValueError(f"dtype must be one of {sorted(CODE_TYPES)}; got {dtype!r}")
+        raise ValueError(f"{what} must be one of {sorted(CODE_TYPES)}; got {dtype!r}")
     return CODE_TYPES[name]
 
 
@@ -93,19 +97,18 @@ class RowQuantizedArray:
 def _row_scales(amax, ct: CodeType):
     """float32 scales [...] of rows whose largest magnitude is amax (finite, >= 0)."""
     if ct.rule == "amax":
-        # times the float32 reciprocal, written out: XLA turns a division by a constant
-        # into this multiplication on some backends, so the division would not be one rule
         return jnp.maximum(amax * np.float32(1 / ct.max_code), _TINY)
-    # pow2: the smallest e with amax <= max_code * 2**e, from amax's exponent bits
-    # (no log2: XLA's CPU log2 is not exact at powers of two).
+    # pow2: the smallest e with amax <= max_code * 2**e, from amax's exponent and mantissa
+    # bits (no log2: XLA's CPU log2 is not exact at powers of two). With amax = 1.m *
+    # 2**exp and max_code = 1.c * 2**(cap_exp - 1) (448 = 1.75 * 2**8): e = exp + 1 -
+    # cap_exp when 1.m <= 1.c, one more when its mantissa bits are larger. float32's
+    # largest amax gives e = 120: no upper clip is needed.
     bits = lax.bitcast_convert_type(amax, jnp.uint32)
-    exp = (bits >> 23).astype(jnp.int32) - 127  # amax = 1.m * 2**exp (normal amax)
-    mant = bits & 0x7FFFFF
-    cap_mant, cap_exp = np.frexp(ct.max_code)  # max_code = cap_mant * 2**cap_exp, 0.5 <= cap_mant < 1
-    # 1.m * 2**exp <= cap * 2**e  <=>  e >= exp + 1 - cap_exp  when 1.m / 2 <= cap_mant
-    cap_bits = int(round((cap_mant * 2 - 1) * 2**23))  # cap_mant * 2 = 1.(cap_bits)
-    e = exp + 1 - int(cap_exp) + (mant > cap_bits).astype(jnp.int32)
-    return formats.exp2i(jnp.clip(e, -126, 127))
+    exp = (bits >> 23).astype(jnp.int32) - 127
+    cap_mant, cap_exp = np.frexp(ct.max_code)  # max_code = cap_mant * 2**cap_exp
+    cap_bits = int(round((cap_mant * 2 - 1) * 2**23))  # the mantissa bits of 1.c
+    e = exp + 1 - int(cap_exp) + ((bits & 0x7FFFFF) > cap_bits).astype(jnp.int32)
+    return formats.exp2i(jnp.maximum(e, -126))
 
 
 def quantize_rows(a, dtype="float8_e4m3fn") -> RowQuantizedArray:
@@ -113,9 +116,9 @@ def quantize_rows(a, dtype="float8_e4m3fn") -> RowQuantizedArray:
     scale per row. `a`: a float array, or a QuantizedArray (its values, in float32, by
     jq.dequantize's definition). dtype: "float8_e4m3fn" (power-of-two scales, codes
     rounded to nearest even) or "int8" (scale max|row| * float32(1/127), codes
-    round(row * float32(1 / scale)), half to even,
-    clipped to +-127). An all-zero row gets scale 2**-126 and zero codes; a row holding
-    Inf or NaN gets zero codes and a NaN scale, so every product with it is NaN."""
+    round(row * float32(1 / scale)), half to even, clipped to +-127). An all-zero row
+    gets scale 2**-126 and zero codes; a row holding Inf or NaN gets zero codes and a
+    NaN scale, so every product with it is NaN. Rules and limits: docs/a8.md."""
     ct = code_type(dtype)
     if isinstance(a, QuantizedArray):
         a = dequantize_reference(a, jnp.float32)
@@ -126,18 +129,22 @@ def quantize_rows(a, dtype="float8_e4m3fn") -> RowQuantizedArray:
         check_float_dtype("a", a.dtype)
         if a.ndim < 1:
             raise ValueError(f"a must have at least one dimension; got shape {a.shape}")
-    a = a.astype(jnp.float32)
+    return _rows(a.astype(jnp.float32), ct)
+
+
+def _rows(a, ct: CodeType) -> RowQuantizedArray:
+    """quantize_rows of float32 a, its arguments checked."""
     finite = jnp.all(jnp.isfinite(a), axis=-1, keepdims=True)
     amax = jnp.max(jnp.where(finite, jnp.abs(a), 0.0), axis=-1, keepdims=True,
                    initial=0.0)
     scales = _row_scales(amax, ct)
-    if ct.dtype == jnp.int8:
-        # times the row's float32 reciprocal, not a division: XLA rewrites a division by
-        # a broadcast into this on some compiles and not others (CPU), and the two differ
-        # at rounding ties. On a GPU XLA's reciprocal is not correctly rounded, so there a
-        # code at a tie may differ by one from the CPU's (docs/a8.md).
+    if ct.rule == "amax":
+        # Products with float32 reciprocals, written out (1/127 above, 1/scale here): XLA
+        # turns a division by a constant or a broadcast into such a product in some
+        # compiles and not others, and the two differ at rounding ties. A GPU's float32
+        # reciprocal is not correctly rounded: there a code at a tie may be one off.
         scaled = jnp.where(finite, a * (1 / scales), 0.0)
-        codes = jnp.clip(jnp.round(scaled), -ct.max_code, ct.max_code).astype(jnp.int8)
+        codes = jnp.clip(jnp.round(scaled), -ct.max_code, ct.max_code).astype(ct.dtype)
     else:
         codes = jnp.where(finite, a / scales, 0.0).astype(ct.dtype)  # pow2: exact division
     scales = jnp.where(finite, scales, jnp.nan)[..., 0]
@@ -150,7 +157,10 @@ def _check(x, w):
                 if isinstance(w, QuantizedArray) else "")
         raise TypeError(f"w must be a jaxquant RowQuantizedArray from jq.quantize_rows; "
                         f"got {type(w).__name__}{hint}")
-    ct = code_type(w.codes.dtype)
+    ct = code_type(getattr(w.codes, "dtype", None), "w.codes's dtype")
+    if getattr(w.scales, "dtype", None) != jnp.float32:
+        raise TypeError(f"w.scales must be a float32 array; got "
+                        f"{getattr(w.scales, 'dtype', type(w.scales).__name__)}")
     if w.ndim != 2 or w.scales.shape != w.shape[:1]:
         raise ValueError(f"w must be 2-D codes [N, K] with scales [N]; got codes "
                          f"{w.shape} and scales {tuple(w.scales.shape)}")
@@ -159,7 +169,7 @@ def _check(x, w):
     if x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x must be [..., K] with K = {w.shape[1]} (w's columns); got "
                          f"shape {tuple(x.shape)}")
-    if ct.dtype == jnp.int8 and w.shape[1] > MAX_INT8_K:
+    if ct.rule == "amax" and w.shape[1] > MAX_INT8_K:
         raise ValueError(f"x's K = {w.shape[1]} > {MAX_INT8_K}: int8 products could "
                          "overflow the int32 accumulator")
     return x, ct
@@ -176,17 +186,18 @@ K_MULTIPLE = 16
 def qmm_a8(x, w: RowQuantizedArray, precision=None):
     """x [..., K] @ w.T with x quantized per row (token) to w's code type, in x's dtype:
 
-        y = out(float32(qx @ w.codes.T) * sx[..., None] * w.scales)
+        y = out(float32(qx @ w.codes.T) * (sx[..., None] * w.scales))
 
     where (qx, sx) = quantize_rows(x, w's code type), the product accumulates exactly in
     int32 (int8) or in float32 (float8_e4m3fn: products exact, the sum in the GEMM's
-    order), and out() rounds once to x's dtype. precision: the dot's (lax.Precision):
-    on a Hopper GPU the default lets cuBLAS's FP8 GEMM accumulate in the tensor cores'
-    fast mode (measured 1.6e-3 of the largest |y| at K = 4096, H100) and
-    lax.Precision.HIGHEST makes it add into float32 every few k-blocks (1.3e-4; 13%
-    slower at M = 4096, docs/a8.md). Not differentiable (inference only)."""
+    order), the two scales multiply first (so only a result beyond float32's range
+    overflows), and out() rounds once to x's dtype. precision: the dot's
+    (lax.Precision): on a Hopper GPU the default lets cuBLAS's FP8 GEMM accumulate in the
+    tensor cores' fast mode and lax.Precision.HIGHEST adds into float32 every few
+    k-blocks (docs/a8.md has the errors and the cost). Not differentiable."""
     x, ct = _check(x, w)
-    qx = quantize_rows(x, ct.dtype.name)
+    qx = _rows(x.astype(jnp.float32), ct)
+    scales = qx.scales[..., None] * w.scales
     codes, x_codes = w.codes, qx.codes
     pad = -x.shape[-1] % K_MULTIPLE
     if pad:
@@ -194,14 +205,15 @@ def qmm_a8(x, w: RowQuantizedArray, precision=None):
         x_codes = jnp.pad(x_codes, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if ct.rule == "pow2" and x.dtype == jnp.bfloat16:
-        # Power-of-two scales commute with rounding, so the GEMM may round its float32
-        # sum to bfloat16 itself: the same bits (docs/a8.md), and no float32 [M, N] pass
-        # (cuBLAS's FP8 GEMM into float32 took 79 us at M = 64 against 37 into bf16).
+        # quantize_rows's power-of-two scales commute with rounding, so the GEMM may round
+        # its float32 sum to bfloat16 itself: the same value (docs/a8.md), and no float32
+        # [M, N] pass (cuBLAS's FP8 GEMM into float32 took 79 us at M = 64 against 37
+        # into bf16). A RowQuantizedArray made by hand with other scales rounds twice.
         acc = lax.dot_general(x_codes, codes, dims, precision,
                               preferred_element_type=jnp.bfloat16)
-        return acc * qx.scales[..., None].astype(jnp.bfloat16) * w.scales.astype(jnp.bfloat16)
+        return acc * scales.astype(jnp.bfloat16)
     acc = lax.dot_general(x_codes, codes, dims, precision, preferred_element_type=ct.accumulator)
-    return (acc.astype(jnp.float32) * qx.scales[..., None] * w.scales).astype(x.dtype)
+    return (acc.astype(jnp.float32) * scales).astype(x.dtype)
 
 
 @qmm_a8.defjvp
