@@ -182,6 +182,12 @@ def prefill_run(cfg, params, tokens, kw, iters, mesh=None, profile_dir=None):
     return out
 
 
+def prefill_rates(cfg, p):
+    """A row's prefill columns from prefill_run's result: tok/s and weight-product FLOP/s."""
+    return {"prefill_tps": p["prefill_tps"],
+            "prefill_flops": p["prefill_tps"] * matmul_flops_per_token(cfg)}
+
+
 def prefill_a8_rows(cfg, name, mode, params, prompt, ref_logits, args):
     """--prefill-a8: the prefill timed again with each 8-bit activation type
     (models.a8_params: the dense matrices as jq.RowQuantizedArrays, jq.qmm_a8; docs/a8.md),
@@ -193,12 +199,11 @@ def prefill_a8_rows(cfg, name, mode, params, prompt, ref_logits, args):
     rows = []
     for dtype in args.prefill_a8:
         row = {"config": name, "impl": f"jaxquant, prefill a8 {dtype}", "mode": mode,
-               "batch": 1, "step_bytes": step_bytes(cfg, params, 1)}
+               "batch": 1}  # no decode: no weights read per step
         try:
             a8 = _block(models.a8_params(params, dtype))
-            p = prefill_run(cfg, a8, args.prefill, args.forward_kw, args.iters)
-            row["prefill_tps"] = p["prefill_tps"]
-            row["prefill_flops"] = p["prefill_tps"] * matmul_flops_per_token(cfg)
+            row.update(prefill_rates(cfg, prefill_run(cfg, a8, args.prefill, args.forward_kw,
+                                                      args.iters)))
             if ref_logits is not None:
                 logits, _, _ = jax.jit(lambda a8, t: models.prefill(
                     cfg, a8, t, t.shape[1], **args.forward_kw))(a8, prompt[:1])
@@ -397,8 +402,7 @@ def config_rows(args, name, out):
                     if b == args.batch[0] and args.prefill:
                         p = prefill_run(cfg, placed, args.prefill, args.forward_kw, args.iters,
                                         mesh, profile_dir and profile_dir + "_prefill")
-                        row["prefill_tps"] = p["prefill_tps"]
-                        row["prefill_flops"] = p["prefill_tps"] * matmul_flops_per_token(cfg)
+                        row.update(prefill_rates(cfg, p))
                     else:
                         p = {}
                     if b == args.batch[0] and args.prefill and mesh is None:
@@ -487,7 +491,7 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
             out("| " + " | ".join([r["config"], r["impl"], r["mode"], str(r["batch"]),
                                    "failed: " + r["failed"]] + [""] * (len(cols) - 5)) + " |")
             continue
-        bound = r["batch"] * bw / r["step_bytes"] if bw else None
+        bound = r["batch"] * bw / r["step_bytes"] if bw and "step_bytes" in r else None
         cells = [r["config"], r["impl"], r["mode"], str(r["batch"]),
                  _cell(r, "decode_tps", "{:.1f}")]
         if not cpu:
@@ -498,7 +502,8 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
         if gemm_flops:
             cells.append(f"{100 * r['prefill_flops'] / gemm_flops:.0f}%"
                          if "prefill_flops" in r else "")
-        cells += [_fmt_bytes(r["step_bytes"]), _cell(r, "dlogits", "{:.2%}")]
+        cells += [_fmt_bytes(r["step_bytes"]) if "step_bytes" in r else "",
+                  _cell(r, "dlogits", "{:.2%}")]
         if meshes:
             one = single.get((r["config"], r["mode"], r["batch"]))
             cells.append(f"{r['decode_tps'] / one:.2f}x" if one and "decode_tps" in r

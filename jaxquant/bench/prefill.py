@@ -72,34 +72,36 @@ def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
                   f"{dense / torch_us:.2f}x", "")
         for mode in modes:
             want = x.astype(jnp.float32) @ dequantize_reference(qws[mode][0], jnp.float32).T
+
+            def row(impl, f, weights):
+                """Time f over the copies' weights and print its line (a failure too)."""
+                try:
+                    us = _timeit(_many(f), (x, weights), copies) * 1e6
+                except Exception as e:  # noqa: BLE001
+                    _line(out, case, mode, impl, f"failed: {e}"[:160])
+                    return
+                res[(m, mode, impl)] = us
+                _line(out, case, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
+                      f"{_rel_err(jax.jit(f)(x, weights[0]), want):.1e}")
+
             for impl, q, backend in (("ffi mma gemm (prepacked)", packed[mode], "ffi"),
                                      ("auto (prepacked)", packed[mode], None),
                                      ("auto (canonical)", qws[mode], None),
                                      ("reference (prepacked)", packed[mode], "reference")):
-                f = lambda x, q, b=backend: jq.qmm(x, q, backend=b)
-                try:
-                    us = _timeit(_many(f), (x, q), copies) * 1e6
-                except Exception as e:  # noqa: BLE001
-                    _line(out, case, mode, impl, f"failed: {e}"[:160])
-                    continue
-                res[(m, mode, impl)] = us
-                _line(out, case, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
-                      f"{_rel_err(jax.jit(f)(x, q[0]), want):.1e}")
+                row(impl, lambda x, q, b=backend: jq.qmm(x, q, backend=b), q)
             for code_type in A8_CODE_TYPES:  # the opt-in 8-bit activations (docs/a8.md)
-                impl = f"qmm_a8 {code_type} (opt-in; weight rows from {mode})"
-                rows = [jq.quantize_rows(q, code_type) for q in qws[mode]]
-                us = _timeit(_many(jq.qmm_a8), (x, rows), copies) * 1e6
-                res[(m, mode, impl)] = us
-                _line(out, case, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
-                      f"{_rel_err(jax.jit(jq.qmm_a8)(x, rows[0]), want):.1e}")
-                del rows
+                row(f"qmm_a8 {code_type} (opt-in; weight rows from {mode})", jq.qmm_a8,
+                    [jq.quantize_rows(q, code_type) for q in qws[mode]])
     return res
 
 
 def _torch_linear(x, ws, copies):
+    """torch's F.linear on the same arrays (µs), where torch has CUDA and x is on a GPU."""
     try:
         import torch
     except Exception:  # noqa: BLE001
+        return None
+    if not torch.cuda.is_available() or x.devices().pop().platform != "gpu":
         return None
     tx = torch.from_dlpack(x)
     tws = [torch.from_dlpack(w) for w in ws]
