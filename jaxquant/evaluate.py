@@ -10,7 +10,10 @@ in windows of `--context` tokens; per mode it prints
   of the mode's next-token distribution from the float model's, in nats,
 - top-1 agreement: the fraction of positions where both pick the same next token,
 
-so a user can choose a mode with numbers from their own model. The float row is
+so a user can choose a mode with numbers from their own model. `--a8 float8_e4m3fn,int8`
+adds a row per row above and 8-bit activation type: the same weights with the dense
+matrices in 8-bit rows and x quantized per token (`models.a8_params`, `jq.qmm_a8`:
+docs/a8.md), named "<row>+x:fp8" / "<row>+x:int8", as a prefill would run them. The float row is
 the checkpoint's own weights in `--dtype` (bfloat16 or float32); quantized modes
 are made from them on load (`models.quantize_params`); matrices the checkpoint
 already stores quantized (MLX, gpt-oss MXFP4 experts) stay as stored in every row.
@@ -23,6 +26,7 @@ import os
 import sys
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
+A8_NAMES = {"float8_e4m3fn": "fp8", "int8": "int8"}  # --a8 types -> row name suffixes
 
 
 def window_stats(ref_logits, logits, targets):
@@ -88,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4096,
                     help="read at most this many tokens of the text (default 4096)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--a8", default="",
+                    help="also each row with 8-bit activations of these types, comma-separated: "
+                         f"{', '.join(A8_NAMES)} (docs/a8.md; default: none)")
     args = ap.parse_args(argv)
 
     from jaxquant.models import decoder
@@ -96,6 +103,10 @@ def main(argv=None) -> int:
     bad = [m for m in modes if m not in decoder.MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {sorted(decoder.MODES)}")
+    a8 = [t for t in args.a8.split(",") if t]
+    if [t for t in a8 if t not in A8_NAMES]:
+        ap.error(f"unknown --a8 type(s) {[t for t in a8 if t not in A8_NAMES]}; choose from "
+                 f"{list(A8_NAMES)}")
     if not os.path.isdir(args.checkpoint):
         ap.error(f"--checkpoint {args.checkpoint!r} is not a directory")
     if not os.path.isfile(args.text):
@@ -118,14 +129,18 @@ def main(argv=None) -> int:
     variants = {args.dtype: params}
     for m in modes:
         variants[m] = decoder.quantize_params(params, m)
+    variants.update({f"{name}+x:{A8_NAMES[t]}": decoder.a8_params(p, t)
+                     for name, p in list(variants.items()) for t in a8})
     print(f"{args.checkpoint}: {len(ids)} tokens of {os.path.basename(args.text)} in windows "
           f"of {args.context}; KL and top-1 agreement against the {args.dtype} row",
           file=sys.stderr)
     result = evaluate(cfg, variants, ids, context=args.context)
-    print(f"{'mode':<10} {'weights':>10} {'perplexity':>11} {'KL (nats)':>10} {'top-1 agree':>12}")
+    width = max(10, *map(len, result))
+    print(f"{'mode':<{width}} {'weights':>10} {'perplexity':>11} {'KL (nats)':>10} "
+          f"{'top-1 agree':>12}")
     for name, r in result.items():
         size = decoder.weight_bytes(variants[name]) / 2**20
-        print(f"{name:<10} {size:>8.1f}Mi {r['perplexity']:>11.3f} {r['kl']:>10.5f} "
+        print(f"{name:<{width}} {size:>8.1f}Mi {r['perplexity']:>11.3f} {r['kl']:>10.5f} "
               f"{100 * r['top1']:>11.1f}%")
     return 0
 

@@ -71,10 +71,26 @@ def test_cli_prints_a_row_per_mode(ckpt, capsys):
     assert all(np.isfinite(ppl)) and all(p > 1 for p in ppl)
 
 
+@pytest.mark.slow
+def test_cli_a8_rows(ckpt, capsys):
+    """--a8: a row per row and 8-bit type; 8-bit activations move the float32 model
+    (KL > 0) and int8 less than FP8's 3 mantissa bits."""
+    assert evaluate.main(["--checkpoint", str(ckpt), "--modes", "mxfp4", "--context", "32",
+                          "--dtype", "float32", "--a8", "float8_e4m3fn,int8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: [float(v.rstrip("%Mi")) for v in line.split()[1:]]
+            for line in out[1:]}
+    assert list(rows) == ["float32", "mxfp4", "float32+x:fp8", "float32+x:int8",
+                          "mxfp4+x:fp8", "mxfp4+x:int8"]
+    assert all(np.isfinite(r).all() for r in rows.values())
+    assert 0 < rows["float32+x:int8"][2] < rows["float32+x:fp8"][2]
+
+
 def test_cli_errors_are_one_line(ckpt, tmp_path, capsys):
     for argv, want in ((["--checkpoint", str(tmp_path / "nope")], "is not a directory"),
                        (["--checkpoint", str(tmp_path)], "no usable tokenizer.json"),
                        (["--checkpoint", str(ckpt), "--modes", "int3"], "unknown mode"),
+                       (["--checkpoint", str(ckpt), "--a8", "int4"], "unknown --a8"),
                        (["--checkpoint", str(ckpt), "--context", "4096"], "fewer than one")):
         with pytest.raises(SystemExit) as e:
             evaluate.main(argv)
