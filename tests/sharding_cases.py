@@ -200,6 +200,12 @@ def main():
         (put(qa, heads), put(kl, stacked), put(vl, stacked), put(pa, P("data")), put(wa, P()),
          put(sa, P("tp"))))
 
+    # qmm_a8 (plain XLA ops): x's rows on data, w's rows (codes and scales) on tp
+    for code_type in ("float8_e4m3fn", "int8"):
+        rq = jq.quantize_rows(rand(14, (n, k)), code_type)
+        placed = jq.RowQuantizedArray(put(rq.codes, P("tp", None)), put(rq.scales, P("tp")))
+        out[f"qmm_a8_col_{code_type}"] = case(jq.qmm_a8, (x, rq), (put(x, P("data")), placed))
+
     # inside shard_map the ops run per shard on the local blocks
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:  # jax < 0.7

@@ -38,7 +38,7 @@ NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
     "gather_qmm_swiglu_tokens",
     "decode_attention_heads", "decode_attention_stacked",
-    "gather_matmul_col", "ragged_matmul_col"]
+    "gather_matmul_col", "ragged_matmul_col", "qmm_a8_col_float8_e4m3fn", "qmm_a8_col_int8"]
 
 
 @pytest.mark.parametrize("name", NO_COLLECTIVES)
@@ -63,6 +63,7 @@ def test_column_parallel_output_stays_split(cases):
     assert cases["qmm_batch_col"]["out_spec"] == ["P('data', None, 'tp')"]
     assert cases["rms_norm_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
     assert cases["decode_attention_heads"]["out_spec"] == ["P('data', None, 'tp')"]
+    assert cases["qmm_a8_col_int8"]["out_spec"] == ["P('data', 'tp')"]
 
 
 def test_fused_ops_split_as_documented(cases):
