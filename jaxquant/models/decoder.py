@@ -794,7 +794,7 @@ def quantize_params(params, mode: str, *, lm_head: bool = True, layout: str | No
       fastest layer loop on the default device); stacked input is quantized a
       layer at a time straight into that form."""
     kw = quantize_args(mode)
-    quantize_fn = _jitted_quantize(tuple(sorted(kw.items())))
+    quantize_fn = _jitted(jq.quantize, **kw)
     per_layer = default_per_layer() if per_layer is None else per_layer
     if fuse:
         params = fuse_params(params)
@@ -846,10 +846,7 @@ def a8_params(params, dtype: str = "float8_e4m3fn", *, lm_head: bool = True):
     def rows(w):
         if isinstance(w, PermutedMatrix):
             return PermutedMatrix(rows(w.matrix), w.perm)
-        if w.ndim == 2:
-            return _jitted_quantize_rows(dtype)(w)
-        return jax.tree_util.tree_map(lambda *c: jnp.stack(c),
-                                      *[rows(w[i]) for i in range(w.shape[0])])
+        return _layer_by_layer(_jitted(jq.quantize_rows, dtype=dtype), w)
 
     out = _map_layers(lambda p: {k: rows(v) if k in dense else v for k, v in p.items()},
                       params)
@@ -858,24 +855,28 @@ def a8_params(params, dtype: str = "float8_e4m3fn", *, lm_head: bool = True):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_quantize_rows(dtype):
-    return jax.jit(functools.partial(jq.quantize_rows, dtype=dtype))
-
-
 def quantize_matrix(w, kw):
     """jq.quantize; a stack [L, ...] layer by layer, so every leaf (an NVFP4 global
     scale too) has the layer axis that lax.scan slices."""
-    quantize = _jitted_quantize(tuple(sorted(kw.items())))
+    return _layer_by_layer(_jitted(jq.quantize, **kw), w)
+
+
+def _layer_by_layer(fn, w):
+    """fn(w) of a matrix [N, K]; of a stack [L, N, K], fn of each layer, its results'
+    leaves stacked (one layer's float32 temporaries at a time, not the stack's)."""
     if w.ndim == 2:
-        return quantize(w)
-    parts = [quantize(w[i]) for i in range(w.shape[0])]
-    return jax.tree_util.tree_map(lambda *c: jnp.stack(c), *parts)
+        return fn(w)
+    return jax.tree_util.tree_map(lambda *c: jnp.stack(c), *[fn(w[i]) for i in range(w.shape[0])])
+
+
+def _jitted(fn, **kw):
+    """jax.jit of fn with the static keyword arguments kw, one compiled function per kw."""
+    return _jitted_items(fn, tuple(sorted(kw.items())))
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_quantize(kw):
-    return jax.jit(functools.partial(jq.quantize, **dict(kw)))
+def _jitted_items(fn, kw):
+    return jax.jit(functools.partial(fn, **dict(kw)))
 
 
 def weight_bytes(params) -> int:
