@@ -170,20 +170,29 @@ def _zero_rows_past_groups(y, group_sizes):
 # gather_matmul (decode on float expert weights): the float expert GEMV.
 
 
+def _float_experts(x, w, transpose, max_n) -> bool:
+    """What both float-expert kernels need of x and w: transpose=True, x and w
+    float32/float16/bfloat16, w [E, N, K] non-empty with N <= max_n (the N blocks on
+    Triton's second grid axis, at most MAX_SLOTS of them) and E * N within an int32 row
+    index into the [E*N, K] view."""
+    if not transpose or len(w.shape) != 3:
+        return False
+    if jnp.dtype(x.dtype) not in X_DTYPES or jnp.dtype(w.dtype) not in X_DTYPES:
+        return False
+    e, n, k = w.shape
+    return e > 0 and 0 < n <= max_n and k > 0 and e * n < 2**31
+
+
 def supports_gather_matmul(x, w, indices, *, transpose=True, **params) -> bool:
     """Whether `gather_matmul` has a kernel for these arguments (ShapedArrays or arrays;
     other params are ignored): transpose=True, x and w float32/float16/bfloat16."""
     try:
-        if not transpose or len(w.shape) != 3 or len(indices.shape) != 2:
+        if (len(indices.shape) != 2 or not _float_experts(
+                x, w, transpose, MAX_SLOTS * configs.FLOAT_GEMV_MIN_BLOCK_N)):
             return False
-        if jnp.dtype(x.dtype) not in X_DTYPES or jnp.dtype(w.dtype) not in X_DTYPES:
-            return False
-        e, n, k = w.shape
         t, slots = indices.shape
-        # grid (slots, N blocks): Triton's second grid axis holds at most MAX_SLOTS blocks
-        return (tuple(x.shape) in ((t, k), (t, slots, k)) and t * slots > 0 and e > 0
-                and 0 < n <= MAX_SLOTS * configs.FLOAT_GEMV_MIN_BLOCK_N and k > 0
-                and e * n < 2**31)                  # int32 row index into [E*N, K]
+        k = w.shape[2]
+        return tuple(x.shape) in ((t, k), (t, slots, k)) and t * slots > 0
     except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
         return False
 
@@ -295,15 +304,11 @@ def supports_ragged_matmul(x, w, group_sizes, *, transpose=True, **params) -> bo
     """Whether `ragged_matmul` has a kernel for these arguments (ShapedArrays or arrays;
     other params are ignored): transpose=True, x and w float32/float16/bfloat16."""
     try:
-        if not transpose or len(w.shape) != 3 or len(x.shape) != 2:
+        # grid (work items, N blocks of at least 16)
+        if len(x.shape) != 2 or not _float_experts(x, w, transpose, MAX_SLOTS * 16):
             return False
-        if jnp.dtype(x.dtype) not in X_DTYPES or jnp.dtype(w.dtype) not in X_DTYPES:
-            return False
-        e, n, k = w.shape
-        # grid (work items, N blocks): the second axis holds at most MAX_SLOTS blocks
-        return (tuple(group_sizes.shape) == (e,) and x.shape[1] == k and x.shape[0] > 0
-                and e > 0 and 0 < n <= MAX_SLOTS * 16 and k > 0
-                and e * n < 2**31)                  # int32 row index into [E*N, K]
+        e, _, k = w.shape
+        return tuple(group_sizes.shape) == (e,) and x.shape[1] == k and x.shape[0] > 0
     except Exception:  # noqa: BLE001 - "no" is the answer to anything malformed
         return False
 
