@@ -104,9 +104,9 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {sorted(decoder.MODES)}")
     a8 = [t for t in args.a8.split(",") if t]
-    if [t for t in a8 if t not in A8_NAMES]:
-        ap.error(f"unknown --a8 type(s) {[t for t in a8 if t not in A8_NAMES]}; choose from "
-                 f"{list(A8_NAMES)}")
+    bad = [t for t in a8 if t not in A8_NAMES]
+    if bad:
+        ap.error(f"unknown --a8 type(s) {bad}; choose from {list(A8_NAMES)}")
     if not os.path.isdir(args.checkpoint):
         ap.error(f"--checkpoint {args.checkpoint!r} is not a directory")
     if not os.path.isfile(args.text):

@@ -577,6 +577,7 @@ def _torch_cuda() -> bool:
 def add_arguments(parser, cpu):
     from jaxquant import demo
     from jaxquant.models import MODES
+    from jaxquant.ops.a8 import CODE_TYPES
 
     configs = CPU_CONFIGS if cpu else GPU_CONFIGS
     g = parser.add_argument_group("what runs")
@@ -602,7 +603,7 @@ def add_arguments(parser, cpu):
     g.add_argument("--prefill", type=int, default=32 if cpu else 512,
                    help="tokens of the timed prefill (batch 1); 0 skips it (default here: "
                         "%(default)s)")
-    g.add_argument("--prefill-a8", type=harness.names(("int8", "float8_e4m3fn"), "dtype"),
+    g.add_argument("--prefill-a8", type=harness.names(tuple(CODE_TYPES), "dtype"),
                    default=(),
                    help="also time each mode's prefill with 8-bit activations of these types "
                         "(models.a8_params, jq.qmm_a8: docs/a8.md), int8,float8_e4m3fn "

@@ -32,11 +32,11 @@ import numpy as np
 import jaxquant as jq
 from jaxquant.bench.decode import _line, _many, _nbytes, _quantize, _time_torch, _timeit, start
 from jaxquant.ffi import configs
+from jaxquant.ops.a8 import CODE_TYPES
 
 QMM_SHAPES = ((64, 4096, 14336), (512, 4096, 14336), (4096, 4096, 14336))  # (M, K, N)
 RAGGED_TS = (4, 32, 512, 4096)
 RAGGED_LAYER = (32, 2880, 5760)  # gpt-oss-20b: E, K, N
-A8_CODE_TYPES = ("int8", "float8_e4m3fn")
 
 
 def _rel_err(y, want):
@@ -89,7 +89,7 @@ def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
                                      ("auto (canonical)", qws[mode], None),
                                      ("reference (prepacked)", packed[mode], "reference")):
                 row(impl, lambda x, q, b=backend: jq.qmm(x, q, backend=b), q)
-            for code_type in A8_CODE_TYPES:  # the opt-in 8-bit activations (docs/a8.md)
+            for code_type in CODE_TYPES:  # the opt-in 8-bit activations (docs/a8.md)
                 row(f"qmm_a8 {code_type} (opt-in; weight rows from {mode})", jq.qmm_a8,
                     [jq.quantize_rows(q, code_type) for q in qws[mode]])
     return res
