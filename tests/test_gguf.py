@@ -80,7 +80,7 @@ def k_quant_bytes(name, rows, k):
 
 
 def test_type_table_matches_gguf():
-    for name, (number, block, nbytes) in jq.io_gguf.GGML_TYPES.items():
+    for name, (number, block, nbytes) in jq.io.gguf.GGML_TYPES.items():
         assert T[name].value == number
         assert GGML_QUANT_SIZES[T[name]] == (block, nbytes), name
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import io_hf
+from jaxquant.io import hf as io_hf
 
 RNG = np.random.default_rng(29)
 

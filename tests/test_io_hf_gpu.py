@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import io_hf
+from jaxquant.io import hf as io_hf
 from tests.common import assert_matmul_close, deq64, rand
 from tests.test_decode_gpu import _cuda
 

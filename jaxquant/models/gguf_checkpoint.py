@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import io_gguf
+from jaxquant.io import gguf as io_gguf
 from jaxquant.models.config import Config
 from jaxquant.models.decoder import quantize_args, quantize_matrix
 from jaxquant.quantized_array import QuantizedArray
@@ -50,7 +50,7 @@ class GGUFFile:
     """A GGUF file's metadata (scalars and arrays by key) and tensors by name."""
 
     def __init__(self, path):
-        self.reader = io_gguf._reader(path)
+        self.reader = io_gguf.open_reader(path)
         self.path = path
         self.tensors = {t.name: t for t in self.reader.tensors}
 
@@ -159,8 +159,8 @@ def unpermute_rope_rows(w, n_head: int):
 
 def _widen(qw: QuantizedArray, bits: int) -> QuantizedArray:
     """An affine array at more bits: the same codes, float32 scales and biases (exact)."""
-    codes = io_gguf._unpack_codes(np.asarray(qw.data), qw.bits)
-    return QuantizedArray(io_gguf._pack_codes(codes, bits), np.asarray(qw.scales, np.float32),
+    codes = io_gguf.unpack_codes(np.asarray(qw.data), qw.bits)
+    return QuantizedArray(io_gguf.pack_codes(codes, bits), np.asarray(qw.scales, np.float32),
                           np.asarray(qw.biases, np.float32), mode="affine", bits=bits,
                           group_size=qw.group_size, dtype=qw.dtype)
 

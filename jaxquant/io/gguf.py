@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) tensors -> jaxquant, exactly (re-exported from `jaxquant.io`).
+"""GGUF (llama.cpp) tensors -> jaxquant, exactly (re-exported by `jaxquant.io`).
 
 `from_gguf_tensor(raw, ggml_type, shape)` turns one tensor's block bytes into a
 QuantizedArray whose `jq.dequantize(qw, float32)` equals, number for number,
@@ -63,10 +63,12 @@ import os
 import ml_dtypes
 import numpy as np
 
-from jaxquant import io as _io
+from jaxquant.io._common import check_qw, logical_dtype
+from jaxquant.io.mx_blocks import from_ggml_mxfp4, to_ggml_mxfp4
 from jaxquant.quantized_array import QuantizedArray
 
-__all__ = ["GGML_TYPES", "from_gguf", "from_gguf_tensor", "to_gguf_tensor"]
+__all__ = ["GGML_TYPES", "from_gguf", "from_gguf_tensor", "open_reader", "pack_codes", "to_gguf_tensor",
+           "type_name", "unpack_codes"]
 
 #: ggml type name -> (number, elements per block, bytes per block) (ggml.h / gguf's constants).
 GGML_TYPES = {
@@ -243,7 +245,7 @@ def _q2_k_values(blocks: np.ndarray) -> np.ndarray:
 _FLOAT_VALUES = {"Q2_K": _q2_k_values, "Q6_K": _q6_k_values}
 
 
-def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint8 codes [..., K] (each < 2**bits) -> docs/formats.md's uint32 stream [..., K*bits/32]."""
     if bits == 8:
         packed = codes
@@ -255,8 +257,8 @@ def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed.astype(np.uint8)).view("<u4").astype(np.uint32, copy=False)
 
 
-def _unpack_codes(data: np.ndarray, bits: int) -> np.ndarray:
-    """The inverse of _pack_codes: uint32 [..., W] -> uint8 codes [..., W*32/bits]."""
+def unpack_codes(data: np.ndarray, bits: int) -> np.ndarray:
+    """The inverse of pack_codes: uint32 [..., W] -> uint8 codes [..., W*32/bits]."""
     b = np.ascontiguousarray(data.astype("<u4", copy=False)).view(np.uint8)
     if bits == 8:
         return b
@@ -323,22 +325,22 @@ def from_gguf_tensor(raw, ggml_type, shape, *, dtype=None):
                          f"{int(np.prod(shape[:-1]))} rows of {row} bytes")
     blocks = raw.reshape(*shape[:-1], shape[-1] // block, nbytes)
     if name == "MXFP4":
-        return _io.from_ggml_mxfp4(blocks.reshape(*shape[:-1], row), shape[-1], dtype=dtype)
+        return from_ggml_mxfp4(blocks.reshape(*shape[:-1], row), shape[-1], dtype=dtype)
     if name in _FLOAT_VALUES:
         return _FLOAT_VALUES[name](blocks)
     if name == "Q3_K":
         q, scales = _q3_k_parts(blocks)
-        data = _pack_codes(_E2M1_OF_INT[q + 4].reshape(*shape), 4)
+        data = pack_codes(_E2M1_OF_INT[q + 4].reshape(*shape), 4)
         return QuantizedArray(data, scales, mode="fp4", bits=4, group_size=16,
-                              dtype=_io._logical_dtype(dtype))
+                              dtype=logical_dtype(dtype))
     bits = _AFFINE_BITS[name]
     codes, scales, biases = _decode_affine(name, blocks)
-    data = _pack_codes(codes.reshape(*shape), bits)
+    data = pack_codes(codes.reshape(*shape), bits)
     return QuantizedArray(data, scales, biases, mode="affine", bits=bits, group_size=32,
-                          dtype=_io._logical_dtype(dtype))
+                          dtype=logical_dtype(dtype))
 
 
-def _reader(reader_or_path):
+def open_reader(reader_or_path):
     if isinstance(reader_or_path, (str, os.PathLike)):
         try:
             import gguf
@@ -355,7 +357,7 @@ def _reader(reader_or_path):
 def from_gguf(reader_or_path, name: str, *, dtype=None):
     """The tensor `name` of a GGUF file (a path or a `gguf.GGUFReader`) through
     `from_gguf_tensor`; its logical shape is GGUF's dims reversed."""
-    reader = _reader(reader_or_path)
+    reader = open_reader(reader_or_path)
     if not isinstance(name, str):
         raise TypeError(f"name must be a str; got {type(name).__name__}")
     for t in reader.tensors:
@@ -385,11 +387,11 @@ def to_gguf_tensor(qw: QuantizedArray, ggml_type) -> np.ndarray:
     Q4_0/Q5_0/Q8_0, fp16 biases for Q4_1/Q5_1)."""
     name = type_name(ggml_type)
     if name == "MXFP4":
-        return _io.to_ggml_mxfp4(qw)
+        return to_ggml_mxfp4(qw)
     if name not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         raise ValueError(f"to_gguf_tensor writes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or MXFP4; got "
                          f"ggml_type={name!r}")
-    qw = _io._check_qw(qw, ("affine",), "to_gguf_tensor")
+    qw = check_qw(qw, ("affine",), "to_gguf_tensor")
     bits = _AFFINE_BITS[name]
     if (qw.bits, qw.group_size) != (bits, 32):
         raise ValueError(f"{name} is affine bits={bits}, group_size=32; got bits={qw.bits}, "
@@ -406,7 +408,7 @@ def to_gguf_tensor(qw: QuantizedArray, ggml_type) -> np.ndarray:
             raise ValueError(f"{name} needs biases = -{1 << (bits - 1)} * scales (a symmetric "
                              f"block); qw's biases differ")
         head = [d]
-    codes = _unpack_codes(np.asarray(qw.data), bits).reshape(*scales.shape, 32)
+    codes = unpack_codes(np.asarray(qw.data), bits).reshape(*scales.shape, 32)
     if name == "Q8_0":
         payload = [codes ^ np.uint8(0x80)]
     else:

@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxquant import formats
+from jaxquant.io._common import host_array
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import QuantizedArray
 
@@ -78,13 +79,6 @@ def pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------
 # Shared checks and the affine construction.
-
-
-def host_array(x, name: str) -> np.ndarray:
-    """numpy view of an array argument (jax arrays are copied to the host)."""
-    if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array (numpy or jax); got {type(x).__name__}")
-    return np.asarray(x)
 
 
 def _int_words(x, name: str) -> np.ndarray:
