@@ -12,7 +12,7 @@ namespace jq_metal {
 // Rows of x per slot that the GEMV takes; more go to the GEMM.
 constexpr uint32_t kGemvMaxM = 8;
 // Geometry constants of the kernels (docs/metal.md has the table).
-constexpr uint32_t kQmvRowsPerThreadgroup = 4;  // qmv.metal kQmvRows
+constexpr uint32_t kQmvRowsPerThreadgroup = 4;  // gemv.metal kQmvRows
 constexpr uint32_t kQmmTile = 32;               // qmm.metal kTile
 constexpr uint32_t kHeadRowsPerThreadgroup = 8; // norms.metal
 constexpr uint32_t kDequantThreads = 256;

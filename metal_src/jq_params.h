@@ -10,7 +10,7 @@ typedef uint jq_u32;
 typedef uint32_t jq_u32;
 #endif
 
-// Quantized matmul y[s, m, :] = x[s / slots_per_x, m, :] @ W[e(s)].T (GEMV, qmv.metal)
+// Quantized matmul y[s, m, :] = x[s / slots_per_x, m, :] @ W[e(s)].T (GEMV, gemv.metal)
 // and y[b] = x[b] @ W[b].T (GEMM, qmm*.metal). W is [experts, n, k], canonical layout.
 struct JqQmmParams {
   jq_u32 k;            // reduction length (a multiple of 32)

@@ -1,5 +1,5 @@
 // Quantized GEMM y[b] = x[b] @ dequantize(W[b]).T for qmm with more than 8 rows of x
-// (the GEMV, qmv.metal, takes the rest): fp4 (scale-only), affine int4, mxfp4.
+// (the GEMV, gemv.metal, takes the rest): fp4 (scale-only), affine int4, mxfp4.
 //
 // Geometry of the MetalTile fp4 qmm (seed), on simdgroup matrices instead of the MPP
 // tensor ops (qmm_nax.metal has those): 128 threads = 4 simdgroups in a 2 x 2 grid, a

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile hip_src/cdna4_qmm.hip for gfx950 and look for the scaled MFMA.
+"""Compile gpu_src/rocm/cdna4_qmm.hip for gfx950 and look for the scaled MFMA.
 
   python scripts/cdna4_compile_check.py [--keep DIR]
 
@@ -9,7 +9,7 @@ knows gfx950, e.g. ROCm's), else the `ziglang` wheel's clang
 link. Headers: the HIP headers and clang's resource headers (for the HIP
 wrapper headers, which the ziglang wheel does not ship) of
 scripts/install_hip_toolchain.sh (clang-19, libamdhip64-dev), device code only
-(-nogpulib, hip_src/jq_hip.h's JQ_HIP_NOGPULIB helpers).
+(-nogpulib, gpu_src/common/jq_hip.h's JQ_HIP_NOGPULIB helpers).
 
 Two compiles: -S (the assembly, whose v_mfma_scale_f32_16x16x128_f8f6f4 lines
 are counted with their op_sel byte choices) and -c (assembled and linked into
@@ -35,7 +35,7 @@ import time
 from native_compile_check import ffi_include  # the same XLA FFI headers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCE = "hip_src/cdna4_qmm.hip"
+SOURCE = "gpu_src/rocm/cdna4_qmm.hip"
 MNEMONIC = "v_mfma_scale_f32_16x16x128_f8f6f4"
 EF_AMDGPU_MACH_GFX950 = 0x4F
 _MFMA_LINE = re.compile(rf"^\s*{MNEMONIC}\s+(.*)$", re.M)
@@ -84,7 +84,7 @@ def resource_dir() -> str | None:
 def compile_cmd(clang: list[str], res_dir: str | None, out: pathlib.Path, mode: str) -> list[str]:
     cmd = clang + ["-x", "hip", "-std=c++17", "-O3", "-nogpulib", "--rocm-path=/usr",
                    # clang >= 21 dropped this predefined macro; HIP 5.2's headers read it.
-                   "-D__AMDGCN_WAVEFRONT_SIZE=64", "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Ihip_src",
+                   "-D__AMDGCN_WAVEFRONT_SIZE=64", "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Igpu_src/common",
                    "-isystem", ffi_include(), "--offload-arch=gfx950", "--offload-device-only",
                    "--no-gpu-bundle-output", "-Wno-unused-command-line-argument"]
     if res_dir and len(clang) == 2:  # the zig clang: borrow the HIP wrapper headers

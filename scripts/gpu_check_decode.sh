@@ -43,7 +43,7 @@ fi
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
   step "compute-sanitizer memcheck on the cuda_mma kernels (tools/cuda/sanitize_mma_driver.hip, no JAX)"
   nvcc -x cu -std=c++17 -O2 --expt-relaxed-constexpr -gencode=arch=compute_90,code=sm_90 \
-    -Iinclude -Ihip_src tools/cuda/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
+    -Iinclude -Igpu_src/common -Igpu_src/cuda tools/cuda/sanitize_mma_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
     # defaults (the wgmma GEMM on sm_90, 64 or 128 rows of x per block at these sizes),
@@ -68,8 +68,8 @@ import os, jax, jax.numpy as jnp, jaxquant as jq
 w = 0.05 * jax.random.normal(jax.random.key(0), (14336, 4096), jnp.float32)
 q = jq.prepack(jq.quantize(w.astype(jnp.bfloat16), mode='affine', bits=4, group_size=64), 'cuda_mma')
 x = jnp.ones((1, 4096), jnp.bfloat16)
-jax.block_until_ready(jax.jit(jq.qmm)(x, q)); os._exit(0)" > "$OUT/ncu_qmv_mma_affine4.txt" 2>&1
-  echo "ncu rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Issued Warp|Theoretical Occ|Waves Per SM" "$OUT/ncu_qmv_mma_affine4.txt" | head -30
+jax.block_until_ready(jax.jit(jq.qmm)(x, q)); os._exit(0)" > "$OUT/ncu_gemv_mma_affine4.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Issued Warp|Theoretical Occ|Waves Per SM" "$OUT/ncu_gemv_mma_affine4.txt" | head -30
 fi
 
 if [ -n "${JQ_WARPS_SWEEP:-}" ]; then

@@ -22,7 +22,7 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
   step "compute-sanitizer on the kernels (tools/cuda/sanitize_driver.hip, no JAX)"
   LIBDIR=$($PY -c "import jaxquant.ffi as jf; print(jf.libraries()['cuda'].path.parent)")
   nvcc -x cu -std=c++17 -O2 --expt-relaxed-constexpr -gencode=arch=compute_90,code=sm_90 \
-    -Iinclude -Ihip_src tools/cuda/sanitize_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
+    -Iinclude -Igpu_src/common -Igpu_src/cuda tools/cuda/sanitize_driver.hip -L"$LIBDIR" -ljaxquant_cuda \
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_driver" && {
     "$OUT/sanitize_driver" | tail -n 8
     for tool in memcheck racecheck; do

@@ -12,7 +12,7 @@ DRIVER=${JQ_TUNE_DRIVER:-$OUT/tune_mma_driver}
 if [ ! -x "$DRIVER" ]; then
   step "build the driver (sm_90)"
   nvcc -x cu -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90,code=sm_90 \
-    -Iinclude -Ihip_src tools/cuda/tune_mma_driver.hip -o "$DRIVER" || exit 1
+    -Iinclude -Igpu_src/common -Igpu_src/cuda tools/cuda/tune_mma_driver.hip -o "$DRIVER" || exit 1
 fi
 step "variants at the issue's shapes"
 "$DRIVER" | tee "$OUT/tune_variants.txt"

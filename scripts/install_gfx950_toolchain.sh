@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs a clang that knows gfx950 (CDNA4) for the compile check of
-# hip_src/cdna4_qmm.hip (tests/test_cdna4_kernel.py): Debian 12's apt stops at
+# gpu_src/rocm/cdna4_qmm.hip (tests/test_cdna4_kernel.py): Debian 12's apt stops at
 # clang 19, which has neither the gfx950 target nor the scaled-MFMA builtins
 # (clang >= 20). PyPI's `ziglang` wheel bundles clang + lld 22 with the AMDGPU
 # backend; the check runs it as `zig clang` with the HIP headers and clang

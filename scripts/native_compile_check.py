@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Compile checks of hip_src/ for the GPU targets this machine cannot run.
+"""Compile checks of gpu_src/ for the GPU targets this machine cannot run.
 
   python scripts/native_compile_check.py rocm [--arch gfx942 ...]
   python scripts/native_compile_check.py cuda [--arch 80 90] [--ptxas-opt 3]
 
 rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
-  compiles every hip_src/*.hip once per architecture, device code only
+  compiles every gpu_src/common and gpu_src/rocm source once per architecture, device code only
   (-nogpulib: no ROCm device libraries; jq_hip.h supplies the few helpers the
   HIP 5.2 headers call), plus the host side of the handlers once. Default
   architectures: gfx90a gfx942 gfx950 gfx1100 gfx1201; one the compiler does
@@ -19,15 +19,15 @@ rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   (-DJQ_QMV_DEFAULT_CONFIGS_ONLY), except for --all-qmv-configs (default
   gfx942), which builds every variant launch_qmv can launch, as the real build
   does; the summary lists the qmv_kernel variants found in each object
-  ("qmv_kernels") and those hip_src/qmv_impl.h launches ("qmv_launch_variants").
-cuda: nvcc compiles every CUDA source of hip_src/ for sm_80 and sm_90 and
+  ("qmv_kernels") and those gpu_src/common/gemv_impl.h launches ("qmv_launch_variants").
+cuda: nvcc compiles every source of gpu_src/common and gpu_src/cuda for sm_80 and sm_90 and
   qmm_wgmma.hip for sm_90a (the architectures of JAXQUANT_CUDA_ARCHS=all), with
   ptxas at -O0 by default on the sources of PTXAS_FILES (every form of inline PTX;
   the others stop at PTX): ptxas still assembles every instruction, inline PTX
   included, for each target, without the register allocation and scheduling
   work that makes the release build (-O3, --ptxas-opt 3) about 10x slower
   (docs/building.md has the times). By default the kernels' covering set
-  (-DJQ_MMA_COVERING_SET, hip_src/qmv_mma.h: every codec in one variant of each
+  (-DJQ_MMA_COVERING_SET, gpu_src/cuda/gemv_mma.h: every codec in one variant of each
   kernel, affine 4-bit in every variant, float16/float32 x with affine 4-bit and MXFP4
   alone, float16 x in one variant; -DJQ_QMV_DEFAULT_CONFIGS_ONLY), at about a fifth of
   the time;
@@ -53,49 +53,53 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "qmv_affine.hip", "qmv_float.hip", "norms.hip"]
+HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "gemv_affine.hip", "gemv_float.hip", "norms.hip"]
 # ROCm only (CMakeLists.txt): the gfx950 scaled-MFMA qmm, an empty kernel on the other
 # archs; its gfx950 code is checked by scripts/cdna4_compile_check.py (clang >= 20).
 ROCM_ONLY_FILES = ["cdna4_qmm.hip"]
 # The tensor-core decode GEMV (mma.sync, cp.async): CUDA only, as in CMakeLists.txt.
-CUDA_ONLY_FILES = sorted(p.name for p in (ROOT / "hip_src").glob("qmv_mma*.hip"))
+CUDA_ONLY_FILES = sorted(p.name for p in (ROOT / "gpu_src/cuda").glob("gemv_mma*.hip"))
 # The Hopper prefill GEMM (wgmma): sm_90a only, as in CMakeLists.txt.
 SM90A_FILES = ["qmm_wgmma.hip"]
+# The folder of each source: gpu_src/common (HIP spellings, nvcc and clang), gpu_src/cuda,
+# gpu_src/rocm.
+SOURCE_DIR = {**{f: "gpu_src/common" for f in HIP_FILES}, **{f: "gpu_src/rocm" for f in ROCM_ONLY_FILES},
+              **{f: "gpu_src/cuda" for f in CUDA_ONLY_FILES + SM90A_FILES}}
 ROCM_ARCHS = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201"]
 CUDA_ARCHS = ["80", "90"]
 # The GEMV files are built for these ROCm archs without -DJQ_QMV_DEFAULT_CONFIGS_ONLY:
-# every kernel variant that launch_qmv (hip_src/qmv_impl.h) can launch for the configs
-# qmv_config (hip_src/gpu_ffi.hip) chooses, as the real build does; the other archs
+# every kernel variant that launch_qmv (gpu_src/common/gemv_impl.h) can launch for the configs
+# qmv_config (gpu_src/common/gpu_ffi.hip) chooses, as the real build does; the other archs
 # build the default variants only (all variants take about twice the defaults' time).
 # gfx90a stops at LLVM's IR (BACKEND_ARCHS): the variants differ in their loop
 # parameters, not in the builtins or instructions they ask for (those go through the
 # backend on gfx942 and gfx1100 in the default variants).
 ALL_QMV_CONFIG_ARCHS = ["gfx90a"]
 # Through the AMDGPU backend (instruction selection, register allocation); the other
-# archs stop at LLVM's optimized IR. One arch per wave size: hip_src/ branches on the
+# archs stop at LLVM's optimized IR. One arch per wave size: gpu_src/ branches on the
 # wave size alone (JQ_WARP) outside cdna4_qmm.hip's gfx950 code, which
 # scripts/cdna4_compile_check.py compiles to the ISA.
 BACKEND_ARCHS = ["gfx942", "gfx1100"]
-QMV_FILES = ("qmv_affine.hip", "qmv_float.hip")
+QMV_FILES = ("gemv_affine.hip", "gemv_float.hip")
 # CUDA: ptxas assembles these for the target; the other sources stop at PTX (cicc's
 # output: the C++ front end, NVVM and its PTX, the host side). Past cicc, ptxas adds a
-# check of inline PTX alone (hip_src/'s asm statements and the CUDA headers' own, such as
+# check of inline PTX alone (gpu_src/'s asm statements and the CUDA headers' own, such as
 # __ldg's), and these sources instantiate every inline PTX form that any source's PTX
 # holds in the covering set (tests/test_ffi_toolchain.py checks it on every run:
 # inline_asm_forms). The others' ptxas was about a quarter of the check's CPU time.
 # --every-variant runs ptxas on every source.
-PTXAS_FILES = ["qmv_mma_fused_float_f16.hip", "qmv_mma_fused_float_f32.hip", "qmm_wgmma.hip"]
+PTXAS_FILES = ["gemv_mma_fused_float_f16.hip", "gemv_mma_fused_float_f32.hip", "qmm_wgmma.hip"]
 # Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, ptxas -O0,
 # the covering set; ROCm: one arch, default GEMV variants): the jobs start longest
 # first, so that the parallel jobs finish together (qmm_wgmma.hip last would leave one
 # core on it alone). Every variant (--every-variant) takes about 2.5-5x these.
-_SECONDS = {"qmm_wgmma.hip": 24, "qmv_mma_affine_bf16.hip": 18, "qmv_mma_float_bf16.hip": 16,
-            "qmv_mma_fused_affine_bf16.hip": 13, "qmv_float.hip": 13, "qmv_mma.hip": 9,
-            "qmv_mma_fused_float_bf16.hip": 8, "gpu_ffi.hip": 8, "qmv_affine.hip": 7.5,
-            "qmv_mma_fused_affine_f32.hip": 5.3, "qmv_mma_affine_f16.hip": 4,
-            "qmv_mma_affine_f32.hip": 3.7, "dequant.hip": 3.7, "qmv_mma_fused_float_f32.hip": 3.6,
-            "qmv_mma_float_f16.hip": 3.1, "qmv_mma_fused_affine_f16.hip": 2.9,
-            "qmv_mma_float_f32.hip": 2.7, "qmv_mma_fused_float_f16.hip": 2.2, "norms.hip": 1.8,
+_SECONDS = {"qmm_wgmma.hip": 24, "gemv_mma_affine_bf16.hip": 18, "gemv_mma_float_bf16.hip": 16,
+            "gemv_mma_fused_affine_bf16.hip": 13, "gemv_float.hip": 13, "gemv_mma.hip": 9,
+            "gemv_mma_fused_float_bf16.hip": 8, "gpu_ffi.hip": 8, "gemv_affine.hip": 7.5,
+            "gemv_mma_fused_affine_f32.hip": 5.3, "gemv_mma_affine_f16.hip": 4,
+            "gemv_mma_affine_f32.hip": 3.7, "dequant.hip": 3.7, "gemv_mma_fused_float_f32.hip": 3.6,
+            "gemv_mma_float_f16.hip": 3.1, "gemv_mma_fused_affine_f16.hip": 2.9,
+            "gemv_mma_float_f32.hip": 2.7, "gemv_mma_fused_float_f16.hip": 2.2, "norms.hip": 1.8,
             "cdna4_qmm.hip": 1}
 
 
@@ -131,7 +135,7 @@ def run(cmd, timeout=600):
 def rocm_jobs(clang, archs, out_dir, all_qmv_configs=(), backend_archs=BACKEND_ARCHS):
     rocm_path = os.environ.get("ROCM_PATH", "/usr")
     common = [clang, "-x", "hip", "-std=c++17", "-O2", "-nogpulib", f"--rocm-path={rocm_path}",
-              "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Ihip_src",
+              "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Igpu_src/common",
               "-isystem", ffi_include(), "-Wno-unused-command-line-argument"]
     defaults_only = ["-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
     jobs = []
@@ -141,10 +145,10 @@ def rocm_jobs(clang, archs, out_dir, all_qmv_configs=(), backend_archs=BACKEND_A
             stage = ["-c"] if arch in backend_archs else ["-S", "-emit-llvm"]
             jobs.append((f"{arch}:{f}", common + ([] if every else defaults_only) + [
                 f"--offload-arch={arch}", "--offload-device-only", "--no-gpu-bundle-output",
-                *stage, f"hip_src/{f}", "-o", str(out_dir / f"{arch}-{f}.o")]))
+                *stage, f"{SOURCE_DIR[f]}/{f}", "-o", str(out_dir / f"{arch}-{f}.o")]))
     jobs.append(("host:gpu_ffi.hip", common + defaults_only + [
         f"--offload-arch={archs[0] if archs else 'gfx942'}", "--offload-host-only", "-c",
-        "hip_src/gpu_ffi.hip", "-o", str(out_dir / "host-gpu_ffi.o")]))
+        "gpu_src/common/gpu_ffi.hip", "-o", str(out_dir / "host-gpu_ffi.o")]))
     return jobs
 
 
@@ -160,8 +164,8 @@ def job_seconds(job):
 
 def qmv_launch_variants() -> list[str]:
     """The (MT, R, U) template variants of qmv_kernel that launch_qmv can launch,
-    as "MT,R,U", read from hip_src/qmv_impl.h's JQ_QMV(...) launches."""
-    text = (ROOT / "hip_src" / "qmv_impl.h").read_text()
+    as "MT,R,U", read from gpu_src/common/gemv_impl.h's JQ_QMV(...) launches."""
+    text = (ROOT / "gpu_src/common" / "gemv_impl.h").read_text()
     found = re.findall(r"\bJQ_QMV\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\)", text)
     return sorted({",".join(v) for v in found})
 
@@ -196,8 +200,8 @@ def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0, every_variant=False, keep_dir=N
     # -O0: the host compiler's level (nvcc's -O is host code only; the device code is
     # the same PTX at any -O, checked: the host side compiles 10% faster)
     base = [nvcc, "-x", "cu", "-std=c++17", "-O0", f"-Xptxas=-O{ptxas_opt}",
-            "--expt-relaxed-constexpr", "-Iinclude", "-Ihip_src", "-isystem", ffi_include()]
-    if not every_variant:  # the covering set (hip_src/qmv_mma.h: kEveryVariant)
+            "--expt-relaxed-constexpr", "-Iinclude", "-Igpu_src/common", "-Igpu_src/cuda", "-isystem", ffi_include()]
+    if not every_variant:  # the covering set (gpu_src/cuda/gemv_mma.h: kEveryVariant)
         base += ["-DJQ_MMA_COVERING_SET", "-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
 
     def gencode(f, arch):  # code=sm_X: through ptxas; code=compute_X: PTX only
@@ -207,7 +211,7 @@ def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0, every_variant=False, keep_dir=N
     def job(f, arch_list):
         keep = [] if keep_dir is None else ["--keep", f"--keep-dir={keep_dir}"]
         return (f"cuda:{f}", base + keep + [gencode(f, a) for a in arch_list] + [
-            "-c", f"hip_src/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
+            "-c", f"{SOURCE_DIR[f]}/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
 
     return ([job(f, archs) for f in HIP_FILES + CUDA_ONLY_FILES] +
             [job(f, ["90a"]) for f in SM90A_FILES])

@@ -1,5 +1,5 @@
 // CPU checks of include/jq/cdna4_layout.h, the address arithmetic of
-// hip_src/cdna4_qmm.hip (built and driven by tests/test_cdna4_kernel.py).
+// gpu_src/rocm/cdna4_qmm.hip (built and driven by tests/test_cdna4_kernel.py).
 //
 //   cdna4_walk walk N K T bsrc ssrc
 //     Every (N tile, K step, lane, register byte) the kernel feeds to

@@ -18,7 +18,7 @@ FILE_REF = re.compile(r"`((?:[\w-]+/)*[\w-]+\.(?:py|h|cc|hip|inc)):([\w.]+)`")
 # `jaxquant.dispatch.register`, `jaxquant.pallas.configs`
 DOTTED_REF = re.compile(r"`(jaxquant(?:\.\w+)+)`")
 # `jaxquant/bench/`, `jaxquant/pallas/gemv.py`
-PATH_REF = re.compile(r"`((?:cpu_src|hip_src|include|jaxquant|tests|scripts|tools)/[\w./-]*)`")
+PATH_REF = re.compile(r"`((?:cpu_src|gpu_src|include|jaxquant|tests|scripts|tools)/[\w./-]*)`")
 
 FILE_REFS = sorted(set(FILE_REF.findall(TEXT)))
 DOTTED_REFS = sorted(set(DOTTED_REF.findall(TEXT)))

@@ -1,4 +1,4 @@
-"""The gfx950 kernel (hip_src/cdna4_qmm.hip) without an AMD GPU:
+"""The gfx950 kernel (gpu_src/rocm/cdna4_qmm.hip) without an AMD GPU:
 
 - address walk: include/jq/cdna4_layout.h, compiled for the CPU with the
   walker tests/cdna4_walk.cc, sends every (tile, K step, lane, register byte)

@@ -1,4 +1,4 @@
-"""The tensor-core decode GEMV (hip_src/qmv_mma.h) on an NVIDIA GPU, on the
+"""The tensor-core decode GEMV (gpu_src/cuda/gemv_mma.h) on an NVIDIA GPU, on the
 cuda_mma layout: every mode and activation dtype against the float64 oracle
 (M = 1..16, N with a canonical tail, K at group granularity), gather_qmm with
 repeated experts (read once), bad ids (NaN rows), gather == qmm bit for bit,
@@ -73,7 +73,7 @@ def test_long_k_few_tiles(mode, bits):
                                        ("affine", "mxfp4", "nvfp4", "mxfp6_e3m2")])
 def test_two_tiles_per_block(mode, bits):
     # M > 8 on N = 16 * 529 + 5 rows: enough tiles that a block takes two of them
-    # (tiles_per_block in hip_src/qmv_mma.h), an odd count of full tiles (the last
+    # (tiles_per_block in gpu_src/cuda/gemv_mma.h), an odd count of full tiles (the last
     # block has one) and a canonical tail; each row still equals its M = 1 product
     qw, packed = _packed(mode, bits, (16 * 529 + 5, 256), key=5)
     w64 = deq64(qw)

@@ -1,6 +1,6 @@
 """The cuda_mma kernel layout (jaxquant/layouts/cuda_mma.py): exact round
 trips for every mode, and the position of every code and scale checked
-against the formula the tensor-core kernel reads (hip_src/qmv_mma.h,
+against the formula the tensor-core kernel reads (gpu_src/cuda/gemv_mma.h,
 docs/decode.md), independently of the jnp transposes that build it."""
 
 import jax

@@ -1,4 +1,4 @@
-"""The ffi backend on an NVIDIA (or AMD) GPU: the hip_src/ kernels against the
+"""The ffi backend on an NVIDIA (or AMD) GPU: the gpu_src/ kernels against the
 float64 oracle and the reference, the gather_qmm == qmm invariant bit for bit,
 NaN rows, the norms, and the handlers' validation. Skipped without a GPU or
 without the GPU library (scripts/gpu_check_ffi.sh runs it, also under

@@ -1,4 +1,4 @@
-"""Compile checks of hip_src/ for the GPUs CI has no device for (DESIGN.md §5):
+"""Compile checks of gpu_src/ for the GPUs CI has no device for (DESIGN.md §5):
 ROCm (gfx90a, gfx942, gfx950 where the compiler knows it, gfx1100, gfx1201)
 with clang + the HIP headers (scripts/install_hip_toolchain.sh), and CUDA
 (sm_80, sm_90, sm_90a) with nvcc. Each skips, with the reason, where its compiler
@@ -49,7 +49,7 @@ def test_rocm_compile():
 
 
 def _check_qmv_variants(summary):
-    """Every GEMV kernel variant that qmv_config (hip_src/gpu_ffi.hip) can choose is
+    """Every GEMV kernel variant that qmv_config (gpu_src/common/gpu_ffi.hip) can choose is
     compiled for gfx90a (to LLVM's IR): M > 1 -> (MT, R) = (8, 1); M = 1 -> R = 4, R = 2 (N < 4096) and,
     through $JAXQUANT_FFI_GPU_QMV, R = 1. The other archs build the defaults only."""
     assert "gfx90a" in summary["all_qmv_configs"], summary.get("all_qmv_configs")
@@ -111,7 +111,7 @@ def test_cuda_source_compiles(source, tmp_path):
     sm_90 (qmm_wgmma.hip: sm_90a), the architecture the kernels are measured on, in the
     kernels' covering set: every codec in one variant of each kernel, affine 4-bit in
     all, float16/float32 x with affine 4-bit and MXFP4 alone, float16 x in one variant
-    (hip_src/qmv_mma.h, kEveryVariant, kBuiltForX; about a fifth of the time of every
+    (gpu_src/cuda/gemv_mma.h, kEveryVariant, kBuiltForX; about a fifth of the time of every
     variant, docs/building.md); through ptxas at -O0 for ncc.PTXAS_FILES, to PTX for
     the others. sm_80 differs by two `__CUDA_ARCH__ >= 900` guards; `python
     scripts/native_compile_check.py cuda --every-variant` compiles both archs and every
@@ -133,7 +133,7 @@ def test_cuda_source_compiles(source, tmp_path):
 @pytest.mark.xdist_group("cuda_compile")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 def test_ptxas_sees_every_inline_ptx_form():
-    """The sources that stop at PTX hold no inline PTX form (hip_src/'s asm statements,
+    """The sources that stop at PTX hold no inline PTX form (gpu_src/'s asm statements,
     the CUDA headers' intrinsics) that ptxas does not assemble in ncc.PTXAS_FILES: ptxas
     checks nothing else that cicc had not (docs/building.md, "CI's compile checks")."""
     missing = [s for s in CUDA_SOURCES if s not in _ASM_FORMS]

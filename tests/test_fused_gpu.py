@@ -1,4 +1,4 @@
-"""The fused decode GEMVs (hip_src/qmv_mma.h, FUSE) on an NVIDIA GPU, on the cuda_mma
+"""The fused decode GEMVs (gpu_src/cuda/gemv_mma.h, FUSE) on an NVIDIA GPU, on the cuda_mma
 layout: rms_norm_qmm's norm prologue and qmm_swiglu's epilogue against the unfused ffi
 ops (to rounding) and the float64 oracle, every mode x float32/float16/bfloat16 x
 M in {1, 2, 8, 16}; gather_qmm_swiglu's on gather slots (bad ids, dedupe, a bias row
@@ -24,7 +24,7 @@ def _fused_kernel():
         from jaxquant.ffi import _mma
         lib = jf.libraries().get("cuda")
         return (jax.default_backend() in ("gpu", "cuda") and "cuda" in jf.loaded_platforms()
-                and hasattr(lib.handle, "jq_gpu_qmv_mma_fused"), _mma)
+                and hasattr(lib.handle, "jq_gpu_gemv_mma_fused"), _mma)
     except Exception:  # noqa: BLE001
         return False, None
 
@@ -32,7 +32,7 @@ def _fused_kernel():
 _HAVE, _mma = _fused_kernel()
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _HAVE, reason="needs an NVIDIA GPU and the CUDA library "
-                                                   "with the fused GEMV (jq_gpu_qmv_mma_fused)")]
+                                                   "with the fused GEMV (jq_gpu_gemv_mma_fused)")]
 
 MS = (1, 2, 8, 16)
 ACTS = [dict(activation="silu"), dict(activation="gpt_oss", limit=7.0, alpha=1.702)]
@@ -60,7 +60,7 @@ def test_rms_norm_qmm_kernel(mode, bits):
     xs = {(jnp.dtype(dt).name, m): rand(m, (m, 192), dt, scale=3.0) for dt in DTYPES for m in MS}
     ws = {jnp.dtype(dt).name: rand(99, (192,), dt) for dt in DTYPES}
     norm = lambda x, w, q: jq.rms_norm_qmm(x, w, q, eps=1e-5, weight_offset=0.5, backend="ffi")
-    assert "jaxquant_qmv_mma_fused" in _targets(norm, xs["bfloat16", 1], ws["bfloat16"], packed)
+    assert "jaxquant_gemv_mma_fused" in _targets(norm, xs["bfloat16", 1], ws["bfloat16"], packed)
     fused = jax.jit(lambda xs, ws, q: {k: norm(x, ws[k[0]], q) for k, x in xs.items()})(
         xs, ws, packed)
     unfused = jax.jit(lambda xs, ws, q: {
@@ -100,7 +100,7 @@ def test_qmm_swiglu_kernel(mode, bits):
             c: one(xs[c[0]], q, bs[c[0][0]] if c[2] else None, ACTS[c[1]]) for c in cases})(
                 xs, bias, packed)
     fused_one = lambda x, q, b, act: jq.qmm_swiglu(x, q, bias=b, backend="ffi", **act)
-    assert "jaxquant_qmv_mma_fused" in _targets(
+    assert "jaxquant_gemv_mma_fused" in _targets(
         lambda x, q: fused_one(x, q, None, ACTS[0]), xs["bfloat16", 1], packed)
     fused, unfused = run(fused_one), run(_unfused_swiglu)
     for c in cases:
@@ -168,7 +168,7 @@ def test_gather_qmm_swiglu_kernel(mode, bits):
             for c in cases})(xs, bias, packed)
     fused_one = lambda x, q, idx, b, act: jq.gather_qmm_swiglu(x, q, idx, bias=b, backend="ffi",
                                                                **act)
-    assert "jaxquant_qmv_mma_fused" in _targets(
+    assert "jaxquant_gemv_mma_fused" in _targets(
         lambda x, q: fused_one(x, q, GATHER_IDS["t1"], None, ACTS[1]), xs["bfloat16", "t1", False],
         packed)
     fused, unfused = run(fused_one), run(_unfused_gather_swiglu)
@@ -259,12 +259,12 @@ def test_cases_the_kernel_does_not_take_run_unfused():
     _, packed = _packed("mxfp4", 4, (48, k), key=1)  # I = 24: not whole tiles
     x = rand(1, (2, k), jnp.bfloat16)
     text = _targets(lambda x, q: jq.qmm_swiglu(x, q, backend="ffi"), x, packed)
-    assert "jaxquant_qmv_mma_fused" not in text and "jaxquant_qmv_mma" in text
+    assert "jaxquant_gemv_mma_fused" not in text and "jaxquant_qmv_mma" in text
     np.testing.assert_allclose(f64(jq.qmm_swiglu(x, packed, backend="ffi")),
                                f64(_unfused_swiglu(x, packed, None, dict(activation="silu"))),
                                rtol=2**-7)
     x17 = rand(2, (17, k), jnp.bfloat16)  # more than 16 rows
-    assert "jaxquant_qmv_mma_fused" not in _targets(
+    assert "jaxquant_gemv_mma_fused" not in _targets(
         lambda x, q: jq.rms_norm_qmm(x, None, q, backend="ffi"), x17, packed)
     # the fallback is the unfused ops on the backend asked for: the GPU norm kernel
     # (whose rounding may differ from XLA's reference norm by an ulp), then the GEMV
@@ -273,7 +273,7 @@ def test_cases_the_kernel_does_not_take_run_unfused():
                                              backend="ffi")))
     _, big = _packed("affine", 4, (32, 8192), key=2)  # 16 x 32 KiB of float32 x: not staged
     xb = rand(3, (16, 8192), jnp.float32)
-    assert "jaxquant_qmv_mma_fused" not in _targets(
+    assert "jaxquant_gemv_mma_fused" not in _targets(
         lambda x, q: jq.rms_norm_qmm(x, None, q, backend="ffi"), xb, big)
     np.testing.assert_array_equal(f64(jq.rms_norm_qmm(xb, None, big, backend="ffi")),
                                   f64(jq.qmm(jq.rms_norm(xb, backend="ffi"), big,
@@ -293,7 +293,7 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
         most = configs.FUSED_MAX_ROWS[op]
         for m, fused in ((1, True), (most, True), (most + 1, False)):
             text = _targets(f, rand(4, (m, 192), jnp.bfloat16), packed)
-            assert ("jaxquant_qmv_mma_fused" in text) == fused, (op, m)
+            assert ("jaxquant_gemv_mma_fused" in text) == fused, (op, m)
             assert "jaxquant_qmv_mma" in text, (op, m)
     # gather_qmm_swiglu: opt-in (configs.py): the gather GEMV, then XLA's epilogue
     _, experts = _packed("mxfp4", 4, (3, 64, 192), key=5)
@@ -301,7 +301,7 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
     for backend, fused in ((None, False), ("ffi", True)):
         text = _targets(lambda x, q: jq.gather_qmm_swiglu(x, q, idx, backend=backend),
                         rand(4, (1, 192), jnp.bfloat16), experts)
-        assert ("jaxquant_qmv_mma_fused" in text) == fused and "jaxquant_qmv_mma" in text
+        assert ("jaxquant_gemv_mma_fused" in text) == fused and "jaxquant_qmv_mma" in text
 
 
 def test_handler_checks():
@@ -309,7 +309,7 @@ def test_handler_checks():
     _, packed = _packed("mxfp4", 4, (32, k))
     q3 = _mma._flat_qw(packed)
     x = rand(0, (1, 2, k), jnp.bfloat16)
-    call = lambda *a, **kw: jax.block_until_ready(_mma.qmv_mma_fused_call(*a, **kw))
+    call = lambda *a, **kw: jax.block_until_ready(_mma.gemv_mma_fused_call(*a, **kw))
     with pytest.raises(Exception, match="norm weight must be"):
         call(x, q3, jnp.ones((k + 1,), jnp.float32), fuse=_mma.FUSE_NORM)
     with pytest.raises(Exception, match="bias must be"):

@@ -1,4 +1,4 @@
-"""The tensor-core prefill GEMM (hip_src/qmm_gemm.h) on an NVIDIA GPU, on the
+"""The tensor-core prefill GEMM (gpu_src/cuda/qmm_gemm.h) on an NVIDIA GPU, on the
 cuda_mma layout: qmm with M > 16 for every mode and 16-bit activation dtype
 against the float64 oracle (N with a canonical tail, K of 1..many chunks,
 batched weights), ragged_qmm's edge cases (empty groups, all rows in one group,
@@ -50,7 +50,7 @@ def test_qmm_every_mode_and_dtype(mode, bits):
 def test_qmm_every_mode_aligned_scales(mode, bits):
     # N = 136 (8 full tiles and a canonical tail of 8: two blocks of the Hopper kernel,
     # the second mostly past N), K = 256: every tile's scales 4-byte aligned, which the
-    # wgmma kernel (hip_src/qmm_wgmma.h) needs; on an H100 it runs this (N = 37 above
+    # wgmma kernel (gpu_src/cuda/qmm_wgmma.h) needs; on an H100 it runs this (N = 37 above
     # takes the mma.sync kernel), $JAXQUANT_GEMM_KERNEL=mma runs the other
     qw, packed = _packed(mode, bits, (136, 256), key=bits + 40)
     w64 = deq64(qw)
@@ -79,7 +79,7 @@ def test_qmm_rows_per_block_follow_the_grid(mode, bits):
                     "the mma.sync kernel, whose bits differ between M = 512 and M = 64 here")
     # M = 512: the Hopper kernel takes 256 rows of x per block on a long grid (N = 16384:
     # 128 x 2 blocks) and 128 on a short one (the first 1024 rows of that weight: 8 x 2
-    # blocks of 256 would leave most SMs idle; hip_src/qmm_gemm.h, wgmma_rows_per_block);
+    # blocks of 256 would leave most SMs idle; gpu_src/cuda/qmm_gemm.h, wgmma_rows_per_block);
     # and 64 from at most 64 rows; either way the oracle's product, and the same numbers
     # for the same rows
     qw, packed = _packed(mode, bits, (16384, 512), key=bits + 60)

@@ -3,7 +3,7 @@
 // preshuffled weight (jaxquant/layouts/cdna4.py), the preshuffled E8M0 scales
 // and the MXFP8-split activations, and where it writes its results.
 //
-// One header for the GPU kernel (hip_src/cdna4_qmm.hip) and for the CPU
+// One header for the GPU kernel (gpu_src/rocm/cdna4_qmm.hip) and for the CPU
 // address-walk test (tests/cdna4_walk.cc, built by tests/test_cdna4_kernel.py),
 // which checks every (lane, register byte, K step, tile) against the bytes the
 // Python layout put there. Plain integer functions: no runtime headers needed.

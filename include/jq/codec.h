@@ -1,6 +1,6 @@
 // jaxquant codec: the bit layouts of the quantized formats for native code.
 //
-// One header for cpu_src/ (g++), hip_src/ (nvcc for CUDA, clang/hipcc for
+// One header for cpu_src/ (g++), gpu_src/ (nvcc for CUDA, clang/hipcc for
 // ROCm). It mirrors jaxquant/formats.py with one element list and one format
 // list (JQ_ELEMENT_LIST, JQ_FORMAT_LIST); tests/test_ffi.py checks them against
 // formats.ELEMENTS / formats.FORMATS through the CPU library (jq_element_spec,
@@ -24,7 +24,7 @@
 #include <string.h>
 
 #if defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
-// (GPU sources include hip_src/jq_hip.h, and with it the runtime's headers, first.)
+// (GPU sources include gpu_src/common/jq_hip.h, and with it the runtime's headers, first.)
 #define JQ_HD __host__ __device__ __forceinline__
 #define JQ_DEVICE_COMPILER 1
 #else

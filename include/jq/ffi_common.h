@@ -3,7 +3,7 @@
 // bad call returns ffi::Error (InvalidArgument) naming the operand, what it
 // got and what was expected), the handler bodies and their bindings
 // (`Handlers`, at the end), and the library's exported description
-// (JQ_FFI_DEFINE_LIBRARY). A platform (cpu_src/cpu_ffi.cc, hip_src/gpu_ffi.hip)
+// (JQ_FFI_DEFINE_LIBRARY). A platform (cpu_src/cpu_ffi.cc, gpu_src/common/gpu_ffi.hip)
 // supplies only how to run a validated problem.
 #pragma once
 
@@ -361,7 +361,7 @@ inline ffi::Error make_norm(int32_t kind, const ffi::AnyBuffer& x, const ffi::An
 //   2. in each platform that serves it: Platform::foo(const FooProblem&, ctx...),
 //      and X(foo) in the target list the platform's library defines
 //      (JQ_FFI_TARGETS for every platform, or the platform's own list: a
-//      GPU-only target goes in hip_src/gpu_ffi.hip's JQ_GPU_TARGETS);
+//      GPU-only target goes in gpu_src/common/gpu_ffi.hip's JQ_GPU_TARGETS);
 //   3. Python: a foo_call wrapper in jaxquant/ffi/_ops.py calling
 //      jax.ffi.ffi_call("jaxquant_foo", ...). The loader registers every target a
 //      library lists (jq_ffi_targets), as "jaxquant_<target>", for its platform.

@@ -1,7 +1,7 @@
 """The `ffi` backend: compiled kernels behind `jax.ffi` (docs/backends.md).
 
 Importing this package loads the libraries that were built (cpu_src/ always;
-hip_src/ for CUDA when nvcc was found, for ROCm when a HIP compiler was),
+gpu_src/ for CUDA when nvcc was found, for ROCm when a HIP compiler was),
 registers their handlers as FFI targets for the platforms cpu, CUDA and
 ROCM (each library lists its own targets and format ids: the loader reads
 them), and registers the kernels with `jaxquant.dispatch` as backend "ffi"
@@ -38,7 +38,7 @@ Numerics (docs/ops.md):
 - float64 anywhere, non-canonical layouts, K not a multiple of 32: the
   `supports_*` functions say no and the reference runs. Except: on a gfx950,
   qmm (x @ W.T) with bfloat16/float16 x on an mxfp4 weight in the `cdna4`
-  layout runs the scaled-MFMA kernel of hip_src/cdna4_qmm.hip, x split into
+  layout runs the scaled-MFMA kernel of gpu_src/rocm/cdna4_qmm.hip, x split into
   E4M3 terms (jaxquant/ffi/_cdna4.py; docs/cdna4.md gives its numerics).
 """
 

@@ -1,5 +1,5 @@
 """qmm on CDNA4 (gfx950) for MXFP4 weights in the `cdna4` layout: the lowering
-that calls hip_src/cdna4_qmm.hip (target `jaxquant_cdna4_qmm`), and the split
+that calls gpu_src/rocm/cdna4_qmm.hip (target `jaxquant_cdna4_qmm`), and the split
 of x into the instruction's operand type (docs/cdna4.md).
 
 The scaled MFMA takes E4M3/E5M2/E3M2/E2M3/E2M1 operands, not bfloat16/float16.

@@ -2,19 +2,19 @@
 (`jq.prepack(qw)` on an NVIDIA GPU; jaxquant/layouts/cuda_mma.py) as lowerings
 of qmm, gather_qmm and ragged_qmm (x @ W.T).
 
-- The decode GEMV (hip_src/qmv_mma.h): qmm with at most MMA_MAX_M rows of x per
+- The decode GEMV (gpu_src/cuda/gemv_mma.h): qmm with at most MMA_MAX_M rows of x per
   weight matrix and every gather_qmm slot; the weight is read once for all of
   them (M = 1..16 cost about the same).
-- The prefill GEMM (hip_src/qmm_gemm.h): qmm with more rows (16-bit x) and
+- The prefill GEMM (gpu_src/cuda/qmm_gemm.h): qmm with more rows (16-bit x) and
   ragged_qmm, whose row blocks skip empty groups on the device. ragged_qmm with
   few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
-- The fused GEMVs (hip_src/qmv_mma.h, FUSE): rms_norm_qmm (the norm applied to x
+- The fused GEMVs (gpu_src/cuda/gemv_mma.h, FUSE): rms_norm_qmm (the norm applied to x
   as the block stages it) and qmm_swiglu (a block owns a gate tile and its up tile
   and writes the activation), with at most MMA_MAX_M rows of x, and
   gather_qmm_swiglu (the same epilogue on gather_qmm's slots, each with its
   expert's bias row); other cases of those ops run the unfused ops
   (jaxquant/ops/fused.py).
-- The layout's dequantize (hip_src/qmm_gemm.h) for `jq.dequantize` into a 16-bit
+- The layout's dequantize (gpu_src/cuda/qmm_gemm.h) for `jq.dequantize` into a 16-bit
   dtype and, under automatic choice, for qmm with more than
   configs.mma_gemm_max_m rows: the dequantized weight, then XLA's dot (cuBLAS).
 
@@ -42,9 +42,9 @@ from jaxquant.quantized_array import QuantizedArray
 TARGET = "jaxquant_qmv_mma"
 GEMM_TARGET = "jaxquant_qmm_gemm"
 DEQUANT_TARGET = "jaxquant_dequant_mma"
-FUSED_TARGET = "jaxquant_qmv_mma_fused"
+FUSED_TARGET = "jaxquant_gemv_mma_fused"
 MMA_MAX_M = 16  # rows of x per weight matrix: the MMA's N (8 or 16)
-# The fused GEMV (qmv_mma.h): its kinds, activations, and the most bytes of x the
+# The fused GEMV (gemv_mma.h): its kinds, activations, and the most bytes of x the
 # norm's block stages in shared memory (M x (K x bytes + 16); kMaxNormXSharedBytes).
 FUSE_NORM, FUSE_SWIGLU = 1, 2
 SWIGLU_ACTIVATION_IDS = {"silu": 0, "gpt_oss": 1}
@@ -60,7 +60,7 @@ _GEMM_X_DTYPES = _X_DTYPES[1:]
 def _operands(qw: QuantizedArray, dtype):
     """The weight's operands for a kernel whose x (or output) is `dtype`: float scales
     and biases go as float32 unless they are `dtype` (16-bit) already, the two dtypes
-    the kernels are built for (hip_src/qmv_mma.h, launch_p). The conversion is exact;
+    the kernels are built for (gpu_src/cuda/gemv_mma.h, launch_p). The conversion is exact;
     it is an extra small op per call, only for weights quantized in the other 16-bit
     dtype (or 16-bit ones with float32 x)."""
     data, scales, biases, gs = _qw_operands(qw)
@@ -84,7 +84,7 @@ def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
         x3, *_operands(qw3, x3.dtype), idx, **_format_attrs(qw3), dedupe=np.int64(dedupe))
 
 
-def qmv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_offset=0.0,
+def gemv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_offset=0.0,
                        activation="silu", limit=None, alpha=0.0, indices=None, dedupe=0):
     """The fused GEMV: x3 [Sx, M, K] with qw3 [E, N, K] in the cuda_mma layout.
     FUSE_NORM: rms_norm_qmm, aux the norm weight [K] or None -> [E, M, N];
@@ -203,7 +203,7 @@ def rms_norm_qmm_applies(x, norm_weight, qw, *, eps, weight_offset, precision, p
 
 def rms_norm_qmm_impl(x, norm_weight, qw, *, eps, weight_offset, precision, platform):
     m, n = _rows_per_matrix(x, qw), qw.shape[0]
-    y = qmv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), norm_weight,
+    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), norm_weight,
                            fuse=FUSE_NORM, eps=eps, weight_offset=weight_offset)
     return y.reshape(*x.shape[:-1], n)
 
@@ -215,7 +215,7 @@ def qmm_swiglu_applies(x, qw, bias, *, activation, limit, alpha, precision, plat
 
 def qmm_swiglu_impl(x, qw, bias, *, activation, limit, alpha, precision, platform):
     m, i = _rows_per_matrix(x, qw), qw.shape[0] // 2
-    y = qmv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), bias, fuse=FUSE_SWIGLU,
+    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), bias, fuse=FUSE_SWIGLU,
                            activation=activation, limit=limit, alpha=alpha)
     return y.reshape(*x.shape[:-1], i)
 
@@ -254,7 +254,7 @@ def gather_qmm_swiglu_applies(x, qw, indices, bias, *, activation, limit, alpha,
 def gather_qmm_swiglu_impl(x, qw, indices, bias, *, activation, limit, alpha, precision,
                            platform):
     x3, ids, dedupe = _gather_slots(x, qw, indices)
-    y = qmv_mma_fused_call(x3, qw, bias, fuse=FUSE_SWIGLU, activation=activation, limit=limit,
+    y = gemv_mma_fused_call(x3, qw, bias, fuse=FUSE_SWIGLU, activation=activation, limit=limit,
                            alpha=alpha, indices=ids, dedupe=dedupe)
     return y.reshape(*indices.shape, qw.shape[1] // 2)
 
@@ -283,13 +283,13 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
 
 def register(lib) -> None:
     """Register the CUDA library's kernels on the layout (their own handler symbols,
-    jq_gpu_qmv_mma, jq_gpu_qmv_mma_fused, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
+    jq_gpu_qmv_mma, jq_gpu_gemv_mma_fused, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
     every library lists)
     and their lowerings;
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
     (built before it existed) leaves everything as it was."""
     try:
-        # the handlers carry XLA's command-buffer trait (hip_src/qmv_mma.hip);
+        # the handlers carry XLA's command-buffer trait (gpu_src/cuda/gemv_mma.hip);
         # $JAXQUANT_CMD_BUFFER=0 registers the GEMV without it, for measurements
         plain = os.environ.get("JAXQUANT_CMD_BUFFER") == "0"
         fn = lib.handle.jq_gpu_qmv_mma_uncaptured if plain else lib.handle.jq_gpu_qmv_mma
@@ -301,7 +301,7 @@ def register(lib) -> None:
                       priority=PRIORITY)
     # the handlers a newer library adds: symbol, target, the kernels on it
     optional = (
-        ("jq_gpu_qmv_mma_fused", FUSED_TARGET,  # the fused GEMVs
+        ("jq_gpu_gemv_mma_fused", FUSED_TARGET,  # the fused GEMVs
          (("rms_norm_qmm", rms_norm_qmm_impl, rms_norm_qmm_applies, PRIORITY,
            configs.auto_fused("rms_norm_qmm")),
           ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY,

@@ -15,12 +15,12 @@ from same-run measurements (benchmarks/RESULTS.md).
   dequantize + XLA's dot, which wins once the weight's decode is amortized over
   enough rows.
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
-  runs qmm on a `cuda_mma` weight as the tensor-core GEMM (hip_src/qmm_gemm.h;
+  runs qmm on a `cuda_mma` weight as the tensor-core GEMM (gpu_src/cuda/qmm_gemm.h;
   above MMA_MAX_M); past it the layout's dequantize kernel, then XLA's dot
   (cuBLAS), is faster. mma.sync GEMM (GPUs other than compute capability 9.0),
   H100, (4096 -> 14336), affine4: M = 64 GEMM 76 us vs the reference (XLA's
   dequantize fusion + cuBLAS) 155 us; M = 512 454 vs 211; M = 4096 3356 vs 891.
-  MMA_GEMM_MAX_M_SM90: the same for the wgmma GEMM (hip_src/qmm_wgmma.h; compute
+  MMA_GEMM_MAX_M_SM90: the same for the wgmma GEMM (gpu_src/cuda/qmm_wgmma.h; compute
   capability 9.0, scales 4-byte aligned per tile: plan_gemm in qmm_gemm.h). H100,
   affine4 / mxfp4, GEMM vs dequantize + cuBLAS: M = 64 46-48 / 51-53 vs 67-84 us;
   M = 512 117 / 127 vs 168-171; M = 1024 238 / 250 vs ~240 (cuBLAS at 1024 rows
@@ -28,7 +28,7 @@ from same-run measurements (benchmarks/RESULTS.md).
 - RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
   rows runs as gather_qmm on the decode GEMV (each row a slot; up to
   ragged_gather_dedupe rows of one expert share a read); more rows take the GEMM.
-  256: the most slots the GEMV shares an expert's read over (hip_src/qmv_mma.hip;
+  256: the most slots the GEMV shares an expert's read over (gpu_src/cuda/gemv_mma.hip;
   past it every row would read its expert alone). H100, gpt-oss-20b experts (E = 32,
   top-4, mxfp4), 16 / 32 / 64 / 128 / 256 rows, GEMV vs wgmma GEMM, µs (2026-11-26,
   benchmarks/RESULTS.md "fifth session"): 2880 -> 5760 72 / 126 / 166 / 202 / 250 vs

@@ -1,5 +1,5 @@
 """The `cuda_mma` kernel layout: what the tensor-core decode GEMV reads
-(hip_src/qmv_mma.h; docs/decode.md describes it exactly).
+(gpu_src/cuda/gemv_mma.h; docs/decode.md describes it exactly).
 
 Within each [N, K] matrix, rows are cut into tiles of 16 and K into chunks of
 64. Tile t, chunk c is 32 "units" of 32 codes, one per lane of a warp, each a

@@ -1,4 +1,4 @@
-// Kernel-level A/B of the decode GEMV (qmv_mma.h): another revision's kernel
+// Kernel-level A/B of the decode GEMV (gemv_mma.h): another revision's kernel
 // (qmv_mma_old.h: that revision's header with its namespace renamed to mma_old, which
 // scripts/gpu_ab_decode.sh makes) against this tree's, alternating in one process,
 // both through their own launchers (PDL, grid, warps), back to back with one sync per

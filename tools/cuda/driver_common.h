@@ -12,7 +12,7 @@
 
 #include <cuda_runtime.h>
 
-#include "qmv_mma.h"  // jq::QmvProblem, the format and dtype ids, the GEMV's tiling
+#include "gemv_mma.h"  // jq::QmvProblem, the format and dtype ids, the GEMV's tiling
 
 #define CK(x)                                                                           \
   do {                                                                                  \

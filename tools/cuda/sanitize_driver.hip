@@ -1,5 +1,5 @@
-// A standalone driver of the hip_src/ kernels (no JAX), for compute-sanitizer:
-//   nvcc -x cu -std=c++17 -Iinclude -Ihip_src tools/cuda/sanitize_driver.hip \
+// A standalone driver of the gpu_src/ kernels (no JAX), for compute-sanitizer:
+//   nvcc -x cu -std=c++17 -Iinclude -Igpu_src/common -Igpu_src/cuda tools/cuda/sanitize_driver.hip \
 //        -L<lib dir> -ljaxquant_cuda -o sanitize_driver
 //   compute-sanitizer --tool memcheck --error-exitcode 9 ./sanitize_driver
 // It launches every kernel family on odd shapes (N not a multiple of the rows

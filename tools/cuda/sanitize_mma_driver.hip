@@ -1,7 +1,7 @@
 // A standalone driver of the tensor-core kernels on the cuda_mma layout, the
-// decode GEMV (qmv_mma.h) and the prefill GEMM (qmm_gemm.h), no JAX, for
+// decode GEMV (gemv_mma.h) and the prefill GEMM (qmm_gemm.h), no JAX, for
 // compute-sanitizer (scripts/gpu_check_decode.sh and gpu_check_prefill.sh run it):
-//   nvcc -x cu -std=c++17 -Iinclude -Ihip_src tools/cuda/sanitize_mma_driver.hip \
+//   nvcc -x cu -std=c++17 -Iinclude -Igpu_src/common -Igpu_src/cuda tools/cuda/sanitize_mma_driver.hip \
 //        -L<lib dir> -ljaxquant_cuda -o sanitize_mma_driver
 //   compute-sanitizer --tool memcheck --error-exitcode 9 ./sanitize_mma_driver
 // Random codes and scales (every bit pattern is a valid code) in buffers of the
@@ -235,9 +235,9 @@ static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64
   P.limit = 7.0f;
   P.alpha = 1.702f;
   const int nt = (ids ? dedupe : M) > 8 ? 2 : 1;
-  CK(c.x_dt == kF32   ? launch_qmv_mma_fused_f32(P, nt, fuse, 0)
-     : c.x_dt == kF16 ? launch_qmv_mma_fused_f16(P, nt, fuse, 0)
-                      : launch_qmv_mma_fused_bf16(P, nt, fuse, 0));
+  CK(c.x_dt == kF32   ? launch_gemv_mma_fused_f32(P, nt, fuse, 0)
+     : c.x_dt == kF16 ? launch_gemv_mma_fused_f16(P, nt, fuse, 0)
+                      : launch_gemv_mma_fused_bf16(P, nt, fuse, 0));
   q.N = out_n;  // (the launch has its copy) finish reads S x M x out_n outputs
   const Output y = finish(q);
   if (aux) cudaFree(aux);
@@ -318,7 +318,7 @@ int main() {
   for (int xi = 0; xi < 3; ++xi) {
     const int xd = xdts[xi];
     // fmt, bits, group, scale dtype (kXdt: x's own; the kernels read float scales as
-    // float32 or x's dtype, qmv_mma.h)
+    // float32 or x's dtype, gemv_mma.h)
     constexpr int kXdt = -1;
     const int cases[][4] = {{kAffine, 4, 64, kXdt}, {kAffine, 4, 32, kF32}, {kAffine, 3, 64, kXdt},
                             {kAffine, 8, 64, kXdt}, {kMxfp4, 4, 32, kU8},  {kMxfp6E2M3, 6, 32, kU8},

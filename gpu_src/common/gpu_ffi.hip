@@ -92,7 +92,7 @@ using GpuHandlers = Handlers<GpuPlatform, ffi::PlatformStream<hipStream_t>>;
 #if defined(JQ_PLATFORM_ROCM)
 namespace jq {
 namespace cdna4 {
-// hip_src/cdna4_qmm.hip (in the ROCm library only): the gfx950 MXFP4 qmm on the
+// gpu_src/rocm/cdna4_qmm.hip (in the ROCm library only): the gfx950 MXFP4 qmm on the
 // cdna4 layout; it validates its own operands.
 ffi::Error qmm_impl(hipStream_t stream, ffi::AnyBuffer xq, ffi::AnyBuffer xs, ffi::AnyBuffer w,
                     ffi::AnyBuffer ws, ffi::Result<ffi::AnyBuffer> y);

@@ -1,5 +1,5 @@
-// The fused GEMV for affine 2..8-bit weights (kernel: qmv_impl.h).
-#include "qmv_impl.h"
+// The fused GEMV for affine 2..8-bit weights (kernel: gemv_impl.h).
+#include "gemv_impl.h"
 
 namespace jq {
 namespace gpu {

@@ -1,5 +1,5 @@
-// The fused GEMV for the small-float formats: MXFP4/6/8, NVFP4, FP4 (kernel: qmv_impl.h).
-#include "qmv_impl.h"
+// The fused GEMV for the small-float formats: MXFP4/6/8, NVFP4, FP4 (kernel: gemv_impl.h).
+#include "gemv_impl.h"
 
 namespace jq {
 namespace gpu {

@@ -343,7 +343,7 @@ __device__ __forceinline__ void load_scale_pair(const void* base, int64_t pair, 
   raw[1] = load_raw(base, 2 * pair + 1, dt);
 }
 
-// acc += scale * q (+ bias' * xs) for one row, the scale kinds of apply_scale in qmv_impl.h.
+// acc += scale * q (+ bias' * xs) for one row, the scale kinds of apply_scale in gemv_impl.h.
 template <class C>
 __device__ __forceinline__ void scale_into(float& acc, float q, float xs, uint32_t sraw,
                                            uint32_t braw, int32_t sdt, float gsv, float magic) {
@@ -1507,7 +1507,7 @@ using GemvLaunch = FusedGemvLaunch<kFuseNone>;
 // and the scales' dtype SDT: uint8 codes, or for float-scale formats float32 or x's
 // own 16-bit dtype, nothing else. jaxquant/ffi/_mma.py converts other scales to
 // float32 (exact) before the call, and the handlers refuse a call with others
-// (qmv_mma.hip, check_scale_dtype). Serving every pair (bf16 scales with f16 x,
+// (gemv_mma.hip, check_scale_dtype). Serving every pair (bf16 scales with f16 x,
 // 16-bit scales with f32 x) built a third more affine kernels, a sixth of the build.
 template <class L, class C, int XDT, int NT, int P, class Pr>
 static hipError_t launch_p(const Pr& pr, hipStream_t stream) {
@@ -1563,7 +1563,7 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
 
 // One kernel a translation unit where CMake builds the library: CMakeLists.txt compiles
 // each qmv_mma_<family>_<dtype>.hip once per launcher it defines (JQ_MMA_PART =
-// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT) and each qmv_mma_fused_<family>_<dtype>.hip
+// JQ_MMA_GEMV, JQ_MMA_GEMM or JQ_MMA_DEQUANT) and each gemv_mma_fused_<family>_<dtype>.hip
 // once per variant (JQ_MMA_NORM, JQ_MMA_SWIGLU), so the longest compile, which bounds a
 // parallel build, is one kernel's (docs/building.md has the times). Without JQ_MMA_PART
 // a file defines all of them (the compile checks, a hand build).
@@ -1579,17 +1579,17 @@ static hipError_t launch_formats(const Pr& pr, int nt, hipStream_t stream) {
 #endif
 
 #define JQ_MMA_DECLARE(DT)                                                                   \
-  hipError_t launch_qmv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream);      \
-  hipError_t launch_qmv_mma_float_##DT(const Problem& pr, int nt, hipStream_t stream);       \
+  hipError_t launch_gemv_mma_affine_##DT(const Problem& pr, int nt, hipStream_t stream);      \
+  hipError_t launch_gemv_mma_float_##DT(const Problem& pr, int nt, hipStream_t stream);       \
   inline hipError_t launch_qmv_mma_##DT(const Problem& pr, int nt, hipStream_t stream) {      \
-    return pr.q.fmt == kAffine ? launch_qmv_mma_affine_##DT(pr, nt, stream)                   \
-                               : launch_qmv_mma_float_##DT(pr, nt, stream);                  \
+    return pr.q.fmt == kAffine ? launch_gemv_mma_affine_##DT(pr, nt, stream)                   \
+                               : launch_gemv_mma_float_##DT(pr, nt, stream);                  \
   }                                                                                           \
   hipError_t launch_qmv_mma_norm_affine_##DT(const Problem& pr, int nt, hipStream_t stream);  \
   hipError_t launch_qmv_mma_norm_float_##DT(const Problem& pr, int nt, hipStream_t stream);   \
   hipError_t launch_qmv_mma_swiglu_affine_##DT(const Problem& pr, int nt, hipStream_t stream);\
   hipError_t launch_qmv_mma_swiglu_float_##DT(const Problem& pr, int nt, hipStream_t stream); \
-  inline hipError_t launch_qmv_mma_fused_##DT(const Problem& pr, int nt, int fuse,            \
+  inline hipError_t launch_gemv_mma_fused_##DT(const Problem& pr, int nt, int fuse,            \
                                               hipStream_t stream) {                           \
     const bool affine = pr.q.fmt == kAffine;                                                  \
     if (fuse == kFuseNorm)                                                                    \
@@ -1603,7 +1603,7 @@ JQ_MMA_DECLARE(f16)
 JQ_MMA_DECLARE(f32)
 #undef JQ_MMA_DECLARE
 
-// A fused launcher (qmv_mma_fused_<family>_<dtype>.hip defines the norm and the SwiGLU
+// A fused launcher (gemv_mma_fused_<family>_<dtype>.hip defines the norm and the SwiGLU
 // one of its family and x dtype; CMake compiles the file once for each, JQ_MMA_NORM and
 // JQ_MMA_SWIGLU).
 #define JQ_MMA_FUSED_LAUNCHER(KIND, FUSE, FAMILY, DT, XDT, FORMATS)                          \

@@ -1,5 +1,5 @@
 // The kernels on the cuda_mma layout for the float formats with f16 activations:
-// the decode GEMV (qmv_mma.h), the prefill GEMM and the layout's dequantize
+// the decode GEMV (gemv_mma.h), the prefill GEMM and the layout's dequantize
 // (qmm_gemm.h). One translation unit per family and dtype, built in parallel.
 #include "qmm_gemm.h"
 
@@ -9,7 +9,7 @@ namespace gpu {
 namespace mma {
 
 #if JQ_MMA_BUILDS(JQ_MMA_GEMV)
-hipError_t launch_qmv_mma_float_f16(const Problem& pr, int nt, hipStream_t stream) {
+hipError_t launch_gemv_mma_float_f16(const Problem& pr, int nt, hipStream_t stream) {
   return launch_formats<GemvLaunch, kF16, kFloatFormats>(pr, nt, stream);
 }
 #endif

@@ -1,7 +1,7 @@
-// The tensor-core decode GEMV (qmv_mma.h): the float formats with f32 activations
+// The tensor-core decode GEMV (gemv_mma.h): the float formats with f32 activations
 // (one translation unit per family and dtype, built in parallel; the prefill GEMM
 // takes 16-bit activations only).
-#include "qmv_mma.h"
+#include "gemv_mma.h"
 
 #if defined(JQ_PLATFORM_CUDA)
 namespace jq {
@@ -9,7 +9,7 @@ namespace gpu {
 namespace mma {
 
 #if JQ_MMA_BUILDS(JQ_MMA_GEMV)
-hipError_t launch_qmv_mma_float_f32(const Problem& pr, int nt, hipStream_t stream) {
+hipError_t launch_gemv_mma_float_f32(const Problem& pr, int nt, hipStream_t stream) {
   return launch_formats<GemvLaunch, kF32, kFloatFormats>(pr, nt, stream);
 }
 #endif

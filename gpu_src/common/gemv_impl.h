@@ -243,7 +243,7 @@ static hipError_t launch_qmv_codec(const QmvProblem& p, const QmvConfig& c, hipS
 }
 
 // The GEMV for p's format, among the formats in FORMATS (a mask of format ids:
-// qmv_affine.hip and qmv_float.hip each build their share, in parallel).
+// gemv_affine.hip and gemv_float.hip each build their share, in parallel).
 template <uint32_t FORMATS>
 static hipError_t launch_qmv_of(const QmvProblem& p, const QmvConfig& c, hipStream_t stream) {
   hipError_t err = hipErrorInvalidValue;

@@ -221,7 +221,7 @@ hipError_t launch(const uint8_t* xq, const uint8_t* xs, const uint8_t* w, const 
 
 }  // namespace
 
-// jaxquant_cdna4_qmm (bound in hip_src/gpu_ffi.hip).
+// jaxquant_cdna4_qmm (bound in gpu_src/common/gpu_ffi.hip).
 ffi::Error qmm_impl(hipStream_t stream, ffi::AnyBuffer xq, ffi::AnyBuffer xs, ffi::AnyBuffer w,
                     ffi::AnyBuffer ws, ffi::Result<ffi::AnyBuffer> y) {
   using DT = ffi::DataType;
@@ -290,4 +290,4 @@ ffi::Error qmm_impl(hipStream_t stream, ffi::AnyBuffer xq, ffi::AnyBuffer xs, ff
 }  // namespace jq
 
 // The handler symbol jq_gpu_cdna4_qmm is defined with the ROCm library's other targets
-// (hip_src/gpu_ffi.hip: RocmHandlers, JQ_GPU_TARGETS).
+// (gpu_src/common/gpu_ffi.hip: RocmHandlers, JQ_GPU_TARGETS).

@@ -1,7 +1,7 @@
-// The fused decode GEMVs (qmv_mma.h, FUSE: rms_norm_qmm's norm prologue and
+// The fused decode GEMVs (gemv_mma.h, FUSE: rms_norm_qmm's norm prologue and
 // qmm_swiglu's epilogue) for the affine formats with bf16 activations (one
 // translation unit per family and dtype; CMake compiles it once per variant).
-#include "qmv_mma.h"
+#include "gemv_mma.h"
 
 #if defined(JQ_PLATFORM_CUDA)
 namespace jq {

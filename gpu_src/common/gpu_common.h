@@ -1,4 +1,4 @@
-// Device helpers shared by the hip_src/ kernels, and the launchers' declarations.
+// Device helpers shared by the gpu_src/ kernels, and the launchers' declarations.
 #pragma once
 
 #include <stdint.h>

@@ -1,4 +1,4 @@
-// The one portability header of hip_src/: kernels are written with HIP
+// The one portability header of gpu_src/: kernels are written with HIP
 // spellings; nvcc (CUDA) and clang/hipcc (ROCm) compile the same files.
 //
 //   JQ_WARP            warp/wavefront size in device code: 32 on NVIDIA and

@@ -1,6 +1,6 @@
 // The prefill GEMM on NVIDIA tensor cores (CUDA only, sm_80+): qmm with more
 // than 16 rows of x per weight matrix, and ragged_qmm, on the `cuda_mma`
-// layout of the decode GEMV (qmv_mma.h), whose decode, scales and MMA it uses:
+// layout of the decode GEMV (gemv_mma.h), whose decode, scales and MMA it uses:
 // one prepacked weight serves decode and prefill.
 //
 // A block computes 16 R rows of N (R warps along N; 8 / R warps split K) for
@@ -23,7 +23,7 @@
 // exist (as in lax.ragged_dot), a negative size is an empty group.
 #pragma once
 
-#include "qmv_mma.h"
+#include "gemv_mma.h"
 
 #if defined(JQ_PLATFORM_CUDA)
 
@@ -428,7 +428,7 @@ inline int gemm_row_tiles(int64_t tiles, int64_t row_blocks) {
   return 2;
 }
 
-// The launch policy of the format switches in qmv_mma.h (launch_affine / launch_float).
+// The launch policy of the format switches in gemv_mma.h (launch_affine / launch_float).
 struct GemmLaunch {
   template <class C, int XDT, int NT, int P, int SDT>
   static hipError_t run(const GemmProblem& pr, hipStream_t stream) {
@@ -453,7 +453,7 @@ struct DequantMmaLaunch {
   template <class C, int XDT, int NT, int P, int SDT>
   static hipError_t run(const GemmProblem& pr, hipStream_t stream) {
     if constexpr (XDT == kF32) {
-      return hipErrorInvalidValue;  // 16-bit outputs only (qmv_mma.hip refuses float32)
+      return hipErrorInvalidValue;  // 16-bit outputs only (gemv_mma.hip refuses float32)
     } else {
       const int64_t warps = pr.tiles * ((pr.chunks + kDequantChunks - 1) / kDequantChunks);
       dim3 grid((unsigned)((warps + 7) / 8), (unsigned)pr.q.E);

@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
 // past the end read as zeros (qmm_wgmma.hip).
 bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map);
 
-// The compile check's covering set (qmv_mma.h, kEveryVariant): every codec with 128
+// The compile check's covering set (gemv_mma.h, kEveryVariant): every codec with 128
 // rows of x per block, and the other block sizes with one of affine 4-bit's scale
 // variants (the block size changes the accumulators and the stages, not the scales).
 #if defined(JQ_MMA_COVERING_SET)
@@ -358,7 +358,7 @@ template <int P, int SDT>
 constexpr bool kWgEveryBlockSize = true;
 #endif
 
-// The launch policy of the format switches in qmv_mma.h, for this kernel with BN rows
+// The launch policy of the format switches in gemv_mma.h, for this kernel with BN rows
 // of x per block (qmm_wgmma.hip builds each BN in its own translation unit).
 template <int BN>
 struct WgmmaLaunch {

@@ -1,6 +1,6 @@
 // The FFI handlers of the kernels on the cuda_mma layout. CUDA only; the ROCm
 // build does not compile this file.
-//   jaxquant_qmv_mma (qmv_mma.h, the decode GEMV): the operands of jaxquant_qmv
+//   jaxquant_qmv_mma (gemv_mma.h, the decode GEMV): the operands of jaxquant_qmv
 //     with data, scales and biases in the cuda_mma layout (same shapes as
 //     canonical), plus `dedupe` (gather_qmm: up to that many slots sharing an
 //     expert read its weights once; 0: every slot alone).
@@ -10,8 +10,8 @@
 //     y [1, T, N].
 //   jaxquant_dequant_mma (qmm_gemm.h): data, scales, biases, global_scale ->
 //     w [..., N, K] (16-bit, canonical order), the values the GEMM multiplies.
-//   jaxquant_qmv_mma_fused (qmv_mma.h, FUSE): the decode GEMV with rms_norm_qmm's
-//     norm prologue or qmm_swiglu's epilogue (qmv_mma_fused_impl below).
+//   jaxquant_gemv_mma_fused (gemv_mma.h, FUSE): the decode GEMV with rms_norm_qmm's
+//     norm prologue or qmm_swiglu's epilogue (gemv_mma_fused_impl below).
 #include <string>
 
 #include "jq/ffi_common.h"
@@ -20,7 +20,7 @@
 namespace ffi = xla::ffi;
 
 // Float scales (and biases) must be float32 or x's own 16-bit dtype (for the
-// dequantize: the output's): the kernels are built for those alone (qmv_mma.h,
+// dequantize: the output's): the kernels are built for those alone (gemv_mma.h,
 // launch_p); jaxquant/ffi/_mma.py converts other scales to float32 before the call.
 [[maybe_unused]] static ffi::Error check_scale_dtype(const jq::QmvProblem& q, const char* x) {
   static const char* kNames[] = {"float32", "float16", "bfloat16"};
@@ -103,14 +103,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma, qmv_mma_impl,
                               bind_layout_kernel().Attr<int64_t>("dedupe"), JQ_CAPTURABLE);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma_uncaptured, qmv_mma_impl,
                               bind_layout_kernel().Attr<int64_t>("dedupe"));
-// jaxquant_qmv_mma_fused (qmv_mma.h, FUSE): the GEMV's operands, then `aux`, plus the
+// jaxquant_gemv_mma_fused (gemv_mma.h, FUSE): the GEMV's operands, then `aux`, plus the
 // fused op's attributes. fuse 1, rms_norm_qmm: no indices (slot s uses matrix s), aux =
 // the norm weight [K] or [0], y [S, M, N]; fuse 2, qmm_swiglu: N = 2I with I % 16 == 0,
 // y [S, M, I]; without indices aux = the bias [N] or [0]; with indices int32 [S]
 // (jq.gather_qmm_swiglu: slot s uses expert indices[s], M = 1, `dedupe` as
 // jaxquant_qmv_mma's) aux = the bias [E, N] or [0]. activation: 0 silu, 1 gpt_oss
 // (limit: its clamp, inf for none).
-static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
+static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
                                      ffi::AnyBuffer scales, ffi::AnyBuffer biases,
                                      ffi::AnyBuffer gs, ffi::AnyBuffer indices,
                                      ffi::AnyBuffer aux, ffi::Result<ffi::AnyBuffer> y,
@@ -180,9 +180,9 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
   P.limit = limit;
   P.alpha = alpha;
   const int kind = swiglu ? kFuseSwiglu : kFuseNorm;
-  JQ_LAUNCH_CHECK(q.x_dt == jq::kF32   ? launch_qmv_mma_fused_f32(P, nt, kind, stream)
-                  : q.x_dt == jq::kF16 ? launch_qmv_mma_fused_f16(P, nt, kind, stream)
-                                       : launch_qmv_mma_fused_bf16(P, nt, kind, stream),
+  JQ_LAUNCH_CHECK(q.x_dt == jq::kF32   ? launch_gemv_mma_fused_f32(P, nt, kind, stream)
+                  : q.x_dt == jq::kF16 ? launch_gemv_mma_fused_f16(P, nt, kind, stream)
+                                       : launch_gemv_mma_fused_bf16(P, nt, kind, stream),
                   "the fused tensor-core GEMV");
   return ffi::Error::Success();
 #else
@@ -192,7 +192,7 @@ static ffi::Error qmv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma_fused, qmv_mma_fused_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_gemv_mma_fused, gemv_mma_fused_impl,
                               jq::format_attrs(jq::ffi_rets<1>(jq::ffi_args<7>(
                                                    ffi::Ffi::Bind()
                                                        .Ctx<ffi::PlatformStream<hipStream_t>>())))
