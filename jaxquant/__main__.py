@@ -1,10 +1,12 @@
-"""python -m jaxquant [demo | report | eval | bench ...]
+"""python -m jaxquant [demo | report | generate | eval | bench ...]
 
 demo (default): a decoder on jaxquant, prefill + decode for bf16 and each
 quantized mode: tokens/s, weight bytes, logit difference from bf16
 (`python -m jaxquant demo --help`: --checkpoint, --mesh, --config, ...).
 report: the JAX devices and jaxquant backends here, and each format's
 quantize -> dequantize error on a standard normal matrix.
+generate --checkpoint DIR --prompt TEXT: text in, text out (the checkpoint's
+tokenizer and chat template, streamed; `python -m jaxquant generate --help`).
 eval --checkpoint DIR: perplexity, KL divergence and top-1 agreement of each
 quantized mode against the float model on a text (`python -m jaxquant eval --help`).
 bench ...: the benchmarks (`python -m jaxquant bench --help`).
@@ -86,6 +88,9 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "eval":
         from jaxquant import evaluate
         return evaluate.main(argv[1:])
+    if argv and argv[0] == "generate":
+        from jaxquant import generate
+        return generate.main(argv[1:])
     if argv and argv[0] == "report":
         if argv[1:] in (["-h"], ["--help"]):
             print(report.__doc__)

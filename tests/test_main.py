@@ -87,7 +87,9 @@ def test_report_prints_backends_and_one_error_row_per_mode():
 
 def test_command_line_help_and_unknown_command():
     p = run(["-m", "jaxquant", "--help"])
-    assert p.returncode == 0 and "python -m jaxquant [demo | report | eval | bench ...]" in p.stdout
+    assert p.returncode == 0 and "python -m jaxquant [demo | report | generate | eval | bench ...]" in p.stdout
+    p = run(["-m", "jaxquant", "generate", "--help"])
+    assert p.returncode == 0 and "--top-p" in p.stdout and "chat template" in p.stdout
     p = run(["-m", "jaxquant", "nonsense"])
     assert p.returncode == 2
     assert "unknown command 'nonsense'" in p.stderr and "demo (default)" in p.stderr

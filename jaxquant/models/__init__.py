@@ -3,11 +3,13 @@ MoE gpt-oss/Qwen3-MoE-style blocks in plain JAX, Hugging Face / MLX checkpoint
 loading, quantize-on-load, and tensor/expert-parallel sharding."""
 
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import (MODES, a8_params, decode, forward, fuse_params, generate, init_cache,
+from jaxquant.models.decoder import (MODES, a8_params, decode, forward, fuse_params, init_cache,
                                      init_params, prefill, prepack_params, quantize_params,
                                      stack_layers, unfuse_params, unstack_layers, weight_bytes)
+from jaxquant.models.sampling import GREEDY, Sampling, filter_logits, generate, sample
 from jaxquant.models import checkpoint, parallel  # models.checkpoint.load without its own import
 
-__all__ = ["Config", "MODES", "a8_params", "checkpoint", "decode", "forward", "from_hf", "fuse_params",
-           "generate", "init_cache", "init_params", "parallel", "prefill", "prepack_params",
-           "quantize_params", "stack_layers", "unfuse_params", "unstack_layers", "weight_bytes"]
+__all__ = ["Config", "GREEDY", "MODES", "Sampling", "a8_params", "checkpoint", "decode",
+           "filter_logits", "forward", "from_hf", "fuse_params", "generate", "init_cache",
+           "init_params", "parallel", "prefill", "prepack_params", "quantize_params", "sample",
+           "stack_layers", "unfuse_params", "unstack_layers", "weight_bytes"]

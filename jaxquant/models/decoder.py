@@ -537,18 +537,6 @@ def decode(cfg: Config, params, cache, token, start, steps: int, experts_by_laye
     return tokens.T, logits, cache
 
 
-def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=None):
-    """Greedy generation: prompt [B, S] -> [B, steps] new tokens (jit this whole);
-    mesh: forward's."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1; got {steps}")
-    _, cache, token = prefill(cfg, params, prompt, prompt.shape[1] + steps, experts_by_layer,
-                              mesh)
-    tokens, _, _ = decode(cfg, params, cache, token, prompt.shape[1], steps - 1,
-                          experts_by_layer, mesh)
-    return jnp.concatenate([token[:, None], tokens], axis=1)
-
-
 # ---------------------------------------------------------------------------
 # Parameters.
 
