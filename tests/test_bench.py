@@ -159,3 +159,32 @@ def test_import_jaxquant_leaves_bench_and_tools_out():
             "if m.startswith(('jaxquant.bench', 'jaxquant.tools'))))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
+
+
+def test_json_out_writes_each_row_as_data_and_merges(tmp_path, capsys, skip_copy_timing):
+    """--json-out: one entry per table row (the labels as the key, the measurements as
+    values, the command, GPU, jax version and date); a second run replaces the rows it
+    measured again and keeps the others."""
+    import json
+
+    import jax
+
+    path = tmp_path / "cpu" / "qmm.json"
+    _run(["qmm", "--shapes", "1,64,128", "--modes", "affine4", "--json-out", str(path), *FAST],
+         capsys)
+    first = json.loads(path.read_text())["entries"]
+    keys = [e["key"] for e in first]
+    assert keys == sorted(keys) and len(keys) == 3, keys
+    ffi = next(e for e in first if e["key"].endswith("impl=ffi"))
+    assert ffi["key"] == "qmm: M, K, N=1, 64, 128 / mode=affine4 / impl=ffi"
+    assert isinstance(ffi["values"]["µs"], float) and ffi["values"]["µs"] > 0
+    assert ffi["command"] == ("python -m jaxquant bench qmm --shapes 1,64,128 --modes affine4 "
+                              + " ".join(FAST))
+    assert ffi["gpu"] == jax.devices()[0].device_kind and ffi["jax"] == jax.__version__
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", ffi["date"])
+    assert len(path.read_text().splitlines()) == 2 + len(keys)  # one entry per line
+    _run(["qmm", "--shapes", "2,64,128", "--modes", "affine4", "--json-out", str(path), *FAST],
+         capsys)
+    second = {e["key"]: e for e in json.loads(path.read_text())["entries"]}
+    assert len(second) == 6 and set(keys) <= set(second)
+    assert "qmm: M, K, N=2, 64, 128 / mode=affine4 / impl=ffi" in second

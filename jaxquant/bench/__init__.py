@@ -64,7 +64,13 @@ def main(argv=None, out=print) -> int:
     args = p.parse_args(argv)
     harness.check_common(p, args)
     scenario = importlib.import_module(SCENARIOS[args.scenario]).SCENARIO
-    rows, bw = scenario["run"](args, out)
+    recorder = harness.TableRecorder(out) if args.json_out else None
+    rows, bw = scenario["run"](args, recorder or out)
+    if recorder is not None:
+        command = "python -m jaxquant bench " + " ".join(
+            a for a in argv if not a.startswith("--json-out") and a != args.json_out)
+        n = harness.write_json(args.json_out, recorder.records(args.scenario), command)
+        harness.progress(f"{args.json_out}: {n} entries")
     if args.plot:
         harness.plot(rows, bw, args.plot, scenario["xlabel"])
         harness.progress(f"plot written to {args.plot}")

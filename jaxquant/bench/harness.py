@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -301,9 +305,18 @@ def common_options(parser, *, copies, iters, target_ms):
     g.add_argument("--interpret", action="store_true",
                    help="also time the Pallas kernels in interpret mode where there is no GPU "
                         "(slow; rows labelled 'pallas (interpret)'; checks, not speed)")
+    json_out_option(g)
     g.add_argument("--plot", metavar="FILE", default=None,
                    help="also draw time vs size per implementation with the copy-bandwidth "
                         "bound into FILE (.png, .svg, .pdf; needs matplotlib)")
+
+
+def json_out_option(group):
+    """--json-out FILE: the tables as data (write_json)."""
+    group.add_argument("--json-out", metavar="FILE", default=None,
+                       help="also merge every table row into FILE (benchmarks/<device>/<op>.json, "
+                            "benchmarks/README.md): one entry per row with its command, GPU, "
+                            "jax version and date; a row whose key is there replaces it")
 
 
 def check_common(parser, args):
@@ -324,3 +337,75 @@ def pallas_label(interpret: bool) -> str | None:
     if not on_cpu():
         return "pallas"
     return "pallas (interpret)" if interpret else None
+
+
+# ---------------------------------------------------------------------------
+# Results as data (--json-out; benchmarks/README.md describes the files).
+
+_MEASURED = re.compile(r"\d\.\d|%|\dx\b")
+
+
+class TableRecorder:
+    """An `out` that passes every line on and keeps the markdown tables printed through
+    it, each as (header, rows of cells)."""
+
+    def __init__(self, out):
+        self.out, self.tables, self._open = out, [], False
+
+    def __call__(self, line=""):
+        self.out(line)
+        for text in str(line).splitlines() or [""]:
+            text = text.strip()
+            if not (text.startswith("|") and text.endswith("|")):
+                self._open = False
+                continue
+            cells = [c.strip().strip("*") for c in text.strip("|").split("|")]
+            if not self._open:
+                self.tables.append((cells, []))
+                self._open = True
+            elif not all(set(c) <= set("-: ") for c in cells):
+                self.tables[-1][1].append(cells)
+
+    def records(self, scenario: str) -> list[dict]:
+        """One {"key", "values"} per table row. The key is the scenario and the row's
+        leading label columns (those whose cells hold no measurement: no decimal, %, or
+        ratio), the values the other columns (numbers where a cell is one)."""
+        out = []
+        for header, rows in self.tables:
+            n_key = next((i for i in range(len(header))
+                          if any(i < len(r) and _MEASURED.search(r[i]) for r in rows)), len(header))
+            for r in rows:
+                if not any(r[n_key:]):
+                    continue
+                key = " / ".join(f"{h}={c}" for h, c in zip(header[:n_key], r) if c)
+                values = {h: _number(c) for h, c in zip(header[n_key:], r[n_key:]) if c}
+                out.append({"key": f"{scenario}: {key}", "values": values})
+        return out
+
+
+def _number(cell: str):
+    try:
+        return float(cell)
+    except ValueError:
+        return cell
+
+
+def write_json(path: str, records: list[dict], command: str) -> int:
+    """Merge `records` into the JSON file at `path` (created if absent): each entry gets
+    the command, the GPU, the jax version and today's date; an entry whose key is already
+    there replaces it. One entry per line, sorted by key. Returns the entry count."""
+    import jax
+
+    stamp = {"command": command, "gpu": jax.devices()[0].device_kind,
+             "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+    entries = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            entries = {e["key"]: e for e in json.load(f)["entries"]}
+    for r in records:
+        entries[r["key"]] = {**r, **stamp}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    lines = [json.dumps(entries[k], ensure_ascii=False) for k in sorted(entries)]
+    with open(path, "w") as f:
+        f.write('{"entries": [\n' + ",\n".join(lines) + "\n]}\n")
+    return len(entries)

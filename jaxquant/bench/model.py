@@ -650,6 +650,7 @@ def add_arguments(parser, cpu):
                         "(repeatable: one row per variant; write it with '=', e.g. "
                         "--xla-flags=--xla_gpu_enable_command_buffer=)")
     g.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    harness.json_out_option(g)
     # what the other scenarios' shared options would set (bench.main checks them)
     parser.set_defaults(copies=8, target_ms=1.0, plot=None, interpret=False)
 
