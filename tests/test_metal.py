@@ -61,7 +61,7 @@ def _quantize(mode, bits, group, shape, key, dtype=np.float32):
 def metal(tmp_path_factory):
     if shim.cxx() is None:
         pytest.skip("no C++ compiler for the MSL-on-CPU shim")
-    # the root shared by this session's pytest-xdist workers: the library is built once
+    # the root shared by this pytest run's xdist workers: the library is built once
     return shim.MetalOnCpu(shim.build_cached(tmp_path_factory.getbasetemp().parent))
 
 

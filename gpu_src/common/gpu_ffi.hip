@@ -43,8 +43,8 @@ namespace gpu {
 // ("R,THREADS") overrides the rows per warp for M = 1 (benchmark sweeps); the
 // accumulation order does not depend on it.
 QmvConfig qmv_config(const QmvProblem& p) {
-  // M = 1: 4 rows per warp in 128-thread blocks (H100, (4096, 14336): 26-27 µs against
-  // 29-32 µs for 256 threads; benchmarks/h100_ffi_gemv_sweep.txt).
+  // M = 1: 4 rows per warp in 128-thread blocks, faster than 256 threads at (4096, 14336)
+  // on an H100 (benchmarks/h100/qmm.json `qmm.ffi_gemv.*`).
   QmvConfig c{1, 4, 128};
   if (p.M > 1) {
     c = QmvConfig{8, 1, 256};

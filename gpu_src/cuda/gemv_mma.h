@@ -24,7 +24,7 @@
 //     apart (code_pair), then as above (affine exact, no fold);
 //   FP8 (sm_89+): cvt.rn.f16x2.e4m3x2 / e5m2x2 per register (to bf16 via float32);
 //   affine 8-bit: the codec's exact float decode and one F2FP pack per pair.
-// The kernel is issue-bound (benchmarks/RESULTS.md, "Tenth session"): instructions
+// The kernel is issue-bound (ncu: issue slots busy, few memory stalls): instructions
 // per weight byte decide its speed. Scales are applied once per group (per chunk for
 // group 128) to the MMA's group sum: exactly, as a power of two, for E8M0; E4M3
 // (nvfp4, sm_89+) converted a pair of rows at a time. sum(x) per group (affine)

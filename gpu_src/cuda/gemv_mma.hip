@@ -95,7 +95,7 @@ static auto bind_layout_kernel() {
 // XLA's stream (no sync, no allocation, no host read of device data), so XLA records
 // them into the CUDA graph it replays instead of calling them on every execution: an
 // XLA FFI call costs ~12-20 us of host time otherwise, against ~6 us for one replayed
-// in the graph (H100, benchmarks/h100_decode4_ffi_host_cost.txt; docs/decode.md).
+// in the graph (H100, benchmarks/h100/decode.json `ffi_host_cost.*`; docs/decode.md).
 // jq_gpu_qmv_mma_uncaptured, the same handler without the trait, is what
 // $JAXQUANT_CMD_BUFFER=0 registers (for measurements).
 #define JQ_CAPTURABLE {ffi::Traits::kCmdBufferCompatible}

@@ -61,15 +61,11 @@ class PermutedMatrix(NamedTuple):
 
 
 # A float matrix at decode goes through the Pallas float GEMV (jq.gather_matmul with the
-# matrix as its one expert) on a GPU where XLA's dot was measured slower. H100, bf16,
-# batch 1, µs per product inside the models' decode step (profiles, 2026-11-27,
-# benchmarks/RESULTS.md, thirteenth session), XLA / Pallas: gpt-oss q/k/v 2880 -> 5120
-# 28.1 / 13.1, Llama q/k/v 4096 -> 6144 20.4 / 20.0, gate+up 4096 -> 28672 82.4 / 79.7;
-# XLA stays where it was as fast or faster: the o projections (N <= 4096: gpt-oss
-# 4096 -> 2880 11.0 / 12.3, Llama 4096 -> 4096 14.5 / 14.8), K >= 8192 (Llama's down
-# 14336 -> 4096, alone 45.9 / 48.6), the router (N = 32) and the heads (N >= 128k, XLA at
-# 96-99% of copy). Whole model, one process: gpt-oss-20b 262.6 -> 286.8 tok/s, Llama-3-8B
-# 166.7 -> 169.1.
+# matrix as its one expert) on a GPU where XLA's dot was measured slower inside the
+# models' decode step: N >= 5120 with K < 8192 (q/k/v, gate+up). XLA stays where it was
+# as fast or faster: the o projections (N <= 4096), K >= 8192 (Llama's down), the router
+# (N = 32) and the heads (N >= 128k, XLA at 96-99% of copy). benchmarks/h100/decode.json
+# `float_gemv.*` (per matrix, in the model, whole model).
 FLOAT_GEMV = dict(max_rows=8, min_n=5120, max_n=32768, max_k=8192)
 
 

@@ -41,8 +41,8 @@ def sorted_search(sorted_ends, values):
     """jnp.searchsorted(sorted_ends, values, side="right") as one [len(values), E]
     comparison and a sum. The default method lowers to a while loop, and a while loop on
     a GPU waits for the host at every trip: ragged_qmm's row-to-expert map on the
-    cuda_mma GEMV spent about 140 µs a call on it at E = 32 (H100, benchmarks/RESULTS.md,
-    fifth session) for products of 20-50 µs."""
+    cuda_mma GEMV spent about 140 µs a call on it at E = 32 for products of 20-50 µs
+    (benchmarks/h100/moe.json `ragged_qmm.sorted_search.*`)."""
     return jnp.searchsorted(sorted_ends, values, side="right", method="compare_all")
 
 

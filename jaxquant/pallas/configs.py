@@ -52,7 +52,7 @@ GEMV_MAX_M = {"cuda": 4, "rocm": 4, "interpret": 4}
 MIN_PROGRAMS = {"cuda": 4 * 132, "rocm": 2 * 304, "interpret": 1}
 MIN_BLOCK_N = 8
 
-# (transpose, shape class) -> config, tuned on an H100 (benchmarks/RESULTS.md).
+# (transpose, shape class) -> config, tuned on an H100 (benchmarks/h100/qmm.json `qmm.pallas.*`).
 _CUDA: dict[tuple[bool, str], KernelConfig] = {
     (True, "gemv"): KernelConfig("gemv", block_n=32, k_words=32, num_warps=4, num_stages=3),
     (True, "skinny"): KernelConfig("gemm", block_m=16, block_n=64, k_words=32, swap_ab=True,
@@ -149,12 +149,10 @@ class FloatGemvConfig:
         return dataclasses.replace(self, **kw)
 
 
-# cuda: from scripts/gpu_gather_matmul_sweep.py on an H100 (2026-11-26; gpt-oss-20b
-# experts, bf16, K=2880; µs for gate_up N=5760 T=1/T=8, down N=2880 T=1/T=8):
-# block_n=8, block_k=256, 4 warps 53.8/271/32.5/143 (83/87/69/83% of copy bandwidth),
-# the best or within 6% of the best at each shape; the earlier default (block_n=32,
-# min_programs=528) 59.0/312/33.3/161. Wider blocks with block_k=512 spill (up to 40x
-# slower). rocm: not tuned (a [32, 256] bf16 tile, 2 programs per MI300X CU).
+# cuda: the best or within 6% of the best of a block sweep at gpt-oss-20b's bf16 experts
+# (tools/gpu/gather_matmul_sweep.py; benchmarks/h100/moe.json `gather_matmul.*`: 69-87%
+# of the copy bandwidth, faster than block_n=32 with min_programs=528 at every shape).
+# Wider blocks with block_k=512 spill (up to 40x slower). rocm: not tuned (a [32, 256] bf16 tile, 2 programs per MI300X CU).
 # interpret (CPU tests): small blocks, so that test shapes go through several row
 # blocks and K steps with masked tails.
 FLOAT_GEMV_CONFIGS: dict[str, FloatGemvConfig] = {
@@ -185,11 +183,11 @@ class FloatGemmConfig:
         return dataclasses.replace(self, **kw)
 
 
-# (most mean rows per expert, config), first match. cuda: an H100 sweep (2026-11-27,
-# benchmarks/RESULTS.md thirteenth session; gpt-oss-20b experts E = 32, K = 2880, bf16;
-# block_m 64/128 x block_n 128/256 x 4/8 warps x 3/4 stages): 64 rows per expert (2048
-# rows) best at 64 x 128, 4 warps, 3 stages (gate+up 514 µs, down 279; the rest within
-# 6-10%); 128 rows per expert best at 128 x 128 (643 / 360 µs, 4 or 8 warps within 2%).
+# (most mean rows per expert, config), first match. cuda: an H100 sweep over gpt-oss-20b's
+# bf16 experts (E = 32, K = 2880; block_m 64/128 x block_n 128/256 x 4/8 warps x 3/4
+# stages; benchmarks/h100/moe.json `ragged_matmul.*`): 64 rows per expert best at 64 x
+# 128, 4 warps, 3 stages (the rest within 6-10%); 128 rows per expert best at 128 x 128
+# (4 or 8 warps within 2%).
 # 32-row tiles below 32 rows per expert: not measured (half of a 64-row tile would be
 # padding there). rocm: the cuda table (not tuned); interpret (CPU tests): small blocks,
 # so test shapes go through several tiles, N blocks and K steps with masked tails.
@@ -291,13 +289,13 @@ PRIORITY = 0
 
 # qmm: the GEMV/skinny cases (M <= 16, x @ W.T), where the kernels beat the jnp
 # reference 2-7x on an H100; at M >= 512 the tiled GEMM is slower than the
-# reference (benchmarks/RESULTS.md), so `auto` leaves it to XLA. gather_qmm (2-10x)
+# reference (benchmarks/h100/qmm.json `qmm.pallas.*`), so `auto` leaves it to XLA. gather_qmm (2-10x)
 # and ragged_qmm (prefill, 11-28x) win in every measured case: no rule.
 AUTO_QMM_MAX_M = 16
 
 # Norms: on an H100 the kernels beat XLA's fused reference from about a million
 # elements (1.01-1.25x at 4096x4096, 4096x5376, 32768x128) and lose below (0.8-1.06x
-# at 1x4096 and 64x4096, where launch cost dominates): benchmarks/RESULTS.md.
+# at 1x4096 and 64x4096, where launch cost dominates): benchmarks/h100/norm.json.
 AUTO_NORM_MIN_ELEMENTS = 1 << 20
 
 
@@ -311,8 +309,8 @@ def auto_norm(x, *operands, platform, **params) -> bool:
 
 # Decode attention: where automatic choice takes the kernel, per platform: at most
 # `max_t` query positions per sequence (None: any) and caches of at least `min_s`
-# positions. Not measured yet: every case the kernel takes; the lead's H100 run of
-# scripts/gpu_attention_bench.py sets these.
+# positions. Every case the kernel takes until tools/gpu/attention_bench.py shows a
+# case where the reference is faster (benchmarks/h100/decode.json `attention.decode.*`).
 AUTO_ATTENTION = {"cuda": dict(max_t=None, min_s=0), "rocm": dict(max_t=None, min_s=0)}
 
 
