@@ -17,7 +17,7 @@
   M = 1, synced per step as a generation loop is), unrolled and as a lax.scan
   over the stacked layers, against bf16 dense.
 
-Method as `python -m jaxquant bench qmm` (benchmarks/RESULTS.md): every timed
+Method as `python -m jaxquant bench qmm` (docs/measuring.md): every timed
 call does `copies` products on distinct weights (more bytes than L2), median of
 samples. Needs a CUDA GPU with the CUDA library (the kernel and the layout).
 """

@@ -18,7 +18,7 @@
   "copy time" is the used experts' bytes at the copy bandwidth of the run.
 
 Method as the other scenarios: every timed call does `copies` products on
-distinct weights, median of samples (benchmarks/RESULTS.md).
+distinct weights, median of samples (docs/measuring.md).
 """
 
 from __future__ import annotations
