@@ -1,4 +1,4 @@
-// Shared MSL helpers of the Metal kernels: element codecs (DESIGN of docs/formats.md:
+// Shared MSL helpers of the Metal kernels: element codecs (docs/formats.md:
 // E2M1, E8M0, affine), the parameter blocks the bridge (metal_ffi.mm) fills, and the
 // threadgroup reduction. Also compiled as C++ by the CPU shim (tests/metal_shim/), so:
 // no threadgroup pointers outside kernel bodies except through template parameters.

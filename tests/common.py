@@ -82,7 +82,7 @@ def assert_matmul_close(y, x, w64, dtype, transpose=True):
 
 
 def rms64(x, w=None, eps=1e-6, off=0.0, group=None):
-    """The float64 RMSNorm of DESIGN.md §4 (per group of `group` along the last axis)."""
+    """The float64 RMSNorm of docs/ops.md (per group of `group` along the last axis)."""
     x = np.asarray(x, np.float64)
     xs = x.reshape(*x.shape[:-1], -1, group) if group else x
     y = (xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps)).reshape(x.shape)

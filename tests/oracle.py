@@ -1,6 +1,6 @@
-"""An independent float64 numpy oracle for the formats of DESIGN.md §3.
+"""An independent float64 numpy oracle for the formats of docs/formats.md.
 
-Written from the text of DESIGN.md only: it does not import jaxquant and does
+Written from the text of docs/formats.md only: it does not import jaxquant and does
 not share its algorithms. Element values are built from the bit definitions,
 encoding searches the table of finite values, packing walks the bit stream
 one bit at a time, and the quantize rules are modelled step by step in the
@@ -157,7 +157,7 @@ def encode_element(x, name: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
-# The little-endian bit stream of DESIGN.md §3, bit by bit.
+# The little-endian bit stream of docs/formats.md, bit by bit.
 
 
 def pack_bits(codes, bits: int) -> np.ndarray:

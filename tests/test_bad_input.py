@@ -1,4 +1,4 @@
-"""Bad input to quantize / dequantize / QuantizedArray (DESIGN.md §2): rejected at
+"""Bad input to quantize / dequantize / QuantizedArray (docs/ops.md): rejected at
 trace time with ValueError / TypeError whose message names the argument (and,
 where there is one, the offending value)."""
 
@@ -254,7 +254,7 @@ def test_qa_global_scale_shape():
 @pytest.mark.parametrize("gs", ["abc", np.int32(1), np.array([1], np.int64).reshape(()),
                                 np.complex64(1)])
 def test_qa_global_scale_not_float(gs):
-    """global_scale is a float32 multiplier (DESIGN.md §3)."""
+    """global_scale is a float32 multiplier (docs/formats.md)."""
     with pytest.raises((TypeError, ValueError), match=r"global_scale"):
         QA(D16, S16, None, gs, mode="nvfp4", bits=4, group_size=16, dtype=np.float32)
 

@@ -185,12 +185,12 @@ def test_applies_only_to_the_cdna4_layout_on_gfx950(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.toolchain
 def test_gfx950_compile_has_the_scaled_mfma():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "tools" / "toolchain"))
     import cdna4_compile_check as ccc  # noqa: PLC0415
     clang, why = ccc.find_toolchain()
     if clang is None:
         pytest.skip(why)
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "cdna4_compile_check.py")],
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "toolchain" / "cdna4_compile_check.py")],
                        capture_output=True, text=True, cwd=ROOT, timeout=900)
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     if p.returncode == 3:

@@ -3,7 +3,7 @@ cuda_mma layout: every mode and activation dtype against the float64 oracle
 (M = 1..16, N with a canonical tail, K at group granularity), gather_qmm with
 repeated experts (read once), bad ids (NaN rows), gather == qmm bit for bit,
 `auto` picking it, and a lax.scan over stacked prepacked layers. Skipped
-without a CUDA GPU and library (scripts/gpu_check_decode.sh runs it)."""
+without a CUDA GPU and library (tools/gpu/check_decode.sh runs it)."""
 
 from __future__ import annotations
 

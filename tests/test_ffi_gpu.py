@@ -1,7 +1,7 @@
 """The ffi backend on an NVIDIA (or AMD) GPU: the gpu_src/ kernels against the
 float64 oracle and the reference, the gather_qmm == qmm invariant bit for bit,
 NaN rows, the norms, and the handlers' validation. Skipped without a GPU or
-without the GPU library (scripts/gpu_check_ffi.sh runs it, also under
+without the GPU library (tools/gpu/check_ffi.sh runs it, also under
 compute-sanitizer)."""
 
 from __future__ import annotations

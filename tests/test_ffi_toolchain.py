@@ -1,6 +1,6 @@
-"""Compile checks of gpu_src/ for the GPUs CI has no device for (DESIGN.md §5):
+"""Compile checks of gpu_src/ for the GPUs CI has no device for (docs/design.md §5):
 ROCm (gfx90a, gfx942, gfx950 where the compiler knows it, gfx1100, gfx1201)
-with clang + the HIP headers (scripts/install_hip_toolchain.sh), and CUDA
+with clang + the HIP headers (tools/toolchain/install_hip_toolchain.sh), and CUDA
 (sm_80, sm_90, sm_90a) with nvcc. Each skips, with the reason, where its compiler
 is absent."""
 
@@ -18,7 +18,7 @@ import pytest
 import jaxquant.ffi as jf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "native_compile_check.py"
+SCRIPT = ROOT / "tools" / "toolchain" / "native_compile_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import native_compile_check as ncc  # noqa: E402
 
@@ -34,7 +34,7 @@ def _run(target, *args):
 
 @pytest.mark.slow
 @pytest.mark.skipif(ncc.find_clang() is None or not ncc.hip_headers_present(),
-                    reason="no clang++ with the HIP headers: run scripts/install_hip_toolchain.sh "
+                    reason="no clang++ with the HIP headers: run tools/toolchain/install_hip_toolchain.sh "
                            "(clang-19, lld-19, libamdhip64-dev)")
 def test_rocm_compile():
     rc, summary, log = _run("rocm")
@@ -114,7 +114,7 @@ def test_cuda_source_compiles(source, tmp_path):
     (gpu_src/cuda/gemv_mma.h, kEveryVariant, kBuiltForX; about a fifth of the time of every
     variant, docs/building.md); through ptxas at -O0 for ncc.PTXAS_FILES, to PTX for
     the others. sm_80 differs by two `__CUDA_ARCH__ >= 900` guards; `python
-    scripts/native_compile_check.py cuda --every-variant` compiles both archs and every
+    tools/toolchain/native_compile_check.py cuda --every-variant` compiles both archs and every
     variant through ptxas. Where the library was built, its build compiled every
     source (test_cuda_library_compiled checks it)."""
     if _cuda_library() is not None:
@@ -144,4 +144,4 @@ def test_ptxas_sees_every_inline_ptx_form():
     unchecked = {s: sorted(_ASM_FORMS[s] - checked) for s in CUDA_SOURCES
                  if _ASM_FORMS[s] - checked}
     assert not unchecked, f"inline PTX that ptxas does not see: {unchecked} (add a source " \
-                          f"that instantiates it to PTXAS_FILES, scripts/native_compile_check.py)"
+                          f"that instantiates it to PTXAS_FILES, tools/toolchain/native_compile_check.py)"

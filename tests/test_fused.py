@@ -39,7 +39,7 @@ def matmul_bound(x64, w64, dtype):
 
 
 def swiglu64(gate, up, activation, limit=None, alpha=1.702):
-    """float64 act(gate, up) (DESIGN.md §4's composition) and |d act / d gate|,
+    """float64 act(gate, up) (docs/ops.md's composition) and |d act / d gate|,
     |d act / d up| bounds for the error propagation."""
     sig = lambda v: 1 / (1 + np.exp(-v))
     if activation == "silu":

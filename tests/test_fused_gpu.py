@@ -4,7 +4,7 @@ ops (to rounding) and the float64 oracle, every mode x float32/float16/bfloat16 
 M in {1, 2, 8, 16}; gather_qmm_swiglu's on gather slots (bad ids, dedupe, a bias row
 per expert); the cases the kernel does not take (I not a multiple of 16, more
 than 16 rows, x too large to stage) run the unfused kernels; the handler's checks.
-Skipped without a CUDA GPU and library (scripts/gpu_check_decode.sh runs it)."""
+Skipped without a CUDA GPU and library (tools/gpu/check_decode.sh runs it)."""
 
 from __future__ import annotations
 

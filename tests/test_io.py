@@ -1,7 +1,7 @@
 """Importers / exporters of jaxquant.io against independent decoders.
 
 Every format is decoded here a second time, from its own definition, with a
-small float64 decoder written from DESIGN.md §3 (and from ggml's and
+small float64 decoder written from docs/formats.md (and from ggml's and
 transformers' code for their formats), and compared with jq.dequantize of the
 imported QuantizedArray. Round trips are checked bit for bit both ways.
 """

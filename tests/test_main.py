@@ -64,7 +64,7 @@ def test_report_prints_backends_and_one_error_row_per_mode():
     for platform in ("cpu", "cuda", "rocm"):
         assert re.search(rf"^    library {platform}\s+(loaded from \S+|\S.*)$", p.stdout, re.M)
     assert re.search(r"^    library cpu\s+loaded from \S+libjaxquant_cpu", p.stdout, re.M)
-    # mode bits group bits/weight rel.error max-abs-err ms: one row per mode of DESIGN §3
+    # mode bits group bits/weight rel.error max-abs-err ms: one row per mode of docs/formats.md
     rows = {}
     for line in lines:
         m = re.fullmatch(r"(\w+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",

@@ -484,7 +484,7 @@ def test_jq_qmm_on_metal(metal_backend, mode, group):
 
 def test_jq_gather_qmm_on_metal(metal_backend):
     """Expert ids read on the GPU; ids outside [0, E) give NaN rows; every slot equals
-    qmm on its expert bit for bit (DESIGN: one inner routine)."""
+    qmm on its expert bit for bit (docs/ops.md's gather_qmm invariant: one inner routine)."""
     qw = _quantize("mxfp4", None, 32, (4, 16, 64), 160)
     x = _np(rand(161, (3, 64)))
     idx = jnp.array([[0, 3], [-1, 2], [4, 1]], jnp.int32)

@@ -1,4 +1,4 @@
-"""The ops (DESIGN.md §4) on the reference backend against the float64 oracle,
+"""The ops (docs/ops.md) on the reference backend against the float64 oracle,
 under jit, vmap, scan, grad and x64."""
 
 import sys
@@ -501,7 +501,7 @@ def test_ragged_qmm_vmap_over_weights():
 
 
 # ---------------------------------------------------------------------------
-# norms (float64 numpy oracle written here from DESIGN.md §4)
+# norms (float64 numpy oracle written here from docs/ops.md)
 
 
 @pytest.mark.parametrize("width", [1, 7, 64, 128, 256, 1000, 5376])
@@ -537,7 +537,7 @@ def test_add_rms_norm(dtypes):
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("group_size", [None, 64])
 def test_gated_rms_norm(activation, norm_before_gate, group_size):
-    x = rand(0, (5, 256), jnp.float32)  # float32 x with bf16 gate/weight (DESIGN §4)
+    x = rand(0, (5, 256), jnp.float32)  # float32 x with bf16 gate/weight (docs/ops.md)
     gate, w = rand(1, (5, 256), jnp.bfloat16), rand(2, (256,), jnp.bfloat16)
     y = jax.jit(jq.gated_rms_norm, static_argnames=("activation", "norm_before_gate",
                                                     "group_size"))(
@@ -576,7 +576,7 @@ def test_norms_vmap_and_grad():
 
 
 def _rms_ref(h, w, eps, off, group=None):
-    """Plain float32 jnp RMSNorm (DESIGN.md §4), the gradients' reference."""
+    """Plain float32 jnp RMSNorm (docs/ops.md), the gradients' reference."""
     hs = h.reshape(*h.shape[:-1], -1, group) if group else h
     y = (hs / jnp.sqrt(jnp.mean(hs * hs, -1, keepdims=True) + eps)).reshape(h.shape)
     return y * (w + off)
@@ -905,7 +905,7 @@ def test_moe_block():
 
 def mx_rounding_bound(w, element, block=32):
     """Per-element bound on |w - dequantize(quantize(w))| for an MX format with the
-    OCP floor scale rule (DESIGN.md §3): scale = 2**(floor(log2 amax) - emax_elem);
+    OCP floor scale rule (docs/formats.md): scale = 2**(floor(log2 amax) - emax_elem);
     an element rounds to the nearest grid value (at most half the gap it falls in)
     or saturates to the largest (error = excess over it)."""
     w64 = np.asarray(w, np.float64)

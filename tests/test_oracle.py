@@ -42,7 +42,7 @@ def test_element_table_matches_ml_dtypes(name):
 
 
 def test_element_table_facts():
-    """The numbers DESIGN.md §3 states."""
+    """The numbers docs/formats.md states."""
     e2m1 = oracle.element_table("e2m1")
     assert list(e2m1[:8]) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     assert list(e2m1[8:]) == [-0.0, -0.5, -1, -1.5, -2, -3, -4, -6]

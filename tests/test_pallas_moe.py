@@ -1,6 +1,6 @@
 """Pallas gather_qmm (routed MoE decode) in interpret mode on the CPU, tiny shapes:
 against the float64 oracle, bit for bit against the Pallas qmm of the selected
-expert (DESIGN.md §4's invariant), NaN rows for bad ids with in-bounds reads, and
+expert (docs/ops.md's invariant), NaN rows for bad ids with in-bounds reads, and
 a jitted top-k MoE layer that compiles to one XLA program with no host traffic (on
 the CPU, and lowered for CUDA and ROCm with the Pallas kernels); ragged_qmm against
 the oracle."""

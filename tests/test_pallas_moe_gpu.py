@@ -1,7 +1,7 @@
 """Pallas gather_qmm (routed MoE decode) on a real GPU with realistic shapes.
 
 Skipped (with the reason) where JAX sees no GPU. Checks: the float64 product of
-the selected experts' `dequantize_reference`, DESIGN.md §4's invariant
+the selected experts' `dequantize_reference`, docs/ops.md's invariant
 gather_qmm(x, qw, idx)[t, j] == qmm(x[t], qw[idx[t, j]]) bit for bit on the
 pallas backend, NaN rows for ids -1 and E, the backward pass (transpose=False
 kernel) and a jitted top-k MoE layer against the reference backend.
@@ -70,7 +70,7 @@ def test_gather_vs_oracle_and_qmm_bitwise(case):
     got = np.asarray(y.astype(jnp.float32), np.float64)
     assert np.all(np.isfinite(got))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL[dtype]
-    # DESIGN.md §4: bit for bit the pallas qmm of the selected expert.
+    # docs/ops.md: bit for bit the pallas qmm of the selected expert.
     ids = np.asarray(idx)
     one = jax.jit(lambda xv, q: jq.qmm(xv, q, backend="pallas"))
     for ti in range(t):

@@ -1,7 +1,6 @@
 """Pallas rms_norm / add_rms_norm / gated_rms_norm in interpret mode on the CPU.
 
-Against the float64 numpy oracle (tests/common.py's rms64/act64, written from DESIGN.md
-§4) and against the jnp reference (same float32 arithmetic: a few ulps of the
+Against the float64 numpy oracle (tests/common.py's rms64/act64, written from docs/ops.md) and against the jnp reference (same float32 arithmetic: a few ulps of the
 output dtype). The interpret block table (tiny `max_block`/`chunk`/`tile`) sends
 small widths through every path: many rows per program (64..256), one pass with
 masked tails (1, 7, 1000 -> padded), two passes over column steps (> 256), groups
@@ -183,7 +182,7 @@ def _gated_case(x, gate, w, *, activation, norm_before_gate, group_size, eps=1e-
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 def test_gated_rms_norm(activation, norm_before_gate, group_size):
-    # float32 x with bfloat16 gate and weight (DESIGN.md §4): output bf16.
+    # float32 x with bfloat16 gate and weight (docs/ops.md): output bf16.
     x = _rand(0, (5, 256), F32)
     gate, w = _rand(1, (5, 256), BF16, 2.0), _rand(2, (256,), BF16)
     _gated_case(x, gate, w, activation=activation, norm_before_gate=norm_before_gate,

@@ -103,7 +103,7 @@ GATED = [  # (shape, group_size, norm_before_gate, activation)
                                                       f"{'nbg' if c[2] else 'gbn'}-{c[3]}")
 def test_gated_rms_norm(case):
     shape, group_size, nbg, act = case
-    # float32 x with bfloat16 gate and weight (DESIGN.md §4): output bf16.
+    # float32 x with bfloat16 gate and weight (docs/ops.md): output bf16.
     x, gate, w = _rand(5, shape, F32), _rand(6, shape, BF16, 2.0), _rand(7, shape[-1:], BF16)
     kw = dict(eps=1e-6, weight_offset=0.0, activation=act, norm_before_gate=nbg,
               group_size=group_size)

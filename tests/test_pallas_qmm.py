@@ -20,7 +20,7 @@ from jaxquant.quantize import dequantize_reference
 # than they save on these small problems.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
-# (mode, bits, group_size): every row of DESIGN.md §3, some group sizes twice.
+# (mode, bits, group_size): every row of docs/formats.md, some group sizes twice.
 FORMATS = [
     ("affine", 2, 32), ("affine", 3, 64), ("affine", 4, 64), ("affine", 5, 32),
     ("affine", 6, 64), ("affine", 8, 128),
@@ -47,7 +47,7 @@ def _run(x, qw, **kw):
 
 
 def _pack(codes, bits):
-    """numpy: codes [R, C] -> uint32 words, DESIGN.md §3's little-endian bit stream."""
+    """numpy: codes [R, C] -> uint32 words, docs/formats.md's little-endian bit stream."""
     r, c = codes.shape
     stream = (codes[:, :, None] >> np.arange(bits)) & 1          # [R, C, bits]
     words = stream.reshape(r, c * bits // 32, 32).astype(np.uint64)

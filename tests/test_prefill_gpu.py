@@ -4,7 +4,7 @@ against the float64 oracle (N with a canonical tail, K of 1..many chunks,
 batched weights), ragged_qmm's edge cases (empty groups, all rows in one group,
 T not a multiple of the row block, rows past sum(group_sizes) zero, sizes past
 T), its few-rows path through the decode GEMV, and `auto` picking both.
-Skipped without a CUDA GPU and library (scripts/gpu_check_prefill.sh runs it)."""
+Skipped without a CUDA GPU and library (tools/gpu/check_prefill.sh runs it)."""
 
 from __future__ import annotations
 

@@ -150,9 +150,10 @@ class FloatGemvConfig:
 
 
 # cuda: the best or within 6% of the best of a block sweep at gpt-oss-20b's bf16 experts
-# (tools/gpu/gather_matmul_sweep.py; benchmarks/h100/moe.json `gather_matmul.*`: 69-87%
-# of the copy bandwidth, faster than block_n=32 with min_programs=528 at every shape).
-# Wider blocks with block_k=512 spill (up to 40x slower). rocm: not tuned (a [32, 256] bf16 tile, 2 programs per MI300X CU).
+# (benchmarks/h100/moe.json `gather_matmul.*`: 69-87% of the copy bandwidth, faster than
+# block_n=32 with min_programs=528 at every shape).
+# Wider blocks with block_k=512 spill (up to 40x slower). rocm: not tuned (a [32, 256]
+# bf16 tile, 2 programs per MI300X CU).
 # interpret (CPU tests): small blocks, so that test shapes go through several row
 # blocks and K steps with masked tails.
 FLOAT_GEMV_CONFIGS: dict[str, FloatGemvConfig] = {
@@ -268,7 +269,7 @@ class AttentionConfig:
 
 
 # CUDA's measured on an H100 (docs/attention.md: no variant faster at 192 keys, batch 1
-# and 8; longer caches not settled; scripts/gpu_attention_bench.py --variants): it aims at two
+# and 8; longer caches not settled; tools/gpu/attention_bench.py --variants): it aims at two
 # programs per H100 SM, ROCm at one per MI300X CU with one stage (the AMD backend
 # pipelines through registers). interpret (CPU tests): tiny blocks, so that small test
 # caches go through many steps, several splits and several row tiles.

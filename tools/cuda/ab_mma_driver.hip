@@ -1,8 +1,8 @@
 // Kernel-level A/B of the decode GEMV (gemv_mma.h): another revision's kernel
-// (qmv_mma_old.h: that revision's header with its namespace renamed to mma_old, which
-// scripts/gpu_ab_decode.sh makes) against this tree's, alternating in one process,
+// (gemv_mma_old.h: that revision's header with its namespace renamed to mma_old, which
+// tools/gpu/ab_decode.sh makes) against this tree's, alternating in one process,
 // both through their own launchers (PDL, grid, warps), back to back with one sync per
-// sample (DESIGN §7's kernel throughput) and as % of a 1 GiB device copy measured in
+// sample (docs/measuring.md's kernel throughput) and as % of a 1 GiB device copy measured in
 // the same process. Outputs are compared bit for bit (changes that keep each output's
 // float operations must keep its bits; the inputs avoid FP8 NaN / infinity codes, and
 // the scales are small codes (u8 0..15, 16-bit 0x00ff-masked): a timing check, the GPU
@@ -18,7 +18,7 @@
 #include <random>
 #include <vector>
 #include "driver_common.h"
-#include "qmv_mma_old.h"
+#include "gemv_mma_old.h"
 
 using namespace jq;
 namespace N = jq::gpu::mma;

@@ -5,7 +5,7 @@
 // It launches every kernel family on odd shapes (N not a multiple of the rows
 // per warp, invalid expert ids, M = 1 and M > 1, group 16, rows of 7 and 5376)
 // and checks the GEMV against a host computation with the shared codec header.
-// Not part of the library; scripts/gpu_check_ffi.sh builds and runs it.
+// Not part of the library; tools/gpu/check_ffi.sh builds and runs it.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

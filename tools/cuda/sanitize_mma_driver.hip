@@ -1,6 +1,6 @@
 // A standalone driver of the tensor-core kernels on the cuda_mma layout, the
 // decode GEMV (gemv_mma.h) and the prefill GEMM (qmm_gemm.h), no JAX, for
-// compute-sanitizer (scripts/gpu_check_decode.sh and gpu_check_prefill.sh run it):
+// compute-sanitizer (tools/gpu/check_decode.sh and check_prefill.sh run it):
 //   nvcc -x cu -std=c++17 -Iinclude -Igpu_src/common -Igpu_src/cuda tools/cuda/sanitize_mma_driver.hip \
 //        -L<lib dir> -ljaxquant_cuda -o sanitize_mma_driver
 //   compute-sanitizer --tool memcheck --error-exitcode 9 ./sanitize_mma_driver

@@ -1,11 +1,11 @@
 // Kernel-level timing of the decode GEMV's variants (gemv_mma.h), no JAX: each
 // variant of the kernel's tunables (stages in flight, x staged before or after
 // the first weight copies, warps per block, x from shared memory or L1) at the
-// issue's shapes, launched back to back with one sync (DESIGN §7's kernel
+// issue's shapes, launched back to back with one sync (docs/measuring.md's kernel
 // throughput), next to a device-to-device copy of 1 GiB in the same process.
 // Variants that sum in the same order must give the same bits as the first: the
 // driver checks that too. Not part of the library; built and run by
-// scripts/gpu_tune_decode.sh (or by hand, here with no GPU, then run there):
+// tools/gpu/tune_decode.sh (or by hand, here with no GPU, then run there):
 //   nvcc -x cu -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90,code=sm_90 \
 //        -Iinclude -Igpu_src/common -Igpu_src/cuda tools/cuda/tune_mma_driver.hip -o tune_mma_driver
 #include <stdio.h>

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one device call (repo root, GPU machine):
-#   bash scripts/gpu_check.sh [stage ...]
+#   bash tools/gpu/check.sh [stage ...]
 # stages (default: all but pallas-qmm-tests and qmm-full, which take ~10 min more):
 #   ffi              build (CUDA sm_90 only), ffi GPU tests, compute-sanitizer
 #   norms            Pallas norm GPU tests + python -m jaxquant bench norm
@@ -10,10 +10,10 @@
 #   qmm              python -m jaxquant bench qmm at the decode shapes (pallas and ffi)
 #   pallas-qmm-tests tests/test_pallas_gpu.py (every mode x path at realistic shapes)
 #   qmm-full         python -m jaxquant bench qmm at all seven shapes of issue 4
-#   attention        scripts/gpu_check_attention.sh (decode attention: tests, memcheck, bench)
+#   attention        tools/gpu/check_attention.sh (decode attention: tests, memcheck, bench)
 # Logs under $OUT (default ./gpu_logs), one folder per stage.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRITON_DEFAULT_FP_FUSION=1
@@ -22,17 +22,17 @@ stages=${*:-ffi norms moe sanitizer-moe qmm}
 has() { [[ " $stages " == *" $1 "* ]]; }
 SECONDS=0
 if has ffi; then
-  OUT=$OUT/ffi JQ_SKIP_BENCH=1 bash scripts/gpu_check_ffi.sh
+  OUT=$OUT/ffi JQ_SKIP_BENCH=1 bash tools/gpu/check_ffi.sh
 else  # the other stages still need the package (and its CUDA library) installed
   CMAKE_ARGS="-DJAXQUANT_CUDA_ARCHS=90-real -DJAXQUANT_ENABLE_ROCM=OFF" \
     $PY -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1
 fi
 echo "== after ffi/build: ${SECONDS}s"
-has norms && OUT=$OUT/norms bash scripts/gpu_check_norms.sh
-has moe && OUT=$OUT/moe bash scripts/gpu_check_moe.sh
-has attention && OUT=$OUT/attention bash scripts/gpu_check_attention.sh
+has norms && OUT=$OUT/norms bash tools/gpu/check_norms.sh
+has moe && OUT=$OUT/moe bash tools/gpu/check_moe.sh
+has attention && OUT=$OUT/attention bash tools/gpu/check_attention.sh
 if has sanitizer-moe; then
-  PY=$PY JQ_SANITIZER_TIMEOUT=200 bash scripts/memcheck_tests.sh "$OUT/sanitizer" \
+  PY=$PY JQ_SANITIZER_TIMEOUT=200 bash tools/gpu/memcheck_tests.sh "$OUT/sanitizer" \
     tests/test_pallas_moe_gpu.py::test_bad_ids_are_nan_rows \
     "tests/test_ffi_gpu.py::test_gpu_mode_sweep[mxfp4-4]"
 fi

@@ -2,13 +2,13 @@
 # The tensor-core decode GEMV (issue 11) on the GPU machine, in one call: build
 # (sm_90 only), GPU tests (the fused GEMVs included), compute-sanitizer memcheck of the kernels (bad ids
 # included), benchmarks (copy bandwidth, torch peers), a short table last.
-#   bash scripts/gpu_check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
+#   bash tools/gpu/check_decode.sh     (logs under $OUT, default /tmp/jq_gpu_out)
 # JQ_SKIP_TESTS=1, JQ_SKIP_SANITIZER=1, JQ_SKIP_BENCH=1, JQ_BENCH_ONLY=qmm,peers,moe,step, JQ_BENCH_MODES;
 # JQ_SWEEP="VAR=a VAR=b": a benchmark once per setting (JQ_SWEEP_ARGS, default qmm at M = 1, 8,
 #   16: JQ_SWEEP="JAXQUANT_MMA_TILES=1 JAXQUANT_MMA_TILES=2");
-# JQ_TESTS (test files) and JQ_BENCH (scenario) are set by gpu_check_prefill.sh.
+# JQ_TESTS (test files) and JQ_BENCH (scenario) are set by check_prefill.sh.
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/env.sh"
 
 step "build (sm_90)"
 if [ "${JQ_SKIP_BUILD:-0}" != 1 ]; then

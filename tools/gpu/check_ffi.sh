@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The ffi backend on the GPU machine, in one call (build + GPU tests +
 # compute-sanitizer memcheck + benchmark). Run from the repository root:
-#   bash scripts/gpu_check_ffi.sh            (logs under $OUT, default /tmp/jq_gpu_out)
+#   bash tools/gpu/check_ffi.sh            (logs under $OUT, default /tmp/jq_gpu_out)
 # Environment: JQ_CUDA_ARCHS (default 90-real: the H100/H200 only, to build fast),
 # JQ_SKIP_SANITIZER=1, JQ_SKIP_BENCH=1, JQ_BENCH_ARGS (extra args for the benchmark).
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/env.sh"
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 step "build (pip install --no-build-isolation --no-deps -e .)"

@@ -4,7 +4,7 @@
 # clang 19, which has neither the gfx950 target nor the scaled-MFMA builtins
 # (clang >= 20). PyPI's `ziglang` wheel bundles clang + lld 22 with the AMDGPU
 # backend; the check runs it as `zig clang` with the HIP headers and clang
-# resource headers of scripts/install_hip_toolchain.sh (run that first).
+# resource headers of tools/toolchain/install_hip_toolchain.sh (run that first).
 # About 20 s and 400 MB. Safe to re-run; failure only makes the check skip.
 set -uo pipefail
 ZIGLANG_VERSION=0.17.1

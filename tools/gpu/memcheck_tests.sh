@@ -2,7 +2,7 @@
 # compute-sanitizer memcheck over pytest tests, one process per test (two tests in one
 # sanitized process crashed at the second, 2026-11-22, while each alone reported 0
 # errors), XLA allocating each buffer on its own so that overruns show.
-#   bash scripts/memcheck_tests.sh LOGDIR TEST...   (JQ_SANITIZER_TIMEOUT: seconds per test)
+#   bash tools/gpu/memcheck_tests.sh LOGDIR TEST...   (JQ_SANITIZER_TIMEOUT: seconds per test)
 set -u
 logdir=$1; shift; mkdir -p "$logdir"
 PY=${PY:-python3}

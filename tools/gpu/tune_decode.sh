@@ -3,11 +3,11 @@
 # JAX, no library build): stages, x staged early or late, warps per block, x from
 # shared memory or L1, programmatic dependent launch, time against K, and the
 # references at the same sizes (empty kernel, read-only kernel, D2D copy).
-#   bash scripts/gpu_tune_decode.sh        (log under $OUT, default /tmp/jq_gpu_out)
+#   bash tools/gpu/tune_decode.sh        (log under $OUT, default /tmp/jq_gpu_out)
 # A driver built elsewhere (e.g. on a machine without a GPU) is used as is when
 # $JQ_TUNE_DRIVER names it.
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/env.sh"
 DRIVER=${JQ_TUNE_DRIVER:-$OUT/tune_mma_driver}
 if [ ! -x "$DRIVER" ]; then
   step "build the driver (sm_90)"

@@ -11,15 +11,15 @@ window 128 on half the layers, so both window 128 and 0), batch 1 and 8, caches 
 cache is full). The reference reads all S positions whatever the position; the kernel
 reads the visible ones only (fill < 1 and windows show the difference).
 
-  python scripts/gpu_attention_bench.py                  # the table (about 2 min on an H100)
-  python scripts/gpu_attention_bench.py --fill 0.5       # a half-full cache
-  python scripts/gpu_attention_bench.py --sweep --cases llama3-8b:1:8192,gpt-oss-20b:1:8192
+  python tools/gpu/attention_bench.py                  # the table (about 2 min on an H100)
+  python tools/gpu/attention_bench.py --fill 0.5       # a half-full cache
+  python tools/gpu/attention_bench.py --sweep --cases llama3-8b:1:8192,gpt-oss-20b:1:8192
                                                         # + one-at-a-time config variants
-  python scripts/gpu_attention_bench.py --variants "block_s=256;min_split_keys=64" --lengths 256
+  python tools/gpu/attention_bench.py --variants "block_s=256;min_split_keys=64" --lengths 256
                                                         # + the variants named
-  python scripts/gpu_attention_bench.py --stacked --lengths 2048
+  python tools/gpu/attention_bench.py --stacked --lengths 2048
                                                         # + a layer scan: layer= vs cache[i]
-  python scripts/gpu_attention_bench.py --smoke          # tiny shapes, CPU (interpret mode)
+  python tools/gpu/attention_bench.py --smoke          # tiny shapes, CPU (interpret mode)
 
 Writes the table to stdout and, with $OUT set, to $OUT/attention_bench.md. The
 "auto" rule (jaxquant/pallas/configs.py: AUTO_ATTENTION) and the block table
@@ -34,7 +34,7 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from jaxquant.bench import harness  # noqa: E402
 

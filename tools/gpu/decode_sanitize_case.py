@@ -1,5 +1,5 @@
 """The tensor-core decode GEMV's edge cases in one small process, for
-compute-sanitizer (scripts/gpu_check_decode.sh): a canonical tail tile (N % 16),
+compute-sanitizer (tools/gpu/check_decode.sh): a canonical tail tile (N % 16),
 M = 1 / 9 / 16, float32 and half x, gather_qmm with repeated experts and ids
 outside [0, E) (NaN rows, no weight read). Prints ALL OK when the results
 match the reference."""

@@ -3,12 +3,12 @@
 # GPU tests (tests/test_pallas_norms_gpu.py) + the norm benchmark
 # (jaxquant/bench_norm.py: pallas vs ffi vs jnp reference, %copy bandwidth).
 # The caller has already run `pip install --no-build-isolation --no-deps -e .`.
-# Run from anywhere:  bash scripts/gpu_check_norms.sh [extra bench args...]
+# Run from anywhere:  bash tools/gpu/check_norms.sh [extra bench args...]
 # Logs under $OUT if set (else ./gpu_logs_norms): env.txt, norms_gpu_tests.txt, bench_norm.txt.
 # JQ_BUDGET_S (default 115): the whole run's wall-clock budget; the benchmark gets
 # what the tests leave (its rows print as they finish, so a cut-off run keeps them).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_logs_norms}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Compile gpu_src/rocm/cdna4_qmm.hip for gfx950 and look for the scaled MFMA.
 
-  python scripts/cdna4_compile_check.py [--keep DIR]
+  python tools/toolchain/cdna4_compile_check.py [--keep DIR]
 
 Uses clang >= 20 with the AMDGPU backend: $JQ_GFX950_CLANG (a clang++ that
 knows gfx950, e.g. ROCm's), else the `ziglang` wheel's clang
-(scripts/install_gfx950_toolchain.sh) run as `zig clang`, with its lld for the
+(tools/toolchain/install_gfx950_toolchain.sh) run as `zig clang`, with its lld for the
 link. Headers: the HIP headers and clang's resource headers (for the HIP
 wrapper headers, which the ziglang wheel does not ship) of
-scripts/install_hip_toolchain.sh (clang-19, libamdhip64-dev), device code only
+tools/toolchain/install_hip_toolchain.sh (clang-19, libamdhip64-dev), device code only
 (-nogpulib, gpu_src/common/jq_hip.h's JQ_HIP_NOGPULIB helpers).
 
 Two compiles: -S (the assembly, whose v_mfma_scale_f32_16x16x128_f8f6f4 lines
@@ -34,7 +34,7 @@ import time
 
 from native_compile_check import ffi_include  # the same XLA FFI headers
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = "gpu_src/rocm/cdna4_qmm.hip"
 MNEMONIC = "v_mfma_scale_f32_16x16x128_f8f6f4"
 EF_AMDGPU_MACH_GFX950 = 0x4F
@@ -50,7 +50,7 @@ def find_toolchain() -> tuple[list[str] | None, str]:
     try:
         import ziglang  # noqa: PLC0415
     except ImportError:
-        return None, "no gfx950 clang: run scripts/install_gfx950_toolchain.sh (ziglang)"
+        return None, "no gfx950 clang: run tools/toolchain/install_gfx950_toolchain.sh (ziglang)"
     zig = pathlib.Path(ziglang.__file__).parent / "zig"
     if not zig.is_file():
         return None, f"the ziglang package has no zig binary at {zig}"
@@ -107,11 +107,11 @@ def check(keep: str | None = None) -> tuple[int, dict]:
         summary["skipped"] = why
         return 3, summary
     if not pathlib.Path("/usr/include/hip/hip_runtime.h").is_file():
-        summary["skipped"] = "no HIP headers (run scripts/install_hip_toolchain.sh)"
+        summary["skipped"] = "no HIP headers (run tools/toolchain/install_hip_toolchain.sh)"
         return 3, summary
     res_dir = resource_dir()
     if len(clang) == 2 and res_dir is None:
-        summary["skipped"] = "no clang-19 resource headers (run scripts/install_hip_toolchain.sh)"
+        summary["skipped"] = "no clang-19 resource headers (run tools/toolchain/install_hip_toolchain.sh)"
         return 3, summary
     version = subprocess.run(clang + ["--version"], capture_output=True, text=True).stdout
     summary["clang"] = version.splitlines()[0] if version else "?"

@@ -1,8 +1,8 @@
 """The fused decode GEMVs (rms_norm_qmm, qmm_swiglu) against the unfused ops, in one
-process on a GPU (benchmarks/RESULTS.md, "Ninth session"):
+process on a GPU (benchmarks/h100/decode.json `fused.*`):
 
-  python scripts/gpu_fused_vs_unfused.py kernels      # JAX level, Llama-3-8B shapes, M = 1, 4
-  python scripts/gpu_fused_vs_unfused.py model [llama3-8b|gpt-oss-20b] [affine4,mxfp4]
+  python tools/gpu/fused_vs_unfused.py kernels      # JAX level, Llama-3-8B shapes, M = 1, 4
+  python tools/gpu/fused_vs_unfused.py model [llama3-8b|gpt-oss-20b] [affine4,mxfp4]
 
 kernels: `bench decode --only fused` at M = 1 and 4: one call = one product per weight
 copy (8 copies), unfused ops, fused (backend="ffi") and the plain qmm alone.

@@ -40,7 +40,7 @@ CUDA_VISIBLE_DEVICES=0 demo 1gpu "$(( BUDGET / 2 ))"
 if [ "$(left)" -gt 60 ]; then demo 2gpu_ep_1x2 "$(( $(left) - 30 ))" --mesh 1x2; fi
 if [ "$(left)" -gt 25 ]; then
     echo "=== kernels inside the partitioned program (all local GPUs) ==="
-    timeout "$(left)" python3 scripts/gpu_sharded_kernels.py > "$OUT/sharded_kernels.txt" 2>&1
+    timeout "$(left)" python3 tools/gpu/sharded_kernels.py > "$OUT/sharded_kernels.txt" 2>&1
     echo "exit status $?" >> "$OUT/sharded_kernels.txt"
 fi
 if [ "$(left)" -gt 150 ]; then demo 2gpu_tp_2x1 "$(( $(left) - 20 ))" --mesh 2x1; fi

@@ -2,14 +2,14 @@
 # `python -m jaxquant bench model` on one NVIDIA GPU: decode and prefill tok/s, % of the
 # weight-read bound, the torch (gpt-fast style) peer and a per-step profile, for one
 # config per call (each call fits a 10-minute device command):
-#   CONFIG=llama3-8b bash scripts/gpu_bench_model.sh     # + the torch peer, bf16 and int4
-#   CONFIG=gpt-oss-20b bash scripts/gpu_bench_model.sh   # MoE: no peer
+#   CONFIG=llama3-8b bash tools/gpu/bench_model.sh     # + the torch peer, bf16 and int4
+#   CONFIG=gpt-oss-20b bash tools/gpu/bench_model.sh   # MoE: no peer
 # MODES (default bf16,affine4,mxfp4), BATCH (1,8), LIMIT (seconds, default 560), EXTRA
 # (more bench model options, e.g. "--forward-kw experts_by_layer=True" or
 # "--xla-flags=--xla_gpu_enable_command_buffer="). The log streams to
 # $OUT/bench_model_$CONFIG.txt (a row's numbers on stderr as soon as measured, the tables
 # and profiles on stdout at the end); the traces stay under /tmp.
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 CONFIG=${CONFIG:-llama3-8b}
 LIMIT=${LIMIT:-560}
 log="$OUT/bench_model_$CONFIG.txt"

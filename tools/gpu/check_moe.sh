@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for routed MoE (issue 6), under 150 s on an H100: the GPU tests of the
 # Pallas gather_qmm, then the MoE benchmark (decode shapes of every layer, one prefill).
-# Usage (on the GPU machine, repo root, package installed): bash scripts/gpu_check_moe.sh
+# Usage (on the GPU machine, repo root, package installed): bash tools/gpu/check_moe.sh
 # Logs go to $OUT (or ./gpu_logs). BUDGET (seconds, default 140) caps the whole run.
 set -u
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"

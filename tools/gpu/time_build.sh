@@ -4,9 +4,9 @@
 # `pip install -e .` runs, installing nothing), the build's decision line, what the wheel
 # holds, then the wheel installed in a throwaway venv and its CUDA library run against
 # the reference. Default options only: the build must pick the GPU by itself.
-#   bash scripts/gpu_time_build.sh     (logs under $OUT, default /tmp/jq_gpu_out)
+#   bash tools/gpu/time_build.sh     (logs under $OUT, default /tmp/jq_gpu_out)
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/env.sh"
 
 step "build: pip wheel of a clean copy ($(nproc) cores)"
 src=$(mktemp -d)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Compile checks of gpu_src/ for the GPU targets this machine cannot run.
 
-  python scripts/native_compile_check.py rocm [--arch gfx942 ...]
-  python scripts/native_compile_check.py cuda [--arch 80 90] [--ptxas-opt 3]
+  python tools/toolchain/native_compile_check.py rocm [--arch gfx942 ...]
+  python tools/toolchain/native_compile_check.py cuda [--arch 80 90] [--ptxas-opt 3]
 
-rocm: clang (clang++-19 from scripts/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
+rocm: clang (clang++-19 from tools/toolchain/install_hip_toolchain.sh, or $JQ_HIP_CLANG)
   compiles every gpu_src/common and gpu_src/rocm source once per architecture, device code only
   (-nogpulib: no ROCm device libraries; jq_hip.h supplies the few helpers the
   HIP 5.2 headers call), plus the host side of the handlers once. Default
@@ -52,10 +52,10 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HIP_FILES = ["gpu_ffi.hip", "dequant.hip", "gemv_affine.hip", "gemv_float.hip", "norms.hip"]
 # ROCm only (CMakeLists.txt): the gfx950 scaled-MFMA qmm, an empty kernel on the other
-# archs; its gfx950 code is checked by scripts/cdna4_compile_check.py (clang >= 20).
+# archs; its gfx950 code is checked by tools/toolchain/cdna4_compile_check.py (clang >= 20).
 ROCM_ONLY_FILES = ["cdna4_qmm.hip"]
 # The tensor-core decode GEMV (mma.sync, cp.async): CUDA only, as in CMakeLists.txt.
 CUDA_ONLY_FILES = sorted(p.name for p in (ROOT / "gpu_src/cuda").glob("gemv_mma*.hip"))
@@ -78,7 +78,7 @@ ALL_QMV_CONFIG_ARCHS = ["gfx90a"]
 # Through the AMDGPU backend (instruction selection, register allocation); the other
 # archs stop at LLVM's optimized IR. One arch per wave size: gpu_src/ branches on the
 # wave size alone (JQ_WARP) outside cdna4_qmm.hip's gfx950 code, which
-# scripts/cdna4_compile_check.py compiles to the ISA.
+# tools/toolchain/cdna4_compile_check.py compiles to the ISA.
 BACKEND_ARCHS = ["gfx942", "gfx1100"]
 QMV_FILES = ("gemv_affine.hip", "gemv_float.hip")
 # CUDA: ptxas assembles these for the target; the other sources stop at PTX (cicc's
@@ -263,7 +263,7 @@ def main(argv=None):
             clang = find_clang()
             if clang is None or not hip_headers_present():
                 summary["skipped"]["all"] = ("no clang++ with HIP headers (run "
-                                             "scripts/install_hip_toolchain.sh)")
+                                             "tools/toolchain/install_hip_toolchain.sh)")
                 print(json.dumps(summary))
                 return 0
             archs = []

@@ -1,5 +1,5 @@
 """Which kernels the partitioned program calls when jaxquant's ops are sharded
-over the local GPUs (used by scripts/gpu_check_model.sh): per case, the
+over the local GPUs (used by tools/gpu/check_model.sh): per case, the
 custom-call targets and collectives in the compiled HLO, and the error
 against one device."""
 
