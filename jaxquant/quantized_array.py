@@ -46,7 +46,7 @@ class QuantizedArray:
         self.group_size = group_size
         self.dtype = _logical_dtype(dtype)
         self.layout = layout
-        _validate(self)
+        validate(self)
 
     # -- pytree ------------------------------------------------------------
     def tree_flatten(self):
@@ -153,8 +153,12 @@ def _logical_dtype(dtype):
     return dtype
 
 
-def _validate(qw: QuantizedArray) -> None:
-    """Check the children against the format; ValueError/TypeError naming the field."""
+def validate(qw: QuantizedArray) -> None:
+    """Check the children against the format; ValueError/TypeError naming the field.
+    The constructor runs it; every op runs it again on its QuantizedArray arguments,
+    because one rebuilt through `jax.tree_util.tree_unflatten` (or with a child
+    reassigned) skips the constructor, and every backend must refuse the same
+    arrays (docs/ops.md)."""
     fmt, qw.bits, qw.group_size = formats.resolve(qw.mode, qw.bits, qw.group_size)
     if qw.layout != CANONICAL:
         return  # a backend's layout is checked by that backend

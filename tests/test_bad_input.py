@@ -287,3 +287,85 @@ def test_qa_logical_shape_needs_n_and_k():
 def test_qa_rank0():
     with pytest.raises(ValueError, match=r"\bdata\b|\bscales\b"):
         mx(data=np.uint32(0), scales=np.uint8(0))
+
+
+# ---------------------------------------------------------------------------
+# One shape rule for every backend: a QuantizedArray rebuilt without its constructor
+# (tree_unflatten) is checked again by each op, so the reference cannot broadcast what a
+# kernel refuses.
+
+def _backends():
+    return [b for b in ("reference", "ffi", "pallas") if b in jq.available_backends()]
+
+
+def _unflatten_with_biases(qw, biases):
+    leaves, tree = jax.tree_util.tree_flatten(qw)
+    leaves[2] = biases
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_ops_refuse_broadcastable_biases(backend):
+    w = np.random.default_rng(0).standard_normal((32, 128)).astype(np.float32)
+    qw = jq.quantize(w, mode="affine", bits=4, group_size=32)
+    bad = _unflatten_with_biases(qw, qw.biases[:, :1])                  # [N, 1] of [N, 4]
+    x = jnp.ones((2, 128), jnp.float32)
+    calls = [lambda: jq.qmm(x, bad, backend=backend),
+             lambda: jq.dequantize(bad, backend=backend),
+             lambda: jq.qmm_swiglu(x, bad, backend=backend),
+             lambda: jq.rms_norm_qmm(x, None, bad, backend=backend),
+             lambda: jax.jit(lambda x: jq.qmm(x, bad, backend=backend))(x)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"\bbiases\b"):
+            call()
+    experts = jq.quantize(np.stack([w, w]), mode="affine", bits=4, group_size=32)
+    bad3 = _unflatten_with_biases(experts, experts.biases[:, :, :1])
+    with pytest.raises(ValueError, match=r"\bbiases\b"):
+        jq.gather_qmm(x, bad3, jnp.zeros((2, 1), jnp.int32), backend=backend)
+    with pytest.raises(ValueError, match=r"\bbiases\b"):
+        jq.ragged_qmm(x, bad3, jnp.array([1, 1]), backend=backend)
+
+
+# ---------------------------------------------------------------------------
+# Expert ids of any integer type: never cut to jax's 32-bit integers (docs/ops.md).
+
+def _experts():
+    w = np.random.default_rng(1).standard_normal((3, 16, 64)).astype(np.float32)
+    return jq.quantize(w, mode="affine", bits=4, group_size=32), jnp.asarray(w)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("dtype,wide", [(np.int64, 2**32), (np.int64, 2**32 + 2),
+                                        (np.int64, -2**32 + 1), (np.uint64, 2**63 + 1),
+                                        (np.uint64, 2**32 + 1)])
+def test_gather_wide_index_is_a_nan_row(backend, dtype, wide):
+    qw, w = _experts()
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 64)), jnp.float32)
+    idx = np.array([[wide, 1], [2, wide]], dtype)
+    for y in (jq.gather_qmm(x, qw, idx, backend=backend),
+              jq.gather_matmul(x, w, idx)):
+        y = np.asarray(y)
+        assert np.isnan(y[0, 0]).all() and np.isnan(y[1, 1]).all()   # not expert wide % 2**32
+        assert np.isfinite(y[0, 1]).all() and np.isfinite(y[1, 0]).all()
+    ok = jq.gather_qmm(x, qw, np.array([[0, 1], [2, 0]], dtype), backend=backend)
+    np.testing.assert_array_equal(np.asarray(ok)[0, 1],
+                                  np.asarray(jq.gather_qmm(x, qw, idx, backend=backend))[0, 1])
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("sizes,dtype,match", [
+    ([2**32, 0, 1], np.int64, "sum to at most"),          # 1 after a cut to int32
+    ([2**32 + 1, 0, 0], np.int64, "sum to at most"),
+    ([-2**32 + 1, 1, 1], np.int64, ">= 0"),               # +1 after a cut
+    ([2**64 - 1, 0, 0], np.uint64, "sum to at most"),
+    ([2**31, 2**31, 1], np.uint32, "sum to at most")])    # sums past int32 too
+def test_ragged_wide_group_sizes_refused(backend, sizes, dtype, match):
+    qw, w = _experts()
+    x = jnp.ones((2, 64), jnp.float32)
+    gs = np.array(sizes, dtype)
+    with pytest.raises(ValueError, match=r"group_sizes.*" + match):
+        jq.ragged_qmm(x, qw, gs, backend=backend)
+    with pytest.raises(ValueError, match=r"group_sizes.*" + match):
+        jq.ragged_matmul(x, w, gs)
+    y = jq.ragged_qmm(x, qw, np.array([1, 0, 1], dtype), backend=backend)
+    assert y.shape == (2, 16) and np.isfinite(np.asarray(y)).all()

@@ -8,7 +8,7 @@ import numpy as np
 from jax.interpreters import ad
 
 from jaxquant.quantize import check_float_dtype
-from jaxquant.quantized_array import QuantizedArray
+from jaxquant.quantized_array import QuantizedArray, validate
 
 
 def require_quantized(name, qw, *, ndim=None, min_ndim=None):
@@ -19,6 +19,7 @@ def require_quantized(name, qw, *, ndim=None, min_ndim=None):
         raise ValueError(f"{name} must have {ndim} dimensions; got shape {qw.shape}")
     if min_ndim is not None and qw.ndim < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimensions; got shape {qw.shape}")
+    validate(qw)
 
 
 def check_x(x, name="x"):
@@ -26,6 +27,35 @@ def check_x(x, name="x"):
         x = jnp.asarray(x)
     check_float_dtype(name, x.dtype)
     return x
+
+
+def integer_ids(name, ids):
+    """Expert ids (gather's `indices`, ragged's `group_sizes`) as a jax integer array,
+    never cut (docs/ops.md, "Expert ids"). jax holds integers in 32 bits unless x64 is
+    on, and `jnp.asarray` wraps wider values silently (int64 2**32 -> 0). A traced or
+    jax array already has jax's width; a concrete one (numpy, a list) is returned as a
+    numpy array of its own width, so the op range-checks (group sizes) or maps (an
+    index outside [0, E) gives a NaN row) the true values before they narrow.
+    TypeError naming `name` unless the values are integers."""
+    if not isinstance(ids, jax.Array):
+        ids = np.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array; got {ids.dtype}")
+    return ids
+
+
+def narrow_indices(indices, num_experts):
+    """gather's concrete indices in jax's integer width: an index outside [0, E) gives a
+    NaN row on every backend, so one outside the narrower type's range becomes -1 (or the
+    unsigned maximum), still outside [0, E), instead of wrapping into it."""
+    if isinstance(indices, jax.Array):
+        return indices
+    narrow = jax.dtypes.canonicalize_dtype(indices.dtype)
+    if narrow != indices.dtype:
+        info = np.iinfo(narrow)
+        invalid = (indices < 0) | (indices >= num_experts)
+        indices = np.where(invalid, -1 if info.min < 0 else info.max, indices).astype(narrow)
+    return jnp.asarray(indices)
 
 
 def ragged_group_ends(group_sizes, rows):
@@ -51,12 +81,13 @@ def check_group_sizes(group_sizes, rows):
     or they sum past the rows of x. Traced ones follow `ragged_group_ends`' rule instead."""
     if isinstance(group_sizes, jax.core.Tracer):
         return
-    sizes = np.asarray(group_sizes).astype(np.int64)
-    if (sizes < 0).any():
-        raise ValueError(f"group_sizes must be >= 0; got {sizes.tolist()}")
-    if sizes.sum() > rows:
+    sizes = np.asarray(group_sizes).tolist()  # Python ints: no wrap in any integer type
+    sizes = sizes if isinstance(sizes, list) else [sizes]
+    if any(v < 0 for v in sizes):
+        raise ValueError(f"group_sizes must be >= 0; got {sizes}")
+    if sum(sizes) > rows:
         raise ValueError(f"group_sizes must sum to at most T={rows} (the rows of x); got "
-                         f"{sizes.tolist()} (sum {sizes.sum()})")
+                         f"{sizes} (sum {sum(sizes)})")
 
 
 def compute_dtype(dtype):

@@ -19,9 +19,9 @@ from jax import lax
 from jax.interpreters import ad
 
 from jaxquant.ops.common import (batch_size, check_group_sizes, check_x, compute_dtype,
-                                 default_precision, jvp_through_reference, move_to_front,
-                                 quantized_to_front, ragged_group_ends, require_quantized,
-                                 to_front_or_broadcast)
+                                 default_precision, integer_ids, jvp_through_reference,
+                                 move_to_front, narrow_indices, quantized_to_front,
+                                 ragged_group_ends, require_quantized, to_front_or_broadcast)
 from jaxquant.primitive import Op
 from jaxquant.quantize import dequantize_reference
 from jaxquant.quantized_array import QuantizedArray
@@ -103,9 +103,7 @@ def _expert_args(op, x, qw, ids_name, ids, transpose):
     transpose = require_bool("transpose", transpose, op)
     require_quantized("qw", qw, ndim=3)
     x = check_x(x)
-    ids = jnp.asarray(ids)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"{ids_name} must be an integer array; got {ids.dtype}")
+    ids = integer_ids(ids_name, ids)
     return x, ids, _k_axis(qw, transpose), transpose
 
 
@@ -121,28 +119,30 @@ def _float_expert_args(op, quantized_op, x, w, ids_name, ids, transpose):
         raise ValueError(f"w must be [E, N, K] (or [E, K, N] with transpose=False); got "
                          f"shape {w.shape}")
     x = check_x(x)
-    ids = jnp.asarray(ids)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"{ids_name} must be an integer array; got {ids.dtype}")
+    ids = integer_ids(ids_name, ids)
     return x, w, ids, w.shape[2] if transpose else w.shape[1], transpose
 
 
 def _check_ragged_shapes(x, num_experts, group_sizes, k):
-    """ragged_qmm's and ragged_matmul's: group_sizes [E], x [T, K], concrete sizes valid."""
+    """ragged_qmm's and ragged_matmul's: group_sizes [E], x [T, K], concrete sizes valid
+    (checked in their own width, then narrowed). Returns group_sizes as a jax array."""
     if group_sizes.shape != (num_experts,):
         raise ValueError(f"group_sizes must be [E] = ({num_experts},); got {group_sizes.shape}")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [T, K={k}]; got x.shape={x.shape}")
     check_group_sizes(group_sizes, x.shape[0])
+    return jnp.asarray(group_sizes)
 
 
 def _check_gather_shapes(x, w_name, w_shape, indices, k):
+    """indices [T, k], x [T, K] or [T, k, K]. Returns indices as a jax array."""
     if indices.ndim != 2:
         raise ValueError(f"indices must be [T, k]; got shape {indices.shape}")
     t, slots = indices.shape
     if x.shape not in ((t, k), (t, slots, k)):
         raise ValueError(f"x must be [T, K] = {(t, k)} or [T, k, K] = {(t, slots, k)} "
                          f"(indices {indices.shape}, {w_name} {w_shape}); got x.shape={x.shape}")
+    return narrow_indices(indices, w_shape[0])
 
 
 def check_gather_args(op, x, qw, indices, transpose=True):
@@ -152,7 +152,7 @@ def check_gather_args(op, x, qw, indices, transpose=True):
         raise TypeError(f"qw must be a jaxquant.QuantizedArray (from jq.quantize); got a "
                         f"plain {type(qw).__name__} (float experts go through jq.gather_matmul)")
     x, indices, k, transpose = _expert_args(op, x, qw, "indices", indices, transpose)
-    _check_gather_shapes(x, "qw", qw.shape, indices, k)
+    indices = _check_gather_shapes(x, "qw", qw.shape, indices, k)
     return x, indices, transpose
 
 
@@ -201,7 +201,7 @@ def gather_matmul(x, w, indices, transpose: bool = True, *, backend: str | None 
     """
     x, w, indices, k, transpose = _float_expert_args("gather_matmul", "gather_qmm", x, w,
                                                      "indices", indices, transpose)
-    _check_gather_shapes(x, "w", w.shape, indices, k)
+    indices = _check_gather_shapes(x, "w", w.shape, indices, k)
     return gather_matmul_op.bind(x, w, indices, backend=backend, transpose=bool(transpose),
                                  precision=default_precision())
 
@@ -214,7 +214,7 @@ def ragged_qmm(x, qw, group_sizes, transpose: bool = True, *, backend: str | Non
     Static (Python values, not traced under jax.jit): transpose, backend."""
     x, group_sizes, k, transpose = _expert_args("ragged_qmm", x, qw, "group_sizes",
                                                 group_sizes, transpose)
-    _check_ragged_shapes(x, qw.shape[0], group_sizes, k)
+    group_sizes = _check_ragged_shapes(x, qw.shape[0], group_sizes, k)
     return ragged_qmm_op.bind(x, qw, group_sizes, backend=backend, transpose=bool(transpose),
                               precision=default_precision())
 
@@ -231,7 +231,7 @@ def ragged_matmul(x, w, group_sizes, transpose: bool = True, *, backend: str | N
     """
     x, w, group_sizes, k, transpose = _float_expert_args(
         "ragged_matmul", "ragged_qmm", x, w, "group_sizes", group_sizes, transpose)
-    _check_ragged_shapes(x, w.shape[0], group_sizes, k)
+    group_sizes = _check_ragged_shapes(x, w.shape[0], group_sizes, k)
     return ragged_matmul_op.bind(x, w, group_sizes, backend=backend, transpose=bool(transpose),
                                  precision=default_precision())
 
