@@ -13,7 +13,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -78,14 +80,22 @@ class Pool {
 
   int threads() const { return (int)workers_.size() + 1; }
 
-  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn,
+  // Runs fn over [0, n) in chunks of `grain`. False where fn threw on any thread
+  // (an allocation failure): the remaining chunks are skipped and the call returns
+  // once every thread has stopped, so the handler can turn it into an ffi::Error.
+  // An exception must never leave a worker thread (std::terminate).
+  bool parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn,
                     bool flush_denormals = true) {
-    if (n <= 0) return;
+    if (n <= 0) return true;
     grain = std::max<int64_t>(grain, 1);
     if (workers_.empty() || n <= grain || !run_mu_.try_lock()) {
       FlushDenormals fd(flush_denormals);
-      fn(0, n);
-      return;
+      try {
+        fn(0, n);
+      } catch (...) {
+        return false;
+      }
+      return true;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -94,6 +104,7 @@ class Pool {
       n_ = n;
       grain_ = grain;
       next_.store(0);
+      failed_.store(false);
       pending_ = (int)workers_.size();
       ++generation_;
     }
@@ -104,7 +115,9 @@ class Pool {
       done_.wait(lock, [&] { return pending_ == 0; });
       fn_ = nullptr;
     }
+    const bool ok = !failed_.load();
     run_mu_.unlock();
+    return ok;
   }
 
  private:
@@ -120,8 +133,12 @@ class Pool {
     FlushDenormals fd(flush_);
     for (;;) {
       const int64_t i0 = next_.fetch_add(grain_);
-      if (i0 >= n_) break;
-      (*fn_)(i0, std::min(n_, i0 + grain_));
+      if (i0 >= n_ || failed_.load(std::memory_order_relaxed)) break;
+      try {
+        (*fn_)(i0, std::min(n_, i0 + grain_));
+      } catch (...) {
+        failed_.store(true);
+      }
     }
   }
 
@@ -147,6 +164,7 @@ class Pool {
   std::condition_variable cv_, done_;
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   std::atomic<int64_t> next_{0};
+  std::atomic<bool> failed_{false};
   int64_t n_ = 0, grain_ = 1, generation_ = 0;
   int pending_ = 0;
   bool flush_ = true;
@@ -156,14 +174,29 @@ class Pool {
 // How the CPU runs a validated, non-empty problem (the handlers around these:
 // include/jq/ffi_common.h, Handlers).
 
+// The error of a parallel_for that failed: every exception a kernel can raise is
+// an allocation failure (the kernels themselves do not throw).
+static ffi::Error out_of_memory(const char* op) {
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    std::string("jaxquant ffi: ") + op + ": out of host memory for the CPU "
+                    "kernel's scratch");
+}
+
+// Scratch of one chunk of a parallel_for, freed when the chunk ends: a per-thread
+// cache would keep the largest call's scratch (M * K floats) for the process's life.
+static std::unique_ptr<float[]> scratch_floats(int64_t n) {
+  return std::unique_ptr<float[]>(new float[(size_t)n]);  // std::bad_alloc on failure
+}
+
 struct CpuPlatform {
   static ffi::Error dequantize(const DequantProblem& p) {
     const Kernels* k = select_kernels();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
     const bool mx = kFormats[p.fmt].scale == kScaleE8M0;
-    Pool::get().parallel_for(
-        p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); },
-        /*flush_denormals=*/!mx);
+    if (!Pool::get().parallel_for(
+            p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); },
+            /*flush_denormals=*/!mx))
+      return out_of_memory("dequantize");
     return ffi::Error::Success();
   }
 
@@ -187,26 +220,24 @@ struct CpuPlatform {
     nb = std::max<int64_t>(16, std::min<int64_t>(512, (nb + 7) / 8 * 8));
     const int64_t blocks = (p.N + nb - 1) / nb;
     const int64_t scratch_n = qmv_scratch_floats(p);
-    pool.parallel_for(p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
-      thread_local std::vector<float> scratch;
-      if ((int64_t)scratch.size() < scratch_n) scratch.resize(scratch_n);
+    const bool ok = pool.parallel_for(p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
+      const std::unique_ptr<float[]> scratch = scratch_floats(scratch_n);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t s = i / blocks, b = i % blocks;
-        k->qmv(p, s, b * nb, std::min(p.N, (b + 1) * nb), scratch.data());
+        k->qmv(p, s, b * nb, std::min(p.N, (b + 1) * nb), scratch.get());
       }
     });
-    return ffi::Error::Success();
+    return ok ? ffi::Error::Success() : out_of_memory("qmv");
   }
 
   static ffi::Error norm(const NormProblem& p) {
     const Kernels* k = select_kernels();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(p.d, 1));
-    Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) {
-      thread_local std::vector<float> scratch;
-      if ((int64_t)scratch.size() < 3 * p.d) scratch.resize(3 * p.d);
-      k->norm(p, r0, r1, scratch.data());
+    const bool ok = Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) {
+      const std::unique_ptr<float[]> scratch = scratch_floats(3 * p.d);
+      k->norm(p, r0, r1, scratch.get());
     });
-    return ffi::Error::Success();
+    return ok ? ffi::Error::Success() : out_of_memory("norm");
   }
 };
 

@@ -350,6 +350,92 @@ def test_qmm_nan_block_and_grad():
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qmm_affine_inf_in_x(m, dtype):
+    """An Inf in x: each output is the definition's sum((q s + b) x), +-Inf where the
+    weight is non-zero, NaN where it is 0 or the signs of two Infs meet; never a row
+    turned NaN by the bias term's Inf - Inf (the fused form s sum(q x) + b sum(x))."""
+    k, n = 128, 48
+    qw = quantize_for("affine", 4, rand(14, (n, k), scale=2.0))
+    x = np.array(rand(15, (m, k), dtype), np.float32)
+    x[0, 5] = np.inf
+    if m > 1:
+        x[1, 70], x[1, 3] = -np.inf, np.nan   # NaN row
+    if m > 2:
+        x[2, 9], x[2, 100] = np.inf, -np.inf
+    x = jnp.asarray(x, dtype)
+    y = np.asarray(ffi(jq.qmm, x, qw), np.float64)
+    w64 = deq64(qw)
+    with np.errstate(invalid="ignore", over="ignore"):
+        # the oracle's float64 values, as an explicit IEEE sum (BLAS may skip zeros)
+        want = (np.asarray(x, np.float64)[:, None, :] * w64[None]).sum(-1)
+    assert np.isinf(want[0]).any()
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(y[inf], want[inf])
+    fin = np.isfinite(want)
+    assert np.isfinite(y[fin]).all()
+    # the reference (XLA's dot) on the row with one Inf; with two it may give NaN where
+    # the IEEE sum is +-Inf (its blocked product multiplies zero padding by the Infs)
+    ry = np.asarray(ref(jq.qmm, x, qw), np.float64)[0]
+    np.testing.assert_array_equal(np.isnan(y[0]), np.isnan(ry))
+    np.testing.assert_array_equal(y[0][np.isinf(ry)], ry[np.isinf(ry)])
+    # gather_qmm's slots take the same path: bit for bit qmm's rows
+    idx = jnp.zeros((m, 1), jnp.int32)
+    qw3 = jax.tree.map(lambda a: a[None], qw)
+    g = np.asarray(ffi(jq.gather_qmm, x, qw3, idx), np.float64)[:, 0]
+    np.testing.assert_array_equal(g, y)
+
+
+_OOM_CODE = r"""
+import resource, sys, jax, jax.numpy as jnp, numpy as np, jaxquant as jq
+def statm(i):
+    return int(open("/proc/self/statm").read().split()[i]) * 4096
+def qw_of(k):   # built from zeros directly: quantize's temporaries would not fit
+    z = lambda *s: np.zeros(s, np.uint16).view(jnp.bfloat16)
+    return jq.QuantizedArray(np.zeros((64, k // 8), np.uint32), z(64, k // 64), z(64, k // 64),
+                             mode="affine", bits=4, group_size=64, dtype=jnp.bfloat16)
+call = jax.jit(lambda x, qw: jq.qmm(x, qw, backend="ffi"))
+def ready(k):
+    x, qw = jnp.ones((16, k), jnp.bfloat16), jax.device_put(qw_of(k))
+    return x, qw, call.lower(x, qw).compile(), jax.block_until_ready((x, qw))
+tiny, small = ready(1 << 12), ready(1 << 20)
+np.asarray(tiny[2](*tiny[:2]))
+before = statm(1)
+np.asarray(small[2](*small[:2]))      # 64 MiB of scratch per thread while it runs
+print("KEPT", statm(1) - before)
+xb, qb, big, _ = ready(1 << 23)
+limit = statm(0) + (1 << 28)   # no room for a thread's 512 MiB of scratch
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+for _ in range(3):
+    try:
+        np.asarray(big(xb, qb))
+        print("RAN 0")
+    except Exception as e:   # XLA's error, not an abort
+        print("ERROR", type(e).__name__, str(e).splitlines()[0])
+print("AGAIN", float(np.asarray(small[2](*small[:2])).sum()))
+"""
+
+
+def test_qmv_scratch_out_of_memory_is_an_error():
+    """Scratch (M * K floats per thread) past the address-space limit: a clean error
+    from the call, on whichever thread the allocation failed (not std::bad_alloc's
+    abort on a worker), the process still usable afterwards; and no scratch kept once
+    a call that could allocate it returns."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXQUANT_FFI_THREADS="2")
+    p = subprocess.run([sys.executable, "-c", _OOM_CODE], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [line.split(" ", 1) for line in p.stdout.splitlines()]
+    assert [k for k, _ in lines] == ["KEPT", "ERROR", "ERROR", "ERROR", "AGAIN"], p.stdout
+    assert all("RESOURCE_EXHAUSTED" in v and "out of host memory" in v
+               for k, v in lines if k == "ERROR"), p.stdout
+    lines = dict(lines)
+    assert int(lines["KEPT"]) < 32 << 20, p.stdout
+    assert float(lines["AGAIN"]) == 0.0, p.stdout
+
+
 def test_float64_falls_back_to_reference():
     with enable_x64():
         qw = quantize_for("affine", 4, rand(11, (16, 64)))
