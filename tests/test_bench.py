@@ -152,11 +152,11 @@ def test_prefill_qmm_table_has_the_a8_rows(capsys, skip_copy_timing):
     assert not any("failed" in l for l in lines)
 
 
-def test_import_jaxquant_leaves_bench_and_tools_out():
+def test_import_jaxquant_leaves_bench_out():
     import subprocess
 
     code = ("import sys, jaxquant; print(sorted(m for m in sys.modules "
-            "if m.startswith(('jaxquant.bench', 'jaxquant.tools'))))")
+            "if m.startswith('jaxquant.bench')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
 

@@ -233,7 +233,7 @@ def test_supports_and_registration():
 def test_gpu_lowering_runs_the_kernel_without_a_weight_gather(platform):
     """jq.gather_matmul lowered for a GPU (on this CPU machine): one Triton kernel, and no
     XLA gather of the experts' weights."""
-    from jaxquant.tools import compile_check as cc
+    from tests import pallas_compile as cc
     sd = jax.ShapeDtypeStruct
     args = sd((1, 2880), jnp.bfloat16), sd((32, 5760, 2880), jnp.bfloat16), sd((1, 4), jnp.int32)
     text = jax.jit(jq.gather_matmul).trace(*args).lower(

@@ -12,7 +12,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.pallas import attention as pa
-from jaxquant.tools import compile_check as cc
+from tests import pallas_compile as cc
 
 triton = pytest.importorskip(
     "triton", reason="the ROCm/CUDA compile checks need the pip `triton` package "

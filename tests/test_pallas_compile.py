@@ -4,7 +4,7 @@ Each kernel is lowered with `lowering_platforms=("rocm",)` (resp. "cuda"); the
 Triton module is taken from the `__gpu$xla.gpu.triton` custom call, printed as
 text with jaxlib's MLIR context and compiled with the pip `triton` package for
 gfx90a / gfx942 / gfx950 / gfx1100 (resp. sm_90, sm_80); a code object must
-come out. Needs `pip install triton` (see jaxquant/tools/compile_check.py).
+come out. Needs `pip install triton` (see tests/pallas_compile.py).
 """
 
 import os
@@ -16,7 +16,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.pallas.qmm import qmm
-from jaxquant.tools import compile_check as cc
+from tests import pallas_compile as cc
 
 triton = pytest.importorskip(
     "triton", reason="the ROCm/CUDA compile checks need the pip `triton` package "

@@ -235,7 +235,7 @@ def test_moe_layer_is_one_program_without_host_sync(backend):
 
 
 # The same layer lowered for the GPUs with the Pallas kernels (on this CPU-only
-# machine: lowering_platforms, as jaxquant/tools/compile_check.py does): its StableHLO
+# machine: lowering_platforms, as tests/pallas_compile.py does): its StableHLO
 # holds XLA ops and the three gather_qmm Triton kernels (jaxlib 0.10.2 emits each as a
 # `__gpu$xla.gpu.triton` custom call), and nothing that moves data to or from the host.
 
@@ -248,7 +248,7 @@ def _gpu_program_report(module):
     calls), host-memory annotations) of a lowered StableHLO module."""
     from jax._src.lib.mlir import ir
 
-    from jaxquant.tools import compile_check as cc
+    from tests import pallas_compile as cc
 
     funcs, names, targets = {}, set(), []
 

@@ -1,7 +1,7 @@
 """Compile the Pallas kernels' Triton IR ahead of time with the pip `triton` package.
 
-Used by the ROCm/CUDA compile checks (tests/test_pallas_compile.py), which run
-on a CPU-only machine:
+A test helper of the ROCm/CUDA compile checks (tests/test_pallas_compile.py and the
+other *_compile tests), which run on a CPU-only machine:
 
   1. lower a jitted function with `lowering_platforms=("rocm",)` (or "cuda");
   2. take the Triton module (MLIR bytecode) out of each `__gpu$xla.gpu.triton`
