@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    from jaxquant.models.decoder import MODES
+    from jaxquant.models.params import MODES
     for m in modes:
         if m != "bf16" and m not in MODES:
             ap.error(f"--modes: {m!r} is not known; choose from bf16, {', '.join(MODES)}")

@@ -97,12 +97,12 @@ def main(argv=None) -> int:
                          f"{', '.join(A8_NAMES)} (docs/a8.md; default: none)")
     args = ap.parse_args(argv)
 
-    from jaxquant.models import decoder
+    from jaxquant.models import params as model_params
 
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in decoder.MODES]
+    bad = [m for m in modes if m not in model_params.MODES]
     if bad:
-        ap.error(f"unknown mode(s) {bad}; choose from {sorted(decoder.MODES)}")
+        ap.error(f"unknown mode(s) {bad}; choose from {sorted(model_params.MODES)}")
     a8 = [t for t in args.a8.split(",") if t]
     bad = [t for t in a8 if t not in A8_NAMES]
     if bad:
@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     cfg, params = checkpoint.load(args.checkpoint, mode=None, dtype=args.dtype)
     variants = {args.dtype: params}
     for m in modes:
-        variants[m] = decoder.quantize_params(params, m)
-    variants.update({f"{name}+x:{A8_NAMES[t]}": decoder.a8_params(p, t)
+        variants[m] = model_params.quantize_params(params, m)
+    variants.update({f"{name}+x:{A8_NAMES[t]}": model_params.a8_params(p, t)
                      for name, p in list(variants.items()) for t in a8})
     print(f"{args.checkpoint}: {len(ids)} tokens of {os.path.basename(args.text)} in windows "
           f"of {args.context}; KL and top-1 agreement against the {args.dtype} row",
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     print(f"{'mode':<{width}} {'weights':>10} {'perplexity':>11} {'KL (nats)':>10} "
           f"{'top-1 agree':>12}")
     for name, r in result.items():
-        size = decoder.weight_bytes(variants[name]) / 2**20
+        size = model_params.weight_bytes(variants[name]) / 2**20
         print(f"{name:<{width}} {size:>8.1f}Mi {r['perplexity']:>11.3f} {r['kl']:>10.5f} "
               f"{100 * r['top1']:>11.1f}%")
     return 0

@@ -301,9 +301,9 @@ def test_profile_classes_name_the_models_functions():
     import ast
     import inspect
 
-    from jaxquant.models import decoder
+    from jaxquant.models import decoder, layers, moe
 
-    defined = {n.name for n in ast.walk(ast.parse(inspect.getsource(decoder)))
+    defined = {n.name for m in (decoder, layers, moe) for n in ast.walk(ast.parse(inspect.getsource(m)))
                if isinstance(n, ast.FunctionDef)}
     assert profile._ATTENTION_FUNCS <= defined
     assert {"route", "moe_mlp", "expert_gather", "expert_ragged"} <= defined

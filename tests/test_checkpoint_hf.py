@@ -16,7 +16,8 @@ import pytest
 
 from jaxquant import models
 from jaxquant.models import checkpoint
-from jaxquant.models.decoder import MATRICES, PermutedMatrix
+from jaxquant.models.layers import PermutedMatrix
+from jaxquant.models.params import MATRICES
 from jaxquant.quantized_array import QuantizedArray
 from tests.test_io_hf import _ct_compress, _gptqmodel_dequant, _reference_module
 from tests.test_models import LLAMA, _dense_mlps, _hf_common, _manual_common, _write

@@ -168,7 +168,7 @@ def test_qmm_swiglu_equals_unfused(rows, i, groups, act, with_bias, dtype, seed)
     gate, up = y[:, :i], y[:, i:]
     if act == "silu":
         want = jax.nn.silu(gate) * up
-    else:  # jaxquant/models/decoder.py's _expert_act
+    else:  # the decoder's activation (jaxquant/models/layers.py's swiglu)
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
         want = (up + 1) * gate * jax.nn.sigmoid(gate * 1.702)
     np.testing.assert_array_equal(f64(fused), f64(want.astype(dtype)))
@@ -250,7 +250,7 @@ def test_gather_qmm_swiglu_equals_unfused(t, slots, e, i, groups, act, with_bias
     bias = jnp.asarray(nrand(seed + 2, (e, 2 * i)), dtype) if with_bias else None
     limit = 5.0 if act == "gpt_oss" else None
     fused = jq.gather_qmm_swiglu(x, qw, idx, activation=act, limit=limit, bias=bias)
-    # the decoder's unfused steps (jaxquant/models/decoder.py's experts_mlp)
+    # the decoder's unfused steps (jaxquant/models/moe.py's experts_mlp)
     y = jq.gather_qmm(x, qw, idx).astype(jnp.float32)
     if bias is not None:
         y = y + bias[np.clip(idx, 0, e - 1)].astype(jnp.float32)

@@ -33,7 +33,7 @@ def _case(seed, e, n, k, t, slots, dtype, per_slot=False, w_dtype=None, bad=Fals
 
 
 def _xla_gather_einsum(x, w, idx):
-    """What models.decoder.expert_gather did before gather_matmul: gather, then einsum."""
+    """What models.moe.expert_gather did before gather_matmul: gather, then einsum."""
     ws = w[idx].astype(x.dtype)
     eq = "tk,tsnk->tsn" if x.ndim == 2 else "tsk,tsnk->tsn"
     return jnp.einsum(eq, x, ws, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -104,16 +104,16 @@ def test_gpt_oss_decode_logits_vs_reference_backend():
 
 @pytest.mark.parametrize("shape", [(5120, 2880), (6144, 4096)], ids=lambda s: f"{s[1]}to{s[0]}")
 def test_decoder_linear_at_decode_takes_the_float_gemv(shape):
-    """models.decoder.linear on a float matrix at one row per sequence (decode) runs the
-    Pallas float GEMV (decoder.FLOAT_GEMV) and gives the float32 product, bias added."""
-    from jaxquant.models import decoder
+    """models.layers.linear on a float matrix at one row per sequence (decode) runs the
+    Pallas float GEMV (layers.FLOAT_GEMV) and gives the float32 product, bias added."""
+    from jaxquant.models import layers
 
     n, k = shape
     w = (0.05 * jax.random.normal(jax.random.key(0), shape, jnp.float32)).astype(jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (2, 1, k), jnp.float32).astype(jnp.bfloat16)
     bias = jnp.linspace(-1, 1, n, dtype=jnp.float32).astype(jnp.bfloat16)
-    f = jax.jit(decoder.linear)
-    assert decoder.float_gemv_applies(x, w)
+    f = jax.jit(layers.linear)
+    assert layers.float_gemv_applies(x, w)
     assert "__gpu$xla.gpu.triton" in f.lower(x, w, bias).as_text(), "not the Pallas kernel"
     y = np.asarray(f(x, w, bias), np.float64)
     want = np.asarray(jnp.einsum("btk,nk->btn", x.astype(jnp.float32), w.astype(jnp.float32),

@@ -181,7 +181,7 @@ def test_demo_smoke():
 def test_demo_reports_a_failing_mode_and_goes_on():
     """One mode failing (here: nvfp4 quantization made to raise) prints FAILED for
     it, the table for the others, and exits 1."""
-    code = ("import sys, runpy; import jaxquant.models.decoder as d; real = d.quantize_params\n"
+    code = ("import sys, runpy; import jaxquant.models.params as d; real = d.quantize_params\n"
             "def broken(p, mode, **kw):\n"
             "    if mode == 'nvfp4': raise RuntimeError('injected')\n"
             "    return real(p, mode, **kw)\n"

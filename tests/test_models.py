@@ -81,7 +81,7 @@ def test_float_experts_decode_logits_unchanged_by_gather_matmul(dtype, monkeypat
     """gpt-oss with float (unquantized) experts decodes through jq.gather_matmul (no XLA
     gather of the chosen experts' weights): the decode logits of the gather + einsum it
     replaced, stacked (experts_by_layer on and off) and per-layer."""
-    from jaxquant.models import decoder
+    from jaxquant.models import moe
 
     traced = []
 
@@ -107,7 +107,7 @@ def test_float_experts_decode_logits_unchanged_by_gather_matmul(dtype, monkeypat
     got = [decode_logits(stacked, True), decode_logits(stacked, False),
            decode_logits(per_layer)]
     assert not traced
-    monkeypatch.setattr(decoder, "expert_gather", gather_einsum)
+    monkeypatch.setattr(moe, "expert_gather", gather_einsum)
     want_stacked, want_per_layer = decode_logits(stacked, False), decode_logits(per_layer)
     assert traced  # the swap acts: the steps were traced with the replaced expert_gather
     # float32: another summation order of the same products; bfloat16: bit for bit here
@@ -151,7 +151,7 @@ def test_fused_matrices_equal_the_separate_ones(family, mode):
         fused = models.quantize_params(fused, mode)
         separate = models.quantize_params(separate, mode, fuse=False)
         assert "wq" in separate["layers"]
-        for key, parts in models.decoder.FUSED.items():
+        for key, parts in models.params.FUSED.items():
             if key not in fused["layers"]:
                 continue
             for got, want in zip(models.unfuse_params(cfg, fused)["layers"].values(),
@@ -252,11 +252,12 @@ def test_a8_params_prefill(family, mode):
 
 
 def test_defaults_follow_the_device():
-    from jaxquant.models.decoder import default_per_layer, resolve_experts_by_layer
+    from jaxquant.models.decoder import resolve_experts_by_layer
+    from jaxquant.models.params import default_per_layer
     assert default_per_layer() == (jax.default_backend() != "cpu")
     cfg = tiny("gpt_oss")
     params = models.init_params(cfg, jax.random.key(11))
-    assert models.decoder.is_per_layer(params) == default_per_layer()
+    assert models.params.is_per_layer(params) == default_per_layer()
     layers = models.init_params(cfg, jax.random.key(11), per_layer=False)["layers"]
     assert resolve_experts_by_layer(cfg, layers, None)  # float experts: gather_matmul
     assert not resolve_experts_by_layer(cfg, layers, False)
@@ -270,7 +271,7 @@ def test_defaults_follow_the_device():
 
 
 def test_norm_linear_and_swiglu_linear():
-    from jaxquant.models.decoder import norm_linear, swiglu_linear
+    from jaxquant.models.layers import norm_linear, swiglu_linear
     rng = np.random.default_rng(12)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     nw = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
@@ -675,26 +676,26 @@ def test_mlx_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_float_gemv_is_linears_product_and_its_rule(dtype, monkeypatch):
-    """decoder.float_gemv (a float matrix as gather_matmul's one expert) computes
+    """layers.float_gemv (a float matrix as gather_matmul's one expert) computes
     linear's einsum (same float32 sums, one rounding), for x [B, 1, K] and [K]; the rule
     takes decode rows of mid-sized matrices on a GPU only."""
-    from jaxquant.models import decoder
+    from jaxquant.models import layers
 
     w = jax.random.normal(jax.random.key(0), (300, 72), jnp.float32).astype(dtype)  # any shape
     for shape in [(3, 1, 72), (72,), (2, 2, 72)]:
         x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
         want = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
-        got = jax.jit(decoder.float_gemv)(x, w)
+        got = jax.jit(layers.float_gemv)(x, w)
         assert got.shape == shape[:-1] + (300,) and got.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want.astype(dtype),
                                    np.float32), rtol=float(jnp.finfo(dtype).eps), atol=1e-5)
     x1 = jnp.ones((1, 1, 4096), dtype)
-    assert not decoder.float_gemv_applies(x1, jnp.ones((6144, 4096)))       # the CPU: never
+    assert not layers.float_gemv_applies(x1, jnp.ones((6144, 4096)))       # the CPU: never
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert decoder.float_gemv_applies(x1, jnp.ones((6144, 4096)))           # q/k/v
-    assert decoder.float_gemv_applies(jnp.ones((8, 1, 2880)), jnp.ones((5120, 2880)))
-    assert not decoder.float_gemv_applies(jnp.ones((9, 1, 2880)), jnp.ones((5120, 2880)))
-    assert not decoder.float_gemv_applies(jnp.ones((1, 14336)), jnp.ones((4096, 14336)))
-    assert not decoder.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((32, 2880)))
-    assert not decoder.float_gemv_applies(jnp.ones((1, 4096)), jnp.ones((2880, 4096)))  # o
-    assert not decoder.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((201088, 16)))
+    assert layers.float_gemv_applies(x1, jnp.ones((6144, 4096)))           # q/k/v
+    assert layers.float_gemv_applies(jnp.ones((8, 1, 2880)), jnp.ones((5120, 2880)))
+    assert not layers.float_gemv_applies(jnp.ones((9, 1, 2880)), jnp.ones((5120, 2880)))
+    assert not layers.float_gemv_applies(jnp.ones((1, 14336)), jnp.ones((4096, 14336)))
+    assert not layers.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((32, 2880)))
+    assert not layers.float_gemv_applies(jnp.ones((1, 4096)), jnp.ones((2880, 4096)))  # o
+    assert not layers.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((201088, 16)))

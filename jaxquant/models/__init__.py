@@ -3,9 +3,10 @@ MoE gpt-oss/Qwen3-MoE-style blocks in plain JAX, Hugging Face / MLX checkpoint
 loading, quantize-on-load, and tensor/expert-parallel sharding."""
 
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import (MODES, a8_params, decode, forward, fuse_params, init_cache,
-                                     init_params, prefill, prepack_params, quantize_params,
-                                     stack_layers, unfuse_params, unstack_layers, weight_bytes)
+from jaxquant.models.decoder import decode, forward, init_cache, prefill
+from jaxquant.models.params import (MODES, a8_params, fuse_params, init_params, prepack_params,
+                                    quantize_params, stack_layers, unfuse_params, unstack_layers,
+                                    weight_bytes)
 from jaxquant.models.sampling import GREEDY, Sampling, filter_logits, generate, sample
 from jaxquant.models import checkpoint, parallel  # models.checkpoint.load without its own import
 

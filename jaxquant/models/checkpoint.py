@@ -36,10 +36,12 @@ import ml_dtypes
 import numpy as np
 
 import jaxquant as jq
+from jaxquant.models import parallel
 from jaxquant.models.config import Config, from_hf
-from jaxquant.models.decoder import (MATRICES, PermutedMatrix, default_per_layer, fuse_layer,
-                                     fuse_params, prepack_params, quantize_args,
-                                     quantize_matrix, stack_layers, unstack_layers)
+from jaxquant.models.layers import PermutedMatrix
+from jaxquant.models.params import (MATRICES, default_per_layer, fuse_layer, fuse_params,
+                                    prepack_params, quantize_args, quantize_matrix, stack_layers,
+                                    unstack_layers)
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -114,7 +116,7 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
     device's fastest, as jq.prepack; "canonical" keeps the exchange layout);
     fuse: q/k/v and gate/up as one matrix each (models.fuse_params);
     per_layer: the layers as separate buffers, read one at a time (None: the
-    default device's fastest form, models.decoder.default_per_layer); stacked,
+    default device's fastest form, models.params.default_per_layer); stacked,
     a matrix must have one format in every layer.
 
     mesh: a ("tp", "ep") mesh (parallel.make_mesh): the params come back placed
@@ -271,8 +273,6 @@ def _qwen3_moe_mlp(cfg, tensors, quant, pre):
 
 def _load_sharded(cfg, tensors, quant, mesh, *, lm_head, layout, fuse, per_layer):
     """load(..., mesh=mesh)'s params (its docstring)."""
-    from jaxquant.models import parallel  # noqa: PLC0415 (parallel imports the decoder)
-
     parts = mesh.shape[parallel.TP] > 1  # tp splits q/k/v and gate/up: keep the parts
 
     def matrix(key, prefix):
@@ -305,7 +305,6 @@ def _float_from_slices(tensors, name, mesh, spec, dtype):
     device's block read from the file on its own."""
     from jax.sharding import NamedSharding  # noqa: PLC0415
 
-    from jaxquant.models import parallel  # noqa: PLC0415
 
     shape = tensors.shape(name)
     sharding = NamedSharding(mesh, parallel.named_spec(mesh, jax.ShapeDtypeStruct(shape, dtype), spec))
@@ -319,7 +318,6 @@ def _mlx_from_slices(tensors, prefix, quant, mesh, spec):
     the packed weight, scales and biases (jq.io.from_mlx_tensors on the slices)."""
     from jax.sharding import NamedSharding  # noqa: PLC0415
 
-    from jaxquant.models import parallel  # noqa: PLC0415
 
     names = [f"{prefix}.{p}" for p in ("weight", "scales", "biases")
              if f"{prefix}.{p}" in tensors]

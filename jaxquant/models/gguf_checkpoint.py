@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxquant.io import gguf as io_gguf
 from jaxquant.models.config import Config
-from jaxquant.models.decoder import quantize_args, quantize_matrix
+from jaxquant.models.params import quantize_args, quantize_matrix
 from jaxquant.quantized_array import QuantizedArray
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",

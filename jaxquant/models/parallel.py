@@ -31,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant.models.config import Config
-from jaxquant.models import decoder
-from jaxquant.models.decoder import unfuse_params
+from jaxquant.models import params as model_params
+from jaxquant.models.moe import experts_mlp
+from jaxquant.models.params import unfuse_params
 from jaxquant.quantized_array import QuantizedArray
 
 # key -> spec of the (stacked [L, ...]) logical matrix; None entries are replicated
@@ -179,7 +180,7 @@ def expert_parallel_moe(cfg: Config, p, x, idx, weights, mesh: Mesh):
         if tp_split and "e_down_bias" in pe:  # down's partial sums over tp: its bias once
             pe = dict(pe, e_down_bias=jnp.where(lax.axis_index(TP) == 0,
                                                 pe["e_down_bias"], 0))
-        y = decoder.experts_mlp(cfg, pe, x, idx - offset, weights, local_experts)
+        y = experts_mlp(cfg, pe, x, idx - offset, weights, local_experts)
         return lax.psum(y, axes) if axes else y
 
     run = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
@@ -195,21 +196,21 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
     without ever holding a full or unsharded copy. Each layer is drawn, fused (split
     into parts where "tp" has several devices), quantized and prepacked in one jit
     whose out_shardings are the layer's placement, one layer at a time: the
-    peak beyond the result is one layer. mode: a decoder.MODES name or jq.quantize
+    peak beyond the result is one layer. mode: a params.MODES name or jq.quantize
     arguments (None: float); layout, per_layer: quantize_params'."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    per_layer = decoder.default_per_layer() if per_layer is None else per_layer
-    kw = None if mode is None else decoder.quantize_args(mode)
+    per_layer = model_params.default_per_layer() if per_layer is None else per_layer
+    kw = None if mode is None else model_params.quantize_args(mode)
     k_layers, k_embed, k_head = jax.random.split(key, 3)
     split = mesh.shape[TP] > 1
 
     def make_layer(k):
-        p = decoder.init_layer(cfg, dtype, k)
+        p = model_params.init_layer(cfg, dtype, k)
         if split:
             p = unfuse_params(cfg, {"layers": (p,)})["layers"][0]
         if kw is not None:
-            p = {n: jq.quantize(w, **kw) if n in decoder.MATRICES else w for n, w in p.items()}
-        return decoder.prepack_params({"layers": (p,)}, layout)["layers"][0]
+            p = {n: jq.quantize(w, **kw) if n in model_params.MATRICES else w for n, w in p.items()}
+        return model_params.prepack_params({"layers": (p,)}, layout)["layers"][0]
 
     def sharded(fn, specs_of, key):
         """fn jitted with its result placed by specs_of(its shapes): one compile per fn."""
@@ -224,15 +225,15 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
     params = {"layers": layers, "final_norm": _place(mesh, jnp.ones((cfg.hidden_size,), dtype),
                                                      ())}
     d = cfg.hidden_size
-    params["embed"] = sharded(lambda k: decoder.normal_init(k, (cfg.vocab_size, d), dtype, fan_in=1),
+    params["embed"] = sharded(lambda k: model_params.normal_init(k, (cfg.vocab_size, d), dtype, fan_in=1),
                               lambda s: P(), k_embed)(k_embed)
     if not cfg.tie_embeddings:
         def head(k):
-            w = decoder.normal_init(k, (cfg.vocab_size, d), dtype)
+            w = model_params.normal_init(k, (cfg.vocab_size, d), dtype)
             w = w if kw is None else jq.quantize(w, **kw)
-            return decoder.prepack_params({"layers": (), "lm_head": w}, layout)["lm_head"]
+            return model_params.prepack_params({"layers": (), "lm_head": w}, layout)["lm_head"]
         params["lm_head"] = sharded(head, lambda s: matrix_specs(mesh, s, (TP, None)),
                                     k_head)(k_head)
     if not per_layer:
-        params = shard_params(cfg, decoder.stack_layers(params), mesh)
+        params = shard_params(cfg, model_params.stack_layers(params), mesh)
     return params

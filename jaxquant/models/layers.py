@@ -1,0 +1,180 @@
+"""The decoder's layer math on float or quantized weights: `linear` (y = x @ W.T for
+a float array, a QuantizedArray, a RowQuantizedArray or a PermutedMatrix, so one
+code path runs bf16 and every quantized mode), the normalized and gated
+projections, rotary embedding, attention and the dense SwiGLU MLP."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxquant as jq
+from jaxquant.models.config import Config
+from jaxquant.quantized_array import QuantizedArray
+
+
+class PermutedMatrix(NamedTuple):
+    """A matrix stored with its input channels in the order `perm` (GPTQ act-order:
+    jq.io.from_gptq): ``x @ W.T == x[..., perm] @ matrix.T``."""
+    matrix: QuantizedArray
+    perm: jax.Array
+
+
+def on_several_devices(a) -> bool:
+    """Whether a (an array, or a tracer under jit) lives on a mesh of several devices."""
+    mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty:
+        return mesh.size > 1
+    sharding = getattr(a, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
+
+# A float matrix at decode goes through the Pallas float GEMV (jq.gather_matmul with the
+# matrix as its one expert) on a GPU where XLA's dot was measured slower inside the
+# models' decode step: N >= 5120 with K < 8192 (q/k/v, gate+up). XLA stays where it was
+# as fast or faster: the o projections (N <= 4096), K >= 8192 (Llama's down), the router
+# (N = 32) and the heads (N >= 128k, XLA at 96-99% of copy). benchmarks/h100/decode.json
+# `float_gemv.*` (per matrix, in the model, whole model).
+FLOAT_GEMV = dict(max_rows=8, min_n=5120, max_n=32768, max_k=8192)
+
+
+def float_gemv_applies(x, w) -> bool:
+    """Whether linear(x, w) on a float w [N, K] takes the Pallas float GEMV (FLOAT_GEMV).
+    One device only: the GEMV was measured on one GPU; over a mesh, XLA partitions its
+    own dot."""
+    rows = int(np.prod(x.shape[:-1]))
+    n, k = w.shape
+    return (jax.default_backend() == "gpu" and 0 < rows <= FLOAT_GEMV["max_rows"]
+            and FLOAT_GEMV["min_n"] <= n <= FLOAT_GEMV["max_n"] and k <= FLOAT_GEMV["max_k"]
+            and not on_several_devices(w))
+
+
+def float_gemv(x, w):
+    """x [..., K] @ w.T for a float w [N, K] as jq.gather_matmul's one-expert product: the
+    same float32 sums as the einsum's definition (w cast to x's dtype)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jq.gather_matmul(x2, w[None], jnp.zeros((x2.shape[0], 1), jnp.int32))
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def linear(x, w, bias=None):
+    """x [..., K] @ w.T (w [N, K]: float, QuantizedArray, RowQuantizedArray or
+    PermutedMatrix) (+ bias) -> [..., N]."""
+    if isinstance(w, PermutedMatrix):
+        x, w = jnp.take(x, w.perm, axis=-1), w.matrix
+    if isinstance(w, QuantizedArray):
+        y = jq.qmm(x, w)
+    elif isinstance(w, jq.RowQuantizedArray):  # a8_params: the prefill opt-in
+        y = jq.qmm_a8(x, w)
+    elif w.ndim == 2 and float_gemv_applies(x, w):
+        y = float_gemv(x, w)
+    else:
+        y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype),
+                       preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def norm_linear(x, norm_weight, w, eps, bias=None):
+    """linear(rms_norm(x, norm_weight), w) (+ bias): a projection of the normalized
+    residual stream: jq.rms_norm_qmm on a quantized w (one kernel where one exists,
+    the two ops elsewhere)."""
+    if isinstance(w, QuantizedArray):
+        y = jq.rms_norm_qmm(x, norm_weight, w, eps=eps)
+        return y if bias is None else y + bias.astype(y.dtype)
+    return linear(jq.rms_norm(x, norm_weight, eps=eps), w, bias)
+
+
+SWIGLU_KINDS = ("silu", "gpt_oss")
+
+
+def swiglu(gate, up, kind="silu", limit=7.0, alpha=1.702):
+    """The gated activation in float32: silu(gate) * up, or gpt-oss's clamped
+    (up + 1) * gate * sigmoid(alpha * gate) with gate <= limit, |up| <= limit."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if kind == "gpt_oss":
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+    if kind == "silu":
+        return jax.nn.silu(gate) * up
+    raise ValueError(f"kind={kind!r} is not known; expected one of {SWIGLU_KINDS}")
+
+
+def swiglu_linear(x, w_gate_up, bias=None, kind="silu", limit=7.0, alpha=1.702):
+    """x [..., K] -> [..., I] (x.dtype): swiglu of linear(x, w_gate_up) (+ bias, in
+    float32) split in halves, w_gate_up [2I, K] holding the gate rows, then the up
+    rows: jq.qmm_swiglu on a quantized w_gate_up (one kernel where one exists)."""
+    if isinstance(w_gate_up, QuantizedArray):
+        if kind not in SWIGLU_KINDS:
+            raise ValueError(f"kind={kind!r} is not known; expected one of {SWIGLU_KINDS}")
+        return jq.qmm_swiglu(x, w_gate_up, activation=kind,
+                             limit=limit if kind == "gpt_oss" else None, alpha=alpha, bias=bias)
+    gu = linear(x, w_gate_up).astype(jnp.float32)
+    if bias is not None:
+        gu = gu + bias.astype(jnp.float32)
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return swiglu(gate, up, kind, limit, alpha).astype(x.dtype)
+
+
+def rope(x, positions, inv_freq, attention_factor):
+    """Rotate x [B, T, H, hd] by positions [B, T] (halves convention)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
+    cos = (jnp.cos(angles) * attention_factor)[:, :, None, :]
+    sin = (jnp.sin(angles) * attention_factor)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    a, b = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+
+
+def qkv_projection(cfg: Config, p, h):
+    """q [B, T, Hq, hd], k, v [B, T, Hkv, hd] of the residual stream h [B, T, D]
+    (normalized by attn_norm): one product over wqkv, or three over wq, wk, wv."""
+    b, t, _ = h.shape
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if "wqkv" in p:
+        qkv = norm_linear(h, p["attn_norm"], p["wqkv"], cfg.rms_eps, p.get("bqkv"))
+        q, k, v = jnp.split(qkv, [hq * hd, (hq + hkv) * hd], axis=-1)
+    else:
+        x = jq.rms_norm(h, p["attn_norm"], eps=cfg.rms_eps)
+        q, k, v = (linear(x, p[w], p.get(bias))
+                   for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    return q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
+
+
+def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_table):
+    """Self-attention of the residual stream h [B, T, D] at positions [B, T]. cache:
+    (k, v), each [L, B, S, Hkv, hd] for all layers, updated in place at
+    (layer_index, positions). Returns (out [B, T, D], cache)."""
+    b, t, _ = h.shape
+    hq, hd = cfg.num_heads, cfg.head_dim
+    q, k, v = qkv_projection(cfg, p, h)
+    if cfg.qk_norm:
+        q = jq.rms_norm(q, p["q_norm"], eps=cfg.rms_eps)
+        k = jq.rms_norm(k, p["k_norm"], eps=cfg.rms_eps)
+    inv_freq, factor = rope_table
+    q, k = rope(q, positions, inv_freq, factor), rope(k, positions, inv_freq, factor)
+    start = positions[0, 0]  # the batch moves in lockstep
+    cache_k, cache_v = (lax.dynamic_update_slice(c, new.astype(c.dtype)[None],
+                                                 (layer_index, 0, start, 0, 0))
+                        for c, new in zip(cache, (k, v)))
+    # the op reads layer `layer_index` of the stacked caches in place (no slice copy)
+    o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"), window=window,
+                            layer=layer_index)
+    return linear(o.reshape(b, t, hq * hd), p["wo"], p.get("bo")), (cache_k, cache_v)
+
+
+def swiglu_kind(cfg: Config) -> str:
+    return "gpt_oss" if cfg.family == "gpt_oss" else "silu"
+
+
+def dense_mlp(cfg: Config, p, x):
+    if "w_gate_up" in p:
+        h = swiglu_linear(x, p["w_gate_up"], kind=swiglu_kind(cfg), limit=cfg.swiglu_limit)
+    else:
+        h = swiglu(linear(x, p["w_gate"]), linear(x, p["w_up"]), swiglu_kind(cfg),
+                   cfg.swiglu_limit).astype(x.dtype)
+    return linear(h, p["w_down"])

@@ -1,0 +1,156 @@
+"""The decoder's mixture-of-experts math: the router and the experts' SwiGLU MLP.
+
+MoE layers use `gather_qmm` (float experts: `gather_matmul`) when few tokens run
+(decode: each token reads its k experts' weights in place) and `ragged_qmm`
+(float experts: `ragged_matmul`) otherwise (prefill: tokens sorted by expert,
+one grouped matmul per projection)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jaxquant as jq
+from jaxquant.models.config import Config
+from jaxquant.models.layers import linear, swiglu, swiglu_kind
+from jaxquant.quantized_array import QuantizedArray
+
+# At most this many (token, expert) pairs go through gather_qmm; more through ragged_qmm.
+GATHER_MAX_PAIRS = 64
+
+
+class ExpertsOfLayer(NamedTuple):
+    """Layer `layer`'s experts inside a stack of all layers' experts flattened to
+    [L*E, N, K] (see `forward`'s experts_by_layer): expert e is row layer*E + e."""
+    stack: QuantizedArray | jax.Array
+    layer: jax.Array
+    num_experts: int
+
+
+def flatten_layers(qw):
+    """[L, E, N, K] -> [L*E, N, K]: a reshape (of a QuantizedArray's children; no copy)."""
+    if not isinstance(qw, QuantizedArray):
+        return qw.reshape(-1, *qw.shape[2:])
+    lead = qw.shape[:2]
+    flat = lambda c: None if c is None else c.reshape(lead[0] * lead[1], *c.shape[2:])
+    gs = qw.global_scale
+    if gs is not None:
+        gs = jnp.broadcast_to(gs.reshape(gs.shape + (1,) * (2 - gs.ndim)), lead).reshape(-1)
+    return QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), gs, mode=qw.mode,
+                          bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
+                          layout=qw.layout)
+
+
+def in_stack(w, rows):
+    """(w, rows), or for an ExpertsOfLayer its whole stack and the rows moved to its
+    layer's experts."""
+    if isinstance(w, ExpertsOfLayer):
+        return w.stack, rows + w.layer * w.num_experts
+    return w, rows
+
+
+def expert_gather(x, w, idx):
+    """x [T, K] or [T, k, K], w [E, N, K], idx [T, k] -> [T, k, N] (decode): the chosen
+    experts read in place (gather_qmm, or gather_matmul for float w; `w[idx]` in XLA
+    would copy them first)."""
+    w, idx = in_stack(w, idx)
+    if isinstance(w, QuantizedArray):
+        return jq.gather_qmm(x, w, idx)
+    return jq.gather_matmul(x, w, idx)
+
+
+def expert_gather_swiglu(cfg: Config, x, w_gate_up, idx, bias):
+    """x [T, K], w_gate_up [E, 2I, K] (quantized), idx [T, k], bias [E, 2I] or None
+    -> [T, k, I] in x's dtype (decode): jq.gather_qmm_swiglu, the chosen experts'
+    gate+up projection with its activation (its fused kernel is opt-in, so by default
+    the gather GEMV and XLA's epilogue: docs/fused.md)."""
+    if bias is not None:  # flattened with the weights under experts_by_layer
+        bias, _ = in_stack(bias, idx)
+    w_gate_up, idx = in_stack(w_gate_up, idx)
+    kind = swiglu_kind(cfg)
+    return jq.gather_qmm_swiglu(x, w_gate_up, idx, activation=kind,
+                                limit=cfg.swiglu_limit if kind == "gpt_oss" else None,
+                                bias=bias)
+
+
+def expert_ragged(x, w, group_sizes):
+    """x [R, K] rows sorted by expert, w [E, N, K] -> [R, N] (prefill): ragged_qmm, or
+    ragged_matmul on float experts. A layer of a flattened stack is read in place (its
+    groups; every other layer's empty), except float experts on the CPU: there XLA's
+    ragged_dot (the reference) multiplies every row by every expert of the stack, so
+    the layer's slice is cheaper."""
+    quantized = isinstance(getattr(w, "stack", w), QuantizedArray)
+    ragged = jq.ragged_qmm if quantized else jq.ragged_matmul
+    if isinstance(w, ExpertsOfLayer) and not quantized and jax.default_backend() == "cpu":
+        w = lax.dynamic_slice_in_dim(w.stack, w.layer * w.num_experts, w.num_experts)
+    if isinstance(w, ExpertsOfLayer):
+        sizes = jnp.zeros(w.stack.shape[0], jnp.int32)
+        sizes = lax.dynamic_update_slice(sizes, group_sizes.astype(jnp.int32),
+                                         (w.layer * w.num_experts,))
+        return ragged(x, w.stack, sizes)
+    return ragged(x, w, group_sizes)
+
+
+def route(cfg: Config, p, x):
+    """Top-k experts and their weights per token: (idx [T, k] int32, weights [T, k] f32)."""
+    logits = linear(x.astype(jnp.float32), p["router"].astype(jnp.float32),
+                    p.get("router_bias"))
+    k = cfg.experts_per_token
+    if cfg.family == "gpt_oss":  # top-k of the logits, softmax over those k
+        top, idx = lax.top_k(logits, k)
+        return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)  # qwen3_moe: softmax, then top-k
+    top, idx = lax.top_k(probs, k)
+    if cfg.norm_topk_prob:
+        top = top / jnp.sum(top, -1, keepdims=True)
+    return idx.astype(jnp.int32), top
+
+
+def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
+    """x [T, D] through the experts idx [T, k] chose, weighted: -> [T, D] float32.
+    p's expert weights hold `num_experts` experts; a pair whose idx is outside
+    [0, num_experts) (another device's expert, parallel.expert_parallel_moe)
+    contributes exactly 0 (masked, never multiplied: its row may be anything)."""
+    t, d = x.shape
+    k = idx.shape[1]
+    mine = (idx >= 0) & (idx < num_experts)
+
+    def product(a, matmul, name, bias_rows):  # float32, + the expert's bias rows
+        y = matmul(a, p[name]).astype(jnp.float32)
+        if name + "_bias" not in p:
+            return y
+        bias, rows = in_stack(p[name + "_bias"], bias_rows)
+        return y + bias[rows].astype(jnp.float32)
+
+    def experts(a, matmul, bias_rows):
+        """The experts' SwiGLU MLP of a through matmul(a, expert weights), float32 out;
+        bias_rows: each output row's expert (for the biases)."""
+        if "e_gate_up" in p:
+            gate, up = jnp.split(product(a, matmul, "e_gate_up", bias_rows), 2, axis=-1)
+        else:
+            gate, up = (product(a, matmul, n, bias_rows) for n in ("e_gate", "e_up"))
+        h = swiglu(gate, up, swiglu_kind(cfg), cfg.swiglu_limit).astype(x.dtype)
+        return product(h, matmul, "e_down", bias_rows)
+
+    if t * k <= GATHER_MAX_PAIRS:  # decode: read only the chosen experts, in place
+        local = jnp.where(mine, idx, 0)
+        gather = lambda a, w: expert_gather(a, w, local)
+        w_gate_up = p.get("e_gate_up")
+        if isinstance(in_stack(w_gate_up, local)[0], QuantizedArray):
+            h = expert_gather_swiglu(cfg, x, w_gate_up, local, p.get("e_gate_up_bias"))
+            y = product(h, gather, "e_down", local)  # [T, k, D]
+        else:
+            y = experts(x, gather, local)
+    else:  # prefill: sort (token, slot) pairs by expert, one ragged matmul each;
+        # other devices' pairs sort last, past every group
+        flat = jnp.where(mine, idx, num_experts).reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+        ys = experts(x[order // k], lambda a, w: expert_ragged(a, w, sizes),
+                     jnp.minimum(flat[order], num_experts - 1))
+        y = jnp.zeros((t * k, d), jnp.float32).at[order].set(ys).reshape(t, k, d)
+    y = jnp.where(mine[..., None], y, 0.0)
+    return jnp.einsum("tkd,tk->td", y, weights)
