@@ -61,10 +61,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jaxquant import models
-    from jaxquant.models import params as model_params, text
+    from jaxquant.models import text
 
-    if args.mode is not None and args.mode not in model_params.MODES:
-        ap.error(f"unknown --mode {args.mode!r}; choose from {sorted(model_params.MODES)}")
+    if args.mode is not None and args.mode not in models.MODES:
+        ap.error(f"unknown --mode {args.mode!r}; choose from {sorted(models.MODES)}")
     try:
         sampling = models.Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     except (TypeError, ValueError) as e:
