@@ -197,8 +197,8 @@ def _layouts(params) -> str:
 
 
 def main(argv=None) -> int:
-    from jaxquant.bench import _Parser  # errors on one line, with a pointer to --help
-    ap = _Parser(prog="python -m jaxquant [demo]", description=__doc__,
+    from jaxquant.bench import Parser  # errors on one line, with a pointer to --help
+    ap = Parser(prog="python -m jaxquant [demo]", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="small", choices=sorted(PRESETS),
                     help="random-weight model dimensions (default: small)")
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     if args.prompt is not None and not args.checkpoint:
         ap.error("--prompt needs --checkpoint DIR (random weights have no tokenizer); "
                  "without it the prompt is --prompt-len random tokens")
-    tokenizer = _tokenizer(args.checkpoint) if args.checkpoint else None
+    tokenizer = load_tokenizer(args.checkpoint) if args.checkpoint else None
     if args.prompt is not None and tokenizer is not None and not hasattr(tokenizer, "encode"):
         ap.error("--prompt needs a tokenizer that encodes text; a GGUF file's vocabulary "
                  "only decodes (drop --prompt: the prompt is then random token ids)")
@@ -367,7 +367,7 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def _tokenizer(path):
+def load_tokenizer(path):
     """A .gguf file's own vocabulary (decoding only), or tokenizer.json through the
     optional `tokenizers` package, else None."""
     if os.fspath(path).endswith(".gguf"):

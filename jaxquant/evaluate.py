@@ -111,9 +111,9 @@ def main(argv=None) -> int:
         ap.error(f"--checkpoint {args.checkpoint!r} is not a directory")
     if not os.path.isfile(args.text):
         ap.error(f"--text {args.text!r} is not a file")
-    from jaxquant.demo import _tokenizer
+    from jaxquant.demo import load_tokenizer
 
-    tokenizer = _tokenizer(args.checkpoint)
+    tokenizer = load_tokenizer(args.checkpoint)
     if tokenizer is None:
         ap.error(f"no usable tokenizer.json in {args.checkpoint!r} (it needs the file and the "
                  f"'tokenizers' package: pip install tokenizers)")

@@ -8,7 +8,7 @@
   scaled MFMA (the instruction's operand semantics, written out in the walker)
   against the float64 oracle: the numerics of the design (x split into E4M3
   terms, E8M0 scales through op_sel, NaN scales);
-- the x split (jaxquant/ffi/_cdna4.py) exact where docs/cdna4.md says;
+- the x split (jaxquant/ffi/cdna4.py) exact where docs/cdna4.md says;
 - the gfx950 compile (toolchain): the scaled MFMA is in the assembly, with all
   four weight-scale bytes, and the code object is gfx950's.
 What none of this proves: the instruction's behaviour on silicon (its operand
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant.ffi import _cdna4
+from jaxquant.ffi import cdna4 as ffi_cdna4
 from jaxquant.layouts import cdna4
 from tests.common import assert_matmul_close, deq64, rand
 
@@ -92,7 +92,7 @@ def _emulate(walker, tmp_path, x3, packed):
     """The kernel's loop on the CPU: float32 y [B, M, N] before the output rounding."""
     b, m, k = x3.shape
     n = packed.shape[-2]
-    xq, xs = _cdna4.split_x(x3, _cdna4.TERMS[jnp.dtype(x3.dtype)])
+    xq, xs = ffi_cdna4.split_x(x3, ffi_cdna4.TERMS[jnp.dtype(x3.dtype)])
     files = {}
     for name, arr in (("xq", xq), ("xs", xs), ("w", packed.data), ("ws", packed.scales)):
         files[name] = tmp_path / name
@@ -153,10 +153,10 @@ def test_split_x_is_exact_where_documented(dtype, terms, exact_within):
     x = (rand(0, (2, 7, 1024)) * jnp.exp2(jax.random.randint(
         jax.random.key(1), (2, 7, 1024), -14, 14).astype(jnp.float32))).astype(dtype)
     x = x.at[0, 0, :32].set(0.0).at[1, 2, 64:96].set(jnp.finfo(dtype).max)
-    xq, xs = _cdna4.split_x(x, terms)
+    xq, xs = ffi_cdna4.split_x(x, terms)
     assert xq.shape == (2, terms, 16, 1024) and xq.dtype == jnp.uint8
     assert xs.shape == (2, 16, 32) and xs.dtype == jnp.uint8
-    back = np.asarray(_cdna4.join_x(xq, xs, 7), np.float64)
+    back = np.asarray(ffi_cdna4.join_x(xq, xs, 7), np.float64)
     xf = np.asarray(x, np.float64)
     amax = np.abs(xf).reshape(2, 7, 32, 32).max(-1, keepdims=True).repeat(32, -1).reshape(xf.shape)
     near = np.abs(xf) >= exact_within * amax
@@ -172,14 +172,14 @@ def test_applies_only_to_the_cdna4_layout_on_gfx950(monkeypatch):
     x = jax.ShapeDtypeStruct((1, 256), jnp.bfloat16)
     packed = jq.prepack(qw, layout="cdna4")
     kw = dict(platform="rocm", transpose=True, precision=None)
-    monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: True)
-    assert _cdna4.qmm_applies(x, packed, **kw)
-    assert _cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float16), packed, **kw)
-    assert not _cdna4.qmm_applies(x, qw, **kw)  # canonical: the other kernels
-    assert not _cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float32), packed, **kw)
-    assert not _cdna4.qmm_applies(x, packed, platform="rocm", transpose=False, precision=None)
-    monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: False)
-    assert not _cdna4.qmm_applies(x, packed, **kw)  # another GPU: the reference
+    monkeypatch.setattr(ffi_cdna4, "_is_gfx950", lambda: True)
+    assert ffi_cdna4.qmm_applies(x, packed, **kw)
+    assert ffi_cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float16), packed, **kw)
+    assert not ffi_cdna4.qmm_applies(x, qw, **kw)  # canonical: the other kernels
+    assert not ffi_cdna4.qmm_applies(jax.ShapeDtypeStruct((1, 256), jnp.float32), packed, **kw)
+    assert not ffi_cdna4.qmm_applies(x, packed, platform="rocm", transpose=False, precision=None)
+    monkeypatch.setattr(ffi_cdna4, "_is_gfx950", lambda: False)
+    assert not ffi_cdna4.qmm_applies(x, packed, **kw)  # another GPU: the reference
 
 
 @pytest.mark.slow
@@ -214,10 +214,10 @@ def test_rocm_lowering_calls_the_kernel_for_cdna4_weights(monkeypatch):
     loads, on a (pretended) gfx950 qmm lowers to the kernel's custom call behind the
     non-finite fallback; other dtypes, layouts and transpose=False do not."""
     from jaxquant import dispatch  # noqa: PLC0415
-    monkeypatch.setattr(_cdna4, "_is_gfx950", lambda: True)
+    monkeypatch.setattr(ffi_cdna4, "_is_gfx950", lambda: True)
     kernels = dispatch._KERNELS.setdefault("qmm", [])
     before = len(kernels)
-    _cdna4.register()
+    ffi_cdna4.register()
     try:
         qw = jq.quantize(rand(0, (2, 48, 512)), mode="mxfp4")
         packed = jq.prepack(qw, layout="cdna4")
@@ -227,7 +227,7 @@ def test_rocm_lowering_calls_the_kernel_for_cdna4_weights(monkeypatch):
         assert "jaxquant_cdna4_qmm" in _lower_for_rocm(lambda x, w: jq.qmm(x, w[1]),
                                                        S((1, 512), jnp.float16), packed)
         # automatic choice: up to AUTO_MAX_M rows; backend="ffi" takes any M
-        big = S((_cdna4.AUTO_MAX_M + 1, 512), jnp.bfloat16)
+        big = S((ffi_cdna4.AUTO_MAX_M + 1, 512), jnp.bfloat16)
         assert "jaxquant_cdna4_qmm" not in _lower_for_rocm(lambda x, w: jq.qmm(x, w), big,
                                                            packed[0])
         with jq.backend("ffi"):

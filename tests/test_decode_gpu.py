@@ -179,12 +179,12 @@ def test_auto_picks_it_and_prepack_defaults_to_it():
     assert jq.prepack(qw).layout == "cuda_mma"
     x = jax.ShapeDtypeStruct((1, 128), jnp.bfloat16)
     impl = dispatch.select("qmm", None, "cuda", (x, packed), dict(transpose=True, precision=None))
-    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi.mma"
     idx = jax.ShapeDtypeStruct((1, 2), jnp.int32)
     _, experts = _packed("mxfp4", 4, (3, 64, 128))
     impl = dispatch.select("gather_qmm", None, "cuda", (x, experts, idx),
                            dict(transpose=True, precision=None))
-    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi.mma"
     hlo = jax.jit(lambda x, q: jq.qmm(x, q)).lower(jnp.ones((1, 128), jnp.bfloat16),
                                                    packed).as_text()
     assert "jaxquant_qmv_mma" in hlo
@@ -209,7 +209,7 @@ def test_scan_over_stacked_layers_matches_unrolled():
 
 
 def test_bad_calls_raise():
-    from jaxquant.ffi import _mma
+    from jaxquant.ffi import mma
     _, packed = _packed("affine", 4, (1, 32, 128))
     with pytest.raises(Exception, match="M <= 16"):
-        jax.block_until_ready(_mma.qmv_mma_call(jnp.ones((1, 17, 128), jnp.bfloat16), packed))
+        jax.block_until_ready(mma.qmv_mma_call(jnp.ones((1, 17, 128), jnp.bfloat16), packed))

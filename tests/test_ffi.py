@@ -20,7 +20,7 @@ import pytest
 import jaxquant as jq
 import jaxquant.ffi as jf
 from jaxquant import dispatch, formats
-from jaxquant.ffi import _loader, _ops, configs
+from jaxquant.ffi import configs, kernels, loader
 from tests import oracle
 from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
                           rand, rms64, xla_rounds_affine_once)
@@ -64,27 +64,27 @@ def test_cpu_library_loaded():
 
 
 def test_missing_library_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr(_loader, "_search_dirs", lambda: [tmp_path])
-    lib = _loader.load("cuda")
+    monkeypatch.setattr(loader, "_search_dirs", lambda: [tmp_path])
+    lib = loader.load("cuda")
     assert lib.handle is None and "libjaxquant_cuda.so was not built" in lib.error
     assert str(tmp_path) in lib.error and "nvcc" in lib.error
     (tmp_path / "libjaxquant_rocm.so").write_bytes(b"not a library")
-    lib = _loader.load("rocm")
+    lib = loader.load("rocm")
     assert lib.handle is None and "failed to load" in lib.error
     assert "no library for platform" in jf.unavailable_reason("tpu")
 
 
 def test_missing_library_quotes_the_build(monkeypatch, tmp_path):
     """A GPU library the build left out: the error says why, as CMakeLists.txt wrote it."""
-    monkeypatch.setattr(_loader, "_search_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(loader, "_search_dirs", lambda: [tmp_path])
     (tmp_path / "native_build.txt").write_text(
         "cuda: not built: nvcc found but no NVIDIA GPU visible (JAXQUANT_ENABLE_CUDA=AUTO)\n"
         "rocm: building for gfx942 (JAXQUANT_ENABLE_ROCM=AUTO)\n")
-    lib = _loader.load("cuda")
+    lib = loader.load("cuda")
     assert lib.handle is None and "no NVIDIA GPU visible (JAXQUANT_ENABLE_CUDA=AUTO)" in lib.error
     assert "not built (nvcc found" in lib.error
     # a platform the build did build, but whose library is missing here: the generic reason
-    assert "no HIP compiler" in _loader.load("rocm").error
+    assert "no HIP compiler" in loader.load("rocm").error
 
 
 # ---------------------------------------------------------------------------
@@ -108,8 +108,8 @@ def test_codec_table_matches_formats():
         np.testing.assert_array_equal(got, formats.element_values(name))
         np.testing.assert_array_equal(got.astype(np.float64), oracle.element_table(name))
     scale_kinds = {"float": 0, "e8m0": 1, "e4m3": 2}
-    assert set(_ops.FORMAT_IDS) == set(formats.FORMATS)
-    for mode, fid in _ops.FORMAT_IDS.items():
+    assert set(kernels.FORMAT_IDS) == set(formats.FORMATS)
+    for mode, fid in kernels.FORMAT_IDS.items():
         f = formats.FORMATS[mode]
         assert h.jq_format_spec(fid, out) == 0
         element = -1 if f.element is None else names.index(f.element)
@@ -117,18 +117,18 @@ def test_codec_table_matches_formats():
         group_mask = sum(1 << int(np.log2(g)) for g in f.group_sizes)
         assert list(out) == [element, bits_mask, group_mask, scale_kinds[f.scale],
                              int(f.has_biases), int(f.has_global_scale)], mode
-    assert h.jq_format_spec(len(_ops.FORMAT_IDS), out) == -1
+    assert h.jq_format_spec(len(kernels.FORMAT_IDS), out) == -1
 
 
 def test_library_describes_itself():
     """FORMAT_IDS and the registered targets come from the library (jq_format_name,
     jq_ffi_targets), in the order of codec.h's format list; a library that numbers
     the formats differently from another loaded one is refused, naming both."""
-    assert CPU_LIB.format_ids == _ops.FORMAT_IDS == {m: i for i, m in enumerate(formats.FORMATS)}
+    assert CPU_LIB.format_ids == kernels.FORMAT_IDS == {m: i for i, m in enumerate(formats.FORMATS)}
     assert CPU_LIB.targets == ("dequantize", "qmv", "rms_norm", "add_rms_norm", "gated_rms_norm")
     import ctypes
-    renumbered = {m: len(_ops.FORMAT_IDS) - 1 - i for m, i in _ops.FORMAT_IDS.items()}
-    lib = _loader.Library("cpu", CPU_LIB.path, ctypes.CDLL(str(CPU_LIB.path)),
+    renumbered = {m: len(kernels.FORMAT_IDS) - 1 - i for m, i in kernels.FORMAT_IDS.items()}
+    lib = loader.Library("cpu", CPU_LIB.path, ctypes.CDLL(str(CPU_LIB.path)),
                           format_ids=renumbered)
     assert jf._refuse_if_renumbered(lib) and lib.handle is None
     assert "numbers the formats" in lib.error and "rebuild" in lib.error
@@ -626,7 +626,7 @@ def test_kernel_choice_table():
         assert not configs.auto_norm(small, None, eps=1e-6, weight_offset=0.0, platform=platform)
         assert not configs.never(sa((4, 128)), qw, sa((1,), jnp.int32), platform=platform)
     # The table's kernels, once per loaded platform. Besides them, only the kernels of a
-    # kernel layout (jaxquant/ffi/_mma.py on CUDA, _cdna4.py on ROCm) register for ffi.
+    # kernel layout (jaxquant/ffi/mma.py on CUDA, cdna4.py on ROCm) register for ffi.
     table = {name: impl for name, impl, *_ in jf.KERNELS}
     ffi_kernels = {name: [k for k in ks if k.backend == "ffi"]
                    for name, ks in dispatch._KERNELS.items()}
@@ -638,7 +638,7 @@ def test_kernel_choice_table():
             assert [k.platforms for k in from_table] == [(p,) for p in jf.loaded_platforms()], name
             assert all(k.priority == configs.PRIORITY[k.platforms[0]] for k in from_table), name
         layout_kernels = [k for k in ks if k.impl is not table.get(name)]
-        assert all(k.impl.__module__ in ("jaxquant.ffi._mma", "jaxquant.ffi._cdna4")
+        assert all(k.impl.__module__ in ("jaxquant.ffi.mma", "jaxquant.ffi.cdna4")
                    for k in layout_kernels), name
 
 

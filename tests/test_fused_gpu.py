@@ -21,15 +21,15 @@ from tests.test_fused import swiglu64
 
 def _fused_kernel():
     try:
-        from jaxquant.ffi import _mma
+        from jaxquant.ffi import mma
         lib = jf.libraries().get("cuda")
         return (jax.default_backend() in ("gpu", "cuda") and "cuda" in jf.loaded_platforms()
-                and hasattr(lib.handle, "jq_gpu_gemv_mma_fused"), _mma)
+                and hasattr(lib.handle, "jq_gpu_gemv_mma_fused"), mma)
     except Exception:  # noqa: BLE001
         return False, None
 
 
-_HAVE, _mma = _fused_kernel()
+_HAVE, mma = _fused_kernel()
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _HAVE, reason="needs an NVIDIA GPU and the CUDA library "
                                                    "with the fused GEMV (jq_gpu_gemv_mma_fused)")]
@@ -307,27 +307,27 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
 def test_handler_checks():
     k = 128
     _, packed = _packed("mxfp4", 4, (32, k))
-    q3 = _mma._flat_qw(packed)
+    q3 = mma._flat_qw(packed)
     x = rand(0, (1, 2, k), jnp.bfloat16)
-    call = lambda *a, **kw: jax.block_until_ready(_mma.gemv_mma_fused_call(*a, **kw))
+    call = lambda *a, **kw: jax.block_until_ready(mma.gemv_mma_fused_call(*a, **kw))
     with pytest.raises(Exception, match="norm weight must be"):
-        call(x, q3, jnp.ones((k + 1,), jnp.float32), fuse=_mma.FUSE_NORM)
+        call(x, q3, jnp.ones((k + 1,), jnp.float32), fuse=mma.FUSE_NORM)
     with pytest.raises(Exception, match="bias must be"):
-        call(x, q3, jnp.ones((k,), jnp.float32), fuse=_mma.FUSE_SWIGLU)
+        call(x, q3, jnp.ones((k,), jnp.float32), fuse=mma.FUSE_SWIGLU)
     with pytest.raises(Exception, match="fuse must be"):
         call(x, q3, None, fuse=3)
     _, odd = _packed("mxfp4", 4, (48, k))
     with pytest.raises(Exception, match="I a multiple of 16"):
-        call(x, _mma._flat_qw(odd), None, fuse=_mma.FUSE_SWIGLU)
+        call(x, mma._flat_qw(odd), None, fuse=mma.FUSE_SWIGLU)
     _, big = _packed("affine", 4, (32, 8192))
     with pytest.raises(Exception, match="stages x in shared memory"):
-        call(rand(0, (1, 16, 8192), jnp.float32), _mma._flat_qw(big), None, fuse=_mma.FUSE_NORM)
+        call(rand(0, (1, 16, 8192), jnp.float32), mma._flat_qw(big), None, fuse=mma.FUSE_NORM)
     # gather_qmm_swiglu: a bias row per expert; no indices with the norm
     _, experts = _packed("mxfp4", 4, (3, 32, k))
     ids, x1 = jnp.array([0, 2], jnp.int32), rand(0, (2, 1, k), jnp.bfloat16)
     with pytest.raises(Exception, match=r"bias must be .*\[3, 32\]"):
-        call(x1, experts, jnp.ones((32,), jnp.float32), fuse=_mma.FUSE_SWIGLU, indices=ids)
+        call(x1, experts, jnp.ones((32,), jnp.float32), fuse=mma.FUSE_SWIGLU, indices=ids)
     with pytest.raises(Exception, match="takes no indices"):
-        call(x1, experts, None, fuse=_mma.FUSE_NORM, indices=ids)
+        call(x1, experts, None, fuse=mma.FUSE_NORM, indices=ids)
     with pytest.raises(Exception, match="1 per gather slot"):
-        call(rand(0, (2, 2, k), jnp.bfloat16), experts, None, fuse=_mma.FUSE_SWIGLU, indices=ids)
+        call(rand(0, (2, 2, k), jnp.bfloat16), experts, None, fuse=mma.FUSE_SWIGLU, indices=ids)

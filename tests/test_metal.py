@@ -405,7 +405,7 @@ def test_metal_is_not_listed_off_macos():
 
 def test_metal_applies_takes_what_the_kernels_serve():
     """What the lowering sends to the bridge (the rest goes to the reference)."""
-    from jaxquant.metal import _ops
+    from jaxquant.metal import kernels
     sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
     x = sd((3, 64), jnp.bfloat16)
     ok = _quantize("affine", 4, 64, (8, 64), 1, ml_dtypes.bfloat16)
@@ -415,17 +415,17 @@ def test_metal_applies_takes_what_the_kernels_serve():
     mx = _quantize("mxfp4", None, 32, (8, 64), 1)
     nv = jq.QuantizedArray(mx.data, jnp.zeros((8, 4), jnp.uint8), None, jnp.float32(1.0),
                            mode="nvfp4", bits=4, group_size=16, dtype=jnp.float32)
-    qmm = lambda qw, transpose=True: _ops.qmm_applies(x, qw, transpose=transpose, precision=None)
+    qmm = lambda qw, transpose=True: kernels.qmm_applies(x, qw, transpose=transpose, precision=None)
     assert qmm(ok) and qmm(mx)
     assert not qmm(ok, transpose=False)  # x @ W: the reference
     assert not qmm(three_bit) and not qmm(nv)
     assert not qmm(f32_scales)  # float scales must be in x's dtype
-    assert _ops.dequantize_applies(mx, dtype=jnp.float16)
-    assert not _ops.dequantize_applies(mx, dtype=jnp.float64)
+    assert kernels.dequantize_applies(mx, dtype=jnp.float16)
+    assert not kernels.dequantize_applies(mx, dtype=jnp.float64)
     w = sd((64,), jnp.float32)
-    assert _ops.rms_norm_applies(sd((3, 64), jnp.float32), w, eps=1e-6, weight_offset=0.0)
-    assert not _ops.rms_norm_applies(x, w, eps=1e-6, weight_offset=0.0)  # weight dtype != x's
-    assert _ops.gated_rms_norm_applies(sd((3, 64), jnp.float32), x, None, eps=1e-6,
+    assert kernels.rms_norm_applies(sd((3, 64), jnp.float32), w, eps=1e-6, weight_offset=0.0)
+    assert not kernels.rms_norm_applies(x, w, eps=1e-6, weight_offset=0.0)  # weight dtype != x's
+    assert kernels.gated_rms_norm_applies(sd((3, 64), jnp.float32), x, None, eps=1e-6,
                                        weight_offset=0.0, activation="silu",
                                        norm_before_gate=True, group_size=None)
 
@@ -445,15 +445,15 @@ def metal_backend(metal):
     if sys.platform == "darwin":
         pytest.skip("macOS has the real backend (tests/test_metal_gpu.py)")
     from jaxquant import dispatch
-    from jaxquant.metal import _loader, _ops
+    from jaxquant.metal import kernels, loader
     if not _TARGETS_REGISTERED:  # FFI targets can be registered once per process
-        for target, symbol in _loader.TARGETS.items():
+        for target, symbol in loader.TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(metal.lib, symbol)),
                                         platform="cpu")
         _TARGETS_REGISTERED.append(True)
     not_built = dispatch._NOT_BUILT.pop("metal", None)
     dispatch.register_backend("metal", lambda: None)
-    _ops.register_kernels()
+    kernels.register_kernels()
     try:
         yield
     finally:
@@ -539,7 +539,7 @@ def test_metal_serves_the_rest_on_the_reference(metal_backend):
 def test_the_bridge_refuses_bad_calls(metal_backend):
     """Calls the lowering never makes, straight through the FFI targets: an error naming
     the problem, nothing read or written."""
-    from jaxquant.metal import _ops
+    from jaxquant.metal import kernels
     qw = _quantize("fp4", None, 32, (1, 32, 128), 190)
     x = _np(rand(191, (1, 2, 128)))
     attrs = dict(fmt=np.int64(2), group_size=np.int64(32))
@@ -547,23 +547,23 @@ def test_the_bridge_refuses_bad_calls(metal_backend):
     cases = [
         ("the output must be x's dtype", lambda: call(
             "jaxquant_metal_qmm", jax.ShapeDtypeStruct((1, 2, 31), jnp.float32), x, qw.data,
-            qw.scales, _ops._biases(qw), **attrs)),
+            qw.scales, kernels._biases(qw), **attrs)),
         ("group_size 48", lambda: call(
             "jaxquant_metal_dequantize", jax.ShapeDtypeStruct((1, 32, 128), jnp.float32),
-            qw.data, qw.scales, _ops._biases(qw), fmt=np.int64(2), group_size=np.int64(48))),
+            qw.data, qw.scales, kernels._biases(qw), fmt=np.int64(2), group_size=np.int64(48))),
         ("fmt must be", lambda: call(
             "jaxquant_metal_dequantize", jax.ShapeDtypeStruct((1, 32, 128), jnp.float32),
-            qw.data, qw.scales, _ops._biases(qw), fmt=np.int64(7), group_size=np.int64(32))),
+            qw.data, qw.scales, kernels._biases(qw), fmt=np.int64(7), group_size=np.int64(32))),
         ("ids must be int32", lambda: call(
             "jaxquant_metal_qmv", jax.ShapeDtypeStruct((2, 2, 32), jnp.float32), x, qw.data,
-            qw.scales, _ops._biases(qw), jnp.zeros((2,), jnp.float32), **attrs)),
+            qw.scales, kernels._biases(qw), jnp.zeros((2,), jnp.float32), **attrs)),
         ("1 to 8 rows", lambda: call(
             "jaxquant_metal_qmv", jax.ShapeDtypeStruct((1, 9, 32), jnp.float32),
-            _np(rand(192, (1, 9, 128))), qw.data, qw.scales, _ops._biases(qw),
+            _np(rand(192, (1, 9, 128))), qw.data, qw.scales, kernels._biases(qw),
             jnp.zeros((0,), jnp.int32), **attrs)),
         ("scales must have data's rank and dtype", lambda: call(
             "jaxquant_metal_qmm", jax.ShapeDtypeStruct((1, 2, 32), jnp.float32), x, qw.data,
-            qw.scales.astype(jnp.float16), _ops._biases(qw), **attrs)),
+            qw.scales.astype(jnp.float16), kernels._biases(qw), **attrs)),
         ("weight must be", lambda: call(
             "jaxquant_metal_rms_norm", jax.ShapeDtypeStruct((2, 64), jnp.float32),
             jnp.ones((2, 64)), jnp.ones((63,)), eps=np.float32(1e-6),

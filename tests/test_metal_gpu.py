@@ -111,17 +111,17 @@ def test_page_aligned_and_staged_buffers_agree():
 
 def test_the_bridge_refuses_bad_calls():
     """Shapes the lowering never sends, straight through the FFI: an error, no crash."""
-    from jaxquant.metal import _ops
+    from jaxquant.metal import kernels
     qw = jq.quantize(rand(14, (1, 32, 128)), mode="fp4")
     bad_out = jax.ShapeDtypeStruct((1, 2, 31), jnp.float32)  # N should be 32
     with pytest.raises(Exception, match="the output must be x's dtype"):
         jax.ffi.ffi_call("jaxquant_metal_qmm", bad_out)(
-            rand(15, (1, 2, 128)), qw.data, qw.scales, _ops._biases(qw), fmt=np.int64(2),
+            rand(15, (1, 2, 128)), qw.data, qw.scales, kernels._biases(qw), fmt=np.int64(2),
             group_size=np.int64(32)).block_until_ready()
     with pytest.raises(Exception, match="group_size 48"):
         jax.ffi.ffi_call("jaxquant_metal_dequantize",
                          jax.ShapeDtypeStruct((1, 32, 128), jnp.float32))(
-            qw.data, qw.scales, _ops._biases(qw), fmt=np.int64(2),
+            qw.data, qw.scales, kernels._biases(qw), fmt=np.int64(2),
             group_size=np.int64(48)).block_until_ready()
 
 

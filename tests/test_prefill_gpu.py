@@ -184,12 +184,12 @@ def test_auto_picks_the_gemm():
     qw, packed = _packed("affine", 4, (64, 128))
     x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
     impl = dispatch.select("qmm", None, "cuda", (x, packed), dict(transpose=True, precision=None))
-    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi.mma"
     _, experts = _packed("mxfp4", 4, (3, 64, 128))
     sizes = jax.ShapeDtypeStruct((3,), jnp.int32)
     impl = dispatch.select("ragged_qmm", None, "cuda", (x, experts, sizes),
                            dict(transpose=True, precision=None))
-    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi._mma"
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi.mma"
     assert _gemm_used(jq.qmm, jnp.ones((64, 128), jnp.bfloat16), packed)
 
 
@@ -197,10 +197,10 @@ def test_bad_group_sizes_are_refused():
     _, experts = _packed("mxfp4", 4, (3, 64, 128))
     x = rand(1, (100, 128), jnp.bfloat16)
     with pytest.raises(Exception, match="group_sizes"):
-        from jaxquant.ffi._mma import qmm_gemm_call
+        from jaxquant.ffi.mma import qmm_gemm_call
         jax.block_until_ready(qmm_gemm_call(x[None], experts, jnp.ones((4,), jnp.int32)))
     with pytest.raises(Exception, match="float16 or bfloat16"):
-        from jaxquant.ffi._mma import qmm_gemm_call
+        from jaxquant.ffi.mma import qmm_gemm_call
         jax.block_until_ready(qmm_gemm_call(x[None].astype(jnp.float32), experts,
                                             jnp.ones((3,), jnp.int32)))
 

@@ -1505,7 +1505,7 @@ using GemvLaunch = FusedGemvLaunch<kFuseNone>;
 // codec C (jq::dispatch_format), then L::run<C, XDT, NT, P, SDT>(pr, stream) with x's
 // dtype, n-tiles NT, groups per chunk P (only the group sizes each format allows)
 // and the scales' dtype SDT: uint8 codes, or for float-scale formats float32 or x's
-// own 16-bit dtype, nothing else. jaxquant/ffi/_mma.py converts other scales to
+// own 16-bit dtype, nothing else. jaxquant/ffi/mma.py converts other scales to
 // float32 (exact) before the call, and the handlers refuse a call with others
 // (gemv_mma.hip, check_scale_dtype). Serving every pair (bf16 scales with f16 x,
 // 16-bit scales with f32 x) built a third more affine kernels, a sixth of the build.

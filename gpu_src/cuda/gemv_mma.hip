@@ -21,7 +21,7 @@ namespace ffi = xla::ffi;
 
 // Float scales (and biases) must be float32 or x's own 16-bit dtype (for the
 // dequantize: the output's): the kernels are built for those alone (gemv_mma.h,
-// launch_p); jaxquant/ffi/_mma.py converts other scales to float32 before the call.
+// launch_p); jaxquant/ffi/mma.py converts other scales to float32 before the call.
 [[maybe_unused]] static ffi::Error check_scale_dtype(const jq::QmvProblem& q, const char* x) {
   static const char* kNames[] = {"float32", "float16", "bfloat16"};
   if (q.scale_dt == jq::kU8 || q.scale_dt == jq::kF32 ||

@@ -4,7 +4,7 @@
 // E4M3 operand by an E2M1 operand, each with its own E8M0 scale per 32 K
 // elements, and accumulates in float32.
 //
-// x (bfloat16/float16) is not an MFMA operand type: jaxquant/ffi/_cdna4.py splits
+// x (bfloat16/float16) is not an MFMA operand type: jaxquant/ffi/cdna4.py splits
 // it, per 32-element block, into T E4M3 terms sharing one E8M0 scale
 // (x = 2^s * (t0 + t1 + ...)); bfloat16 needs T = 2 and float16 T = 3 for the
 // sum to hold each element exactly (down to 2^-17 of its block's largest

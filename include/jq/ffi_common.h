@@ -362,7 +362,7 @@ inline ffi::Error make_norm(int32_t kind, const ffi::AnyBuffer& x, const ffi::An
 //      and X(foo) in the target list the platform's library defines
 //      (JQ_FFI_TARGETS for every platform, or the platform's own list: a
 //      GPU-only target goes in gpu_src/common/gpu_ffi.hip's JQ_GPU_TARGETS);
-//   3. Python: a foo_call wrapper in jaxquant/ffi/_ops.py calling
+//   3. Python: a foo_call wrapper in jaxquant/ffi/kernels.py calling
 //      jax.ffi.ffi_call("jaxquant_foo", ...). The loader registers every target a
 //      library lists (jq_ffi_targets), as "jaxquant_<target>", for its platform.
 
@@ -491,7 +491,7 @@ struct Handlers {
 
 // The exported symbols of one library (use once, at global scope):
 //   <PREFIX><target>      the XLA FFI handler of each target in TARGET_LIST
-//   jq_abi_version()      JQ_ABI_VERSION (jaxquant/ffi/_loader.py: ABI_VERSION)
+//   jq_abi_version()      JQ_ABI_VERSION (jaxquant/ffi/loader.py: ABI_VERSION)
 //   jq_ffi_targets()      the targets, comma-separated: what the loader registers
 //   jq_format_name(i)     format id i's name (jaxquant.formats), NULL past the last:
 //                         the ffi package's FORMAT_IDS

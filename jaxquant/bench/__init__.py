@@ -22,7 +22,7 @@ SCENARIOS = {"qmm": "jaxquant.bench.qmm", "norm": "jaxquant.bench.norm",
              "prefill": "jaxquant.bench.prefill", "model": "jaxquant.bench.model"}
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):
         """A command-line mistake: one line on stderr (and where to read more), exit 2."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -33,7 +33,7 @@ def parser(cpu: bool | None = None) -> argparse.ArgumentParser:
 
     if cpu is None:
         cpu = harness.on_cpu()
-    p = _Parser(
+    p = Parser(
         prog="python -m jaxquant bench",
         description="Time jaxquant's kernels against the jnp reference and dense products "
                     "in one process, on the same inputs. Tables go to stdout, one progress "

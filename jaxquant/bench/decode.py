@@ -46,25 +46,20 @@ SHAPES = ((4096, 14336), (14336, 4096))  # (K, N); --shapes replaces them
 MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 5760), "Qwen3-30B-A3B": (128, 8, 2048, 1536)}
 
 
-def _timeit(fn, args, per_call):
+def time_jax(fn, args, per_call):
     return timeit(fn, args, per_call, iters=7, inner=10)
 
 
-def _nbytes(qw):
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize
-               for a in (qw.data, qw.scales, qw.biases) if a is not None)
-
-
-def _quantize(mode, w):
+def quantize_mode(mode, w):
     m, bits, group = MODES[mode]
     return jq.quantize(w, mode=m, bits=bits, group_size=group)
 
 
-def _line(out, *cols):
+def print_row(out, *cols):
     out(" | ".join(str(c) for c in cols))
 
 
-def _many(f):
+def many_products(f):
     """One call = one product per weight copy (all distinct, one launch each)."""
     return jax.jit(lambda x, ws: tuple(f(x, w) for w in ws))
 
@@ -72,23 +67,23 @@ def _many(f):
 def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
     from jaxquant.quantize import dequantize_reference
 
-    _line(out, "qmm: M, K, N", "mode", "impl", "us", "%copy", "vs M=1", "rel.err")
+    print_row(out, "qmm: M, K, N", "mode", "impl", "us", "%copy", "vs M=1", "rel.err")
     results = {}
     for k, n in SHAPES:
         ws = [(0.05 * jax.random.normal(jax.random.key(100 * k + i), (n, k), jnp.float32)
                ).astype(jnp.bfloat16) for i in range(copies)]
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            us = _timeit(_many(lambda x, w: x @ w.T), (x, ws), copies) * 1e6
+            us = time_jax(many_products(lambda x, w: x @ w.T), (x, ws), copies) * 1e6
             results[(m, k, n, "-", "bf16 dense")] = us
-            _line(out, f"{m}, {k}, {n}", "-", "bf16 dense", f"{us:.1f}",
+            print_row(out, f"{m}, {k}, {n}", "-", "bf16 dense", f"{us:.1f}",
                   f"{100 * n * k * 2 / (us * 1e-6) / bw:.0f}%", "", "")
         main = ("affine4", "mxfp4")
         for mode in modes if (k, n) == SHAPES[0] else [md for md in modes if md in main]:
-            qws = [_quantize(mode, w) for w in ws]
+            qws = [quantize_mode(mode, w) for w in ws]
             prep = jax.jit(jq.prepack, static_argnames="layout")
             packed = [prep(q, layout="cuda_mma") for q in qws]
-            nbytes = _nbytes(qws[0])
+            nbytes = qws[0].nbytes
             for m in ms if mode in main else (1,):
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                 impls = [("ffi mma (prepacked)", packed, "ffi")]
@@ -97,16 +92,16 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
                 for impl, q, backend in impls:
                     f = lambda x, q, b=backend: jq.qmm(x, q, backend=b)
                     try:
-                        us = _timeit(_many(f), (x, q), copies) * 1e6
+                        us = time_jax(many_products(f), (x, q), copies) * 1e6
                     except Exception as e:  # noqa: BLE001
-                        _line(out, f"{m}, {k}, {n}", mode, impl, f"failed: {e}"[:160])
+                        print_row(out, f"{m}, {k}, {n}", mode, impl, f"failed: {e}"[:160])
                         continue
                     y = jax.jit(f)(x, q[0]).astype(jnp.float32)
                     yr = x.astype(jnp.float32) @ dequantize_reference(qws[0], jnp.float32).T
                     err = float(jnp.linalg.norm(y - yr) / jnp.linalg.norm(yr))
                     results[(m, k, n, mode, impl)] = us
                     base = results.get((1, k, n, mode, impl))
-                    _line(out, f"{m}, {k}, {n}", mode, impl, f"{us:.1f}",
+                    print_row(out, f"{m}, {k}, {n}", mode, impl, f"{us:.1f}",
                           f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
                           f"{us / base:.2f}x" if base and m > 1 else "", f"{err:.1e}")
             del qws, packed
@@ -114,7 +109,7 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
     return results
 
 
-def _time_torch(fn, per_call, iters=7, inner=10):
+def time_torch(fn, per_call, iters=7, inner=10):
     """timeit's method for a torch callable (CUDA synchronized once per sample)."""
     import torch
 
@@ -136,47 +131,47 @@ def bench_torch_peers(bw, out, copies=8):
 
         from jaxquant.bench import torch_peer
     except Exception as e:  # noqa: BLE001
-        _line(out, "torch peers: torch not importable:", e)
+        print_row(out, "torch peers: torch not importable:", e)
         return {}
     res = {}
     dev = "cuda"
-    _line(out, "torch peers: M, K, N", "impl", "us", "%copy")
+    print_row(out, "torch peers: M, K, N", "impl", "us", "%copy")
     for k, n in SHAPES:
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
         ws = [0.05 * torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g)
               for _ in range(copies)]
 
-        us = _time_torch(lambda: [torch.nn.functional.linear(x, w) for w in ws], copies) * 1e6
+        us = time_torch(lambda: [torch.nn.functional.linear(x, w) for w in ws], copies) * 1e6
         res[(k, n, "torch bf16 linear")] = us
-        _line(out, f"1, {k}, {n}", "torch bf16 F.linear", f"{us:.1f}",
+        print_row(out, f"1, {k}, {n}", "torch bf16 F.linear", f"{us:.1f}",
               f"{100 * n * k * 2 / (us * 1e-6) / bw:.0f}%")
         try:
             # int4 group 64, asymmetric (the same kind as affine4 g64)
             packs = [torch_peer.int4pack(w, 64) for w in ws]
-            us = _time_torch(lambda: [torch._weight_int4pack_mm(x, p, 64, sz) for p, sz in packs],
+            us = time_torch(lambda: [torch._weight_int4pack_mm(x, p, 64, sz) for p, sz in packs],
                             copies) * 1e6
             nbytes = n * k // 2 + n * (k // 64) * 4
             res[(k, n, "torch int4pack")] = us
-            _line(out, f"1, {k}, {n}", "torch._weight_int4pack_mm g64", f"{us:.1f}",
+            print_row(out, f"1, {k}, {n}", "torch._weight_int4pack_mm g64", f"{us:.1f}",
                   f"{100 * nbytes / (us * 1e-6) / bw:.0f}%")
         except Exception as e:  # noqa: BLE001
-            _line(out, f"1, {k}, {n}", "torch._weight_int4pack_mm failed:", repr(e)[:200])
+            print_row(out, f"1, {k}, {n}", "torch._weight_int4pack_mm failed:", repr(e)[:200])
         del ws
         torch.cuda.empty_cache()
     return res
 
 
 def bench_moe(bw, out, copies=8):
-    _line(out, "moe: layer", "T", "impl", "us", "distinct experts", "%copy (distinct)")
+    print_row(out, "moe: layer", "T", "impl", "us", "distinct experts", "%copy (distinct)")
     res = {}
     for name, (e, topk, k, n) in MOE_LAYERS.items():
         w = (0.05 * jax.random.normal(jax.random.key(e), (e, n, k), jnp.float32)).astype(
             jnp.bfloat16)
-        qw = _quantize("mxfp4", w)
+        qw = quantize_mode("mxfp4", w)
         del w
         packed = jax.jit(jq.prepack, static_argnames="layout")(qw, layout="cuda_mma")
-        per_expert = _nbytes(qw) / e
+        per_expert = qw.nbytes / e
         for t in (1, 8):
             rng = np.random.default_rng(t)
             idx = np.stack([np.stack([rng.choice(e, topk, replace=False) for _ in range(t)])
@@ -188,12 +183,12 @@ def bench_moe(bw, out, copies=8):
                 f = jax.jit(lambda x, q, idx, b=backend: tuple(
                     jq.gather_qmm(x[c], q, idx[c], backend=b) for c in range(copies)))
                 try:
-                    us = _timeit(f, (x, q, jnp.asarray(idx)), copies) * 1e6
+                    us = time_jax(f, (x, q, jnp.asarray(idx)), copies) * 1e6
                 except Exception as ex:  # noqa: BLE001
-                    _line(out, name, t, impl, f"failed: {ex}"[:160])
+                    print_row(out, name, t, impl, f"failed: {ex}"[:160])
                     continue
                 res[(name, t, impl)] = us
-                _line(out, name, t, impl, f"{us:.1f}", f"{distinct:.1f}",
+                print_row(out, name, t, impl, f"{us:.1f}", f"{distinct:.1f}",
                       f"{100 * distinct * per_expert / (us * 1e-6) / bw:.0f}%")
         del qw, packed
     return res
@@ -203,7 +198,7 @@ FUSED_SHAPES = {"rms_norm_qmm": (4096, 6144), "qmm_swiglu": (4096, 2 * 14336)}  
 
 
 def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
-    _line(out, "fused: op, M, K, N", "mode", "impl", "us", "%copy", "unfused / fused")
+    print_row(out, "fused: op, M, K, N", "mode", "impl", "us", "%copy", "unfused / fused")
     res = {}
     for op, (k, n) in FUSED_SHAPES.items():
         ws = [(0.05 * jax.random.normal(jax.random.key(7 * i + 1), (n, k), jnp.float32)
@@ -221,17 +216,17 @@ def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
                 g, u = jnp.split(jq.qmm(x, q).astype(jnp.float32), 2, axis=-1)
                 return (jax.nn.silu(g) * u).astype(x.dtype)
         for mode in modes:
-            packed = [jq.prepack(_quantize(mode, w), layout="cuda_mma") for w in ws]
-            nbytes = _nbytes(packed[0])
+            packed = [jq.prepack(quantize_mode(mode, w), layout="cuda_mma") for w in ws]
+            nbytes = packed[0].nbytes
             for m in ms:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                 # qmm alone: the plain GEMV on the same weight, what the fusion adds to
                 for impl, f in (("unfused", unfused), ("fused", fused),
                                 ("qmm alone", lambda x, q: jq.qmm(x, q))):
-                    us = _timeit(_many(f), (x, packed), copies) * 1e6
+                    us = time_jax(many_products(f), (x, packed), copies) * 1e6
                     res[(op, m, mode, impl)] = us
                     ratio = res[(op, m, mode, "unfused")] / us if impl == "fused" else None
-                    _line(out, f"{op}, {m}, {k}, {n}", mode, impl, f"{us:.1f}",
+                    print_row(out, f"{op}, {m}, {k}, {n}", mode, impl, f"{us:.1f}",
                           f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
                           f"{ratio:.2f}x" if ratio else "")
             del packed
@@ -240,7 +235,7 @@ def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
 
 
 def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
-    _line(out, "decode step (8 layers, M=1, synced per step): weights", "loop", "us/step",
+    print_row(out, "decode step (8 layers, M=1, synced per step): weights", "loop", "us/step",
           "vs bf16 dense")
     key = jax.random.key(99)
     ks = jax.random.split(key, 3)
@@ -290,11 +285,11 @@ def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
     for label, ws in (("bf16 dense", dense), ("bf16 dense, gate+up fused", fused)):
         for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
             res[(label, loop)] = per_step(make(dense_mm), x0, ws, norm_w)
-            _line(out, label, loop, f"{res[label, loop]:.0f}",
+            print_row(out, label, loop, f"{res[label, loop]:.0f}",
                   f"{res['bf16 dense', loop] / res[label, loop]:.2f}x")
     for mode in modes:
         for wlabel, wd in (("", dense), (", gate+up fused", fused)):
-            qws = {nm: _quantize(mode, w) for nm, w in wd.items()}
+            qws = {nm: quantize_mode(mode, w) for nm, w in wd.items()}
             packed = {nm: jq.prepack(q, layout="cuda_mma") for nm, q in qws.items()}
             runs = [("prepacked (ffi mma)", packed)] + ([("canonical (auto)", qws)] if not wlabel
                                                          else [])
@@ -302,7 +297,7 @@ def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
                 for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
                     us = per_step(make(lambda h, q: jq.qmm(h, q)), x0, ws, norm_w)
                     res[(mode, label + wlabel, loop)] = us
-                    _line(out, f"{mode} {label}{wlabel}", loop, f"{us:.0f}",
+                    print_row(out, f"{mode} {label}{wlabel}", loop, f"{us:.0f}",
                           f"{res['bf16 dense', loop] / us:.2f}x")
             del qws, packed
     return res

@@ -149,14 +149,14 @@ def _time_swiglu(time, many, x, qw, idxs, activation, nbytes, mode):
 
     import jaxquant as jq
     from jaxquant.ops.common import default_precision
-    from jaxquant.ops.fused import _gather_qmm_swiglu_unfused
+    from jaxquant.ops.fused import gather_qmm_swiglu_unfused
 
     e, n = qw.shape[0], qw.shape[1]
     bias = (jax.random.normal(jax.random.key(1), (e, n), jnp.float32) * 0.1).astype(x.dtype)
     act = dict(activation=activation, limit=7.0 if activation == "gpt_oss" else None,
                alpha=1.702)
     # the op's own composition: the ffi gather_qmm, then its epilogue in XLA
-    unfused = lambda x, qw, i: _gather_qmm_swiglu_unfused(
+    unfused = lambda x, qw, i: gather_qmm_swiglu_unfused(
         x, qw, i, bias, backend="ffi", precision=default_precision(), **act)
     fused = functools.partial(jq.gather_qmm_swiglu, bias=bias, backend="ffi", **act)
     time(many(unfused), (x, qw, idxs), nbytes=nbytes, mode=mode, impl="ffi + XLA swiglu")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
-from jaxquant.bench.decode import _line, _many, _nbytes, _quantize, _time_torch, _timeit, start
+from jaxquant.bench.decode import many_products, print_row, quantize_mode, start, time_jax, time_torch
 from jaxquant.ffi import configs
 from jaxquant.ops.a8 import CODE_TYPES
 
@@ -47,7 +47,7 @@ def _rel_err(y, want):
 def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
     from jaxquant.quantize import dequantize_reference
 
-    _line(out, "qmm: M, K, N", "mode", "impl", "us", "TFLOP/s", "vs bf16 dense", "rel.err")
+    print_row(out, "qmm: M, K, N", "mode", "impl", "us", "TFLOP/s", "vs bf16 dense", "rel.err")
     res = {}
     weights = {}
     for m, k, n in shapes:
@@ -55,7 +55,7 @@ def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
             weights.clear()
             ws = [(0.05 * jax.random.normal(jax.random.key(i), (n, k), jnp.float32)
                    ).astype(jnp.bfloat16) for i in range(copies)]
-            qws = {mode: [_quantize(mode, w) for w in ws] for mode in modes}
+            qws = {mode: [quantize_mode(mode, w) for w in ws] for mode in modes}
             prep = jax.jit(jq.prepack, static_argnames="layout")
             packed = {mode: [prep(q, layout="cuda_mma") for q in qs] for mode, qs in qws.items()}
             weights[k, n] = ws, qws, packed
@@ -63,12 +63,12 @@ def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
         case = f"{m}, {k}, {n}"
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
         tflops = lambda us: f"{2 * m * n * k / (us * 1e-6) / 1e12:.0f}"
-        dense = _timeit(_many(lambda x, w: x @ w.T), (x, ws), copies) * 1e6
+        dense = time_jax(many_products(lambda x, w: x @ w.T), (x, ws), copies) * 1e6
         res[(m, "bf16 dense")] = dense
-        _line(out, case, "-", "bf16 dense", f"{dense:.1f}", tflops(dense), "1.00x", "")
+        print_row(out, case, "-", "bf16 dense", f"{dense:.1f}", tflops(dense), "1.00x", "")
         torch_us = _torch_linear(x, ws, copies)
         if torch_us is not None:
-            _line(out, case, "-", "torch bf16 F.linear", f"{torch_us:.1f}", tflops(torch_us),
+            print_row(out, case, "-", "torch bf16 F.linear", f"{torch_us:.1f}", tflops(torch_us),
                   f"{dense / torch_us:.2f}x", "")
         for mode in modes:
             want = x.astype(jnp.float32) @ dequantize_reference(qws[mode][0], jnp.float32).T
@@ -76,12 +76,12 @@ def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
             def row(impl, f, weights):
                 """Time f over the copies' weights and print its line (a failure too)."""
                 try:
-                    us = _timeit(_many(f), (x, weights), copies) * 1e6
+                    us = time_jax(many_products(f), (x, weights), copies) * 1e6
                 except Exception as e:  # noqa: BLE001
-                    _line(out, case, mode, impl, f"failed: {e}"[:160])
+                    print_row(out, case, mode, impl, f"failed: {e}"[:160])
                     return
                 res[(m, mode, impl)] = us
-                _line(out, case, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
+                print_row(out, case, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
                       f"{_rel_err(jax.jit(f)(x, weights[0]), want):.1e}")
 
             for impl, q, backend in (("ffi mma gemm (prepacked)", packed[mode], "ffi"),
@@ -105,7 +105,7 @@ def _torch_linear(x, ws, copies):
         return None
     tx = torch.from_dlpack(x)
     tws = [torch.from_dlpack(w) for w in ws]
-    return _time_torch(lambda: [torch.nn.functional.linear(tx, w) for w in tws], copies) * 1e6
+    return time_torch(lambda: [torch.nn.functional.linear(tx, w) for w in tws], copies) * 1e6
 
 
 @contextlib.contextmanager
@@ -129,7 +129,7 @@ def bench_ragged(bw, out, modes, copies):
     from jaxquant.quantize import dequantize_reference
 
     e, k, n = RAGGED_LAYER
-    _line(out, "ragged_qmm: E, K, N", "T", "mode", "impl", "us", "TFLOP/s",
+    print_row(out, "ragged_qmm: E, K, N", "T", "mode", "impl", "us", "TFLOP/s",
           "vs dense equal FLOPs", "x copy time (used experts)", "rel.err")
     w = (0.05 * jax.random.normal(jax.random.key(7), (e, n, k), jnp.float32)).astype(jnp.bfloat16)
     wt = jnp.swapaxes(w, 1, 2)  # [E, K, N] for ragged_dot
@@ -142,19 +142,19 @@ def bench_ragged(bw, out, modes, copies):
         xs = [jax.random.normal(jax.random.key(1000 * t + c), (t, k), jnp.bfloat16)
               for c in range(copies)]
         tflops = lambda us: f"{2 * t * n * k / (us * 1e-6) / 1e12:.1f}"
-        dense = _timeit(jax.jit(lambda xs, ws: tuple(x @ wd for x, wd in zip(xs, ws))),
+        dense = time_jax(jax.jit(lambda xs, ws: tuple(x @ wd for x, wd in zip(xs, ws))),
                         (xs, w_dense), copies) * 1e6
         res[(t, "dense")] = dense
-        _line(out, case, t, "-", "bf16 dense GEMM, equal FLOPs", f"{dense:.1f}", tflops(dense),
+        print_row(out, case, t, "-", "bf16 dense GEMM, equal FLOPs", f"{dense:.1f}", tflops(dense),
               "1.00x", "", "")
         rd = jax.jit(lambda xs, wt, g: tuple(jax.lax.ragged_dot(x, wt, g) for x in xs))
-        us = _timeit(rd, (xs, wt, sizes), copies) * 1e6
-        _line(out, case, t, "-", "bf16 lax.ragged_dot", f"{us:.1f}", tflops(us),
+        us = time_jax(rd, (xs, wt, sizes), copies) * 1e6
+        print_row(out, case, t, "-", "bf16 lax.ragged_dot", f"{us:.1f}", tflops(us),
               f"{dense / us:.2f}x", "", "")
         for mode in modes:
-            qw = _quantize(mode, w)
+            qw = quantize_mode(mode, w)
             packed = jax.jit(jq.prepack, static_argnames="layout")(qw, layout="cuda_mma")
-            copy_us = used * _nbytes(qw) / e / bw * 1e6
+            copy_us = used * qw.nbytes / e / bw * 1e6
             want = jax.lax.ragged_dot(xs[0].astype(jnp.float32),
                                       jnp.swapaxes(dequantize_reference(qw, jnp.float32), 1, 2),
                                       sizes)
@@ -167,13 +167,13 @@ def bench_ragged(bw, out, modes, copies):
                 many = jax.jit(lambda xs, q, g, f=f: tuple(f(x, q, g) for x in xs))
                 try:
                     with _gather_max_t(gather_max):
-                        us = _timeit(many, (xs, q, sizes), copies) * 1e6
+                        us = time_jax(many, (xs, q, sizes), copies) * 1e6
                         err = _rel_err(jax.jit(f)(xs[0], q, sizes), want)
                 except Exception as ex:  # noqa: BLE001
-                    _line(out, case, t, mode, impl, f"failed: {ex}"[:160])
+                    print_row(out, case, t, mode, impl, f"failed: {ex}"[:160])
                     continue
                 res[(t, mode, impl)] = us
-                _line(out, case, t, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
+                print_row(out, case, t, mode, impl, f"{us:.1f}", tflops(us), f"{dense / us:.2f}x",
                       f"{us / copy_us:.2f}x ({used} experts, {copy_us:.0f} us)", f"{err:.1e}")
             del qw, packed
     return res

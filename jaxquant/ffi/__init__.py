@@ -17,7 +17,7 @@ include/jq/ffi_common.h):
   jaxquant_add_rms_norm    x, residual, weight|[0] -> y, h
   jaxquant_gated_rms_norm  x, gate, weight|[0] -> y
   jaxquant_cdna4_qmm       (ROCm library only) x terms [B,T,Mp,K], x scales, data, scales
-                           -> [B,M,N]: gfx950 MXFP4 qmm on the cdna4 layout (_cdna4.py)
+                           -> [B,M,N]: gfx950 MXFP4 qmm on the cdna4 layout (cdna4.py)
 
 Numerics (docs/ops.md):
 - dequantize is bit for bit the reference (float32 arithmetic, affine as
@@ -39,7 +39,7 @@ Numerics (docs/ops.md):
   `supports_*` functions say no and the reference runs. Except: on a gfx950,
   qmm (x @ W.T) with bfloat16/float16 x on an mxfp4 weight in the `cdna4`
   layout runs the scaled-MFMA kernel of gpu_src/rocm/cdna4_qmm.hip, x split into
-  E4M3 terms (jaxquant/ffi/_cdna4.py; docs/cdna4.md gives its numerics).
+  E4M3 terms (jaxquant/ffi/cdna4.py; docs/cdna4.md gives its numerics).
 """
 
 from __future__ import annotations
@@ -47,19 +47,19 @@ from __future__ import annotations
 import jax
 
 from jaxquant import dispatch
-from jaxquant.ffi import _cdna4, _loader, _ops, configs
+from jaxquant.ffi import cdna4, configs, kernels, loader
 from jaxquant.layouts import cuda_mma  # noqa: F401 - the layout exists (unpacks) everywhere
-from jaxquant.ffi._ops import (FORMAT_IDS, add_rms_norm_call, dequantize_call,
+from jaxquant.ffi.kernels import (FORMAT_IDS, add_rms_norm_call, dequantize_call,
                                gated_rms_norm_call, qmv_call, rms_norm_call)
 
 __all__ = ["FORMAT_IDS", "KERNELS", "add_rms_norm_call", "configs", "dequantize_call",
            "gated_rms_norm_call", "libraries", "loaded_platforms", "qmv_call", "rms_norm_call",
            "unavailable_reason"]
 
-_LIBS: dict[str, _loader.Library] = {}
+_LIBS: dict[str, loader.Library] = {}
 
 
-def _refuse_if_renumbered(lib: _loader.Library) -> bool:
+def _refuse_if_renumbered(lib: loader.Library) -> bool:
     """Unload `lib` if it numbers the formats unlike the libraries loaded before it
     (libraries built from different sources); True if it did."""
     if lib.handle is None or not FORMAT_IDS or lib.format_ids == FORMAT_IDS:
@@ -71,16 +71,16 @@ def _refuse_if_renumbered(lib: _loader.Library) -> bool:
 
 
 def _load_all():
-    for platform in _loader.PLATFORMS:
-        lib = _loader.load(platform)
+    for platform in loader.PLATFORMS:
+        lib = loader.load(platform)
         _refuse_if_renumbered(lib)
-        _loader.register(lib)
+        loader.register(lib)
         if lib.handle is not None and not FORMAT_IDS:
             FORMAT_IDS.update(lib.format_ids)
         _LIBS[platform] = lib
 
 
-def libraries() -> dict[str, _loader.Library]:
+def libraries() -> dict[str, loader.Library]:
     """platform -> Library (path, handle, error, targets, format_ids)."""
     return dict(_LIBS)
 
@@ -107,13 +107,13 @@ def unavailable_reason(platform: str | None = None) -> str | None:
 # (primitive, impl, supports, auto): registered for every loaded platform, with
 # configs.PRIORITY[platform]; each takes `platform` from the dispatcher.
 KERNELS = (
-    ("qmm", _ops.qmm, _ops.supports_matmul, configs.auto_qmm),
-    ("gather_qmm", _ops.gather_qmm, _ops.supports_matmul, configs.auto_gather_qmm),
-    ("ragged_qmm", _ops.ragged_qmm, _ops.supports_matmul, configs.never),
-    ("dequantize", dequantize_call, _ops.supports_dequantize, configs.auto_dequantize),
-    ("rms_norm", rms_norm_call, _ops.supports_norm, configs.auto_norm),
-    ("add_rms_norm", add_rms_norm_call, _ops.supports_norm, configs.auto_norm),
-    ("gated_rms_norm", gated_rms_norm_call, _ops.supports_norm, configs.auto_norm),
+    ("qmm", kernels.qmm, kernels.supports_matmul, configs.auto_qmm),
+    ("gather_qmm", kernels.gather_qmm, kernels.supports_matmul, configs.auto_gather_qmm),
+    ("ragged_qmm", kernels.ragged_qmm, kernels.supports_matmul, configs.never),
+    ("dequantize", dequantize_call, kernels.supports_dequantize, configs.auto_dequantize),
+    ("rms_norm", rms_norm_call, kernels.supports_norm, configs.auto_norm),
+    ("add_rms_norm", add_rms_norm_call, kernels.supports_norm, configs.auto_norm),
+    ("gated_rms_norm", gated_rms_norm_call, kernels.supports_norm, configs.auto_norm),
 )
 
 _load_all()
@@ -122,12 +122,12 @@ for _platform in loaded_platforms():
         dispatch.register(_name, "ffi", (_platform,), _impl, _supports,
                           priority=configs.PRIORITY[_platform], auto=_auto)
 # The ROCm library's gfx950 qmm on cdna4-layout weights (no canonical-layout kernel
-# takes that layout): its choice and priority live with it in _cdna4.py.
+# takes that layout): its choice and priority live with it in cdna4.py.
 if "rocm" in loaded_platforms() and "cdna4_qmm" in _LIBS["rocm"].targets:
-    _cdna4.register()
+    cdna4.register()
 if "cuda" in loaded_platforms():
     # the tensor-core decode GEMV on the cuda_mma layout (docs/decode.md); registering
     # it makes cuda_mma jq.prepack's default on CUDA
-    from jaxquant.ffi import _mma
-    _mma.register(_LIBS["cuda"])
+    from jaxquant.ffi import mma
+    mma.register(_LIBS["cuda"])
 dispatch.register_backend("ffi", unavailable_reason)

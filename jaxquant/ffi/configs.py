@@ -11,7 +11,7 @@ benchmarks/ (benchmarks/README.md), named by key below.
   the Pallas kernels (priority 0), faster in every same-process comparison on
   the canonical layout (h100/qmm.json `qmm.ffi_gemv.*` against `qmm.pallas.*`).
 - GEMV_MAX_M: the most rows of x per weight matrix that qmm runs as the fused
-  dequantize-GEMV (jaxquant/ffi/_ops.py: qmm); past it qmm is the ffi
+  dequantize-GEMV (jaxquant/ffi/kernels.py: qmm); past it qmm is the ffi
   dequantize + XLA's dot, which wins once the weight's decode is amortized over
   enough rows.
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice

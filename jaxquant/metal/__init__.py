@@ -34,9 +34,9 @@ NOT_BUILT_REASON = "the Metal backend is macOS only (Apple GPUs); this platform 
 if sys.platform != "darwin":
     dispatch.declare_not_built("metal", NOT_BUILT_REASON)
 else:
-    from jaxquant.metal import _loader, _ops
+    from jaxquant.metal import kernels, loader
 
-    _LIB = _loader.load()
+    _LIB = loader.load()
     if _LIB.handle is not None:
-        _ops.register_kernels()
+        kernels.register_kernels()
     dispatch.register_backend("metal", lambda: _LIB.error)

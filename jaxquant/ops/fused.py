@@ -13,7 +13,7 @@ references (docs/ops.md: a fused op equals that composition to rounding):
   (a routed MoE's gate+up projection at decode).
 
 A backend with a fused kernel for the case runs it (the CUDA GEMV on the
-`cuda_mma` layout: jaxquant/ffi/_mma.py); any other case runs the unfused
+`cuda_mma` layout: jaxquant/ffi/mma.py); any other case runs the unfused
 primitives, each on its own best kernel for the backend asked for
 (`Op(..., composition=...)`), and `backend="reference"` the reference.
 Differentiation goes through the reference, like the norms'.
@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
                                  jvp_through_reference, move_to_front, require_quantized)
-from jaxquant.ops.norms import _check_common, rms_norm_op, rms_norm_reference
+from jaxquant.ops.norms import check_norm_args, rms_norm_op, rms_norm_reference
 from jaxquant.ops.qmm import (check_gather_args, gather_batch, gather_qmm_op,
                               gather_qmm_reference, qmm_op, qmm_reference)
 from jaxquant.primitive import Op
@@ -100,7 +100,7 @@ def _qmm_swiglu_unfused(x, qw, bias, *, backend, activation, limit, alpha, preci
                             dtype=x.dtype)
 
 
-def _gather_qmm_swiglu_unfused(x, qw, indices, bias, *, backend, activation, limit, alpha,
+def gather_qmm_swiglu_unfused(x, qw, indices, bias, *, backend, activation, limit, alpha,
                                precision):
     y = gather_qmm_op.bind(x, qw, indices, backend=backend, transpose=True, precision=precision)
     return _swiglu_epilogue(y, _expert_bias(bias, qw, indices), activation=activation,
@@ -110,7 +110,7 @@ def _gather_qmm_swiglu_unfused(x, qw, indices, bias, *, backend, activation, lim
 rms_norm_qmm_op = Op("rms_norm_qmm", rms_norm_qmm_reference, composition=_rms_norm_qmm_unfused)
 qmm_swiglu_op = Op("qmm_swiglu", qmm_swiglu_reference, composition=_qmm_swiglu_unfused)
 gather_qmm_swiglu_op = Op("gather_qmm_swiglu", gather_qmm_swiglu_reference,
-                          composition=_gather_qmm_swiglu_unfused)
+                          composition=gather_qmm_swiglu_unfused)
 
 
 # ---------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def rms_norm_qmm(x, norm_weight, qw, *, eps: float = 1e-6, weight_offset: float 
     x's dtype before the product, as the two ops apart round it.
 
     Static (Python values, not traced under jax.jit): eps, weight_offset, backend."""
-    x, norm_weight = _check_common(x, norm_weight, eps, weight_offset, "rms_norm_qmm",
+    x, norm_weight = check_norm_args(x, norm_weight, eps, weight_offset, "rms_norm_qmm",
                                    weight_name="norm_weight")
     _check_qw(x, qw)
     return rms_norm_qmm_op.bind(x, norm_weight, qw, backend=backend, eps=float(eps),

@@ -65,7 +65,7 @@ gated_rms_norm_op = Op("gated_rms_norm", gated_rms_norm_reference)
 # Public functions.
 
 
-def _check_common(x, weight, eps, weight_offset, fn, weight_name="weight"):
+def check_norm_args(x, weight, eps, weight_offset, fn, weight_name="weight"):
     x = check_x(x)
     if x.ndim < 1:
         raise ValueError(f"x must have at least 1 dimension; got shape {x.shape}")
@@ -91,7 +91,7 @@ def rms_norm(x, weight=None, eps: float = 1e-6, weight_offset: float = 0.0, *,
     """y = x * rsqrt(mean(x^2, -1) + eps) * (weight + weight_offset), in x.dtype.
 
     Static (Python values, not traced under jax.jit): eps, weight_offset, backend."""
-    x, weight = _check_common(x, weight, eps, weight_offset, "rms_norm")
+    x, weight = check_norm_args(x, weight, eps, weight_offset, "rms_norm")
     return rms_norm_op.bind(x, weight, backend=backend, eps=float(eps),
                             weight_offset=float(weight_offset))
 
@@ -101,7 +101,7 @@ def add_rms_norm(x, residual, weight=None, eps: float = 1e-6, weight_offset: flo
     """h = (x + residual) in residual.dtype; returns (rms_norm(h, weight), h).
 
     Static (Python values, not traced under jax.jit): eps, weight_offset, backend."""
-    x, weight = _check_common(x, weight, eps, weight_offset, "add_rms_norm")
+    x, weight = check_norm_args(x, weight, eps, weight_offset, "add_rms_norm")
     residual = check_x(residual, "residual")
     if residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {x.shape}; got {residual.shape}")
@@ -118,7 +118,7 @@ def gated_rms_norm(x, gate, weight=None, eps: float = 1e-6, weight_offset: float
 
     Static (Python values, not traced under jax.jit): eps, weight_offset, activation,
     norm_before_gate, group_size, backend."""
-    x, weight = _check_common(x, weight, eps, weight_offset, "gated_rms_norm")
+    x, weight = check_norm_args(x, weight, eps, weight_offset, "gated_rms_norm")
     require_static("norm_before_gate", norm_before_gate, "gated_rms_norm")
     require_static("group_size", group_size, "gated_rms_norm")
     gate = check_x(gate, "gate")

@@ -323,7 +323,7 @@ int main() {
     const int cases[][4] = {{kAffine, 4, 64, kXdt}, {kAffine, 4, 32, kF32}, {kAffine, 3, 64, kXdt},
                             {kAffine, 8, 64, kXdt}, {kMxfp4, 4, 32, kU8},  {kMxfp6E2M3, 6, 32, kU8},
                             {kMxfp8E5M2, 8, 32, kU8}, {kNvfp4, 4, 16, kU8}, {kFp4, 4, 16, kF32}};
-    {  // other float scales: refused before any launch (jaxquant/ffi/_mma.py converts them)
+    {  // other float scales: refused before any launch (jaxquant/ffi/mma.py converts them)
       QmvProblem q = make_problem(Case{kAffine, 4, 64, xd == kBF16 ? kF16 : kBF16, xd}, 1, 16, 64,
                                   1, 1, 1, nullptr);
       Problem P;

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxquant import dispatch
 from jaxquant.ffi import configs
-from jaxquant.ffi._ops import FORMAT_IDS, _format_attrs, _qw_operands
+from jaxquant.ffi.kernels import FORMAT_IDS, format_attrs, qw_operands
 from jaxquant.layouts import cuda_mma
 from jaxquant.ops.common import ragged_group_ends, sorted_search
 from jaxquant.ops.qmm import qmm_reference
@@ -63,7 +63,7 @@ def _operands(qw: QuantizedArray, dtype):
     the kernels are built for (gpu_src/cuda/gemv_mma.h, launch_p). The conversion is exact;
     it is an extra small op per call, only for weights quantized in the other 16-bit
     dtype (or 16-bit ones with float32 x)."""
-    data, scales, biases, gs = _qw_operands(qw)
+    data, scales, biases, gs = qw_operands(qw)
     sdt = jnp.dtype(scales.dtype)
     if sdt not in (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float32), jnp.dtype(dtype)):
         scales, biases = scales.astype(jnp.float32), biases.astype(jnp.float32)
@@ -81,7 +81,7 @@ def qmv_mma_call(x3, qw3: QuantizedArray, indices=None, dedupe: int = 0):
     out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
     idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-        x3, *_operands(qw3, x3.dtype), idx, **_format_attrs(qw3), dedupe=np.int64(dedupe))
+        x3, *_operands(qw3, x3.dtype), idx, **format_attrs(qw3), dedupe=np.int64(dedupe))
 
 
 def gemv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_offset=0.0,
@@ -97,7 +97,7 @@ def gemv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_o
     aux = aux if aux is not None else jnp.zeros((0,), jnp.float32)
     idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(FUSED_TARGET, out, vmap_method="sequential")(
-        x3, *_operands(qw3, x3.dtype), idx, aux, **_format_attrs(qw3), fuse=np.int64(fuse),
+        x3, *_operands(qw3, x3.dtype), idx, aux, **format_attrs(qw3), fuse=np.int64(fuse),
         eps=np.float32(eps), weight_offset=np.float32(weight_offset),
         activation=np.int64(SWIGLU_ACTIVATION_IDS[activation]),
         limit=np.float32(np.inf if limit is None else limit), alpha=np.float32(alpha),
@@ -113,7 +113,7 @@ def qmm_gemm_call(x3, qw3: QuantizedArray, group_sizes=None):
     out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
     gs = group_sizes if group_sizes is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(GEMM_TARGET, out, vmap_method="sequential")(
-        x3, *_operands(qw3, x3.dtype), gs, **_format_attrs(qw3))
+        x3, *_operands(qw3, x3.dtype), gs, **format_attrs(qw3))
 
 
 def dequantize_mma_call(qw: QuantizedArray, dtype, *, platform=None):
@@ -121,7 +121,7 @@ def dequantize_mma_call(qw: QuantizedArray, dtype, *, platform=None):
     bfloat16), canonical order: the values the GEMM multiplies."""
     out = jax.ShapeDtypeStruct(qw.shape, jnp.dtype(dtype))
     return jax.ffi.ffi_call(DEQUANT_TARGET, out, vmap_method="broadcast_all")(
-        *_operands(qw, dtype), **_format_attrs(qw))
+        *_operands(qw, dtype), **format_attrs(qw))
 
 
 def _qw_ok(qw):

@@ -40,14 +40,14 @@ def _empty():
     return jnp.zeros((0,), jnp.float32)
 
 
-def _qw_operands(qw: QuantizedArray):
+def qw_operands(qw: QuantizedArray):
     biases = qw.biases if qw.biases is not None else _empty()
     gs = (jnp.asarray(qw.global_scale, jnp.float32).reshape(-1) if qw.global_scale is not None
           else _empty())
     return qw.data, qw.scales, biases, gs
 
 
-def _format_attrs(qw: QuantizedArray):
+def format_attrs(qw: QuantizedArray):
     return dict(fmt=np.int64(FORMAT_IDS[qw.mode]), bits=np.int64(qw.bits),
                 group_size=np.int64(qw.group_size))
 
@@ -56,7 +56,7 @@ def dequantize_call(qw: QuantizedArray, dtype, *, platform=None):
     """The ffi dequantize: [..., N, K] in `dtype`, bit for bit the reference's."""
     out = jax.ShapeDtypeStruct(qw.shape, jnp.dtype(dtype))
     return jax.ffi.ffi_call("jaxquant_dequantize", out, vmap_method="broadcast_all")(
-        *_qw_operands(qw), **_format_attrs(qw))
+        *qw_operands(qw), **format_attrs(qw))
 
 
 def qmv_call(x3, qw3: QuantizedArray, indices=None, num_slots=None):
@@ -69,7 +69,7 @@ def qmv_call(x3, qw3: QuantizedArray, indices=None, num_slots=None):
     out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
     idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call("jaxquant_qmv", out, vmap_method="sequential")(
-        x3, *_qw_operands(qw3), idx, **_format_attrs(qw3))
+        x3, *qw_operands(qw3), idx, **format_attrs(qw3))
 
 
 def rms_norm_call(x, weight, eps, weight_offset, *, platform=None):
