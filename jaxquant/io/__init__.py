@@ -52,6 +52,7 @@ MX byte blocks), `.gguf` (GGUF tensors), `.hf` (GPTQ, AWQ, compressed-tensors),
 
 from __future__ import annotations
 
+from jaxquant.io._common import CheckpointError
 from jaxquant.io.gguf import from_gguf, from_gguf_tensor, to_gguf_tensor
 from jaxquant.io.gpt_oss import from_gpt_oss, to_gpt_oss
 from jaxquant.io.hf import (from_awq, from_compressed_tensors, from_gptq, to_awq,
@@ -62,7 +63,7 @@ from jaxquant.io.mx_blocks import (MX_BLOCK_BYTES, from_ggml_mxfp4, from_mx_bloc
 from jaxquant.io.safetensors import load_safetensors, save_safetensors
 
 __all__ = [
-    "from_awq", "from_compressed_tensors", "from_ggml_mxfp4", "from_gguf", "from_gguf_tensor",
+    "CheckpointError", "from_awq", "from_compressed_tensors", "from_ggml_mxfp4", "from_gguf", "from_gguf_tensor",
     "from_gpt_oss", "from_gptq", "from_mlx_tensors", "from_mx_blocks", "load_safetensors",
     "save_safetensors", "to_awq", "to_compressed_tensors", "to_ggml_mxfp4", "to_gguf_tensor",
     "to_gpt_oss", "to_gptq", "to_mlx_tensors", "to_mx_blocks",

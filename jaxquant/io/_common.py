@@ -12,6 +12,12 @@ from jaxquant.quantized_array import CANONICAL, QuantizedArray
 BLOCK = 32
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file is malformed, inconsistent or out of bounds. The message starts
+    with the file's path and names the field or tensor (docs/checkpoints.md,
+    "Validation"); the command line prints it as one line."""
+
+
 def host_array(x, name: str) -> np.ndarray:
     """numpy view of an array argument (jax arrays are copied to the host)."""
     if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):

@@ -63,7 +63,8 @@ import os
 import ml_dtypes
 import numpy as np
 
-from jaxquant.io._common import check_qw, logical_dtype
+from jaxquant.io._common import CheckpointError, check_qw, logical_dtype
+from jaxquant.io.gguf_file import GGUFReader
 from jaxquant.io.mx_blocks import from_ggml_mxfp4, to_ggml_mxfp4
 from jaxquant.quantized_array import QuantizedArray
 
@@ -341,31 +342,34 @@ def from_gguf_tensor(raw, ggml_type, shape, *, dtype=None):
 
 
 def open_reader(reader_or_path):
+    """A path -> `jaxquant.io.gguf_file.GGUFReader` (bounded and checked: any malformed
+    structure is a ValueError naming the file); a reader (ours, or `gguf.GGUFReader`)
+    is returned as it is."""
     if isinstance(reader_or_path, (str, os.PathLike)):
-        try:
-            import gguf
-        except ImportError as e:
-            raise ImportError("reading .gguf files needs the optional 'gguf' package: "
-                              "pip install gguf") from e
-        return gguf.GGUFReader(os.fspath(reader_or_path))
+        return GGUFReader(reader_or_path, GGML_TYPES)
     if not hasattr(reader_or_path, "tensors"):
-        raise TypeError(f"reader_or_path must be a path or a gguf.GGUFReader; got "
+        raise TypeError(f"reader_or_path must be a path or a GGUF reader; got "
                         f"{type(reader_or_path).__name__}")
     return reader_or_path
 
 
 def from_gguf(reader_or_path, name: str, *, dtype=None):
-    """The tensor `name` of a GGUF file (a path or a `gguf.GGUFReader`) through
-    `from_gguf_tensor`; its logical shape is GGUF's dims reversed."""
+    """The tensor `name` of a GGUF file (a path, a `jaxquant.io.gguf_file.GGUFReader` or a
+    `gguf.GGUFReader`) through `from_gguf_tensor`; its logical shape is GGUF's dims
+    reversed. A tensor that cannot be imported raises ValueError naming the file and it."""
     reader = open_reader(reader_or_path)
     if not isinstance(name, str):
         raise TypeError(f"name must be a str; got {type(name).__name__}")
+    path = getattr(reader, "path", "the GGUF file")
     for t in reader.tensors:
         if t.name == name:
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-            return from_gguf_tensor(t.data, int(t.tensor_type), shape, dtype=dtype)
+            try:
+                return from_gguf_tensor(t.data, int(t.tensor_type), shape, dtype=dtype)
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"{path}: tensor {name!r}: {e}") from None
     near = sorted(t.name for t in reader.tensors if name.split(".")[0] in t.name)[:8]
-    raise KeyError(f"the GGUF file has no tensor {name!r} (similar: {near})")
+    raise KeyError(f"{path} has no tensor {name!r} (similar: {near})")
 
 
 # ---------------------------------------------------------------------------

@@ -25,7 +25,13 @@ and bias (per-channel quantization is one group of K).
 
 from __future__ import annotations
 
+import functools
 import re
+
+try:  # re's own parser: re._parser from Python 3.11, sre_parse before
+    from re import _parser as _re_parser
+except ImportError:  # pragma: no cover (Python 3.10)
+    import sre_parse as _re_parser
 
 import ml_dtypes
 import numpy as np
@@ -243,8 +249,9 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits, checkpoint_format="g
         raise ValueError(f"for qweight {qweight.shape} (K={k}, N={n}) and {bits} bits, scales "
                          f"must be [G, {n}] and qzeros [G, {-(-n * bits // 32)}]; got scales "
                          f"{scales.shape}, qzeros {qzeros.shape}")
-    if k % groups:
-        raise ValueError(f"K={k} is not a whole number of the {groups} groups of scales")
+    if groups == 0 or k == 0 or k % groups:
+        raise ValueError(f"K={k} is not a whole number of the {groups} groups of scales "
+                         f"(both must be positive)")
     group = k // groups
     zeros = (_gptq_v1_zeros(qzeros, bits, n) if checkpoint_format == "gptq"
              else unpack_stream(qzeros, bits, n))
@@ -256,8 +263,12 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits, checkpoint_format="g
             raise ValueError(f"g_idx must be an integer array of shape ({k},); got "
                              f"{g_idx.shape} {g_idx.dtype}")
         if not np.array_equal(g_idx, np.arange(k) // group):
+            lo, hi = int(g_idx.min()), int(g_idx.max())
+            if lo < 0 or hi >= groups:  # before bincount, which allocates max + 1 counters
+                raise ValueError(f"g_idx must hold group numbers in [0, {groups}); got values "
+                                 f"from {lo} to {hi}")
             counts = np.bincount(g_idx.astype(np.int64), minlength=groups)
-            if g_idx.min() < 0 or counts.shape != (groups,) or np.any(counts != group):
+            if np.any(counts != group):
                 raise ValueError(f"g_idx must put exactly {group} input channels in each of "
                                  f"the {groups} groups; got counts {counts.tolist()[:8]}...")
             perm = np.argsort(g_idx, kind="stable").astype(np.int32)
@@ -308,7 +319,7 @@ def from_awq(qweight, qzeros, scales, *, bits=4, dtype=None) -> QuantizedArray:
     qweight, qzeros, scales = _packed_triplet(qweight, qzeros, scales)
     k, n = qweight.shape[0], qweight.shape[1] * 8
     groups = scales.shape[0]
-    if scales.shape[1] != n or qzeros.shape != (groups, n // 8) or k % groups:
+    if scales.shape[1] != n or qzeros.shape != (groups, n // 8) or not groups or k % groups:
         raise ValueError(f"for qweight {qweight.shape} (K={k}, N={n}), scales must be [G, {n}] "
                          f"and qzeros [G, {n // 8}] with G dividing K; got scales "
                          f"{scales.shape}, qzeros {qzeros.shape}")
@@ -345,9 +356,60 @@ def to_awq(qw: QuantizedArray):
 # compressed-tensors
 
 
-def _matches(target: str, prefix: str) -> bool:
+#: Bounds on compressed-tensors' "re:" patterns and the module names they are matched
+#: against (real ones: under 200 characters, one or two repeats): with at most
+#: MAX_REPEATS repeats, none inside another, a match backtracks through at most about
+#: MAX_NAME ** MAX_REPEATS states (0.02 s).
+MAX_PATTERN, MAX_NAME, MAX_REPEATS = 1000, 256, 3
+_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+
+
+def _pattern_nodes(tree, inside=False):
+    """(op name, inside a repeat, is a repeat) for every node of a parsed pattern."""
+    for op, arg in tree:
+        name = str(op)
+        rep = name in _REPEATS and arg[1] != 1
+        yield name, inside, rep
+        for a in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+            for sub in (a if isinstance(a, (list, tuple)) else (a,)):
+                if hasattr(sub, "data"):
+                    yield from _pattern_nodes(sub, inside or rep)
+
+
+@functools.lru_cache(maxsize=256)
+def checked_pattern(pattern: str):
+    """A compressed-tensors "re:" target or ignore pattern, compiled, if it matches in
+    bounded time (docs/checkpoints.md, "Validation"): at most MAX_PATTERN characters and
+    MAX_REPEATS repeats, and no repeat or alternation inside a repeat ("(a+)*",
+    "(.*.*)*", "(a|b)*": backtracking over them grows exponentially with the name's
+    length). ValueError otherwise."""
+    if len(pattern) > MAX_PATTERN:
+        raise ValueError(f"the pattern 're:{pattern[:40]}...' is longer than {MAX_PATTERN} "
+                         f"characters")
+    try:
+        nodes = list(_pattern_nodes(_re_parser.parse(pattern)))
+        compiled = re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise ValueError(f"the pattern 're:{pattern[:80]}' is not a regular expression ({e})") \
+            from None
+    if any(inside and (rep or name == "BRANCH") for name, inside, rep in nodes):
+        raise ValueError(f"the pattern 're:{pattern[:80]}' has a repeat or alternation inside a "
+                         f"repeat, which can take exponential time to match; write it without "
+                         f"(e.g. '(.*)*' as '.*', '(a|b)*' as '[ab]*')")
+    if sum(rep for _, _, rep in nodes) > MAX_REPEATS:
+        raise ValueError(f"the pattern 're:{pattern[:80]}' has more than {MAX_REPEATS} repeats")
+    return compiled
+
+
+def _matches(target, prefix: str) -> bool:
+    if not isinstance(target, str):
+        raise ValueError(f"compressed-tensors targets and ignore entries must be strings; got "
+                         f"{target!r:.80}")
     if target.startswith("re:"):
-        return re.match(target[3:], prefix) is not None
+        if len(prefix) > MAX_NAME:
+            raise ValueError(f"module name {prefix[:40]!r}... is longer than {MAX_NAME} "
+                             f"characters")
+        return checked_pattern(target[3:]).match(prefix) is not None
     return target == prefix or target == "Linear"
 
 
@@ -357,12 +419,22 @@ def compressed_tensors_scheme(quant_config: dict, prefix: str):
     if not isinstance(quant_config, dict) or "config_groups" not in quant_config:
         raise ValueError("quant_config must be a compressed-tensors quantization_config dict "
                          "(with 'config_groups')")
-    if any(_matches(t, prefix) and t != "Linear" for t in quant_config.get("ignore") or ()):
+    ignore, groups = quant_config.get("ignore") or [], quant_config["config_groups"]
+    if not isinstance(ignore, list) or not isinstance(groups, dict) or not all(
+            isinstance(g, dict) and isinstance(g.get("targets", []), list)
+            for g in groups.values()):
+        raise ValueError("quant_config's 'ignore' must be a list and 'config_groups' an object "
+                         "of objects whose 'targets' are lists")
+    if any(_matches(t, prefix) and t != "Linear" for t in ignore):
         return None
-    for group in quant_config["config_groups"].values():
+    for group in groups.values():
         if any(_matches(t, prefix) for t in group.get("targets", ())):
             fmt = group.get("format") or quant_config.get("format")
-            return fmt, group.get("weights") or {}
+            weights = group.get("weights") or {}
+            if not isinstance(weights, dict):
+                raise ValueError(f"quant_config's config group 'weights' must be an object; got "
+                                 f"{weights!r:.80}")
+            return fmt, weights
     return None
 
 
@@ -421,7 +493,7 @@ def from_compressed_tensors(tensors: dict, prefix: str, quant_config: dict, *, d
 
 
 def _ct_int(fmt, args, get, dtype) -> QuantizedArray:
-    bits = int(args.get("num_bits", 8))
+    bits = args.get("num_bits", 8)
     strategy = args.get("strategy", "tensor")
     scale = _float_scales(get("weight_scale"), "weight_scale")
     if fmt == "pack-quantized":
@@ -445,7 +517,10 @@ def _ct_int(fmt, args, get, dtype) -> QuantizedArray:
     scale = np.broadcast_to(scale, (n, scale.shape[1]))
     groups = scale.shape[-1]
     if strategy == "group":
-        group = int(args["group_size"])
+        group = args.get("group_size")
+        if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+            raise ValueError(f"weights group_size={group!r} must be a positive int for the "
+                             f"group strategy")
         if groups * group != k:
             raise ValueError(f"weight_scale has {groups} groups of {group} for K={k}")
     elif groups == 1:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,12 @@ import ml_dtypes
 import numpy as np
 
 import jaxquant as jq
+from jaxquant.io import CheckpointError
+from jaxquant.io.safetensors import SafetensorsFile
 from jaxquant.models import parallel
 from jaxquant.models.config import Config, from_hf
 from jaxquant.models.layers import PermutedMatrix
+from jaxquant.models.loader_checks import check_layer_count, check_shapes, layer_shapes
 from jaxquant.models.params import (MATRICES, default_per_layer, fuse_layer, fuse_params,
                                     prepack_params, quantize_args, quantize_matrix, stack_layers,
                                     unstack_layers)
@@ -51,60 +55,147 @@ BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
 DENSE = {"w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
 
 
+#: Tensors a checkpoint may hold that are no weights (buffers older exports saved).
+NOT_WEIGHTS = re.compile(r".*\.rotary_emb\.inv_freq$")
+INDEX = "model.safetensors.index.json"
+
+
+def _json(path: str):
+    """A JSON file's contents; CheckpointError naming the file if it is no JSON."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > MAX_JSON:
+        raise CheckpointError(f"{path}: larger than {MAX_JSON} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+#: The largest config.json / index file read.
+MAX_JSON = 64 << 20
+
+
 class _Tensors:
-    """The tensors of every *.safetensors file in a directory, read lazily by name."""
+    """The tensors of every *.safetensors file in a directory, each file's header
+    checked (jq.io.safetensors.SafetensorsFile), read lazily by name; remembers which
+    names were read, so that load can refuse the ones nothing used."""
 
     def __init__(self, path):
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        self.dir = os.fspath(path)
+        files = sorted(glob.glob(os.path.join(self.dir, "*.safetensors")))
         if not files:
-            raise ValueError(f"no *.safetensors files in {path!r}")
-        try:
-            from safetensors import safe_open
-        except ImportError as e:
-            raise ImportError("loading checkpoints needs the 'safetensors' package "
-                              "(pip install safetensors)") from e
-        self._handles = [safe_open(f, framework="numpy") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}
-        self._file = {k: f for f, h in zip(files, self._handles) for k in h.keys()}
+            raise CheckpointError(f"{self.dir}: no *.safetensors files")
+        self._where = {}
+        for file in files:
+            st = SafetensorsFile(file)
+            for name in st.names():
+                if name in self._where:
+                    raise CheckpointError(f"tensor {name!r} is in both {self._where[name].path} "
+                                          f"and {file}")
+                self._where[name] = st
+        self._check_index()
+        self.used = set()
+
+    def _check_index(self):
+        """model.safetensors.index.json, where present: a weight_map of tensor -> file
+        inside the directory, agreeing with the files' own headers."""
+        index = os.path.join(self.dir, INDEX)
+        if not os.path.exists(index):
+            return
+        doc = _json(index)
+        wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> file")
+        for name, file in wmap.items():
+            if os.path.basename(file) != file or file in ("", ".", ".."):
+                raise CheckpointError(f"{index}: weight_map[{name!r}] = {file!r:.80} is not a "
+                                      f"file inside the checkpoint directory")
+            st = self._where.get(name)
+            if st is None or os.path.basename(st.path) != file:
+                raise CheckpointError(f"{index}: weight_map puts {name!r} in {file!r}; it is "
+                                      f"{'in ' + st.path if st else 'in no file'}")
+        unlisted = sorted(set(self._where) - set(wmap))
+        if unlisted:
+            raise CheckpointError(f"{index}: weight_map does not list {unlisted[:4]} (in "
+                                  f"{self._where[unlisted[0]].path})")
 
     def __contains__(self, name):
         return name in self._where
 
-    def __getitem__(self, name) -> np.ndarray:
+    def _entry(self, name):
         if name not in self._where:
             near = sorted(k for k in self._where if k.rsplit(".", 2)[0] in name)[:8]
-            raise KeyError(f"checkpoint has no tensor {name!r} (similar: {near})")
-        try:
-            return self._where[name].get_tensor(name)
-        except AttributeError:  # safetensors' numpy reader has no float8 (compressed-tensors)
-            return _read_float8(self._file[name], name)
+            raise CheckpointError(f"{self.dir}: the checkpoint has no tensor {name!r} (similar: "
+                                  f"{near})")
+        self.used.add(name)
+        return self._where[name]
+
+    def __getitem__(self, name) -> np.ndarray:
+        return self._entry(name).get(name)
+
+    def check_float(self, name) -> None:
+        """A float weight is refused (CheckpointError) unless stored with a float dtype."""
+        st = self._entry(name)
+        if st.dtype(name) not in FLOAT_DTYPES:
+            raise CheckpointError(f"{st.path}: tensor {name!r} is a float weight but is stored "
+                                  f"as {st.dtype(name)}")
+
+    def floating(self, name) -> np.ndarray:
+        self.check_float(name)
+        return self._where[name].get(name)
+
+    def where(self, prefix) -> str:
+        """The file holding a `{prefix}.*` tensor (the directory if none)."""
+        for name, st in self._where.items():
+            if name.startswith(prefix + "."):
+                return st.path
+        return self.dir
 
     def keys(self):
         return self._where.keys()
 
     def part(self, name, index) -> np.ndarray:
         """tensor[index] (a tuple of slices), read from the file without the rest."""
-        if name not in self._where:
-            return self[name]  # raises the KeyError naming similar tensors
-        return self._where[name].get_slice(name)[index]
+        return self._entry(name).part(name, index)
 
     def shape(self, name) -> tuple:
-        return tuple(self._where[name].get_slice(name).get_shape())
+        return self._entry(name).shape(name)
+
+    def check_all_used(self):
+        unused = sorted(n for n in self._where if n not in self.used and not NOT_WEIGHTS.match(n))
+        if unused:
+            raise CheckpointError(f"{self._where[unused[0]].path}: tensors the config does not "
+                                  f"use: {unused[:6]}{' ...' if len(unused) > 6 else ''} "
+                                  f"({len(unused)}; a layer count or a tie_word_embeddings that "
+                                  f"disagrees with the weights?)")
 
 
-_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+FLOAT_DTYPES = (np.dtype("<f8"), np.dtype("<f4"), np.dtype("<f2"), np.dtype(ml_dtypes.bfloat16))
 
 
-def _read_float8(file, name) -> np.ndarray:
-    """A float8 tensor of a .safetensors file, read from its header and bytes."""
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(size))[name]
-    if entry["dtype"] not in _FLOAT8:
-        raise TypeError(f"{name}: safetensors dtype {entry['dtype']} is not readable as numpy")
-    start, end = entry["data_offsets"]
-    raw = np.fromfile(file, np.uint8, count=end - start, offset=8 + size + start)
-    return raw.view(_FLOAT8[entry["dtype"]]).reshape(entry["shape"])
+def read_config(path) -> tuple[dict, str]:
+    """(config.json as a dict, its path); CheckpointError naming the file unless it is
+    a JSON object."""
+    file = os.path.join(os.fspath(path), "config.json")
+    hf = _json(file)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: must be a JSON object; got {type(hf).__name__}")
+    return hf, file
+
+
+def _checked(tensors, prefix, fn, *args, **kw):
+    """fn(*args, **kw), its complaints about module `prefix`'s data (the importers'
+    ValueError / TypeError / KeyError) as one CheckpointError naming its file."""
+    try:
+        return fn(*args, **kw)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{tensors.where(prefix)}: {prefix}: {e}") from e
 
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str | None = None,
@@ -136,42 +227,65 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
         if default_per_layer() if per_layer is None else per_layer:
             params = unstack_layers(params)
         return cfg, prepack_params(params, layout)
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    cfg = from_hf(hf, dtype=dtype)
+    hf, file = read_config(path)
+    try:
+        cfg = from_hf(hf, dtype=dtype)
+    except ValueError as e:
+        msg = str(e)
+        raise CheckpointError(os.path.join(os.fspath(path), msg) if msg.startswith("config.json")
+                              else f"{file}: {msg}") from None
     tensors = _Tensors(path)
-    quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"))
+    check_layer_count(os.fspath(path), tensors.keys(), r"model\.layers\.(\d+)\.", cfg)
+    quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"), file)
     if mesh is not None:
         return cfg, _load_sharded(cfg, tensors, quant, mesh, lm_head=lm_head, layout=layout,
                                   fuse=fuse, per_layer=per_layer)
     layers = tuple(_layer(cfg, tensors, quant, i, fuse) for i in range(cfg.num_layers))
-    params = {"layers": layers,
-              "embed": quant.matrix(tensors, "model.embed_tokens"),
-              "final_norm": quant.float(tensors["model.norm.weight"])}
-    if not cfg.tie_embeddings:
-        head = quant.matrix(tensors, "lm_head")
-        params["lm_head"] = quant.quantize(head) if lm_head else head
+    params = {"layers": layers, **_outer(cfg, tensors, quant)}
+    if not cfg.tie_embeddings and lm_head:
+        params["lm_head"] = quant.quantize(params["lm_head"])
+    tensors.check_all_used()
     if not (default_per_layer() if per_layer is None else per_layer):
         params = stack_layers(params)
     return cfg, prepack_params(params, layout)
 
 
+def _outer(cfg, tensors, quant) -> dict:
+    """The embedding, final norm and (untied) head, as stored, their shapes checked."""
+    out = {"embed": quant.matrix(tensors, "model.embed_tokens"),
+           "final_norm": quant.float(tensors, "model.norm.weight")}
+    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = quant.matrix(tensors, "lm_head")
+        shapes["lm_head"] = shapes["embed"]
+    check_shapes(tensors.dir, out, shapes)
+    return out
+
+
 class _Quantizer:
-    def __init__(self, mode, mlx_quant, dtype, hf_quant=None):
+    def __init__(self, mode, mlx_quant, dtype, hf_quant=None, config_file="config.json"):
         self.kw = None if mode in (None, "bf16") else quantize_args(mode)
         self.mlx = mlx_quant
         self.dtype = jnp.dtype(dtype)
+        self.config_file = config_file
         method = (hf_quant or {}).get("quant_method")
         self.hf_quant = hf_quant if method in HF_QUANT_METHODS else None
 
-    def float(self, a):
+    def array(self, a):
         return jnp.asarray(np.asarray(a), self.dtype)
 
-    def _mlx_args(self, prefix):
+    def float(self, tensors, name):
+        """The float tensor `name` in dtype (refused unless stored as a float)."""
+        return self.array(tensors.floating(name))
+
+    def mlx_args(self, prefix):
         q = self.mlx
         own = q.get(prefix) if isinstance(q, dict) else None
         if isinstance(own, dict):
             q = own
+        if not isinstance(q, dict) or not all(k in q for k in ("bits", "group_size")):
+            raise CheckpointError(f"{self.config_file}: 'quantization' needs 'bits' and "
+                                  f"'group_size' (for {prefix})")
         return dict(bits=q["bits"], group_size=q["group_size"], mode=q.get("mode", "affine"))
 
     def matrix(self, tensors, prefix):
@@ -179,18 +293,21 @@ class _Quantizer:
         stored), QuantizedArray (MLX's, GPTQ's, AWQ's, compressed-tensors') or
         PermutedMatrix (act-order GPTQ)."""
         if self.hf_quant is not None:
-            w = hf_quantized_matrix(tensors, prefix, self.hf_quant, self.dtype)
+            w = _checked(tensors, prefix, hf_quantized_matrix, tensors, prefix, self.hf_quant,
+                         self.dtype)
             if w is not None:
                 return w
         if f"{prefix}.scales" in tensors:
             if self.mlx is None:
-                raise ValueError(f"{prefix}.scales is in the checkpoint but config.json has no "
-                                 f"'quantization' entry (an MLX checkpoint's)")
+                raise CheckpointError(f"{tensors.where(prefix)}: {prefix}.scales is in the "
+                                      f"checkpoint but config.json has no 'quantization' entry "
+                                      f"(an MLX checkpoint's)")
             names = [f"{prefix}.{p}" for p in ("weight", "scales", "biases")
                      if f"{prefix}.{p}" in tensors]
-            return jq.io.from_mlx_tensors({n: tensors[n] for n in names}, prefix,
-                                          dtype=self.dtype, **self._mlx_args(prefix))
-        return self.float(tensors[f"{prefix}.weight"])
+            return _checked(tensors, prefix, jq.io.from_mlx_tensors,
+                            {n: tensors[n] for n in names}, prefix, dtype=self.dtype,
+                            **self.mlx_args(prefix))
+        return self.float(tensors, f"{prefix}.weight")
 
     def quantize(self, w):
         """A float matrix [N, K] or expert stack [E, N, K] quantized to `mode` (as
@@ -202,20 +319,31 @@ class _Quantizer:
 
 def _layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool, matrix=None) -> dict:
     """Layer i's weights; matrix(key, prefix): the attention and dense-MLP matrices
-    (default: quant.matrix, read whole)."""
+    (default: quant.matrix, read whole). A ValueError about the tensors' data (a
+    shape numpy cannot swap or split, say) becomes a CheckpointError naming the
+    checkpoint."""
+    try:
+        return _read_layer(cfg, tensors, quant, i, fuse, matrix)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{tensors.dir}: layer {i}: {e}") from e
+
+
+def _read_layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool, matrix=None) -> dict:
     pre = f"model.layers.{i}."
     matrix = matrix or (lambda key, prefix: quant.matrix(tensors, prefix))
-    p = {"attn_norm": quant.float(tensors[pre + "input_layernorm.weight"]),
-         "mlp_norm": quant.float(tensors[pre + "post_attention_layernorm.weight"])}
+    p = {"attn_norm": quant.float(tensors, pre + "input_layernorm.weight"),
+         "mlp_norm": quant.float(tensors, pre + "post_attention_layernorm.weight")}
     for key, name in ATTENTION.items():
         p[key] = matrix(key, pre + name)
     if cfg.attention_bias:
         for key, name in BIASES.items():
             if pre + name in tensors:
-                p[key] = quant.float(tensors[pre + name])
+                p[key] = quant.float(tensors, pre + name)
     if cfg.qk_norm:
-        p["q_norm"] = quant.float(tensors[pre + "self_attn.q_norm.weight"])
-        p["k_norm"] = quant.float(tensors[pre + "self_attn.k_norm.weight"])
+        p["q_norm"] = quant.float(tensors, pre + "self_attn.q_norm.weight")
+        p["k_norm"] = quant.float(tensors, pre + "self_attn.k_norm.weight")
     if cfg.family == "gpt_oss":
         p.update(_gpt_oss_mlp(tensors, quant, pre))
     elif cfg.family == "qwen3_moe":
@@ -223,6 +351,7 @@ def _layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool, matrix=N
     else:
         for key, name in DENSE.items():
             p[key] = matrix(key, pre + name)
+    check_shapes(tensors.dir, p, layer_shapes(cfg), f"layer {i}: ")
     if fuse:  # before quantizing: a fused matrix gets the codes its parts would
         p = fuse_layer(p)
     return {k: quant.quantize(v) if k in MATRICES else v for k, v in p.items()}
@@ -238,18 +367,18 @@ def _halves(a, axis):
 
 def _gpt_oss_mlp(tensors, quant, pre):
     e = pre + "mlp.experts."
-    p = {"sinks": quant.float(tensors[pre + "self_attn.sinks"]),
-         "router": quant.float(tensors[pre + "mlp.router.weight"]),
-         "router_bias": quant.float(tensors[pre + "mlp.router.bias"]),
-         "e_gate_up_bias": _halves(quant.float(tensors[e + "gate_up_proj_bias"]), -1),
-         "e_down_bias": quant.float(tensors[e + "down_proj_bias"])}
+    p = {"sinks": quant.float(tensors, pre + "self_attn.sinks"),
+         "router": quant.float(tensors, pre + "mlp.router.weight"),
+         "router_bias": quant.float(tensors, pre + "mlp.router.bias"),
+         "e_gate_up_bias": _halves(quant.float(tensors, e + "gate_up_proj_bias"), -1),
+         "e_down_bias": quant.float(tensors, e + "down_proj_bias")}
     for key, name in (("e_gate_up", "gate_up_proj"), ("e_down", "down_proj")):
         if e + name + "_blocks" in tensors:  # MXFP4 as shipped: imported bit for bit
-            p[key] = jq.io.from_gpt_oss(tensors[e + name + "_blocks"],
-                                        tensors[e + name + "_scales"], dtype=quant.dtype)
+            p[key] = _checked(tensors, e + name, jq.io.from_gpt_oss, tensors[e + name + "_blocks"],
+                              tensors[e + name + "_scales"], dtype=quant.dtype)
             p[key] = jax.tree_util.tree_map(jnp.asarray, p[key])
         else:  # a bf16 export: transformers keeps these as x @ W, [E, K, N]
-            p[key] = quant.float(np.swapaxes(tensors[e + name], -1, -2))
+            p[key] = quant.array(np.swapaxes(tensors.floating(e + name), -1, -2))
     qw = p["e_gate_up"]  # canonical rows are independent: reordering them is exact
     p["e_gate_up"] = (_halves(qw, -2) if not isinstance(qw, QuantizedArray) else
                       QuantizedArray(_halves(qw.data, -2), _halves(qw.scales, -2), None, None,
@@ -259,15 +388,15 @@ def _gpt_oss_mlp(tensors, quant, pre):
 
 
 def _qwen3_moe_mlp(cfg, tensors, quant, pre):
-    p = {"router": quant.float(tensors[pre + "mlp.gate.weight"])}
+    p = {"router": quant.float(tensors, pre + "mlp.gate.weight")}
     for key, name in (("e_gate", "gate_proj"), ("e_up", "up_proj"), ("e_down", "down_proj")):
         switch = pre + "mlp.switch_mlp." + name  # mlx-lm stacks the experts
         if switch + ".weight" in tensors:
             p[key] = quant.matrix(tensors, switch)
             continue
-        per_expert = [tensors[f"{pre}mlp.experts.{j}.{name}.weight"]
+        per_expert = [tensors.floating(f"{pre}mlp.experts.{j}.{name}.weight")
                       for j in range(cfg.num_experts)]
-        p[key] = quant.float(np.stack(per_expert))
+        p[key] = quant.array(np.stack(per_expert))
     return p
 
 
@@ -288,13 +417,12 @@ def _load_sharded(cfg, tensors, quant, mesh, *, lm_head, layout, fuse, per_layer
         p = _layer(cfg, tensors, quant, i, fuse and not parts, matrix)
         p = prepack_params({"layers": (p,)}, layout)["layers"][0]
         layers.append(parallel.put_sharded(mesh, p, parallel.layer_specs(p, mesh)))
-    params = {"layers": tuple(layers),
-              "embed": quant.matrix(tensors, "model.embed_tokens"),
-              "final_norm": quant.float(tensors["model.norm.weight"])}
+    params = {"layers": tuple(layers), **_outer(cfg, tensors, quant)}
     if not cfg.tie_embeddings:
-        head = quant.matrix(tensors, "lm_head")
+        head = params["lm_head"]
         params["lm_head"] = prepack_params({"layers": (), "lm_head": quant.quantize(head)
                                             if lm_head else head}, layout)["lm_head"]
+    tensors.check_all_used()
     if not (default_per_layer() if per_layer is None else per_layer):
         params = stack_layers(params)
     return parallel.shard_params(cfg, params, mesh)  # the rest placed; the layers stay
@@ -305,7 +433,7 @@ def _float_from_slices(tensors, name, mesh, spec, dtype):
     device's block read from the file on its own."""
     from jax.sharding import NamedSharding  # noqa: PLC0415
 
-
+    tensors.check_float(name)
     shape = tensors.shape(name)
     sharding = NamedSharding(mesh, parallel.named_spec(mesh, jax.ShapeDtypeStruct(shape, dtype), spec))
     return jax.make_array_from_callback(
@@ -322,7 +450,7 @@ def _mlx_from_slices(tensors, prefix, quant, mesh, spec):
     names = [f"{prefix}.{p}" for p in ("weight", "scales", "biases")
              if f"{prefix}.{p}" in tensors]
     first_row = {n: tensors.part(n, (slice(0, 1),)) for n in names}
-    args = quant._mlx_args(prefix)
+    args = quant.mlx_args(prefix)
     one = jq.io.from_mlx_tensors(first_row, prefix, dtype=quant.dtype, **args)
     n_rows, words = tensors.shape(f"{prefix}.weight")
     groups = tensors.shape(f"{prefix}.scales")[-1]

@@ -55,6 +55,30 @@ class Config:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if not (math.isfinite(self.rms_eps) and self.rms_eps >= 0):
             raise ValueError(f"rms_eps must be finite and >= 0; got {self.rms_eps}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be finite and > 0; got {self.rope_theta}")
+        for key, value in self.rope_scaling:
+            if key in ROPE_POSITIVE and not (isinstance(value, (int, float))
+                                             and not isinstance(value, bool)
+                                             and math.isfinite(value) and value > 0):
+                raise ValueError(f"rope_scaling {key}={value!r} must be a finite number > 0")
+        rs = dict(self.rope_scaling)
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        need = {"default": (), "linear": ("factor",), "yarn": (
+            "factor", "original_max_position_embeddings"), "llama3": (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        if kind not in need or not isinstance(rs.get("truncate", True), bool):
+            raise ValueError(f"rope_scaling {rs!r:.200}: the type must be one of {sorted(need)} "
+                             f"and truncate a bool")
+        missing = [k for k in need[kind] if k not in rs]
+        if missing:
+            raise ValueError(f"rope_scaling of type {kind!r} needs {missing}")
+        if kind == "llama3" and rs["low_freq_factor"] == rs["high_freq_factor"]:
+            raise ValueError("rope_scaling low_freq_factor and high_freq_factor must differ")
+        if not all(math.isfinite(v) and v > 0 for v in self.rope_freq_factors):
+            raise ValueError("rope_freq_factors must all be finite and > 0")
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers={self.num_layers} is more than {MAX_LAYERS}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'bfloat16', 'float16' or 'float32' "
                              f"(activations and float weights)")
@@ -156,6 +180,15 @@ ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_fa
                        "high_freq_factor", "original_max_position_embeddings", "beta_fast",
                        "beta_slow", "attention_factor", "truncate"})
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: The rope parameters that must be finite numbers > 0 (the others: the type and truncate).
+ROPE_POSITIVE = frozenset({"factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings", "beta_fast", "beta_slow",
+                           "attention_factor", "rope_theta"})
+#: The most layers a config may declare (the deepest released decoders have under 200); a
+#: bound so a hostile count is refused before anything per layer is built.
+MAX_LAYERS = 4096
+#: The largest size (hidden, vocabulary, heads, intermediate, ...) a config may declare.
+MAX_SIZE = 1 << 31
 # transformers' defaults where a config.json leaves a key out.
 ROPE_THETA = {"gpt_oss": 150000.0}
 RMS_EPS = {"gpt_oss": 1e-5}
@@ -184,6 +217,35 @@ class _Fields:
         value = self.cfg.get(key)
         return default if value is None else value
 
+    def int(self, key, default=None, lo=1, hi=MAX_SIZE):
+        """An int in [lo, hi] (key required when default is None)."""
+        value = self[key] if default is None else self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError(f"config.json {key}={value!r:.80} must be an int in [{lo}, {hi}]")
+        return value
+
+    def number(self, key, default, positive=True):
+        """A finite number (> 0 if positive, else >= 0), as float."""
+        value = self.get(key, default)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+            raise ValueError(f"config.json {key}={value!r:.80} must be a finite number "
+                             f"{'> 0' if positive else '>= 0'}")
+        return float(value)
+
+    def bool(self, key, default):
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"config.json {key}={value!r:.80} must be true or false (JSON "
+                             f"booleans, not strings or numbers)")
+        return value
+
+    def dict(self, key):
+        value = self.get(key) or {}
+        if not isinstance(value, dict):
+            raise ValueError(f"config.json {key} must be an object; got {value!r:.80}")
+        return value
+
     def expect(self, key, allowed, why):
         """Refuse a value of `key` the decoder does not implement (absent / null is fine)."""
         value = self.get(key)
@@ -198,8 +260,8 @@ class _Fields:
 def _rope(f: _Fields, family: str):
     """(theta, sorted scaling pairs) from 5.x `rope_parameters` or 4.x `rope_theta` +
     `rope_scaling` (both spellings may appear; they must agree)."""
-    params = dict(f.get("rope_scaling") or {})
-    for key, value in (f.get("rope_parameters") or {}).items():
+    params = dict(f.dict("rope_scaling"))
+    for key, value in f.dict("rope_parameters").items():
         if key in params and params[key] != value:
             raise ValueError(f"config.json rope_parameters.{key}={value!r} contradicts "
                              f"rope_scaling.{key}={params[key]!r}")
@@ -208,8 +270,13 @@ def _rope(f: _Fields, family: str):
     if unknown:
         raise ValueError(f"config.json rope parameters {unknown} are not supported (known: "
                          f"{sorted(ROPE_KEYS)})")
+    for key, value in params.items():
+        if key in ROPE_POSITIVE and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                     or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"config.json rope parameter {key}={value!r:.80} must be a finite "
+                             f"number > 0")
     theta = params.pop("rope_theta", None)
-    top = f.get("rope_theta")
+    top = None if f.get("rope_theta") is None else f.number("rope_theta", None)
     if theta is not None and top is not None and float(theta) != float(top):
         raise ValueError(f"config.json rope_theta={top!r} contradicts "
                          f"rope_parameters.rope_theta={theta!r}")
@@ -228,8 +295,10 @@ def _rope(f: _Fields, family: str):
 def _windows(f: _Fields, mt: str, layers: int) -> tuple[int, tuple]:
     """(sliding window, per-layer windows): `layer_types` where given (5.x writes it for
     Qwen and gpt-oss), Mistral's window on every layer, gpt-oss alternating by default."""
-    window = int(f.get("sliding_window") or 0)
+    window = f.int("sliding_window", 0, lo=0)
     types = f.get("layer_types")
+    if types is not None and not isinstance(types, list):
+        raise ValueError(f"config.json layer_types must be a list; got {types!r:.80}")
     if mt in ("qwen2", "qwen3", "qwen3_moe"):
         f.expect("use_sliding_window", (False,), "Qwen's sliding-window layers")
         if not types:
@@ -237,7 +306,7 @@ def _windows(f: _Fields, mt: str, layers: int) -> tuple[int, tuple]:
     if mt == "gpt_oss" and not types:
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if types:
-        bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+        bad = sorted({str(t) for t in types} - {"sliding_attention", "full_attention"})
         if bad or len(types) != layers:
             raise ValueError(f"config.json layer_types must be {layers} entries of "
                              f"'sliding_attention' / 'full_attention'; got {types}")
@@ -257,6 +326,9 @@ def _quantization(f: _Fields):
     (docs/checkpoints.md) or mlx-lm's copy of `quantization`."""
     mlx = f.get("quantization")
     qc = f.get("quantization_config")
+    for key, value in (("quantization", mlx), ("quantization_config", qc)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config.json {key} must be an object; got {value!r:.80}")
     methods = ("mxfp4", "gptq", "awq", "compressed-tensors")
     if qc is not None and qc.get("quant_method") not in methods and qc != mlx:
         raise ValueError(f"config.json quantization_config={qc!r} is not supported (the "
@@ -273,6 +345,8 @@ def from_hf(cfg: dict, dtype: str = "bfloat16") -> Config:
     defaulted silently."""
     f = _Fields(cfg)
     mt = f.get("model_type", "llama")
+    if not isinstance(mt, str):
+        raise ValueError(f"config.json model_type={mt!r:.80} must be a string")
     family = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3",
               "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}.get(mt)
     if family is None:
@@ -284,39 +358,44 @@ def from_hf(cfg: dict, dtype: str = "bfloat16") -> Config:
     f.expect("attn_logit_softcapping", (), "no attention soft-capping")
     f.expect("final_logit_softcapping", (), "no logit soft-capping")
     _quantization(f)
-    heads = f["num_attention_heads"]
-    hidden = f["hidden_size"]
-    layers = f["num_hidden_layers"]
+    heads = f.int("num_attention_heads")
+    hidden = f.int("hidden_size")
+    layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
+    if f.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"config.json num_attention_heads={heads} does not divide "
+                         f"hidden_size={hidden} (and there is no head_dim)")
     theta, scaling = _rope(f, family)
     window, windows = _windows(f, mt, layers)
-    kw = dict(family=family, vocab_size=f["vocab_size"], hidden_size=hidden,
+    kw = dict(family=family, vocab_size=f.int("vocab_size"), hidden_size=hidden,
               num_layers=layers, num_heads=heads,
-              num_kv_heads=f.get("num_key_value_heads", heads),
-              head_dim=f.get("head_dim") or hidden // heads,
-              intermediate_size=f.get("intermediate_size", 0),
-              rms_eps=float(f.get("rms_norm_eps", RMS_EPS.get(family, 1e-6))),
+              num_kv_heads=f.int("num_key_value_heads", heads),
+              head_dim=f.int("head_dim", hidden // heads),
+              intermediate_size=f.int("intermediate_size", 0, lo=0),
+              rms_eps=f.number("rms_norm_eps", RMS_EPS.get(family, 1e-6), positive=False),
               rope_theta=theta, rope_scaling=scaling,
-              tie_embeddings=bool(f.get("tie_word_embeddings", False)),
-              attention_bias=bool(f.get("attention_bias", mt in ("qwen2", "gpt_oss"))),
+              tie_embeddings=f.bool("tie_word_embeddings", False),
+              attention_bias=f.bool("attention_bias", mt in ("qwen2", "gpt_oss")),
               qk_norm=family in ("qwen3", "qwen3_moe"), layer_windows=windows, dtype=dtype)
     if family == "qwen3_moe":
-        if f.get("mlp_only_layers") or f.get("decoder_sparse_step", 1) != 1:
+        if f.get("mlp_only_layers") or f.get("decoder_sparse_step", 1) not in (1, 1.0):
             raise ValueError("qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step"
                              " != 1) is not supported")
-        spellings = {f.get(key) for key in ("num_local_experts", "num_experts")} - {None}
+        spellings = {f.int(key) for key in ("num_local_experts", "num_experts")
+                     if f.get(key) is not None}
         if len(spellings) != 1:  # 5.x writes num_local_experts, 4.x num_experts
             raise ValueError(f"config.json needs one number of experts (num_local_experts or "
                              f"num_experts); got {sorted(spellings)}")
-        experts = spellings.pop()
-        kw.update(num_experts=experts, experts_per_token=f["num_experts_per_tok"],
-                  moe_intermediate_size=f["moe_intermediate_size"],
-                  norm_topk_prob=bool(f.get("norm_topk_prob", False)))
+        key = "num_local_experts" if f.get("num_local_experts") is not None else "num_experts"
+        kw.update(num_experts=f.int(key), experts_per_token=f.int("num_experts_per_tok"),
+                  moe_intermediate_size=f.int("moe_intermediate_size"),
+                  norm_topk_prob=f.bool("norm_topk_prob", False))
     if family == "gpt_oss":
         f.expect("swiglu_alpha", (GPT_OSS_SWIGLU_ALPHA,), "the experts' SwiGLU uses 1.702")
-        per_token = f.get("num_experts_per_tok", f.get("experts_per_token"))
-        kw.update(num_experts=f["num_local_experts"], experts_per_token=per_token,
-                  moe_intermediate_size=f["intermediate_size"], sliding_window=window,
-                  swiglu_limit=float(f.get("swiglu_limit", 7.0)))
+        per_token = ("num_experts_per_tok" if f.get("num_experts_per_tok") is not None
+                     else "experts_per_token")
+        kw.update(num_experts=f.int("num_local_experts"), experts_per_token=f.int(per_token),
+                  moe_intermediate_size=f.int("intermediate_size"), sliding_window=window,
+                  swiglu_limit=f.number("swiglu_limit", 7.0))
     unknown = f.leftover()
     if unknown:
         raise ValueError(f"config.json has keys the loader does not implement: {unknown} "

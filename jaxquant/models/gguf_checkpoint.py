@@ -30,12 +30,16 @@ layer, fp4 beside affine) makes that matrix float (`dtype`) in every layer, or
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.io import gguf as io_gguf
-from jaxquant.models.config import Config
+from jaxquant.io import CheckpointError
+from jaxquant.models.config import MAX_LAYERS, MAX_SIZE, Config
+from jaxquant.models.loader_checks import check_layer_count, check_shapes, layer_shapes
 from jaxquant.models.params import quantize_args, quantize_matrix
 from jaxquant.quantized_array import QuantizedArray
 
@@ -47,65 +51,122 @@ DENSE = {"w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
 
 
 class GGUFFile:
-    """A GGUF file's metadata (scalars and arrays by key) and tensors by name."""
+    """A GGUF file's metadata (scalars and arrays by key) and tensors by name, read
+    through `jq.io.gguf.open_reader` (bounded and checked); remembers which tensors
+    were read, so that load can refuse the ones nothing used."""
 
     def __init__(self, path):
-        self.reader = io_gguf.open_reader(path)
-        self.path = path
+        self.path = os.fspath(path)
+        self.reader = io_gguf.open_reader(self.path)
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.used = set()
 
     def get(self, key, default=None):
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.fields.get(key, default)
 
     def __getitem__(self, key):
         if key not in self.reader.fields:
-            raise ValueError(f"{self.path}: the GGUF metadata has no {key!r}")
-        return self.reader.fields[key].contents()
+            raise CheckpointError(f"{self.path}: the GGUF metadata has no {key!r}")
+        return self.reader.fields[key]
 
     def __contains__(self, name):
         return name in self.tensors
 
+    def int(self, key, default=None, lo=1, hi=MAX_SIZE) -> int:
+        """An integer metadata value in [lo, hi] (required when default is None)."""
+        value = self[key] if default is None else self.get(key, default)
+        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                or not lo <= value <= hi):
+            raise CheckpointError(f"{self.path}: metadata {key}={value!r:.80} must be an "
+                                  f"integer in [{lo}, {hi}]")
+        return int(value)
+
+    def number(self, key, default, positive=True) -> float:
+        """A finite number (> 0 if positive, else >= 0) as the decimal it was written from."""
+        value = self.get(key, default)
+        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+                or not np.isfinite(value) or value < 0 or (positive and value == 0)):
+            raise CheckpointError(f"{self.path}: metadata {key}={value!r:.80} must be a finite "
+                                  f"number {'> 0' if positive else '>= 0'}")
+        return _decimal(value)
+
+    def string(self, key, default=None) -> str:
+        value = self[key] if default is None else self.get(key, default)
+        if not isinstance(value, str):
+            raise CheckpointError(f"{self.path}: metadata {key}={value!r:.80} must be a string")
+        return value
+
     def tensor(self, name, dtype=None):
         """`jq.io.from_gguf_tensor` of the tensor `name` (QuantizedArray or float numpy)."""
         if name not in self.tensors:
-            raise KeyError(f"{self.path}: no tensor {name!r}")
+            raise CheckpointError(f"{self.path}: no tensor {name!r}")
+        self.used.add(name)
         return io_gguf.from_gguf(self.reader, name, dtype=dtype)
+
+    def check_all_used(self):
+        unused = sorted(set(self.tensors) - self.used)
+        if unused:
+            raise CheckpointError(f"{self.path}: tensors the metadata does not use: "
+                                  f"{unused[:6]}{' ...' if len(unused) > 6 else ''} "
+                                  f"({len(unused)}; a block_count that disagrees with the "
+                                  f"weights?)")
 
 
 def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
-    """The decoder's Config from GGUF metadata ({arch}.block_count, ...)."""
-    arch = f["general.architecture"]
+    """The decoder's Config from GGUF metadata ({arch}.block_count, ...), each value
+    type- and range-checked, the layer count against the tensors present."""
+    arch = f.string("general.architecture")
     family = ARCHITECTURES.get(arch)
     if family is None:
-        raise ValueError(f"general.architecture={arch!r} is not supported; expected one of "
-                         f"{sorted(ARCHITECTURES)}")
-    a = lambda key, default=None: f.get(f"{arch}.{key}", default)  # noqa: E731
-    heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
-    layers = int(a("block_count"))
+        raise CheckpointError(f"{f.path}: general.architecture={arch!r} is not supported; "
+                              f"expected one of {sorted(ARCHITECTURES)}")
+    heads, hidden = f.int(f"{arch}.attention.head_count"), f.int(f"{arch}.embedding_length")
+    layers = f.int(f"{arch}.block_count", hi=MAX_LAYERS)
+    check_layer_count(f.path, f.tensors, r"blk\.(\d+)\.", _Layers(layers))
+    if f"{arch}.attention.key_length" not in f.reader.fields and hidden % heads:
+        raise CheckpointError(f"{f.path}: {arch}.attention.head_count={heads} does not divide "
+                              f"{arch}.embedding_length={hidden} (and there is no key_length)")
+    if "token_embd.weight" not in f:
+        raise CheckpointError(f"{f.path}: no tensor 'token_embd.weight'")
     kw = dict(family=family, vocab_size=_rows(f, "token_embd.weight"),
               hidden_size=hidden, num_layers=layers, num_heads=heads,
-              num_kv_heads=int(a("attention.head_count_kv", heads)),
-              head_dim=int(a("attention.key_length", hidden // heads)),
-              intermediate_size=int(a("feed_forward_length", 0)),
-              rms_eps=_decimal(a("attention.layer_norm_rms_epsilon", 1e-6)),
-              rope_theta=_decimal(a("rope.freq_base", 10000.0)),
-              rope_scaling=_rope_scaling(a, arch),
+              num_kv_heads=f.int(f"{arch}.attention.head_count_kv", heads),
+              head_dim=f.int(f"{arch}.attention.key_length", hidden // heads),
+              intermediate_size=f.int(f"{arch}.feed_forward_length", 0, lo=0),
+              rms_eps=f.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, positive=False),
+              rope_theta=f.number(f"{arch}.rope.freq_base", 10000.0),
+              rope_scaling=_rope_scaling(f, arch),
               tie_embeddings="output.weight" not in f,
               attention_bias="blk.0.attn_q.bias" in f,
               qk_norm="blk.0.attn_q_norm.weight" in f, dtype=dtype)
     if "rope_freqs.weight" in f:  # Llama 3's scaling, baked into per-frequency divisors
-        kw["rope_freq_factors"] = tuple(float(v) for v in np.asarray(f.tensor("rope_freqs.weight")))
+        kw["rope_freq_factors"] = tuple(float(v) for v in np.asarray(
+            f.tensor("rope_freqs.weight"), np.float64).reshape(-1))
     if family in ("qwen3_moe", "gpt_oss"):
-        kw.update(num_experts=int(a("expert_count")), experts_per_token=int(a("expert_used_count")),
-                  moe_intermediate_size=int(a("expert_feed_forward_length")),
-                  norm_topk_prob=bool(a("expert_weights_norm", True)))
+        norm = f.get(f"{arch}.expert_weights_norm", True)
+        if not isinstance(norm, (bool, np.bool_)):
+            raise CheckpointError(f"{f.path}: metadata {arch}.expert_weights_norm={norm!r:.80} "
+                                  f"must be a bool")
+        kw.update(num_experts=f.int(f"{arch}.expert_count"),
+                  experts_per_token=f.int(f"{arch}.expert_used_count"),
+                  moe_intermediate_size=f.int(f"{arch}.expert_feed_forward_length"),
+                  norm_topk_prob=bool(norm))
     if family == "gpt_oss":
-        window = int(a("attention.sliding_window", 0))
+        window = f.int(f"{arch}.attention.sliding_window", 0, lo=0)
         # llama.cpp's gpt-oss: sliding window on even layers (swa pattern 2), as HF's layer_types
         kw.update(sliding_window=window, layer_windows=tuple(window if i % 2 == 0 else 0
                                                              for i in range(layers)))
-    return Config(**kw)
+    try:
+        return Config(**kw)
+    except ValueError as e:
+        raise CheckpointError(f"{f.path}: {e}") from None
+
+
+class _Layers:
+    """The one field check_layer_count reads, before a Config exists."""
+
+    def __init__(self, n):
+        self.num_layers = n
 
 
 def _decimal(x) -> float:
@@ -118,19 +179,23 @@ def _rows(f: GGUFFile, name: str) -> int:
     return int(f.tensors[name].shape[-1])  # GGUF dims are reversed: the last is the row count
 
 
-def _rope_scaling(a, arch: str) -> tuple:
+def _rope_scaling(f: GGUFFile, arch: str) -> tuple:
     """Hugging Face's rope_scaling from {arch}.rope.scaling.*."""
-    kind = a("rope.scaling.type")
+    pre = f"{arch}.rope.scaling."
+    kind = f.get(pre + "type")
     if kind in (None, "none"):
         return ()
-    rs = {"rope_type": kind, "factor": _decimal(a("rope.scaling.factor", 1.0))}
+    if kind not in ("linear", "yarn"):
+        raise CheckpointError(f"{f.path}: metadata {pre}type={kind!r:.80} is not supported "
+                              f"('none', 'linear' or 'yarn')")
+    rs = {"rope_type": kind, "factor": f.number(pre + "factor", 1.0)}
     if arch == "gpt-oss":  # its config.json's YaRN keeps the fractional correction range
         rs["truncate"] = False
-    if a("rope.scaling.original_context_length") is not None:
-        rs["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
+    if f.get(pre + "original_context_length") is not None:
+        rs["original_max_position_embeddings"] = f.int(pre + "original_context_length")
     for key in ("beta_fast", "beta_slow"):
-        if a(f"rope.scaling.yarn_{key}") is not None:
-            rs[key] = _decimal(a(f"rope.scaling.yarn_{key}"))
+        if f.get(pre + f"yarn_{key}") is not None:
+            rs[key] = f.number(pre + f"yarn_{key}", None)
     return tuple(sorted(rs.items()))
 
 
@@ -193,9 +258,14 @@ class _Loader:
         self.f, self.cfg = f, cfg
         self.dtype = jnp.dtype(cfg.dtype)
         self.kw = None if mode in (None, "bf16") else quantize_args(mode)
+        self.shapes = layer_shapes(cfg)
 
     def vector(self, name):
-        return np.asarray(self.f.tensor(name), np.float32)
+        w = self.f.tensor(name)
+        if isinstance(w, QuantizedArray):
+            raise CheckpointError(f"{self.f.path}: tensor {name!r} must be stored as a float "
+                                  f"type (F32, F16 or BF16)")
+        return np.asarray(w, np.float32)
 
     def matrix(self, name):
         """A matrix as stored: QuantizedArray (numpy children) or float32 numpy."""
@@ -216,9 +286,6 @@ class _Loader:
                                             if cfg.family == "gpt_oss" else "ffn_norm.weight"))}
         for key, name in ATTENTION.items():
             p[key] = self.matrix(pre + name + ".weight")
-        if self.f["general.architecture"] == "llama":
-            p["wq"] = unpermute_rope_rows(p["wq"], cfg.num_heads)
-            p["wk"] = unpermute_rope_rows(p["wk"], cfg.num_kv_heads)
         for key, name in BIASES.items():
             if pre + name + ".bias" in f:
                 p[key] = self.vector(pre + name + ".bias")
@@ -244,6 +311,10 @@ class _Loader:
         else:
             for key, name in DENSE.items():
                 p[key] = self.matrix(pre + name + ".weight")
+        check_shapes(f.path, p, self.shapes, f"layer {i}: ")
+        if f["general.architecture"] == "llama":
+            p["wq"] = unpermute_rope_rows(p["wq"], cfg.num_heads)
+            p["wk"] = unpermute_rope_rows(p["wk"], cfg.num_kv_heads)
         return p
 
 
@@ -261,11 +332,18 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
         stacked[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
         for lay in layers:  # host copies go as soon as the stack is on the device
             del lay[key]
-    params = {"layers": stacked,
-              "embed": ld.device(ld.matrix("token_embd.weight"), quantize=False),
-              "final_norm": ld.device(ld.vector("output_norm.weight"))}
+    outer = {"embed": ld.matrix("token_embd.weight"), "final_norm": ld.vector("output_norm.weight")}
+    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
     if not cfg.tie_embeddings:
-        params["lm_head"] = ld.device(ld.matrix("output.weight"), quantize=lm_head)
+        outer["lm_head"] = ld.matrix("output.weight")
+        shapes["lm_head"] = shapes["embed"]
+    check_shapes(f.path, outer, shapes)
+    f.check_all_used()
+    params = {"layers": stacked,
+              "embed": ld.device(outer["embed"], quantize=False),
+              "final_norm": ld.device(outer["final_norm"])}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = ld.device(outer["lm_head"], quantize=lm_head)
     return cfg, params
 
 
@@ -299,8 +377,14 @@ class GGUFTokenizer:
         if self.model not in ("gpt2", "llama"):
             raise ValueError(f"tokenizer.ggml.model={self.model!r}: decoding supports 'gpt2' "
                              f"and 'llama'")
-        self.tokens = list(f["tokenizer.ggml.tokens"])
+        self.tokens = f["tokenizer.ggml.tokens"]
+        if not isinstance(self.tokens, list) or not all(isinstance(t, str) for t in self.tokens):
+            raise CheckpointError(f"{f.path}: metadata tokenizer.ggml.tokens must be an array "
+                                  f"of strings")
         types = f.get("tokenizer.ggml.token_type")
+        if types is not None and not (isinstance(types, np.ndarray) and types.dtype.kind in "iu"):
+            raise CheckpointError(f"{f.path}: metadata tokenizer.ggml.token_type must be an "
+                                  f"array of integers")
         self.control = set() if types is None else {
             i for i, t in enumerate(types) if t == self.CONTROL}
         self.bos_id = f.get("tokenizer.ggml.bos_token_id")
@@ -311,7 +395,8 @@ class GGUFTokenizer:
         piece = self.tokens[i]
         if self.model == "gpt2":
             return bytes(self._bytes.get(c, 0x3F) for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        if (len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+                and all(c in "0123456789abcdefABCDEF" for c in piece[3:5])):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
 
