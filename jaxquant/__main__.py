@@ -79,6 +79,20 @@ def report(n: int = 1024, k: int = 4096) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Runs a command; a checkpoint it cannot load (jq.io.CheckpointError: malformed,
+    inconsistent or out-of-bounds files, docs/checkpoints.md) is one line on stderr,
+    `error: <file>: <what>`, and exit status 1. Other exceptions keep their traceback."""
+    try:
+        return _command(argv)
+    except ValueError as e:
+        from jaxquant.io import CheckpointError
+        if not isinstance(e, CheckpointError):
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+
+
+def _command(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0

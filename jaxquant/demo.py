@@ -383,7 +383,12 @@ def load_tokenizer(path):
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    return Tokenizer.from_file(file)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001 (the tokenizers package raises plain Exception)
+        from jaxquant.io import CheckpointError
+        raise CheckpointError(f"{file}: not a tokenizer the tokenizers package reads ({e})") \
+            from None
 
 
 if __name__ == "__main__":

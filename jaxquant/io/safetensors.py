@@ -81,7 +81,12 @@ class SafetensorsFile:
         for (s0, t0, a), (s1, _, b) in zip(spans, spans[1:]):
             if t0 > s1:
                 raise CheckpointError(f"{self.path}: tensors {a!r} (bytes {s0}..{t0}) and {b!r} "
-                                 f"(from {s1}) overlap")
+                                      f"(from {s1}) overlap")
+        covered = sum(t - s for s, t, _ in spans)
+        if covered != data_size:  # the format has no holes and nothing after the last tensor
+            raise CheckpointError(f"{self.path}: the tensors cover {covered} of the data "
+                                  f"section's {data_size} bytes (a hole, or bytes after the "
+                                  f"last tensor: truncated or appended to?)")
 
     def _entry(self, name, e, data_size):
         where = f"{self.path}: tensor {name!r}"

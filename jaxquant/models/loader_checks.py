@@ -18,7 +18,7 @@ def check_layer_count(where: str, names, pattern: str, cfg: Config) -> None:
         extra = sorted(found - set(range(cfg.num_layers)))[:4]
         missing = sorted(set(range(cfg.num_layers)) - found)[:4]
         raise CheckpointError(f"{where}: the config says {cfg.num_layers} layers; the tensors "
-                              f"have layers {len(found)} layers"
+                              f"have {len(found)}"
                               + (f", extra layers {extra}" if extra else "")
                               + (f", missing layers {missing}" if missing else ""))
 
