@@ -607,24 +607,41 @@ def test_fuzz_config_fields(base):
         assert time.perf_counter() - t0 < CASE_SECONDS, bad
 
 
-def test_fuzz_checkpoint_loads(tmp_path):
-    """Whole loads of corrupted checkpoints (config fields and safetensors bytes): a
-    CheckpointError naming a file of the checkpoint, or a load equal to the original's
-    where only values could have changed."""
+def _with_index(path):
+    wmap = {}
+    for f in sorted(path.glob("*.safetensors")):
+        wmap.update({n: f.name for n in SafetensorsFile(f).names()})
+    (path / checkpoint.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_fuzz_checkpoint_loads(tmp_path, family):
+    """Whole loads of corrupted sharded checkpoints with an index (config fields, index
+    entries and safetensors bytes; gpt-oss with its MXFP4 experts): a CheckpointError
+    naming a file of the checkpoint, or a load of the original's structure, shapes and
+    dtypes (only values could have changed)."""
     src = tmp_path / "src"
-    llama_dir(src, shards=2)
+    if family == "llama":
+        llama_dir(src, shards=2)
+    else:
+        _write(src, GPT_OSS, _gpt_oss_tensors(np.random.default_rng(1)))
+    _with_index(src)
     _, want = checkpoint.load(src, layout="canonical", per_layer=True)
     rng = np.random.default_rng(51)
     files = sorted(p.name for p in src.iterdir())
     outcomes = {"ok": 0, "error": 0}
-    for i in range(12):
+    for i in range(16):
         case = tmp_path / f"c{i}"
         case.mkdir()
         for f in files:
             (case / f).write_bytes((src / f).read_bytes())
         target = files[int(rng.integers(0, len(files)))]
-        if target == "config.json":
-            doc = _mutate_json(rng, json.loads((src / target).read_text()))
+        if target.endswith(".json"):
+            doc = json.loads((src / target).read_text())
+            if target == checkpoint.INDEX:
+                doc["weight_map"] = _mutate_json(rng, doc["weight_map"])
+            else:
+                doc = _mutate_json(rng, doc)
             (case / target).write_text(json.dumps(doc))
         else:
             (case / target).write_bytes(_corrupt(rng, (src / target).read_bytes())[1])
@@ -642,3 +659,27 @@ def test_fuzz_checkpoint_loads(tmp_path):
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             assert a.shape == b.shape and a.dtype == b.dtype
     assert outcomes["error"] > 0
+
+
+def test_fuzz_gptq_arguments():
+    """from_gptq with random shapes, dtypes and g_idx values (huge ones included):
+    ValueError / TypeError or a result, fast, never a MemoryError or a numpy error."""
+    rng = np.random.default_rng(52)
+    for _ in range(100):
+        bits = int(rng.choice([2, 3, 4, 8]))
+        k = 32 * int(rng.integers(1, 9))
+        n = 8 * int(rng.integers(1, 5))
+        groups = int(rng.choice([0, 1, 2, 4, k // 32]))
+        qweight = np.zeros((max(k * bits // 32 + int(rng.integers(-1, 2)), 0), n), np.int32)
+        qzeros = np.zeros((groups, -(-n * bits // 32)), np.int32)
+        scales = np.ones((groups, n), np.float16)
+        g_idx = rng.integers(-3, max(groups, 1) + 2, k).astype(np.int64)
+        if rng.integers(0, 2):
+            g_idx[int(rng.integers(0, k))] = int(rng.choice([2 ** 31 - 1, 2 ** 62, -(2 ** 62)]))
+        t0 = time.perf_counter()
+        try:
+            jq.io.from_gptq(qweight, qzeros, scales, g_idx if rng.integers(0, 2) else None,
+                            bits=bits)
+        except (ValueError, TypeError):
+            pass
+        assert time.perf_counter() - t0 < 1

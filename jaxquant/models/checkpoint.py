@@ -94,8 +94,8 @@ class _Tensors:
             st = SafetensorsFile(file)
             for name in st.names():
                 if name in self._where:
-                    raise CheckpointError(f"tensor {name!r} is in both {self._where[name].path} "
-                                          f"and {file}")
+                    raise CheckpointError(f"{file}: tensor {name!r} is also in "
+                                          f"{self._where[name].path} (one file per name)")
                 self._where[name] = st
         self._check_index()
         self.used = set()
@@ -258,7 +258,7 @@ def _outer(cfg, tensors, quant) -> dict:
     if not cfg.tie_embeddings:
         out["lm_head"] = quant.matrix(tensors, "lm_head")
         shapes["lm_head"] = shapes["embed"]
-    check_shapes(tensors.dir, out, shapes)
+    check_shapes(quant.config_file, out, shapes)
     return out
 
 
@@ -351,7 +351,7 @@ def _read_layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool, mat
     else:
         for key, name in DENSE.items():
             p[key] = matrix(key, pre + name)
-    check_shapes(tensors.dir, p, layer_shapes(cfg), f"layer {i}: ")
+    check_shapes(quant.config_file, p, layer_shapes(cfg), f"layer {i}: ")
     if fuse:  # before quantizing: a fused matrix gets the codes its parts would
         p = fuse_layer(p)
     return {k: quant.quantize(v) if k in MATRICES else v for k, v in p.items()}
