@@ -389,14 +389,16 @@ def test_compressed_tensors_usual_patterns_still_match():
 # The command line: one line.
 
 
-@pytest.mark.parametrize("command", ["eval", "demo"])
+@pytest.mark.parametrize("command", ["eval", "demo", "generate"])
 def test_cli_error_is_one_line(tmp_path, command):
     llama_dir(tmp_path, rope_theta=-1.0)
     (tmp_path / "text.txt").write_text("hello " * 50)
     args = {"eval": ["eval", "--checkpoint", str(tmp_path), "--text", str(tmp_path / "text.txt"),
                      "--context", "8", "--modes", "affine8"],
-            "demo": ["demo", "--checkpoint", str(tmp_path), "--modes", "bf16", "--tokens", "2"]}
-    if command == "eval":
+            "demo": ["demo", "--checkpoint", str(tmp_path), "--modes", "bf16", "--tokens", "2"],
+            "generate": ["generate", "--checkpoint", str(tmp_path), "--prompt", "hello hello",
+                         "--max-tokens", "2"]}
+    if command in ("eval", "generate"):
         pytest.importorskip("tokenizers")
         from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
         tok = Tokenizer(tok_models.WordLevel({"hello": 1, "[UNK]": 0}, unk_token="[UNK]"))
