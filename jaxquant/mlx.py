@@ -104,6 +104,7 @@ import numpy as np
 
 from jaxquant import dispatch, formats
 from jaxquant import ops as jq_ops
+from jaxquant.layouts import unpack_layout
 from jaxquant.ops import dequantize as _jq_dequantize
 from jaxquant.quantize import check_float_dtype, ldexp
 from jaxquant.quantize import quantize as _jq_quantize
@@ -299,13 +300,12 @@ def to_mlx(qw: QuantizedArray) -> tuple:
     affine: ``(w_q, scales, biases)``; other modes: ``(w_q, scales)``. An nvfp4
     array with a global scale returns ``(w_q, scales, global_scale)``, the last
     in MLX's convention (pass it as ``mx.dequantize(..., global_scale=g)``).
-    The arrays are qw's own (no copy).
+    The arrays are qw's own (no copy) in the canonical layout (MLX's); a kernel
+    layout (docs/layouts.md: what jq.quantize gives on a GPU) is unpacked first.
     """
     if not isinstance(qw, QuantizedArray):
         raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
-    if qw.layout != CANONICAL:
-        raise ValueError(f"qw must be in the canonical layout (MLX's); got layout="
-                         f"{qw.layout!r}: undo it with jq.unpack_layout first")
+    qw = unpack_layout(qw)
     if qw.format.has_biases:
         return qw.data, qw.scales, qw.biases
     if qw.global_scale is not None:
@@ -347,9 +347,9 @@ def _quantize_jit(w, global_scale, *, mode, bits, group_size):
     if mode in ("mxfp4", "mxfp8_e4m3", "nvfp4"):
         qw = _quantize_mlx(w, fmt, group_size, global_scale)
     elif fmt.scale == "e8m0":
-        qw = _jq_quantize(w, mode, bits, group_size, scale_rule="rceil")
+        qw = _jq_quantize(w, mode, bits, group_size, scale_rule="rceil", layout=CANONICAL)
     else:
-        qw = _jq_quantize(w, mode, bits, group_size)
+        qw = _jq_quantize(w, mode, bits, group_size, layout=CANONICAL)
     out = to_mlx(qw)
     return out[:2] if mode == "nvfp4" else out
 

@@ -205,7 +205,9 @@ def _quantize_layer(layer, kw, prepack):
     spec = _layer_spec(layer)
     plan = _Plan(spec, kernel.shape)
     w = plan.weight(kernel)
-    qw = jq.quantize(w, **kw)
+    # canonical first: its N and K split across the kernel's mesh as they are;
+    # the kernel layout is applied to the placed arrays
+    qw = jq.quantize(w, **kw, layout="canonical")
     qw = _quantized_placement(qw, plan, kernel, qw.group_size)
     if prepack:
         qw = jq.prepack(qw)

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxquant import formats
+from jaxquant import formats, layouts
 from jaxquant.formats import Format
-from jaxquant.layouts import unpack_layout
+from jaxquant.layouts import prepack, unpack_layout
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 from jaxquant.static_args import require_static
 
@@ -55,20 +55,28 @@ def ldexp(x, n):
 
 
 def quantize(w, mode: str = "affine", bits: int | None = None, group_size: int | None = None,
-             scale_rule: str | None = None) -> QuantizedArray:
+             scale_rule: str | None = None, layout: str | None = None) -> QuantizedArray:
     """Quantize `w` [..., N, K] with groups along K.
 
     mode: one of `jaxquant.formats.FORMATS` (or the alias "mxfp8").
     bits, group_size: default to the format's (affine: 4 bits, group 64).
     scale_rule: MX modes only: "floor" (OCP, default), "rceil" or "round" (MLX).
-    mode, bits, group_size and scale_rule are static (Python values): under
-    ``jax.jit`` close over them or name them in ``static_argnames``, e.g.
+    layout: the bit arrangement of the result (docs/layouts.md). None: the
+      default device's kernel layout, as `jq.prepack(qw)` picks it (cuda_mma on
+      an NVIDIA GPU with jaxquant's CUDA library; canonical where no kernel
+      reads another, e.g. on a CPU); "canonical": the exchange layout of
+      docs/formats.md on every device; or a layout name. The values are the
+      same in every layout (an exact permutation of the same codes).
+    mode, bits, group_size, scale_rule and layout are static (Python values):
+    under ``jax.jit`` close over them or name them in ``static_argnames``, e.g.
     ``jax.jit(jq.quantize, static_argnames=("mode", "bits", "group_size"))``.
     Formats, rounding and the non-finite rule: docs/formats.md.
     """
     for name, value in (("mode", mode), ("bits", bits), ("group_size", group_size),
-                        ("scale_rule", scale_rule)):
+                        ("scale_rule", scale_rule), ("layout", layout)):
         require_static(name, value, "quantize")
+    if layout is not None and not isinstance(layout, str):
+        raise TypeError(f"layout must be a layout name or None; got {type(layout).__name__}")
     fmt, bits, group_size = formats.resolve(mode, bits, group_size)
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
         w = np.asarray(w)
@@ -85,7 +93,11 @@ def quantize(w, mode: str = "affine", bits: int | None = None, group_size: int |
         raise ValueError(f"scale_rule={scale_rule!r} is not allowed for mode={fmt.mode!r}; "
                          f"expected one of {allowed}")
 
-    return _quantize(jnp.asarray(w), fmt.mode, bits, group_size, scale_rule)
+    # the layout's name is checked before the work; whether it can hold this
+    # weight (mode, K) is prepack's to say
+    if layout not in (None, CANONICAL):
+        layouts.get(layout)
+    return prepack(_quantize(jnp.asarray(w), fmt.mode, bits, group_size, scale_rule), layout)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))

@@ -40,8 +40,12 @@ def rand(key, shape, dtype=jnp.float32, scale=1.0):
 
 
 def quantize_for(mode, bits, w, group_size=None):
+    """jq.quantize in the canonical layout on every device: the kernels these tests
+    check read it (jq.quantize's default on a GPU is the kernel layout, which would
+    send an explicitly named canonical-layout backend to the reference); tests of a
+    kernel layout prepack the result."""
     return jq.quantize(w, mode=mode, bits=bits if mode == "affine" else None,
-                       group_size=group_size)
+                       group_size=group_size, layout="canonical")
 
 
 def deq64(qw):

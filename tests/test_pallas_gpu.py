@@ -43,7 +43,9 @@ def _case(fmt, m, n, k, transpose, dtype, seed):
     key = jax.random.PRNGKey(seed)
     kw, kx = jax.random.split(key)
     w = jax.random.normal(kw, (n, k) if transpose else (k, n), jnp.float32)
-    qw = jq.quantize(w.astype(dtype), mode=mode, bits=bits, group_size=group)
+    # canonical: the layout the Pallas kernels read (a GPU's default is cuda_mma)
+    qw = jq.quantize(w.astype(dtype), mode=mode, bits=bits, group_size=group,
+                     layout="canonical")
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
     return x, qw
 

@@ -37,7 +37,7 @@ CASES = [
 def _case(e, top_k, k, n, t, qkw, dtype, seed=0, per_slot=False):
     kw, kx, ki = jax.random.split(jax.random.PRNGKey(seed), 3)
     w = jax.random.normal(kw, (e, n, k), jnp.float32).astype(dtype)
-    qw = jq.quantize(w, **qkw)
+    qw = jq.quantize(w, **qkw, layout="canonical")  # the Pallas kernels' layout
     x = jax.random.normal(kx, (t, top_k, k) if per_slot else (t, k), jnp.float32).astype(dtype)
     idx = jax.random.randint(ki, (t, top_k), 0, e, jnp.int32)
     return x, qw, idx
@@ -105,9 +105,10 @@ def test_moe_layer_pallas_vs_reference():
     e, d, f, t, top_k = 32, 2880, 5760, 8, 4
     ks = jax.random.split(jax.random.PRNGKey(1), 5)
     router = jax.random.normal(ks[0], (d, e), jnp.float32).astype(jnp.bfloat16) * 0.02
-    qg, qu = (jq.quantize(jax.random.normal(k, (e, f, d), jnp.bfloat16) * 0.02, mode="mxfp4")
+    canonical = dict(mode="mxfp4", layout="canonical")  # the Pallas kernels' layout
+    qg, qu = (jq.quantize(jax.random.normal(k, (e, f, d), jnp.bfloat16) * 0.02, **canonical)
               for k in ks[1:3])
-    qd = jq.quantize(jax.random.normal(ks[3], (e, d, f), jnp.bfloat16) * 0.02, mode="mxfp4")
+    qd = jq.quantize(jax.random.normal(ks[3], (e, d, f), jnp.bfloat16) * 0.02, **canonical)
     x = jax.random.normal(ks[4], (t, d), jnp.bfloat16)
 
     def layer(x, router, qg, qu, qd, backend):
@@ -143,7 +144,8 @@ def _ragged_exact(x, qw, sizes):
 def test_ragged_vs_exact(case):
     name, e, k, n, rows, qkw, dtype = case
     kw, kx, ks = jax.random.split(jax.random.PRNGKey(2), 3)
-    qw = jq.quantize(jax.random.normal(kw, (e, n, k), jnp.float32).astype(dtype), **qkw)
+    qw = jq.quantize(jax.random.normal(kw, (e, n, k), jnp.float32).astype(dtype), **qkw,
+                     layout="canonical")
     x = jax.random.normal(kx, (rows, k), jnp.float32).astype(dtype)
     # Uneven groups, some empty, the last rows in no group (they must come out zero).
     p = jax.random.dirichlet(ks, jnp.full((e,), 0.3))

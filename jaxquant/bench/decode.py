@@ -4,11 +4,14 @@
 
 - qmm: M = 1 (every mode), 8 and 16 at (K, N) = (4096, 14336) and (14336, 4096):
   the ffi kernel on `jq.prepack`ed weights, the pallas kernel on canonical ones,
-  bf16 dense (XLA/cuBLAS), each as % of the copy bandwidth measured in the run.
+  `jq.qmm` (automatic choice) on canonical weights and on what `jq.quantize`
+  returns by default, bf16 dense (XLA/cuBLAS), each as % of the copy bandwidth
+  measured in the run, and per (M, mode) the default's time against the best.
 - peers: torch's bf16 F.linear and torch._weight_int4pack_mm (int4, group 64)
   on the same GPU in the same process, where torch is importable.
 - moe: gather_qmm decode layers (gpt-oss-20b, Qwen3-30B-A3B; T = 1 and 8), %
-  of the copy bandwidth over the bytes of the distinct experts picked.
+  of the copy bandwidth over the bytes of the distinct experts picked: prepacked,
+  canonical, and the automatic choice on `jq.quantize`'s default output.
 - fused: the fused decode GEMVs against their unfused ops (and the plain qmm), back to
   back at Llama-3-8B dims: rms_norm_qmm (norm + QKV, 4096 -> 6144) against rms_norm then
   qmm, qmm_swiglu (gate + up, 4096 -> 2 x 14336, silu) against qmm then the
@@ -50,9 +53,25 @@ def time_jax(fn, args, per_call):
     return timeit(fn, args, per_call, iters=7, inner=10)
 
 
-def quantize_mode(mode, w):
+def quantize_mode(mode, w, layout="canonical"):
+    """jq.quantize of `mode`: canonical unless told (the rows name their layout);
+    layout=None is jq.quantize's default, the op-level fast path's input."""
     m, bits, group = MODES[mode]
-    return jq.quantize(w, mode=m, bits=bits, group_size=group)
+    return jq.quantize(w, mode=m, bits=bits, group_size=group, layout=layout)
+
+
+DEFAULT_IMPL = "auto (jq.quantize default)"
+
+
+def print_default_vs_best(results, key, out, *head):
+    """A line comparing the DEFAULT_IMPL result under `key` (a results key
+    prefix) with the fastest quantized implementation there."""
+    timed = {k[-1]: us for k, us in results.items() if k[:-1] == key}
+    if DEFAULT_IMPL not in timed:
+        return
+    best = min(timed, key=timed.get)
+    print_row(out, *head, "default vs best",
+              f"{timed[best] / timed[DEFAULT_IMPL]:.2f}x (best: {best}, {timed[best]:.1f} us)")
 
 
 def print_row(out, *cols):
@@ -83,12 +102,14 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
             qws = [quantize_mode(mode, w) for w in ws]
             prep = jax.jit(jq.prepack, static_argnames="layout")
             packed = [prep(q, layout="cuda_mma") for q in qws]
+            default = [quantize_mode(mode, w, layout=None) for w in ws]
             nbytes = qws[0].nbytes
             for m in ms if mode in main else (1,):
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                 impls = [("ffi mma (prepacked)", packed, "ffi")]
                 if mode in main:
                     impls.append(("pallas (canonical)", qws, "pallas"))
+                impls += [("auto (canonical)", qws, None), (DEFAULT_IMPL, default, None)]
                 for impl, q, backend in impls:
                     f = lambda x, q, b=backend: jq.qmm(x, q, backend=b)
                     try:
@@ -104,7 +125,9 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
                     print_row(out, f"{m}, {k}, {n}", mode, impl, f"{us:.1f}",
                           f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
                           f"{us / base:.2f}x" if base and m > 1 else "", f"{err:.1e}")
-            del qws, packed
+                print_default_vs_best(results, (m, k, n, mode), out, f"{m}, {k}, {n}", mode,
+                                      f"({default[0].layout})")
+            del qws, packed, default
         del ws
     return results
 
@@ -169,6 +192,7 @@ def bench_moe(bw, out, copies=8):
         w = (0.05 * jax.random.normal(jax.random.key(e), (e, n, k), jnp.float32)).astype(
             jnp.bfloat16)
         qw = quantize_mode("mxfp4", w)
+        default = quantize_mode("mxfp4", w, layout=None)
         del w
         packed = jax.jit(jq.prepack, static_argnames="layout")(qw, layout="cuda_mma")
         per_expert = qw.nbytes / e
@@ -179,7 +203,9 @@ def bench_moe(bw, out, copies=8):
             distinct = np.mean([len(np.unique(i)) for i in idx])
             x = jax.random.normal(jax.random.key(t), (copies, t, k), jnp.bfloat16)
             for impl, q, backend in (("ffi mma (prepacked)", packed, "ffi"),
-                                     ("pallas (canonical)", qw, "pallas")):
+                                     ("pallas (canonical)", qw, "pallas"),
+                                     ("auto (canonical)", qw, None),
+                                     (DEFAULT_IMPL, default, None)):
                 f = jax.jit(lambda x, q, idx, b=backend: tuple(
                     jq.gather_qmm(x[c], q, idx[c], backend=b) for c in range(copies)))
                 try:
@@ -190,7 +216,8 @@ def bench_moe(bw, out, copies=8):
                 res[(name, t, impl)] = us
                 print_row(out, name, t, impl, f"{us:.1f}", f"{distinct:.1f}",
                       f"{100 * distinct * per_expert / (us * 1e-6) / bw:.0f}%")
-        del qw, packed
+            print_default_vs_best(res, (name, t), out, name, t)
+        del qw, packed, default
     return res
 
 
@@ -208,28 +235,34 @@ def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
             # backend="ffi": the fused kernel at every M (the automatic choice takes it up
             # to configs.FUSED_MAX_ROWS rows only)
             fused = lambda x, q: jq.rms_norm_qmm(x, nw, q, backend="ffi")
+            auto = lambda x, q: jq.rms_norm_qmm(x, nw, q)
             unfused = lambda x, q: jq.qmm(jq.rms_norm(x, nw), q)
         else:
             fused = lambda x, q: jq.qmm_swiglu(x, q, backend="ffi")
+            auto = lambda x, q: jq.qmm_swiglu(x, q)
 
             def unfused(x, q):
                 g, u = jnp.split(jq.qmm(x, q).astype(jnp.float32), 2, axis=-1)
                 return (jax.nn.silu(g) * u).astype(x.dtype)
         for mode in modes:
             packed = [jq.prepack(quantize_mode(mode, w), layout="cuda_mma") for w in ws]
+            default = [quantize_mode(mode, w, layout=None) for w in ws]
             nbytes = packed[0].nbytes
             for m in ms:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-                # qmm alone: the plain GEMV on the same weight, what the fusion adds to
-                for impl, f in (("unfused", unfused), ("fused", fused),
-                                ("qmm alone", lambda x, q: jq.qmm(x, q))):
-                    us = time_jax(many_products(f), (x, packed), copies) * 1e6
+                # qmm alone: the plain GEMV on the same weight, what the fusion adds to;
+                # the op with the automatic choice on jq.quantize's default output
+                for impl, f, q in (("unfused", unfused, packed), ("fused", fused, packed),
+                                   ("qmm alone", lambda x, q: jq.qmm(x, q), packed),
+                                   (f"fused, {DEFAULT_IMPL}", auto, default)):
+                    us = time_jax(many_products(f), (x, q), copies) * 1e6
                     res[(op, m, mode, impl)] = us
-                    ratio = res[(op, m, mode, "unfused")] / us if impl == "fused" else None
+                    ratio = (res[(op, m, mode, "unfused")] / us if impl.startswith("fused")
+                             else None)
                     print_row(out, f"{op}, {m}, {k}, {n}", mode, impl, f"{us:.1f}",
                           f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
                           f"{ratio:.2f}x" if ratio else "")
-            del packed
+            del packed, default
         del ws
     return res
 
@@ -291,15 +324,16 @@ def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
         for wlabel, wd in (("", dense), (", gate+up fused", fused)):
             qws = {nm: quantize_mode(mode, w) for nm, w in wd.items()}
             packed = {nm: jq.prepack(q, layout="cuda_mma") for nm, q in qws.items()}
-            runs = [("prepacked (ffi mma)", packed)] + ([("canonical (auto)", qws)] if not wlabel
-                                                         else [])
+            default = {nm: quantize_mode(mode, w, layout=None) for nm, w in wd.items()}
+            runs = [("prepacked (ffi mma)", packed)] + (
+                [("canonical (auto)", qws), (DEFAULT_IMPL, default)] if not wlabel else [])
             for label, ws in runs:
                 for loop, make in (("unrolled", unrolled), ("lax.scan", scanned)):
                     us = per_step(make(lambda h, q: jq.qmm(h, q)), x0, ws, norm_w)
                     res[(mode, label + wlabel, loop)] = us
                     print_row(out, f"{mode} {label}{wlabel}", loop, f"{us:.0f}",
                           f"{res['bf16 dense', loop] / us:.2f}x")
-            del qws, packed
+            del qws, packed, default
     return res
 
 

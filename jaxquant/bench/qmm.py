@@ -4,7 +4,12 @@ the dense x @ w.T in the activation dtype, in one process, on the same inputs.
 
 Every timed call does one product per weight copy (all distinct); "%copy" counts
 the bytes the product must move: weight + scales (+ biases) + x + y.
-The implementations timed are `PEERS`: adding one is one small function.
+The implementations timed are `PEERS` (on the canonical layout, the one their
+kernels read): adding one is one small function. Then the op a user calls,
+`jq.qmm` with the automatic choice, on the canonical layout, on `jq.prepack`'s
+layout for the device (where it is not the canonical one), and on what
+`jq.quantize` returns by default; a line per mode compares the last with the
+fastest quantized row (docs/layouts.md: the default must be the fast path).
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def run(args, out=print):
                 time(many(f), (x, ws), nbytes=n * k * dt.itemsize + io, mode="-",
                      impl=label)
         for mode in args.modes:
-            qws = [jq.quantize(w, **harness.MODES[mode]) for w in ws]
+            qws = [jq.quantize(w, **harness.MODES[mode], layout="canonical") for w in ws]
             jax.block_until_ready(qws)
             want = None
             if not args.no_check:
@@ -135,12 +140,47 @@ def run(args, out=print):
                 for label, f in peer.make(m, opts):
                     time(many(f), (x, qws), nbytes=qws[0].nbytes + io, mode=mode, impl=label,
                          check=None if want is None else check)
+            for label, weights in _op_weights(ws, qws, mode):
+                time(many(jq.qmm), (x, weights), nbytes=qws[0].nbytes + io, mode=mode,
+                     impl=label, check=None if want is None else check)
             del qws
         del ws
         harness.print_table(block, bw, out, base="dense", ref="jnp reference",
                             case_title="M, K, N")
+        for mode in args.modes:
+            out(default_vs_best(block, mode))
         rows += block
     return rows, bw
+
+
+DEFAULT_IMPL = "jq.qmm auto, jq.quantize default"
+
+
+def _op_weights(ws, canonical, mode):
+    """[(label, weights)] for `jq.qmm` with the automatic choice: the canonical
+    weights, jq.prepack's layout for the device (where it differs), and what
+    jq.quantize returns without a layout named."""
+    import jaxquant as jq
+
+    out = [("jq.qmm auto, canonical", canonical)]
+    packed = [jq.prepack(q) for q in canonical]
+    if packed[0].layout != "canonical":
+        out.append((f"jq.qmm auto, prepacked ({packed[0].layout})", packed))
+    default = [jq.quantize(w, **harness.MODES[mode]) for w in ws]
+    out.append((f"{DEFAULT_IMPL} ({default[0].layout})", default))
+    return out
+
+
+def default_vs_best(rows, mode) -> str:
+    """One line: jq.qmm on jq.quantize's default output against the fastest
+    quantized implementation of `mode` among `rows` (one case)."""
+    timed = [r for r in rows if r.mode == mode and r.us]
+    default = next((r for r in timed if r.impl.startswith(DEFAULT_IMPL)), None)
+    if default is None or not timed:
+        return f"# {mode}: jq.quantize default not timed"
+    best = min(timed, key=lambda r: r.us)
+    return (f"# {default.case} {mode}: jq.quantize default {default.us:.1f} µs = "
+            f"{best.us / default.us:.2f}x the best ({best.impl}, {best.us:.1f} µs)")
 
 
 def _variant(text):

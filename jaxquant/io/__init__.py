@@ -8,7 +8,8 @@ layouts agree); ``jax.device_put(qw)`` moves it to a device.
 
 jaxquant's side is docs/formats.md's exchange layout: ``data`` uint32
 [..., N, K*bits/32], a little-endian bit stream along K (element k at bits
-[k*bits, (k+1)*bits)), ``scales`` [..., N, K/group].
+[k*bits, (k+1)*bits)), ``scales`` [..., N, K/group]. Exporters take a
+QuantizedArray in any layout (docs/layouts.md) and write the canonical bytes.
 
 Formats:
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant.layouts import unpack_layout
 from jaxquant.quantize import check_float_dtype
-from jaxquant.quantized_array import CANONICAL, QuantizedArray
+from jaxquant.quantized_array import QuantizedArray
 
 #: Elements per MX / ggml MXFP4 block.
 BLOCK = 32
@@ -46,16 +47,23 @@ def logical_dtype(dtype):
     return check_float_dtype("dtype", jnp.bfloat16 if dtype is None else dtype)
 
 
-def check_qw(qw, modes, fn: str) -> QuantizedArray:
+def canonical(qw) -> QuantizedArray:
+    """qw in the canonical layout, what files hold: a kernel layout (what jq.quantize
+    gives on a GPU) is a permutation of the exchange layout's bits, unpacked here;
+    TypeError if qw is not a QuantizedArray."""
     if not isinstance(qw, QuantizedArray):
         raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
-    if qw.layout != CANONICAL:
-        raise ValueError(f"qw must be in the canonical layout; got layout={qw.layout!r}: "
-                         f"undo it with jq.unpack_layout before {fn}")
+    return unpack_layout(qw)
+
+
+def check_qw(qw, modes, fn: str) -> QuantizedArray:
+    """qw, canonical, for exporter `fn` of `modes`."""
+    if not isinstance(qw, QuantizedArray):
+        raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
     if qw.mode not in modes:
         raise ValueError(f"{fn} exports mode {' or '.join(map(repr, modes))}; got qw.mode="
                          f"{qw.mode!r}")
-    return qw
+    return canonical(qw)
 
 
 def split_rows(raw: np.ndarray, k, block_bytes: int, name: str) -> np.ndarray:

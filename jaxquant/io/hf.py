@@ -37,7 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxquant import formats
-from jaxquant.io._common import host_array
+from jaxquant.io._common import canonical, host_array
 from jaxquant.quantize import check_float_dtype
 from jaxquant.quantized_array import QuantizedArray
 
@@ -164,12 +164,13 @@ def affine_from_zeros(codes_data: np.ndarray, scales: np.ndarray, zeros: np.ndar
 
 def affine_zeros(qw: QuantizedArray, fn: str) -> tuple[np.ndarray, np.ndarray]:
     """(scales float32 [N, G], integer zeros [N, G]) with bias == -scale * zero exactly;
-    ValueError if qw's biases are not of that form (e.g. MLX-rule affine arrays)."""
+    ValueError if qw's biases are not of that form (e.g. MLX-rule affine arrays).
+    qw must be canonical (the exporters unpack a kernel layout first)."""
     if not isinstance(qw, QuantizedArray):
         raise TypeError(f"qw must be a QuantizedArray; got {type(qw).__name__}")
-    if qw.mode != "affine" or qw.layout != "canonical" or qw.ndim != 2:
-        raise ValueError(f"{fn} exports a 2-D affine QuantizedArray in the canonical layout; "
-                         f"got mode={qw.mode!r}, layout={qw.layout!r}, shape={qw.shape}")
+    if qw.mode != "affine" or qw.ndim != 2:
+        raise ValueError(f"{fn} exports a 2-D affine QuantizedArray; "
+                         f"got mode={qw.mode!r}, shape={qw.shape}")
     s = np.asarray(qw.scales).astype(np.float64)
     b = np.asarray(qw.biases).astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -285,6 +286,7 @@ def to_gptq(qw: QuantizedArray, perm=None, *, checkpoint_format="gptq"):
     scales float16 values. The groups are qw's (a source group wider than 128
     comes back as several groups with equal scales: the same values).
     """
+    qw = canonical(qw)
     s, z = affine_zeros(qw, "to_gptq")
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint_format={checkpoint_format!r}; expected 'gptq' or "
@@ -337,6 +339,7 @@ def from_awq(qweight, qzeros, scales, *, bits=4, dtype=None) -> QuantizedArray:
 def to_awq(qw: QuantizedArray):
     """Inverse of from_awq: ``(qweight int32 [K, N/8], qzeros int32 [G, N/8], scales float16
     [G, N])``; qw must be 4-bit affine with ``bias = -scale * zero`` (as imported)."""
+    qw = canonical(qw)
     s, z = affine_zeros(qw, "to_awq")
     _check_bits(qw.bits, (4,), "to_awq")
     n, k = qw.shape
@@ -595,7 +598,8 @@ def to_compressed_tensors(qw: QuantizedArray, prefix: str) -> tuple[dict, dict]:
     """
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str; got {type(prefix).__name__}")
-    if isinstance(qw, QuantizedArray) and qw.mode in _MX_CT and qw.layout == "canonical":
+    qw = canonical(qw)
+    if qw.mode in _MX_CT:
         fmt, part = _MX_CT[qw.mode]
         payload = np.ascontiguousarray(np.asarray(qw.data), "<u4").view(np.uint8)
         if part == "weight":

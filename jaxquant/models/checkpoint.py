@@ -236,7 +236,8 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
                               else f"{file}: {msg}") from None
     tensors = _Tensors(path)
     check_layer_count(os.fspath(path), tensors.keys(), r"model\.layers\.(\d+)\.", cfg)
-    quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"), file)
+    quant = _Quantizer(mode, hf.get("quantization"), dtype, hf.get("quantization_config"), file,
+                       layout)
     if mesh is not None:
         return cfg, _load_sharded(cfg, tensors, quant, mesh, lm_head=lm_head, layout=layout,
                                   fuse=fuse, per_layer=per_layer)
@@ -263,8 +264,10 @@ def _outer(cfg, tensors, quant) -> dict:
 
 
 class _Quantizer:
-    def __init__(self, mode, mlx_quant, dtype, hf_quant=None, config_file="config.json"):
-        self.kw = None if mode in (None, "bf16") else quantize_args(mode)
+    def __init__(self, mode, mlx_quant, dtype, hf_quant=None, config_file="config.json",
+                 layout=None):
+        # jq.quantize straight into the layout load returns: no repack after
+        self.kw = None if mode in (None, "bf16") else dict(quantize_args(mode), layout=layout)
         self.mlx = mlx_quant
         self.dtype = jnp.dtype(dtype)
         self.config_file = config_file

@@ -200,7 +200,7 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
     arguments (None: float); layout, per_layer: quantize_params'."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     per_layer = model_params.default_per_layer() if per_layer is None else per_layer
-    kw = None if mode is None else model_params.quantize_args(mode)
+    kw = None if mode is None else dict(model_params.quantize_args(mode), layout=layout)
     k_layers, k_embed, k_head = jax.random.split(key, 3)
     split = mesh.shape[TP] > 1
 

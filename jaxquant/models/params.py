@@ -306,7 +306,7 @@ def quantize_params(params, mode: str, *, lm_head: bool = True, layout: str | No
     per_layer: the layers as separate buffers (None: default_per_layer(), the
       fastest layer loop on the default device); stacked input is quantized a
       layer at a time straight into that form."""
-    kw = quantize_args(mode)
+    kw = dict(quantize_args(mode), layout=layout)  # straight into the layout: no repack
     quantize_fn = _jitted(jq.quantize, **kw)
     per_layer = default_per_layer() if per_layer is None else per_layer
     if fuse:
