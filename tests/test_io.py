@@ -501,10 +501,12 @@ def test_bad_inputs(call, exc, match):
         call()
 
 
-def test_non_canonical_layout_is_refused():
+def test_unknown_layout_is_refused():
+    """A kernel layout is unpacked to the canonical bytes (tests/test_default_layout.py);
+    a layout no module registered cannot be, and is named."""
     qw = _mxfp4_qw()
     other = QuantizedArray(qw.data, qw.scales, mode="mxfp4", bits=4, group_size=32,
                            dtype=jnp.float32, layout="some_kernel_layout")
     for fn in (io.to_gpt_oss, io.to_ggml_mxfp4, io.to_mx_blocks):
-        with pytest.raises(ValueError, match="layout='some_kernel_layout'"):
+        with pytest.raises(ValueError, match="layout='some_kernel_layout' is not known"):
             fn(other)

@@ -17,6 +17,7 @@ import pytest
 
 import jaxquant as jq
 import jaxquant.mlx as jqm
+from jaxquant.layouts import cuda_mma
 from jaxquant.quantized_array import QuantizedArray
 from tests.common import xla_rounds_affine_once
 
@@ -314,11 +315,18 @@ def test_bad_inputs(call, exc, match):
         call()
 
 
-def test_to_mlx_refuses_kernel_layouts():
-    qw = QuantizedArray(np.zeros((2, 4), np.uint32), np.zeros((2, 1), np.uint8), mode="mxfp4",
-                        bits=4, group_size=32, dtype=jnp.float32, layout="tiles")
-    with pytest.raises(ValueError, match="layout='tiles'"):
-        jqm.to_mlx(qw)
+def test_to_mlx_unpacks_kernel_layouts():
+    qw = jq.quantize(jnp.linspace(-1, 1, 16 * 64).reshape(16, 64), mode="mxfp4",
+                     layout="canonical")
+    packed = jq.prepack(qw, layout=cuda_mma.NAME)
+    assert not np.array_equal(np.asarray(packed.data), np.asarray(qw.data))
+    for got, want in zip(jqm.to_mlx(packed), jqm.to_mlx(qw)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    unknown = QuantizedArray(np.zeros((2, 4), np.uint32), np.zeros((2, 1), np.uint8),
+                             mode="mxfp4", bits=4, group_size=32, dtype=jnp.float32,
+                             layout="tiles")
+    with pytest.raises(ValueError, match="layout='tiles' is not known"):
+        jqm.to_mlx(unknown)
 
 
 # ---------------------------------------------------------------------------

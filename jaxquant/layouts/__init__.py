@@ -87,7 +87,9 @@ def _with_arrays(qw: QuantizedArray, arrays, layout: str) -> QuantizedArray:
                           group_size=qw.group_size, dtype=qw.dtype, layout=layout)
 
 
-def _default_platform() -> str:
+def default_platform() -> str:
+    """The JAX platform ("cuda", "rocm", "cpu", ...) of the default device: where
+    `default_layout` looks for a kernel layout."""
     device = jax.devices()[0]
     if device.platform == "gpu":  # older jaxlibs name the client "gpu"
         return "rocm" if "rocm" in getattr(device.client, "platform_version", "").lower() else "cuda"
@@ -97,7 +99,7 @@ def _default_platform() -> str:
 def default_layout(qw: QuantizedArray, platform: str | None = None) -> str:
     """The layout `jq.prepack(qw)` picks on `platform` (default: that of the
     default device): the first registered for it that takes `qw`, else canonical."""
-    platform = platform or _default_platform()
+    platform = platform or default_platform()
     # `unsupported` reads shapes and the mode: the canonical arrays' shapes will do
     canonical = qw if qw.layout == CANONICAL else jax.eval_shape(unpack_layout, qw)
     for layout in LAYOUTS.values():
