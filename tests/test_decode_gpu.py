@@ -213,3 +213,36 @@ def test_bad_calls_raise():
     _, packed = _packed("affine", 4, (1, 32, 128))
     with pytest.raises(Exception, match="M <= 16"):
         jax.block_until_ready(mma.qmv_mma_call(jnp.ones((1, 17, 128), jnp.bfloat16), packed))
+
+
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("nvfp4", 4)])
+def test_quantize_returns_the_layout_and_qmm_runs_its_kernel(mode, bits):
+    """The op-level default (docs/layouts.md): jq.quantize on CUDA gives cuda_mma,
+    jq.prepack of it is itself, and jq.qmm / gather_qmm with the automatic choice on
+    it run the tensor-core kernel: bit for bit the prepacked canonical weight's
+    product with backend="ffi", and the oracle's to rounding."""
+    w = rand(21, (3, 40, 256), jnp.bfloat16)
+    kw = dict(mode=mode, bits=bits if mode == "affine" else None)
+    default = jq.quantize(w, **kw)
+    canonical = jq.quantize(w, **kw, layout="canonical")
+    assert default.layout == "cuda_mma" and canonical.layout == "canonical"
+    assert jq.prepack(default) is default
+    for a, b in zip(jax.tree_util.tree_leaves(jq.unpack_layout(default)),
+                    jax.tree_util.tree_leaves(canonical)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chosen = dispatch.select("qmm", None, "cuda", (rand(0, (8, 256), jnp.bfloat16), default[0]),
+                             dict(transpose=True, precision=None))
+    assert chosen is not None and chosen.backend == "ffi"
+    for m in (1, 8, 16):
+        x = rand(m, (m, 256), jnp.bfloat16)
+        y = jax.jit(jq.qmm)(x, default[1])
+        np.testing.assert_array_equal(
+            np.asarray(y, np.float32),
+            np.asarray(jq.qmm(x, jq.prepack(canonical[1], layout="cuda_mma"), backend="ffi"),
+                       np.float32))
+        assert_matmul_close(y, x, deq64(canonical[1]), jnp.bfloat16)
+    x = rand(3, (4, 256), jnp.bfloat16)
+    idx = jnp.asarray([[0, 2], [1, 1], [2, 0], [0, 0]])
+    yg = jax.jit(jq.gather_qmm)(x, default, idx)
+    xs = np.broadcast_to(np.asarray(x, np.float32)[:, None, None, :], (4, 2, 1, 256))
+    assert_matmul_close(yg[:, :, None, :], xs, deq64(canonical)[np.asarray(idx)], jnp.bfloat16)

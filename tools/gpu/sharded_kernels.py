@@ -41,12 +41,13 @@ key = jax.random.key(0)
 x = jax.random.normal(key, (4, 2880), jnp.bfloat16)
 # affine with groups of 32: K=2880 has 45 groups of 64, which do not split in two
 for mode, group in (("affine", 32), ("mxfp4", 32)):
+    # canonical: the layout whose N and K split (a kernel layout splits on leading axes)
     qw = jq.quantize(jax.random.normal(key, (5760, 2880), jnp.bfloat16), mode=mode,
-                     group_size=group)
+                     group_size=group, layout="canonical")
     report(f"qmm column {mode}", jq.qmm, (x, qw), (put(x, P()), put_q(qw, P("x"))))
     report(f"qmm row {mode}", jq.qmm, (x, qw), (put(x, P(None, "x")), put_q(qw, P(None, "x"))))
     qe = jq.quantize(jax.random.normal(key, (32, 5760, 2880), jnp.bfloat16), mode=mode,
-                     group_size=group)
+                     group_size=group, layout="canonical")
     idx = jax.random.randint(key, (1, 4), 0, 32)
     report(f"gather_qmm experts {mode}", jq.gather_qmm, (x[:1], qe, idx),
            (put(x[:1], P()), put_q(qe, P("x")), put(idx, P())))
