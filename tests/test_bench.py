@@ -100,6 +100,18 @@ def test_qmm_table_progress_and_interpret_label(capsys):
         assert float(r[3]) > 0
     assert float(impls["pallas (interpret)"][-1]) < 1e-2     # rel. error vs float32
     assert len([l for l in err.splitlines() if l.startswith("[bench]")]) == len(rows)
+    # the op a user calls on what jq.quantize returns (canonical on a CPU), and how it
+    # compares with the fastest quantized row
+    default = impls["jq.qmm auto, jq.quantize default (canonical)"]
+    assert "jq.qmm auto, canonical" in impls and float(default[-1]) < 1e-2
+    summary = [l for l in lines if "jq.quantize default" in l and "the best" in l]
+    assert len(summary) == 1, summary
+    m = re.fullmatch(r"# 2, 64, 32 affine4: jq\.quantize default ([\d.]+) µs = ([\d.]+)x the best "
+                     r"\((.+), ([\d.]+) µs\)", summary[0])
+    assert m is not None, summary
+    assert m[1] == default[3] and m[3] in impls and impls[m[3]][1] == "affine4"
+    assert m[4] == impls[m[3]][3] and float(m[2]) <= 1.0
+    assert float(m[4]) <= min(float(r[3]) for r in rows if r[1] == "affine4") + 0.05
 
 
 def test_qmm_leaves_pallas_out_on_cpu_unless_asked(capsys, skip_copy_timing):
@@ -174,7 +186,9 @@ def test_json_out_writes_each_row_as_data_and_merges(tmp_path, capsys, skip_copy
          capsys)
     first = json.loads(path.read_text())["entries"]
     keys = [e["key"] for e in first]
-    assert keys == sorted(keys) and len(keys) == 3, keys
+    # dense, the jnp reference, ffi, and jq.qmm's automatic choice on the canonical
+    # weight and on jq.quantize's default (canonical on a CPU: no prepacked row)
+    assert keys == sorted(keys) and len(keys) == 5, keys
     ffi = next(e for e in first if e["key"].endswith("impl=ffi"))
     assert ffi["key"] == "qmm: M, K, N=1, 64, 128 / mode=affine4 / impl=ffi"
     assert isinstance(ffi["values"]["µs"], float) and ffi["values"]["µs"] > 0
@@ -186,5 +200,5 @@ def test_json_out_writes_each_row_as_data_and_merges(tmp_path, capsys, skip_copy
     _run(["qmm", "--shapes", "2,64,128", "--modes", "affine4", "--json-out", str(path), *FAST],
          capsys)
     second = {e["key"]: e for e in json.loads(path.read_text())["entries"]}
-    assert len(second) == 6 and set(keys) <= set(second)
+    assert len(second) == 10 and set(keys) <= set(second)
     assert "qmm: M, K, N=2, 64, 128 / mode=affine4 / impl=ffi" in second
