@@ -3,6 +3,7 @@ function, class or attribute, dotted names allowed), `jaxquant.module.name` and
 `path/file.h:name` (a native identifier) it mentions exists, so the walk of a jq.qmm
 call cannot drift from the code without this test failing."""
 
+import dataclasses
 import importlib
 import pathlib
 import re
@@ -64,3 +65,19 @@ def test_dotted_reference_imports(ref):
 @pytest.mark.parametrize("path", PATH_REFS)
 def test_path_reference_exists(path):
     assert (ROOT / path).exists(), path
+
+
+def test_the_model_code_reads_config_fields_not_family_names():
+    """"Adding a model family" holds: every family has its traits, and the decoder's
+    modules never branch on a family's name (only the checkpoint name maps do)."""
+    from jaxquant.models import config
+
+    assert set(config.FAMILY_TRAITS) == set(config.FAMILIES)
+    for family, traits in config.FAMILY_TRAITS.items():
+        cfg_fields = {f.name for f in dataclasses.fields(config.Config)}
+        assert set(traits) <= cfg_fields, family
+        assert traits["mlp_activation"] in config.MLP_ACTIVATIONS
+        assert traits["moe_router"] in config.MOE_ROUTERS
+    for module in ("layers", "moe", "params", "decoder", "parallel", "sampling"):
+        source = (ROOT / "jaxquant" / "models" / f"{module}.py").read_text()
+        assert not re.search(r"\.family\b", source), f"models/{module}.py reads cfg.family"

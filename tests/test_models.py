@@ -699,3 +699,38 @@ def test_float_gemv_is_linears_product_and_its_rule(dtype, monkeypatch):
     assert not layers.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((32, 2880)))
     assert not layers.float_gemv_applies(jnp.ones((1, 4096)), jnp.ones((2880, 4096)))  # o
     assert not layers.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((201088, 16)))
+
+
+def test_family_traits_are_fields_a_config_may_set():
+    """A Config field left None takes its family's trait; one set explicitly wins, and the
+    decoder follows it (sinks drawn and used for a dense llama; gpt-oss's router and
+    activation on a qwen3_moe)."""
+    from jaxquant.models.config import FAMILY_TRAITS
+
+    for family in FAMILY_TRAITS:
+        cfg = tiny(family)
+        assert {k: getattr(cfg, k) for k in FAMILY_TRAITS[family]} == FAMILY_TRAITS[family]
+    assert tiny("gpt_oss") == tiny("gpt_oss", mlp_activation="gpt_oss", moe_bias=True)
+    with pytest.raises(ValueError, match="mlp_activation"):
+        tiny("llama", mlp_activation="gelu")
+    with pytest.raises(ValueError, match="moe_router"):
+        tiny("qwen3_moe", moe_router="sigmoid")
+    cfg = tiny("llama", attention_sinks=True)
+    params = models.init_params(cfg, jax.random.key(3), per_layer=False)
+    assert params["layers"]["sinks"].shape == (cfg.num_layers, cfg.num_heads)
+    prompt = jnp.arange(6, dtype=jnp.int32)[None] % cfg.vocab_size
+    logits, _, _ = models.prefill(cfg, params, prompt, 8)
+    no_sinks = dict(params, layers={k: v for k, v in params["layers"].items() if k != "sinks"})
+    logits0, _, _ = models.prefill(cfg, no_sinks, prompt, 8)
+    assert np.isfinite(np.asarray(logits, np.float32)).all()
+    assert not np.allclose(np.asarray(logits, np.float32), np.asarray(logits0, np.float32))
+    moe = tiny("qwen3_moe", moe_router="topk_softmax", mlp_activation="gpt_oss")
+    p = models.init_params(moe, jax.random.key(4), per_layer=False)
+    x = jax.random.normal(jax.random.key(5), (3, moe.hidden_size), jnp.float32)
+    layer0 = jax.tree_util.tree_map(lambda a: a[0], p["layers"])
+    from jaxquant.models.moe import route
+    idx, w = route(moe, layer0, x)
+    logits_r = x @ layer0["router"].astype(jnp.float32).T
+    top, want_idx = jax.lax.top_k(logits_r, moe.experts_per_token)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(jax.nn.softmax(top, -1)), rtol=1e-5)

@@ -8,6 +8,23 @@ import math
 import numpy as np
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+MLP_ACTIVATIONS = ("silu", "gpt_oss")  # silu(gate) * up; gpt-oss's clamped (up + 1) * glu
+# softmax over all experts, then top-k; or top-k of the logits, then softmax over those k
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+
+# What a family's blocks do differently, beyond the sizes: the value a Config field left
+# None takes. The model code reads the fields, never the family name, so a new family
+# that only recombines these needs a row here (docs/architecture.md, "Adding a model family").
+FAMILY_TRAITS = {
+    "llama": dict(mlp_activation="silu", moe_router="softmax_topk", attention_sinks=False,
+                  moe_bias=False),
+    "qwen3": dict(mlp_activation="silu", moe_router="softmax_topk", attention_sinks=False,
+                  moe_bias=False),
+    "qwen3_moe": dict(mlp_activation="silu", moe_router="softmax_topk", attention_sinks=False,
+                      moe_bias=False),
+    "gpt_oss": dict(mlp_activation="gpt_oss", moe_router="topk_softmax", attention_sinks=True,
+                    moe_bias=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +35,8 @@ class Config:
     "qwen3_moe" (q/k norms, softmax-then-top-k router, SwiGLU experts) or "gpt_oss"
     (attention biases and sinks, alternating sliding window, top-k-then-softmax
     router with bias, clamped SwiGLU experts with biases, gate/up interleaved).
+    mlp_activation, moe_router, attention_sinks (a learned per-head sink logit) and
+    moe_bias (router and expert biases): None takes the family's (FAMILY_TRAITS).
     """
 
     family: str = "llama"
@@ -43,10 +62,23 @@ class Config:
     layer_windows: tuple = ()         # per layer: 0 full attention, else window
     swiglu_limit: float = 7.0         # gpt_oss
     dtype: str = "bfloat16"
+    mlp_activation: str | None = None   # MLP_ACTIVATIONS
+    moe_router: str | None = None       # MOE_ROUTERS
+    attention_sinks: bool | None = None
+    moe_bias: bool | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r} is not known; expected one of {FAMILIES}")
+        for name, value in FAMILY_TRAITS[self.family].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: set once, before any use
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation={self.mlp_activation!r} is not known; expected one "
+                             f"of {MLP_ACTIVATIONS}")
+        if self.moe_router not in MOE_ROUTERS:
+            raise ValueError(f"moe_router={self.moe_router!r} is not known; expected one of "
+                             f"{MOE_ROUTERS}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim"):
             if getattr(self, name) < 1:

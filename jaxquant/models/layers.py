@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 import jaxquant as jq
-from jaxquant.models.config import Config
+from jaxquant.models.config import MLP_ACTIVATIONS, Config
 from jaxquant.quantized_array import QuantizedArray
 
 
@@ -88,7 +88,7 @@ def norm_linear(x, norm_weight, w, eps, bias=None):
     return linear(jq.rms_norm(x, norm_weight, eps=eps), w, bias)
 
 
-SWIGLU_KINDS = ("silu", "gpt_oss")
+SWIGLU_KINDS = MLP_ACTIVATIONS
 
 
 def swiglu(gate, up, kind="silu", limit=7.0, alpha=1.702):
@@ -167,14 +167,10 @@ def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_tab
     return linear(o.reshape(b, t, hq * hd), p["wo"], p.get("bo")), (cache_k, cache_v)
 
 
-def swiglu_kind(cfg: Config) -> str:
-    return "gpt_oss" if cfg.family == "gpt_oss" else "silu"
-
-
 def dense_mlp(cfg: Config, p, x):
     if "w_gate_up" in p:
-        h = swiglu_linear(x, p["w_gate_up"], kind=swiglu_kind(cfg), limit=cfg.swiglu_limit)
+        h = swiglu_linear(x, p["w_gate_up"], kind=cfg.mlp_activation, limit=cfg.swiglu_limit)
     else:
-        h = swiglu(linear(x, p["w_gate"]), linear(x, p["w_up"]), swiglu_kind(cfg),
+        h = swiglu(linear(x, p["w_gate"]), linear(x, p["w_up"]), cfg.mlp_activation,
                    cfg.swiglu_limit).astype(x.dtype)
     return linear(h, p["w_down"])

@@ -15,7 +15,7 @@ from jax import lax
 
 import jaxquant as jq
 from jaxquant.models.config import Config
-from jaxquant.models.layers import linear, swiglu, swiglu_kind
+from jaxquant.models.layers import linear, swiglu
 from jaxquant.quantized_array import QuantizedArray
 
 # At most this many (token, expert) pairs go through gather_qmm; more through ragged_qmm.
@@ -70,7 +70,7 @@ def expert_gather_swiglu(cfg: Config, x, w_gate_up, idx, bias):
     if bias is not None:  # flattened with the weights under experts_by_layer
         bias, _ = in_stack(bias, idx)
     w_gate_up, idx = in_stack(w_gate_up, idx)
-    kind = swiglu_kind(cfg)
+    kind = cfg.mlp_activation
     return jq.gather_qmm_swiglu(x, w_gate_up, idx, activation=kind,
                                 limit=cfg.swiglu_limit if kind == "gpt_oss" else None,
                                 bias=bias)
@@ -99,10 +99,10 @@ def route(cfg: Config, p, x):
     logits = linear(x.astype(jnp.float32), p["router"].astype(jnp.float32),
                     p.get("router_bias"))
     k = cfg.experts_per_token
-    if cfg.family == "gpt_oss":  # top-k of the logits, softmax over those k
+    if cfg.moe_router == "topk_softmax":  # top-k of the logits, softmax over those k
         top, idx = lax.top_k(logits, k)
         return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
-    probs = jax.nn.softmax(logits, axis=-1)  # qwen3_moe: softmax, then top-k
+    probs = jax.nn.softmax(logits, axis=-1)  # softmax_topk: softmax, then top-k
     top, idx = lax.top_k(probs, k)
     if cfg.norm_topk_prob:
         top = top / jnp.sum(top, -1, keepdims=True)
@@ -132,7 +132,7 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
             gate, up = jnp.split(product(a, matmul, "e_gate_up", bias_rows), 2, axis=-1)
         else:
             gate, up = (product(a, matmul, n, bias_rows) for n in ("e_gate", "e_up"))
-        h = swiglu(gate, up, swiglu_kind(cfg), cfg.swiglu_limit).astype(x.dtype)
+        h = swiglu(gate, up, cfg.mlp_activation, cfg.swiglu_limit).astype(x.dtype)
         return product(h, matmul, "e_down", bias_rows)
 
     if t * k <= GATHER_MAX_PAIRS:  # decode: read only the chosen experts, in place

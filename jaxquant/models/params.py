@@ -114,14 +114,16 @@ def init_layer(cfg: Config, dtype, key):
         p["router"] = w(E, D)
         p["e_gate_up"] = w(E, 2 * I, D)
         p["e_down"] = w(E, D, I)
-        if cfg.family == "gpt_oss":
-            p["sinks"] = w(hq, fan_in=1)
-            p["router_bias"] = w(E, fan_in=16)
-            p["e_gate_up_bias"] = w(E, 2 * I, fan_in=16)
-            p["e_down_bias"] = w(E, D, fan_in=16)
     else:
         I = cfg.intermediate_size
         p.update(w_gate_up=w(2 * I, D), w_down=w(D, I))
+    # drawn after the MLP's weights, the sinks, then the biases: a key keeps its weights
+    if cfg.attention_sinks:
+        p["sinks"] = w(hq, fan_in=1)
+    if cfg.moe and cfg.moe_bias:
+        p["router_bias"] = w(cfg.num_experts, fan_in=16)
+        p["e_gate_up_bias"] = w(cfg.num_experts, 2 * I, fan_in=16)
+        p["e_down_bias"] = w(cfg.num_experts, D, fan_in=16)
     return p
 
 
