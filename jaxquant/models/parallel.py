@@ -33,7 +33,7 @@ import jaxquant as jq
 from jaxquant.models.config import Config
 from jaxquant.models import params as model_params
 from jaxquant.models.moe import experts_mlp
-from jaxquant.models.params import unfuse_params
+from jaxquant.models.params import EXPERT_BIASES, EXPERT_STACKS, unfuse_params
 from jaxquant.quantized_array import QuantizedArray
 
 # key -> spec of the (stacked [L, ...]) logical matrix; None entries are replicated
@@ -137,10 +137,6 @@ def shard_cache(cfg: Config, cache, mesh: Mesh):
     return tuple(_place(mesh, c, (None, None, None, TP, None)) for c in cache)
 
 
-EXPERT_MATRICES = ("e_gate_up", "e_gate", "e_up", "e_down")
-EXPERT_BIASES = ("e_gate_up_bias", "e_gate_bias", "e_up_bias", "e_down_bias")
-
-
 def expert_parallel_moe(cfg: Config, p, x, idx, weights, mesh: Mesh):
     """decoder.moe_mlp on a mesh: x [T, D] (replicated: at decode a few rows, at
     prefill the [T, D] activations, small beside the experts), the router's
@@ -157,10 +153,10 @@ def expert_parallel_moe(cfg: Config, p, x, idx, weights, mesh: Mesh):
     experts are replicated on it and every "ep" device runs them all, so the
     psum is over "tp" only; where the experts' I does not split over "tp" the
     same for "tp"."""
-    names = [k for k in EXPERT_MATRICES + EXPERT_BIASES if k in p]
+    names = [k for k in EXPERT_STACKS + EXPERT_BIASES if k in p]
     specs = {k: matrix_specs(mesh, p[k], SPECS[k][1:]) for k in names}
     first = lambda k: jax.tree_util.tree_leaves(specs[k], is_leaf=_is_spec)[0]
-    matrices = [k for k in names if k in EXPERT_MATRICES]
+    matrices = [k for k in names if k in EXPERT_STACKS]
     ep_split = all(first(k)[0] == EP for k in matrices)
     # a kernel layout's tiles span N and K: its blocks split on "tp" are not matrices
     # (as the ops' rules, docs/sharding.md's limits: gathered on "tp", never misread)
