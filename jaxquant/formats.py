@@ -126,6 +126,16 @@ FORMATS: dict[str, Format] = {
 
 ALIASES = {"mxfp8": "mxfp8_e4m3"}
 
+# Named quantization settings (jq.quantize arguments) that the demo, the models and the
+# benchmarks take by name: "affine<bits>" at the default group of 64 for each affine
+# width, every other format (and alias) at its defaults. Each user picks its subset.
+PRESETS: dict[str, dict] = {
+    **{f"affine{b}": dict(mode="affine", bits=b, group_size=FORMATS["affine"].default_group_size)
+       for b in FORMATS["affine"].bits},
+    **{m: dict(mode=m) for m in FORMATS if m != "affine"},
+    **{alias: dict(mode=mode) for alias, mode in ALIASES.items()},
+}
+
 
 def get_format(mode) -> Format:
     """The table row for `mode` (aliases resolved); ValueError if unknown."""

@@ -577,3 +577,26 @@ def test_the_bridge_refuses_bad_calls(metal_backend):
     for match, f in cases:
         with pytest.raises(Exception, match=match):
             jax.block_until_ready(f())
+
+
+def _header_enum(path, name):
+    """{enumerator: value} of `enum name : type { kA = 0, ... }` in a metal_src header."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).resolve().parents[1] / path).read_text()
+    body = re.search(rf"enum\s+{name}\s*:\s*\w+\s*\{{([^}}]*)\}}", text).group(1)
+    return {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body)}
+
+
+def test_format_ids_match_the_kernels_header():
+    """metal.kernels.FORMAT_IDS is a copy of jq_metal.h's Format enum (the kernels switch on
+    these numbers): the same names, in kCamelCase, with the same values; and GEMV_MAX_M is
+    dispatch_plan.h's kGemvMaxM."""
+    import re
+    from jaxquant.metal import kernels
+    header = _header_enum("metal_src/jq_metal.h", "Format")
+    assert header, "no Format enum in metal_src/jq_metal.h"
+    assert {"k" + name.capitalize(): i for name, i in kernels.FORMAT_IDS.items()} == header
+    import pathlib
+    plan = (pathlib.Path(__file__).resolve().parents[1] / "metal_src/dispatch_plan.h").read_text()
+    assert int(re.search(r"kGemvMaxM\s*=\s*(\d+)", plan).group(1)) == kernels.GEMV_MAX_M

@@ -37,14 +37,11 @@ import numpy as np
 import jaxquant as jq
 from jaxquant.bench import harness
 from jaxquant.bench.harness import timeit
+from jaxquant.formats import PRESETS
 
-MODES = {"affine4": ("affine", 4, 64), "mxfp4": ("mxfp4", None, None),
-         "affine2": ("affine", 2, 64), "affine3": ("affine", 3, 64),
-         "affine5": ("affine", 5, 64), "affine6": ("affine", 6, 64),
-         "affine8": ("affine", 8, 64), "mxfp6_e2m3": ("mxfp6_e2m3", None, None),
-         "mxfp6_e3m2": ("mxfp6_e3m2", None, None), "mxfp8_e4m3": ("mxfp8_e4m3", None, None),
-         "mxfp8_e5m2": ("mxfp8_e5m2", None, None), "nvfp4": ("nvfp4", None, None),
-         "fp4": ("fp4", None, 32)}
+MODES = {name: PRESETS[name] for name in (
+    "affine4", "mxfp4", "affine2", "affine3", "affine5", "affine6", "affine8", "mxfp6_e2m3",
+    "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4", "fp4")}
 SHAPES = ((4096, 14336), (14336, 4096))  # (K, N); --shapes replaces them
 MOE_LAYERS = {"gpt-oss-20b": (32, 4, 2880, 5760), "Qwen3-30B-A3B": (128, 8, 2048, 1536)}
 
@@ -56,8 +53,7 @@ def time_jax(fn, args, per_call):
 def quantize_mode(mode, w, layout="canonical"):
     """jq.quantize of `mode`: canonical unless told (the rows name their layout);
     layout=None is jq.quantize's default, the op-level fast path's input."""
-    m, bits, group = MODES[mode]
-    return jq.quantize(w, mode=m, bits=bits, group_size=group, layout=layout)
+    return jq.quantize(w, **MODES[mode], layout=layout)
 
 
 DEFAULT_IMPL = "auto (jq.quantize default)"

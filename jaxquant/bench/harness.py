@@ -26,19 +26,12 @@ import sys
 import time
 from typing import Callable
 
+from jaxquant.formats import PRESETS
+
 # Quantization settings the benchmarks accept, by the name the options use.
-MODES = {
-    "affine4": dict(mode="affine", bits=4, group_size=64),
-    "affine8": dict(mode="affine", bits=8, group_size=64),
-    "affine3": dict(mode="affine", bits=3, group_size=64),
-    "mxfp4": dict(mode="mxfp4"),
-    "mxfp6_e2m3": dict(mode="mxfp6_e2m3"),
-    "mxfp6_e3m2": dict(mode="mxfp6_e3m2"),
-    "mxfp8_e4m3": dict(mode="mxfp8_e4m3"),
-    "mxfp8_e5m2": dict(mode="mxfp8_e5m2"),
-    "nvfp4": dict(mode="nvfp4"),
-    "fp4": dict(mode="fp4"),
-}
+MODES = {name: PRESETS[name] for name in (
+    "affine4", "affine8", "affine3", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3",
+    "mxfp8_e5m2", "nvfp4", "fp4")}
 
 
 def platform() -> str:

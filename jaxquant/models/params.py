@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from jaxquant.formats import PRESETS
 from jaxquant.models.config import Config
 from jaxquant.models.layers import PermutedMatrix
 from jaxquant.quantized_array import QuantizedArray
@@ -274,13 +275,8 @@ def stack_layers(params):
 MATRICES = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down",
             "e_gate_up", "e_gate", "e_up", "e_down")
 
-MODES = {  # demo / CLI names -> jq.quantize arguments
-    "affine4": dict(mode="affine", bits=4, group_size=64),
-    "affine8": dict(mode="affine", bits=8, group_size=64),
-    "mxfp4": dict(mode="mxfp4"),
-    "mxfp8": dict(mode="mxfp8_e4m3"),
-    "nvfp4": dict(mode="nvfp4"),
-}
+# demo / CLI names -> jq.quantize arguments
+MODES = {name: PRESETS[name] for name in ("affine4", "affine8", "mxfp4", "mxfp8", "nvfp4")}
 
 
 def quantize_args(mode):
