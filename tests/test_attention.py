@@ -187,6 +187,33 @@ def test_scan_over_layers_with_per_layer_windows():
                                    rtol=1e-5, atol=1e-5)
 
 
+def _reordered_f32_tolerance(q, k, v, positions):
+    """How far two float32 evaluations of the attention may differ per output element
+    when they sum in different orders (window 0, no sinks). A vmapped call is a batched
+    dot and a direct call is not: XLA:CPU splits their reductions (hd for the scores, S
+    for the output) differently, and how depends on the vector width (8 lanes with AVX2,
+    16 with AVX-512), so the two agree bit for bit on one machine and not on another.
+    Reordering a float32 sum of n terms moves it by up to n * 2^-24 * (the sum of the
+    terms' magnitudes): a score by hd * u * scale * sum_d |q_d k_d|, which exp turns into
+    that relative error of each probability; the output by S * u * sum_s p_s |v_s| plus
+    the probabilities' error times the same sum. The bound is against the terms' size,
+    not the element's: an output element that is a cancellation (0.01 out of terms near
+    1) differs by a fraction of the terms' ulp, which rtol alone calls a 2e-6 error."""
+    u = 2.0 ** -24
+    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    b, _, hq, hd = q64.shape
+    s, hkv = k64.shape[1], k64.shape[2]
+    kq = np.repeat(np.abs(k64), hq // hkv, axis=2)           # [B, S, Hq, hd]
+    score_terms = np.einsum("bthd,bshd->bths", np.abs(q64), kq).max() * hd ** -0.5
+    terms = attention64(q, k, np.abs(np.asarray(v, np.float64)), np.asarray(positions))
+    return 2 * u * (2 * (hd + 2) * score_terms + s + 4) * terms
+
+
+def _assert_within(got, want, tolerance):
+    err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    assert np.all(err <= tolerance), f"error / tolerance up to {np.max(err / tolerance):.3g}"
+
+
 def test_layer_of_a_stacked_cache():
     # the caches of every layer stacked [L, B, S, Hkv, hd], one read by index, in a scan
     # over the layers (the stack is not sliced); a traced index follows
@@ -209,9 +236,11 @@ def test_layer_of_a_stacked_cache():
     # vmap over queries keeps one stack (the queries become rows); over layers: the reference
     qs = jnp.stack([q, -q])
     y = jax.vmap(lambda q: jq.decode_attention(q, ks, vs, pos, layer=1))(qs)
-    np.testing.assert_allclose(y[1], jq.decode_attention(-q, ks[1], vs[1], pos), rtol=1e-6)
+    _assert_within(y[1], jq.decode_attention(-q, ks[1], vs[1], pos),
+                   _reordered_f32_tolerance(-q, ks[1], vs[1], pos))
     y = jax.vmap(lambda i: jq.decode_attention(q, ks, vs, pos, layer=i))(jnp.arange(3))
-    np.testing.assert_allclose(y[2], jq.decode_attention(q, ks[2], vs[2], pos), rtol=1e-6)
+    _assert_within(y[2], jq.decode_attention(q, ks[2], vs[2], pos),
+                   _reordered_f32_tolerance(q, ks[2], vs[2], pos))
     with pytest.raises(ValueError, match=r"k_cache must be \[L, B=2"):
         jq.decode_attention(q, k, v, pos, layer=0)
     with pytest.raises(ValueError, match="layer must be >= 0"):
