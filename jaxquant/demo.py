@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                     help="random prompt tokens (default 64; not with --prompt)")
     ap.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     ap.add_argument("--prompt", help="prompt text (needs --checkpoint with a tokenizer.json "
-                                     "and the `tokenizers` package)")
+                                     "and the `tokenizers` package: the `text` extra)")
     ap.add_argument("--mesh", nargs="?", const="auto",
                     help="shard over local devices: TPxEP (e.g. 2x1); bare --mesh: all "
                          "devices on tp (dense) or ep (MoE)")
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
                  "only decodes (drop --prompt: the prompt is then random token ids)")
     if args.prompt is not None and tokenizer is None:
         ap.error(f"--prompt needs {os.path.join(args.checkpoint, 'tokenizer.json')} and the "
-                 f"`tokenizers` package (pip install tokenizers)")
+                 f"`tokenizers` package ({TOKENIZERS_INSTALL})")
 
     import jax
     import jax.numpy as jnp
@@ -365,6 +365,10 @@ def _bytes(n: int) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return str(n)
+
+
+# Where the optional `tokenizers` package comes from: pyproject.toml's `text` extra.
+TOKENIZERS_INSTALL = 'pip install "jaxquant[text]" (in a checkout: pip install -e ".[text]")'
 
 
 def load_tokenizer(path):

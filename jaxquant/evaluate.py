@@ -111,12 +111,17 @@ def main(argv=None) -> int:
         ap.error(f"--checkpoint {args.checkpoint!r} is not a directory")
     if not os.path.isfile(args.text):
         ap.error(f"--text {args.text!r} is not a file")
-    from jaxquant.demo import load_tokenizer
+    import importlib.util
 
+    from jaxquant.demo import TOKENIZERS_INSTALL, load_tokenizer
+
+    if not os.path.isfile(os.path.join(args.checkpoint, "tokenizer.json")):
+        ap.error(f"no tokenizer.json in {args.checkpoint!r}: eval reads the text through the "
+                 f"checkpoint's own tokenizer")
+    if importlib.util.find_spec("tokenizers") is None:
+        ap.error(f"eval needs the 'tokenizers' package to read {args.checkpoint!r}'s "
+                 f"tokenizer.json: {TOKENIZERS_INSTALL}")
     tokenizer = load_tokenizer(args.checkpoint)
-    if tokenizer is None:
-        ap.error(f"no usable tokenizer.json in {args.checkpoint!r} (it needs the file and the "
-                 f"'tokenizers' package: pip install tokenizers)")
 
     import jaxquant.models.checkpoint as checkpoint
 

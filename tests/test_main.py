@@ -195,3 +195,16 @@ def test_demo_reports_a_failing_mode_and_goes_on():
     assert re.search(r"^nvfp4\s+FAILED$", p.stdout, re.M)
     assert sorted(_demo_rows(p.stdout)) == ["bf16"]
     assert "Measured against the bf16 run" in p.stdout
+
+
+def test_eval_without_tokenizers_names_the_extra(tmp_path, monkeypatch, capsys):
+    # without the optional package eval says which extra installs it, in one line
+    from jaxquant import evaluate
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)     # import tokenizers fails
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--checkpoint", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "needs the 'tokenizers' package" in err[-1]
+    assert '.[text]' in err[-1] and 'jaxquant[text]' in err[-1]

@@ -42,10 +42,11 @@ from jaxquant.io.safetensors import SafetensorsFile
 from jaxquant.models import parallel
 from jaxquant.models.config import Config, from_hf
 from jaxquant.models.layers import PermutedMatrix
+from jaxquant.models.layerwise import build_layers, release_on_failure
 from jaxquant.models.loader_checks import check_layer_count, check_shapes, layer_shapes
 from jaxquant.models.params import (MATRICES, default_per_layer, fuse_layer, fuse_params,
-                                    prepack_params, quantize_args, quantize_matrix, stack_layers,
-                                    unstack_layers)
+                                    prepack_matrix, prepack_params, quantize_args,
+                                    quantize_matrix, stack_layers, unstack_layers)
 from jaxquant.quantized_array import QuantizedArray
 
 ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -241,14 +242,25 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
     if mesh is not None:
         return cfg, _load_sharded(cfg, tensors, quant, mesh, lm_head=lm_head, layout=layout,
                                   fuse=fuse, per_layer=per_layer)
-    layers = tuple(_layer(cfg, tensors, quant, i, fuse) for i in range(cfg.num_layers))
-    params = {"layers": layers, **_outer(cfg, tensors, quant)}
-    if not cfg.tie_embeddings and lm_head:
-        params["lm_head"] = quant.quantize(params["lm_head"])
-    tensors.check_all_used()
-    if not (default_per_layer() if per_layer is None else per_layer):
-        params = stack_layers(params)
-    return cfg, prepack_params(params, layout)
+    # a layer at a time: read, fused, quantized, in `layout`, then written into the
+    # result (stacked: in place), so the device holds the model and one layer's temporaries
+    layers = build_layers(
+        cfg.num_layers,
+        lambda i, _: {k: prepack_matrix(v, layout)
+                      for k, v in _layer(cfg, tensors, quant, i, fuse).items()},
+        default_per_layer() if per_layer is None else per_layer)
+    params = {"layers": layers}
+    try:
+        params.update(_outer(cfg, tensors, quant))
+        if not cfg.tie_embeddings:
+            head = params["lm_head"]
+            params["lm_head"] = prepack_matrix(quant.quantize(head) if lm_head else head, layout)
+        tensors.check_all_used()
+    except BaseException as e:
+        release_on_failure(e, params)
+        params = layers = None
+        raise
+    return cfg, params
 
 
 def _outer(cfg, tensors, quant) -> dict:

@@ -39,6 +39,7 @@ import jaxquant as jq
 from jaxquant.formats import PRESETS
 from jaxquant.models.config import Config
 from jaxquant.models.layers import PermutedMatrix
+from jaxquant.models.layerwise import build_layers, release_on_failure
 from jaxquant.quantized_array import QuantizedArray
 
 
@@ -303,45 +304,61 @@ def quantize_params(params, mode: str, *, lm_head: bool = True, layout: str | No
     fuse: first concatenate q/k/v and gate/up into one matrix each (fuse_params).
     per_layer: the layers as separate buffers (None: default_per_layer(), the
       fastest layer loop on the default device); stacked input is quantized a
-      layer at a time straight into that form."""
+      layer at a time straight into that form.
+
+    Memory: a layer at a time (sliced, fused, quantized and put in `layout`, then
+    written into the result), so the device holds `params`, the result and one
+    layer's temporaries; if it fails (out of memory), none of what it made is left
+    held (models.layerwise.build_layers; docs/models.md, "Memory while quantizing")."""
     kw = dict(quantize_args(mode), layout=layout)  # straight into the layout: no repack
     quantize_fn = _jitted(jq.quantize, **kw)
     per_layer = default_per_layer() if per_layer is None else per_layer
-    if fuse:
-        params = fuse_params(params)
-
-    def quantize(name, w):
-        return quantize_fn(w) if name in MATRICES and not isinstance(w, QuantizedArray) else w
-
     layers = params["layers"]
-    if is_per_layer(layers):
-        layers = tuple({k: quantize(k, v) for k, v in p.items()} for p in layers)
-    elif per_layer:
-        n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-        layers = tuple({k: quantize(k, v[i]) for k, v in layers.items()} for i in range(n))
-    else:
-        layers = {k: quantize_matrix(v, kw) if k in MATRICES and not isinstance(
-            v, QuantizedArray) else v for k, v in layers.items()}
-    out = dict(params, layers=layers)
-    if not per_layer:
-        out = stack_layers(out)
-    if lm_head and "lm_head" in out and not isinstance(out["lm_head"], QuantizedArray):
-        out["lm_head"] = quantize_fn(out["lm_head"])
-    return prepack_params(out, layout)
+    n = len(layers) if is_per_layer(layers) else jax.tree_util.tree_leaves(layers)[0].shape[0]
+    out = dict(params, layers=build_layers(
+        n, lambda i, p: quantize_layer(p, quantize_fn, layout, fuse), per_layer, layers))
+    head = out.get("lm_head")
+    if lm_head and head is not None and not isinstance(head, (QuantizedArray, PermutedMatrix)):
+        try:
+            out["lm_head"] = prepack_matrix(quantize_fn(head), layout)
+        except BaseException as e:
+            release_on_failure(e, out, keep=params)
+            out = None
+            raise
+    elif head is not None:
+        out["lm_head"] = prepack_matrix(head, layout)
+    return out
+
+
+def quantize_layer(p: dict, quantize_fn, layout: str | None = None, fuse: bool = True) -> dict:
+    """One layer's dict as quantize_params makes it: fused (fuse_layer), its float
+    matrices quantized by quantize_fn and every quantized matrix in `layout`, each
+    matrix's canonical form dropped as soon as its layout's is made."""
+    if fuse:
+        p = fuse_layer(p)
+    out = {}
+    for k, w in p.items():
+        if k in MATRICES and not isinstance(w, (QuantizedArray, PermutedMatrix)):
+            w = quantize_fn(w)
+        out[k] = prepack_matrix(w, layout)
+    return out
+
+
+def prepack_matrix(v, layout: str | None = None):
+    """A quantized weight matrix (or PermutedMatrix) in `layout` (jq.prepack); any
+    other value as it is."""
+    if isinstance(v, PermutedMatrix):
+        return PermutedMatrix(jq.prepack(v.matrix, layout), v.perm)
+    return jq.prepack(v, layout) if isinstance(v, QuantizedArray) else v
 
 
 def prepack_params(params, layout: str | None = None):
     """Every quantized weight matrix (not a quantized embedding, whose rows are
     gathered) in `layout` (jq.prepack: None picks the default device's fastest,
     "canonical" unpacks). A stacked weight converts a piece at a time."""
-    def prepack(v):
-        if isinstance(v, PermutedMatrix):
-            return PermutedMatrix(jq.prepack(v.matrix, layout), v.perm)
-        return jq.prepack(v, layout) if isinstance(v, QuantizedArray) else v
-
-    out = _map_layers(lambda p: {k: prepack(v) for k, v in p.items()}, params)
+    out = _map_layers(lambda p: {k: prepack_matrix(v, layout) for k, v in p.items()}, params)
     if "lm_head" in out:
-        out["lm_head"] = prepack(out["lm_head"])
+        out["lm_head"] = prepack_matrix(out["lm_head"], layout)
     return out
 
 
