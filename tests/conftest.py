@@ -19,7 +19,17 @@ set XLA_FLAGS anew add $JAXQUANT_TEST_XLA_FLAGS). A run with
 either option already in XLA_FLAGS, or with JAXQUANT_TEST_XLA_DEFAULTS=1, keeps XLA's
 defaults.
 
-JAXQUANT_TEST_ONE_CASE=1 runs each test function once (its first parameter set)."""
+JAXQUANT_TEST_ONE_CASE=1 runs each test function once (its first parameter set).
+
+Parallel by default: a plain `pytest` (no paths: the whole suite, the README's command)
+runs on every core through pytest-xdist (`-n auto --dist loadgroup`) where xdist is
+installed (the `test` extra), serially where it is not; a run naming files or tests, or
+passing -n itself (`-n 0`: serial), is left as asked.
+
+The full matrix: the parameter sets marked `full` (pytest.param(..., marks=
+pytest.mark.full)) are the ones past what the default run needs to cover each code
+path once (the longest compile checks, the larger sweeps); a run without
+JAXQUANT_TEST_FULL=1 skips them, saying so, and CI (.ci/run) sets it."""
 
 import importlib.metadata
 import os
@@ -53,8 +63,33 @@ if "JAXQUANT_TEST_XLA_FLAGS" not in os.environ:
         [os.environ.get("XLA_FLAGS", ""), os.environ["JAXQUANT_TEST_XLA_FLAGS"]]).strip()
 
 
+FULL = os.environ.get("JAXQUANT_TEST_FULL") == "1"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads -n
+def pytest_cmdline_main(config):
+    if (config.pluginmanager.hasplugin("xdist") and os.environ.get("PYTEST_XDIST_WORKER") is None
+            and getattr(config.option, "numprocesses", 0) is None
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and not config.option.collectonly):
+        config.option.numprocesses = "auto"
+        if config.option.dist == "no":
+            config.option.dist = "loadgroup"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: part of the full matrix, run with "
+                                       "JAXQUANT_TEST_FULL=1 (CI) and skipped without it")
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
 def pytest_collection_modifyitems(config, items):
+    if not FULL:
+        skip = pytest.mark.skip(reason="the full matrix (JAXQUANT_TEST_FULL=1, as CI runs it); "
+                                       "the default run covers this test's other parameters")
+        for item in items:
+            if item.get_closest_marker("full") is not None:
+                item.add_marker(skip)
     if os.environ.get("JAXQUANT_TEST_ONE_CASE") == "1":
         # each test function once, its first parameter set left by -k: .ci/run's Python
         # 3.12 leg, which checks that jaxquant's jax-facing code runs under the newest

@@ -73,6 +73,10 @@ NVCC = shutil.which("nvcc") or (shutil.which("/usr/local/bin/nvcc"))
 # over the cores, and no single test holds a worker for minutes).
 CUDA_SOURCES = sorted(ncc.HIP_FILES + ncc.CUDA_ONLY_FILES + ncc.SM90A_FILES,
                       key=lambda f: -ncc.job_seconds((f"cuda:{f}", [])))
+# The default run compiles the three quickest sources (two MMA GEMVs, one of them fused,
+# and the norms: the shared headers with them); every source (about 500 s of one core,
+# the longest piece of the suite) is the full matrix, CI's (tests/conftest.py).
+QUICK_CUDA_SOURCES = set(CUDA_SOURCES[-3:])
 
 
 def _cuda_library():
@@ -105,7 +109,9 @@ _ASM_FORMS: dict[str, set[str]] = {}
 @pytest.mark.slow
 @pytest.mark.xdist_group("cuda_compile")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("source", CUDA_SOURCES)
+@pytest.mark.parametrize("source", [s if s in QUICK_CUDA_SOURCES else
+                                    pytest.param(s, marks=pytest.mark.full)
+                                    for s in CUDA_SOURCES])
 def test_cuda_source_compiles(source, tmp_path):
     """Without the CUDA library (CI, a machine without a GPU): `source` compiles for
     sm_90 (qmm_wgmma.hip: sm_90a), the architecture the kernels are measured on, in the
@@ -130,6 +136,7 @@ def test_cuda_source_compiles(source, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # needs every source compiled
 @pytest.mark.xdist_group("cuda_compile")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 def test_ptxas_sees_every_inline_ptx_form():
