@@ -77,6 +77,30 @@ def pytest_cmdline_main(config):
             config.option.dist = "loadgroup"
 
 
+# JAXQUANT_TEST_SKIPPED_LIST=FILE: the ids of the tests (and modules) this run skipped,
+# one a line, written at its end: .ci/run runs the README's `pytest` first with only the
+# `test` extra, then, with the optional packages, toolchains and JAXQUANT_TEST_FULL=1,
+# only what that run skipped (pytest @FILE).
+_SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("JAXQUANT_TEST_SKIPPED_LIST")
+    if path and os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller sees all
+        with open(path, "w") as f:
+            f.writelines(f"{n}\n" for n in dict.fromkeys(_SKIPPED) if n)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: part of the full matrix, run with "
                                        "JAXQUANT_TEST_FULL=1 (CI) and skipped without it")

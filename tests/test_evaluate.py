@@ -10,7 +10,8 @@ from jaxquant import evaluate, models
 from jaxquant.models import checkpoint
 from tests.test_models import LLAMA, _dense_mlps, _hf_common, _write
 
-tokenizers = pytest.importorskip("tokenizers", reason="eval reads tokenizer.json through it")
+tokenizers = pytest.importorskip("tokenizers", reason="eval reads tokenizer.json through the "
+                                 "tokenizers package (the `text` extra)")
 
 
 @pytest.fixture(scope="module")
