@@ -63,16 +63,24 @@ DEFAULT_MODES = ("bf16", "affine4", "affine8", "mxfp4", "nvfp4")
 
 class Progress:
     """A one-line progress bar on stderr (no dependency). `close()` ends the bar's line
-    (if one is open) before anything else is printed, so output never glues onto it."""
+    (if one is open) before anything else is printed, so output never glues onto it.
+    Where stdout or the stream is not a terminal (a file, a pipe, `| tee`), each step
+    is a plain line instead: `\r` would leave one long line in the file."""
 
     def __init__(self, total: int, width: int = 30, stream=None):
         self.total, self.done, self.width = total, 0, width
         self.stream = stream or sys.stderr
         self.t0 = time.perf_counter()
         self.open = False
+        self.bar = _is_terminal(self.stream) and _is_terminal(sys.stdout)
 
     def step(self, what: str):
         self.done += 1
+        if not self.bar:
+            self.stream.write(f"[{self.done}/{self.total}] {what} "
+                              f"({time.perf_counter() - self.t0:.1f}s)\n")
+            self.stream.flush()
+            return
         filled = int(self.width * self.done / self.total)
         bar = "#" * filled + "-" * (self.width - filled)
         self.stream.write(f"\r[{bar}] {self.done}/{self.total} {what:28s} "
@@ -85,6 +93,13 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
         self.open = False
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
 
 def preset(name: str, dtype: str = "bfloat16", layers: int | None = None):
@@ -348,7 +363,14 @@ prompt position's next-token prediction: logit rel.err = |logits - {ref_name}'s|
 top-1 = how often the most likely next token is {ref_name}'s; same tokens = greedy decoded
 tokens equal to {ref_name}'s, position by position. kernels: the backend whose kernels the
 compiled prefill and decode call (reference (jnp): XLA-compiled jnp, no custom kernel),
-and the quantized weights' layout.""")
+and the quantized weights' layout: canonical is the exchange layout every backend reads
+(docs/formats.md); a kernel layout (jq.prepack, e.g. cuda_mma) is a permutation of the
+same bits that one GPU kernel reads fastest, chosen where that kernel runs.""")
+    if devices[0].platform == "cpu":
+        print("Noise: on a CPU shared with other work, decode tok/s varies 1.5-2x from run "
+              "to run; compare the rows of one run, and rerun before reading a gap under 2x.")
+        for line in _slow_rows_on_cpu(rows):
+            print(line)
     if ref is not None and not args.checkpoint:
         print("(random weights: a trained model's errors differ; --checkpoint DIR measures "
               "them)")
@@ -357,6 +379,32 @@ and the quantized weights' layout.""")
             if r is not None:
                 print(f"{name}: {tokenizer.decode(np.asarray(r['tokens'][0]).tolist())!r}")
     return 0 if all(r is not None for _, r in rows) else 1
+
+
+# Why a mode's CPU decode is slow, for the note under the table.
+CPU_SLOW_WHY = {
+    "nvfp4": "the CPU kernel is not tuned for its two-level scales (an FP8 E4M3 scale per "
+             "16 weights times a float32 one per matrix) as it is for mxfp4's and affine's; "
+             "the GPU kernels are the tuned ones",
+}
+
+
+def _slow_rows_on_cpu(rows) -> list[str]:
+    """A line for each quantized row whose decode is under a third of the quantized rows'
+    median here: a gap past the noise, with the reason where one is known."""
+    quantized = [(n, r["decode_tps"]) for n, r in rows
+                 if r is not None and n in CPU_SLOW_WHY.keys() | set(_quantized_modes())]
+    if len(quantized) < 2:
+        return []
+    median = sorted(t for _, t in quantized)[len(quantized) // 2]
+    return [f"{n}: decode {median / t:.0f}x slower than the other quantized modes' median "
+            f"here: {CPU_SLOW_WHY.get(n, 'no CPU kernel tuned for this mode')}."
+            for n, t in quantized if t < median / 3]
+
+
+def _quantized_modes():
+    from jaxquant.models.decoder import MODES
+    return MODES
 
 
 def _bytes(n: int) -> str:

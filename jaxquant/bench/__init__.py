@@ -51,6 +51,13 @@ def parser(cpu: bool | None = None) -> argparse.ArgumentParser:
     return p
 
 
+# Under every table on a CPU: how far to trust it, and the layout names the rows use.
+CPU_NOTE = ("# On a CPU shared with other work, times vary 1.5-2x from run to run: compare "
+            "rows of one run, and rerun before reading a gap under 2x. Layouts: canonical = "
+            "the exchange layout every backend reads (docs/formats.md); prepacked = a kernel "
+            "layout, the same bits permuted for one kernel (jq.prepack).")
+
+
 def main(argv=None, out=print) -> int:
     from jaxquant.bench import harness
 
@@ -71,6 +78,8 @@ def main(argv=None, out=print) -> int:
             a for a in argv if not a.startswith("--json-out") and a != args.json_out)
         n = harness.write_json(args.json_out, recorder.records(args.scenario), command)
         harness.progress(f"{args.json_out}: {n} entries")
+    if harness.on_cpu():
+        out(CPU_NOTE)
     if args.plot:
         harness.plot(rows, bw, args.plot, scenario["xlabel"])
         harness.progress(f"plot written to {args.plot}")

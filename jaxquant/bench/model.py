@@ -677,6 +677,10 @@ def run(args, out=print):
     if cpu:
         out("# CPU: % of bound and bound tok/s left out (a copy here measures caches, not "
             "memory)")
+        out(f"# CPU: tiny configs ({', '.join(args.configs)}: seconds, not a real model's "
+            f"size) and " + ("no torch peer (--peer torch adds it)" if args.peer != "torch"
+                             else "the torch peer on the CPU") +
+            "; a GPU runs llama3-8b and gpt-oss-20b dims against the weight-read bound")
     else:
         bw = harness.copy_bandwidth()
         out(f"# copy bandwidth (read+write, back to back): {bw / 1e9:.0f} GB/s; bound = that "
