@@ -5,7 +5,7 @@ of a stack; when they fail part way (an out-of-memory error), the arrays they ma
 are all released and only the caller's input is left. Measured with jax.live_arrays()
 (the device buffers Python holds; XLA's own temporaries inside one jitted call are one
 layer's and do not show here), sampled at every layer and by a thread polling
-throughout. The GPU measurement of gpt-oss-20b: scripts/gpu_quantize_memory.py."""
+throughout. The GPU measurement of gpt-oss-20b: tools/gpu/quantize_memory.py."""
 
 import sys
 import threading

@@ -5,9 +5,9 @@ quantizing, and the bytes in use after (the bf16 model plus the quantized one), 
 the input's and output's own sizes; the bound is input + output + one layer's
 temporaries (docs/models.md, "Memory while quantizing").
 
-  python scripts/gpu_quantize_memory.py | tee $OUT/quantize_memory.txt
-  python scripts/gpu_quantize_memory.py --stacked            # stacked [L, ...] in and out
-  python scripts/gpu_quantize_memory.py --mem-fraction 0.6   # force the out-of-memory path
+  python tools/gpu/quantize_memory.py | tee $OUT/quantize_memory.txt
+  python tools/gpu/quantize_memory.py --stacked            # stacked [L, ...] in and out
+  python tools/gpu/quantize_memory.py --mem-fraction 0.6   # force the out-of-memory path
 
 With --mem-fraction small enough that the output does not fit, quantize_params runs
 out of memory part way; the script then prints the bytes still in use after the error,
