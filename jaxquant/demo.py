@@ -392,19 +392,15 @@ CPU_SLOW_WHY = {
 def _slow_rows_on_cpu(rows) -> list[str]:
     """A line for each quantized row whose decode is under a third of the quantized rows'
     median here: a gap past the noise, with the reason where one is known."""
-    quantized = [(n, r["decode_tps"]) for n, r in rows
-                 if r is not None and n in CPU_SLOW_WHY.keys() | set(_quantized_modes())]
+    from jaxquant.models.params import MODES
+
+    quantized = [(n, r["decode_tps"]) for n, r in rows if r is not None and n in MODES]
     if len(quantized) < 2:
         return []
     median = sorted(t for _, t in quantized)[len(quantized) // 2]
     return [f"{n}: decode {median / t:.0f}x slower than the other quantized modes' median "
             f"here: {CPU_SLOW_WHY.get(n, 'no CPU kernel tuned for this mode')}."
             for n, t in quantized if t < median / 3]
-
-
-def _quantized_modes():
-    from jaxquant.models.decoder import MODES
-    return MODES
 
 
 def _bytes(n: int) -> str:
