@@ -436,6 +436,45 @@ def test_qmv_scratch_out_of_memory_is_an_error():
     assert float(lines["AGAIN"]) == 0.0, p.stdout
 
 
+@pytest.mark.parametrize("mode,bits", [("mxfp4", 4), ("nvfp4", 4), ("fp4", 4),
+                                       ("mxfp6_e2m3", 6), ("mxfp6_e3m2", 6),
+                                       ("mxfp8_e4m3", 8), ("mxfp8_e5m2", 8)])
+def test_qmv_decodes_every_code(mode, bits):
+    """Every element code (NaN, Inf, -0, subnormals) through the GEMV's vector decode
+    (the LUT, F16C and gather paths), one code per column: x one-hot picks column k,
+    so y is the decoded weight times its scale, exactly the oracle's float64 value."""
+    fmt = formats.FORMATS[mode]
+    group = 16 if mode == "nvfp4" else 32
+    k = max(32, 1 << bits)
+    codes = np.tile(np.arange(k) % (1 << bits), (4, 1))
+    data = oracle.pack_bits(codes, bits)
+    if fmt.scale == "e8m0":
+        # (no float32-subnormal products: the GEMV flushes them, as XLA's CPU code does)
+        scales = np.array([[127], [120], [131], [30]], np.uint8).repeat(k // group, 1)
+    elif fmt.scale == "e4m3":
+        scales = np.array([[0x38], [0x01], [0x6a], [0x7e]], np.uint8).repeat(k // group, 1)
+    else:
+        scales = np.array([[1.0], [0.375], [-4.0], [2.0 ** -20]], np.float32).repeat(k // group, 1)
+    make = lambda data: jq.QuantizedArray(jnp.asarray(data), jnp.asarray(scales), mode=mode,
+                                          bits=bits, group_size=group, dtype=jnp.float32)
+    want = oracle.dequantize(mode, bits, group, data, scales)          # [4, k] float64
+    # dequantize (the same vector decode, subnormals kept): every code, NaN and Inf too
+    deq = np.asarray(ffi(jq.dequantize, make(data), dtype=jnp.float32))
+    np.testing.assert_array_equal(deq, want.astype(np.float32), err_msg=mode)
+    # the GEMV: a NaN or Inf weight times x's zeros is NaN for the whole sum, so those
+    # codes become 0 here (their non-finite products: test_qmm_nan_block_and_grad)
+    finite = np.isfinite(want).all(0)
+    codes = np.where(finite, codes, 0)
+    qw, want = make(oracle.pack_bits(codes, bits)), np.where(finite, want, 0.0)
+    eye = jnp.eye(k, dtype=jnp.float32)
+    qw3 = jax.tree.map(lambda a: a[None], qw)
+    got = np.asarray(ffi(jq.gather_qmm, eye, qw3, jnp.zeros((k, 1), jnp.int32)))[:, 0].T
+    np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=mode)
+    for m in (1, 3):   # qmm's tiles: the same values
+        y = np.asarray(ffi(jq.qmm, eye[:m], qw))
+        np.testing.assert_array_equal(y, got[:, :m].T, err_msg=mode)
+
+
 def test_float64_falls_back_to_reference():
     with enable_x64():
         qw = quantize_for("affine", 4, rand(11, (16, 64)))
