@@ -734,3 +734,17 @@ def test_family_traits_are_fields_a_config_may_set():
     top, want_idx = jax.lax.top_k(logits_r, moe.experts_per_token)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
     np.testing.assert_allclose(np.asarray(w), np.asarray(jax.nn.softmax(top, -1)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,shape", [(jnp.bfloat16, (1, 1, 96)), (jnp.bfloat16, (1, 96)),
+                                         (jnp.bfloat16, (3, 96)), (jnp.float32, (1, 96))])
+def test_float_linear_is_the_einsum(dtype, shape):
+    """float_linear (one bfloat16 row padded to two on the CPU) gives the product's
+    values and shape: each output row against the float64 product of the same inputs."""
+    from jaxquant.models.layers import float_linear
+    x = jax.random.normal(jax.random.key(0), shape, dtype)
+    w = jax.random.normal(jax.random.key(1), (40, 96), dtype)
+    y = jax.jit(float_linear)(x, w)
+    assert y.shape == shape[:-1] + (40,) and y.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-4)
