@@ -12,7 +12,8 @@
   kernels), else `vmap` of the reference;
 - differentiation: op-specific rules (set by the op's module);
 - sharding: in a multi-device program the lowering partitions the op by its
-  sharding rules (jaxquant/sharding.py), binding the primitive per shard.
+  sharding rule (`factors=`, declared beside the op; jaxquant/sharding.py does
+  the partitioning), binding the primitive per shard.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ LOWERING_PLATFORMS = ("cpu", "cuda", "rocm")
 
 
 class Op:
-    def __init__(self, name: str, reference, *, multiple_results: bool = False,
+    def __init__(self, name: str, reference, *, factors, multiple_results: bool = False,
                  composition=None):
         self.name = name
+        # factors(*args, **params) -> sharding.Factors: the op's sharding rule
+        self.factors = factors
         self.reference = reference
         # fused ops: composition(*args, backend, **params) binds the unfused primitives
         self.composition = composition

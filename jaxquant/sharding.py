@@ -6,7 +6,7 @@ of the reference, so left alone it all-gathers a sharded quantized weight.
 Instead, when a primitive is lowered in a multi-device `jit`, its lowering
 goes through `jax.experimental.custom_partitioning`:
 
-- the op's *factors* say which operand and result dimensions are the same
+- the op's *factors* (declared beside the op: `Op(..., factors=)`) say which operand and result dimensions are the same
   logical axis (rows, N, the K groups, experts, tokens). They give Shardy its
   sharding rule (an einsum-like string with compound factors: x's K is
   `(g k)` = groups x group_size, the packed data's last axis `(g w)` = groups
@@ -29,8 +29,11 @@ warning naming it:
 - K (the quantization groups' axis) shards only on group boundaries: the
   group count must divide evenly by the shard count. A split inside a group
   would cut a scale's block.
-- Weights in a kernel layout (`jq.prepack`) shard on their leading (batch /
-  expert) axes only: their scale tiles span N and K.
+- Weights in a kernel layout (`jq.prepack`) split on their leading (batch /
+  expert) axes, on N in whole row tiles of the layout (`Layout.row_block`),
+  and on K only in a split layout ("cuda_mma/k2": K in column blocks, each in
+  the layout) over a shard count that divides its blocks; the per-shard
+  program records each device's block in its own layout (`_local_tree`).
 - The norms' hidden axis, `ragged_qmm`'s token rows, and the N axis of a
   `qmm` whose groups run along N (transpose=False) split only as the factors
   allow (N on group boundaries there too).
@@ -46,6 +49,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxquant import layouts
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 
@@ -63,15 +67,20 @@ class Factors:
     contracted: tuple = ()  # factors summed over: sharding one needs a psum
     replicated: tuple = ()  # factors that must not be sharded
     priority: tuple = ()    # operand leaf indices whose sharding is read first
+    allowed: dict = dataclasses.field(default_factory=dict)  # factor -> shards -> why not
 
 
 # ---------------------------------------------------------------------------
-# Per-op factors.
+# The weights' factors (each op's module declares its own: Op(..., factors=)).
 
 
-def _qw_dims(qw: QuantizedArray, lead: list[str], r: str, g: str, sizes: dict):
+def qw_dims(qw: QuantizedArray, lead: list[str], r: str, g: str, sizes: dict,
+             allowed: dict):
     """Dims for a QuantizedArray's leaves: lead factors, rows r, then K in groups
-    (g groups of `w` packed words each; scales one per group)."""
+    (g groups of `w` packed words each; scales one per group). A kernel layout's
+    rows split on its row blocks and its K only as its split layout allows
+    (jaxquant/layouts: the local block must itself be a valid layout): the rules
+    go into `allowed` (factor -> shard count -> why not, or None)."""
     data_shape = np.shape(qw.data)
     ngroups = qw.shape[-1] // qw.group_size
     words = data_shape[-1] // ngroups
@@ -79,13 +88,16 @@ def _qw_dims(qw: QuantizedArray, lead: list[str], r: str, g: str, sizes: dict):
     sizes[f"{g}w"] = words
     lead_dims = [(f,) for f in lead]
     data = Dims(lead_dims + [(r,), (g, f"{g}w")])
+    sdims = Dims(lead_dims + [(r,), (g,)])
     if qw.layout != CANONICAL:
-        # A kernel layout tiles scales across N and K: only leading axes split.
-        sdims = Dims(lead_dims + [(f"{r}s{i}",) for i in range(np.ndim(qw.scales) - len(lead))])
-        for i in range(np.ndim(qw.scales) - len(lead)):
-            sizes[f"{r}s{i}"] = np.shape(qw.scales)[len(lead) + i]
-    else:
-        sdims = Dims(lead_dims + [(r,), (g,)])
+        _kernel_layout_rules(qw, r, g, allowed)
+        if np.shape(qw.scales)[-2:] != (qw.shape[-2], ngroups):
+            # scales padded past N (cdna4's 32-row blocks): their rows are a factor of
+            # their own, and neither rows nor K split
+            sizes[f"{r}s"], sizes[f"{g}s"] = np.shape(qw.scales)[-2:]
+            sdims = Dims(lead_dims + [(f"{r}s",), (f"{g}s",)])
+            for f in (r, g, f"{r}s", f"{g}s"):
+                allowed[f] = lambda shards: "this layout's scales are padded past N"
     gs = None
     if qw.global_scale is not None:
         gs = Dims(lead_dims[:np.ndim(qw.global_scale)])
@@ -94,175 +106,25 @@ def _qw_dims(qw: QuantizedArray, lead: list[str], r: str, g: str, sizes: dict):
         (qw.mode, qw.bits, qw.group_size, qw.dtype, qw.layout), (data, sdims, biases, gs))
 
 
-def _layout_replicated(qw, r, g):
-    return () if qw.layout == CANONICAL else (r, g, f"{g}w")
+def _kernel_layout_rules(qw: QuantizedArray, r: str, g: str, allowed: dict):
+    block = layouts.get(qw.layout).row_block
+    rows = qw.shape[-2]
 
+    def rows_split(shards):
+        if block == 0:
+            return f"the {qw.layout} layout's permutation spans all rows"
+        if rows % (shards * block):
+            return (f"{rows} rows do not split into {shards} shards of whole "
+                    f"{block}-row tiles of the {qw.layout} layout")
+        return None
 
-def _qmm_factors(x, qw, *, transpose, precision):
-    sizes = {}
-    nb = qw.ndim - 2
-    lead = [f"b{i}" for i in range(nb)]
-    for i, f in enumerate(lead):
-        sizes[f] = qw.shape[i]
-    rows = [f"m{i}" for i in range(x.ndim - 1 - nb)]
-    for i, f in enumerate(rows):
-        sizes[f] = x.shape[nb + i]
-    qdims = _qw_dims(qw, lead, "r", "g", sizes)
-    sizes["r"] = qw.shape[-2]
-    sizes["gk"] = qw.group_size
-    grouped = ("g", "gk")
-    # transpose: W [N, K] (rows r = N, groups along K); else W [K, N] (groups along N).
-    k_dim, n_dim, contracted = (grouped, ("r",), "g") if transpose else (("r",), grouped, "r")
-    xdims = Dims([(f,) for f in lead + rows] + [k_dim])
-    out = Dims([(f,) for f in lead + rows] + [n_dim])
-    ops = [xdims, qdims]
-    return Factors(ops, [out], sizes, contracted=(contracted,),
-                   replicated=("gk", "gw") + _layout_replicated(qw, "r", "g"), priority=(1,))
-
-
-def _gather_factors(x, qw, indices, *, transpose, precision):
-    sizes = {"e": qw.shape[0], "t": indices.shape[0], "s": indices.shape[1],
-             "r": qw.shape[1], "gk": qw.group_size}
-    qdims = _qw_dims(qw, ["e"], "r", "g", sizes)
-    grouped = ("g", "gk")
-    k_dim, n_dim, contracted = (grouped, ("r",), "g") if transpose else (("r",), grouped, "r")
-    xdims = Dims([("t",), k_dim] if x.ndim == 2 else [("t",), ("s",), k_dim])
-    out = Dims([("t",), ("s",), n_dim])
-    return Factors([xdims, qdims, Dims([("t",), ("s",)])], [out], sizes,
-                   contracted=(contracted, "e"),
-                   replicated=("gk", "gw", "s") + _layout_replicated(qw, "r", "g"), priority=(1,))
-
-
-def _float_experts(w, transpose, sizes):
-    """A float w [E, N, K] (or [E, K, N] with transpose=False): its e, n, k added to
-    `sizes`, and its Dims. Unlike a quantized w, K splits anywhere (no groups)."""
-    e, a, b = w.shape
-    sizes.update(e=e, n=a if transpose else b, k=b if transpose else a)
-    return Dims([("e",), ("n",), ("k",)] if transpose else [("e",), ("k",), ("n",)])
-
-
-def _gather_matmul_factors(x, w, indices, *, transpose, precision):
-    """gather_qmm's factors on a float w."""
-    sizes = {"t": indices.shape[0], "s": indices.shape[1]}
-    wdims = _float_experts(w, transpose, sizes)
-    xdims = Dims([("t",), ("k",)] if x.ndim == 2 else [("t",), ("s",), ("k",)])
-    return Factors([xdims, wdims, Dims([("t",), ("s",)])], [Dims([("t",), ("s",), ("n",)])],
-                   sizes, contracted=("k", "e"), replicated=("s",), priority=(1,))
-
-
-def _ragged_matmul_factors(x, w, group_sizes, *, transpose, precision):
-    """ragged_qmm's factors on a float w."""
-    sizes = {"t": x.shape[0], "es": w.shape[0]}
-    wdims = _float_experts(w, transpose, sizes)
-    # Token rows are grouped by expert in order, so they do not split (as ragged_qmm's).
-    return Factors([Dims([("t",), ("k",)]), wdims, Dims([("es",)])], [Dims([("t",), ("n",)])],
-                   sizes, contracted=("k", "e"), replicated=("t", "es"), priority=(1,))
-
-
-def _ragged_factors(x, qw, group_sizes, *, transpose, precision):
-    sizes = {"e": qw.shape[0], "t": x.shape[0], "r": qw.shape[1], "gk": qw.group_size}
-    qdims = _qw_dims(qw, ["e"], "r", "g", sizes)
-    grouped = ("g", "gk")
-    k_dim, n_dim, contracted = (grouped, ("r",), "g") if transpose else (("r",), grouped, "r")
-    # Token rows are grouped by expert in order, so they do not split; every
-    # shard reads all group sizes (its rows start after the other experts').
-    sizes["es"] = qw.shape[0]
-    return Factors([Dims([("t",), k_dim]), qdims, Dims([("es",)])], [Dims([("t",), n_dim])],
-                   sizes, contracted=(contracted, "e"),
-                   replicated=("gk", "gw", "t", "es") + _layout_replicated(qw, "r", "g"),
-                   priority=(1,))
-
-
-def _dequantize_factors(qw, *, dtype):
-    sizes = {"r": qw.shape[-2], "gk": qw.group_size}
-    lead = [f"b{i}" for i in range(qw.ndim - 2)]
-    for i, f in enumerate(lead):
-        sizes[f] = qw.shape[i]
-    qdims = _qw_dims(qw, lead, "r", "g", sizes)
-    out = Dims([(f,) for f in lead] + [("r",), ("g", "gk")])
-    return Factors([qdims], [out], sizes,
-                   replicated=("gk", "gw") + _layout_replicated(qw, "r", "g"), priority=(0,))
-
-
-def _norm_factors(n_rows: int, n_results: int):
-    def factors(*args, **params):
-        x = args[0]
-        sizes = {f"m{i}": s for i, s in enumerate(x.shape[:-1])}
-        sizes["d"] = x.shape[-1]
-        row = Dims([(f"m{i}",) for i in range(x.ndim - 1)] + [("d",)])
-        ops = [row] * n_rows + [None if a is None else Dims([("d",)]) for a in args[n_rows:]]
-        # The hidden axis is reduced over inside the op: it does not split.
-        return Factors(ops, [row] * n_results, sizes, replicated=("d",),
-                       priority=tuple(range(n_rows)))
-    return factors
-
-
-def _rms_norm_qmm_factors(x, norm_weight, qw, *, eps, weight_offset, precision):
-    """Column-parallel like qmm over N; K does not split (the norm reduces over it
-    before the product)."""
-    f = _qmm_factors(x, qw, transpose=True, precision=precision)
-    xdims, qdims = f.operands
-    wdims = None if norm_weight is None else Dims([xdims[-1]])
-    return Factors([xdims, wdims, qdims], f.results, f.sizes,
-                   replicated=f.replicated + ("g",),
-                   priority=(1,) if norm_weight is None else (2,))  # qw's data leaf
-
-
-def _qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
-    """Rows split; N does not (a shard of the rows [0, 2I) is not a gate half and an
-    up half), nor K (the activation follows the sum)."""
-    f = _qmm_factors(x, qw, transpose=True, precision=precision)
-    xdims, qdims = f.operands
-    f.sizes["i"] = qw.shape[0] // 2
-    out = Dims(list(f.results[0][:-1]) + [("i",)])
-    bdims = None if bias is None else Dims([("r",)])
-    return Factors([xdims, qdims, bdims], [out], f.sizes,
-                   replicated=f.replicated + ("g", "r", "i"), priority=(1,))
-
-
-def _gather_qmm_swiglu_factors(x, qw, indices, bias, *, activation, limit, alpha, precision):
-    """Tokens split; experts do not (each shard's activation needs its slots' whole
-    sums: an expert-parallel partial sum would be summed after the activation), nor
-    N or K (as qmm_swiglu's)."""
-    f = _gather_factors(x, qw, indices, transpose=True, precision=precision)
-    xdims, qdims, idims = f.operands
-    f.sizes["i"] = qw.shape[1] // 2
-    out = Dims(list(f.results[0][:-1]) + [("i",)])
-    bdims = None if bias is None else Dims([("e",), ("r",)])
-    return Factors([xdims, qdims, idims, bdims], [out], f.sizes,
-                   replicated=f.replicated + ("e", "g", "r", "i"), priority=(1,))
-
-
-def _attention_factors(q, k_cache, v_cache, positions, window, sinks, layer, **params):
-    # Batch, query rows and kv heads split (q's heads are (kv head, group)); the
-    # softmax's keys, the head dim and a stack's layers (one is read) do not.
-    b, t, hq, hd = q.shape
-    s, hkv = k_cache.shape[-3], k_cache.shape[-2]
-    sizes = {"b": b, "t": t, "h": hkv, "g": hq // hkv, "s": s, "d": hd}
-    if layer is not None:
-        sizes["l"] = k_cache.shape[0]
-    heads = Dims([("b",), ("t",), ("h", "g"), ("d",)])
-    cache = Dims(([] if layer is None else [("l",)]) + [("b",), ("s",), ("h",), ("d",)])
-    ops = [heads, cache, cache, Dims([("b",), ("t",)]), Dims([]),
-           None if sinks is None else Dims([("h", "g")]), None if layer is None else Dims([])]
-    return Factors(ops, [heads], sizes, replicated=("s", "d", "l"), priority=(1, 2))
-
-
-FACTORS = {
-    "decode_attention": _attention_factors,
-    "qmm": _qmm_factors,
-    "gather_qmm": _gather_factors,
-    "gather_matmul": _gather_matmul_factors,
-    "ragged_qmm": _ragged_factors,
-    "ragged_matmul": _ragged_matmul_factors,
-    "dequantize": _dequantize_factors,
-    "rms_norm": _norm_factors(1, 1),
-    "add_rms_norm": _norm_factors(2, 2),
-    "gated_rms_norm": _norm_factors(2, 1),
-    "rms_norm_qmm": _rms_norm_qmm_factors,
-    "qmm_swiglu": _qmm_swiglu_factors,
-    "gather_qmm_swiglu": _gather_qmm_swiglu_factors,
-}
+    def k_split(shards):
+        if layouts.shard_layout(qw.layout, shards) is None:
+            return (f"K in the {qw.layout} layout splits only as its column blocks do: "
+                    f"place it in {layouts.split_layout(qw.layout, shards)!r} "
+                    f"(models.parallel places weights so)")
+        return None
+    allowed[r], allowed[g] = rows_split, k_split
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +158,7 @@ def lower_partitioned(op, ctx, leaves, tree, backend, params):
     from jax.interpreters import mlir
 
     args = jax.tree_util.tree_unflatten(tree, ctx.avals_in)
-    factors = FACTORS[op.name](*args, **params)
+    factors = op.factors(*args, **params)
     leaf_dims = _leaf_dims(factors, tree)
 
     def whole(*l):
@@ -409,6 +271,8 @@ def _choose(factors: Factors, leaf_dims, mesh, arg_shapes, op_name):
                 why = (f"its size {factors.sizes[f]} does not divide into {size} shards"
                        + (" (K splits only on quantization-group boundaries)"
                           if f in ("g", "r") and len(d) > 1 else ""))
+            elif f in factors.allowed:
+                why = factors.allowed[f](size)
             if why is not None:
                 warnings.warn(f"jaxquant.{op_name}: an operand sharded over mesh axes {ax} on "
                               f"factor {f!r} is gathered: {why}", stacklevel=2)
@@ -435,6 +299,7 @@ def _partition(op, tree, backend, params, factors, leaf_dims, mesh, arg_shapes, 
         return None, None, result_shardings, None
     reduce_axes = tuple(a for f in factors.contracted for a in chosen.get(f, ()))
     expert_axes = chosen.get("e", ())
+    tree = _local_tree(tree, math.prod(mesh.shape[a] for a in chosen.get("g", ())))
 
     def local(*leaves):
         if expert_axes and op.name in ("gather_qmm", "gather_matmul", "ragged_qmm",
@@ -449,6 +314,20 @@ def _partition(op, tree, backend, params, factors, leaf_dims, mesh, arg_shapes, 
         return list(out) if op.multiple_results else out
 
     return mesh, local, result_shardings, arg_shardings
+
+
+def _local_tree(tree, k_shards: int):
+    """The operands' tree with each QuantizedArray's layout that of one device's
+    block when K is split over `k_shards` devices (a split kernel layout's block
+    is its base layout: jaxquant/layouts)."""
+    if k_shards == 1:
+        return tree
+    is_q = lambda a: isinstance(a, QuantizedArray)
+    args = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
+    args = jax.tree_util.tree_map(
+        lambda a: layouts.with_layout(a, layouts.shard_layout(a.layout, k_shards))
+        if is_q(a) else a, args, is_leaf=is_q)
+    return jax.tree_util.tree_structure(args)
 
 
 def _expert_local(op, leaves, tree, backend, params, expert_axes):

@@ -92,6 +92,24 @@ def main():
         # row-parallel: qw and x on K
         out[f"qmm_row_{mode}"] = case(jq.qmm, (x, qw), (put(x, P("data", "tp")),
                                                         put_q(qw, P(None, "tp"))))
+    # the GPUs' kernel layouts (data: built and sharded on any device): N splits on
+    # whole row tiles as prepacked; K splits in the split layout (K blocks, each
+    # prepacked), whose device blocks are the base layout the kernels read
+    for mode, layout, kl in (("affine", "cuda_mma", k), ("mxfp4", "cuda_mma", k),
+                             ("nvfp4", "cuda_mma", k), ("mxfp4", "cdna4", 4 * k)):
+        xl = rand(1, (8, kl))
+        qc = jq.quantize(rand(0, (n, kl)), mode=mode, bits=4)
+        qp = jq.prepack(qc, layout)
+        out[f"qmm_col_{layout}_{mode}"] = case(jq.qmm, (xl, qp), (put(xl, P("data")),
+                                                                  put_q(qp, P("tp", None))))
+        qk = jq.prepack(qc, jq.layouts.split_layout(layout, 4))
+        out[f"qmm_row_{layout}_{mode}"] = case(jq.qmm, (xl, qp), (put(xl, P("data", "tp")),
+                                                                  put_q(qk, P(None, "tp"))))
+    # a kernel layout K-split as prepacked whole: its blocks are not the layout's
+    # blocks, so K is gathered (a warning names the split layout to place it in)
+    qp = jq.prepack(jq.quantize(rand(0, (n, k)), mode="affine", bits=4), "cuda_mma")
+    out["qmm_row_cuda_mma_unsplit_gathered"] = case(
+        jq.qmm, (x, qp), (put(x, P("data", "tp")), put_q(qp, P(None, "tp"))))
     qw = jq.quantize(rand(0, (n, k)), mode="affine", bits=4)
     # batched activations [B, S, K] on the data axis, weights column-parallel
     xb = rand(2, (4, 3, k))
@@ -121,6 +139,15 @@ def main():
     idx = jax.random.randint(jax.random.key(7), (t, slots), 0, e).at[3, 1].set(e)  # one bad
     out["gather_ep"] = case(jq.gather_qmm, (xt, qe, idx),
                             (put(xt, P("data")), put_q(qe, P("tp")), put(idx, P("data"))))
+    # the same in the kernel layouts: experts on tp; within them N, or K (split layout)
+    qe_mma = jq.prepack(qe, "cuda_mma")
+    out["gather_ep_cuda_mma"] = case(jq.gather_qmm, (xt, qe_mma, idx),
+                                     (put(xt, P("data")), put_q(qe_mma, P("tp")),
+                                      put(idx, P("data"))))
+    qe_k2 = jq.prepack(qe, "cuda_mma/k2")
+    out["gather_ep_row_cuda_mma"] = case(jq.gather_qmm, (xt, qe_mma, idx),
+                                         (put(xt, P(None, "data")),
+                                          put_q(qe_k2, P("tp", None, "data")), put(idx, P())))
     # expert parallel and row-parallel within each expert (experts on tp, K on data)
     out["gather_ep_row"] = case(jq.gather_qmm, (xt, qe, idx),
                                 (put(xt, P(None, "data")), put_q(qe, P("tp", None, "data")),
@@ -147,6 +174,9 @@ def main():
     xr = rand(8, (20, k_e))
     out["ragged_ep"] = case(jq.ragged_qmm, (xr, qe, sizes),
                             (put(xr, P()), put_q(qe, P("tp")), put(sizes, P())))
+    out["ragged_ep_col_cuda_mma"] = case(jq.ragged_qmm, (xr, qe_mma, sizes),
+                                         (put(xr, P()), put_q(qe_mma, P("tp", "data")),
+                                          put(sizes, P())))
     out["ragged_ep_col"] = case(jq.ragged_qmm, (xr, qe, sizes),
                                 (put(xr, P()), put_q(qe, P("tp", "data")), put(sizes, P())))
     # traced sizes with a negative one and a sum past T (30 of 20): 0, cut at T, no wrap
@@ -344,9 +374,12 @@ def expert_parallel_cases():
     base = models.init_params(cfg, jax.random.key(0), per_layer=False)
     prompt = jax.random.randint(jax.random.key(1), (2, 40), 0, cfg.vocab_size)  # 160 pairs
     out = {}
-    for mode, (tp, ep), per_layer in ((None, (1, 4), False), ("mxfp4", (2, 2), True)):
+    for mode, (tp, ep), per_layer, layout in ((None, (1, 4), False, None),
+                                              ("mxfp4", (2, 2), True, "canonical"),
+                                              ("mxfp4", (2, 2), True, "cuda_mma")):
         params = base if mode is None else models.quantize_params(base, mode,
-                                                                  per_layer=per_layer)
+                                                                  per_layer=per_layer,
+                                                                  layout=layout)
         mesh = parallel.make_mesh(tp, ep)
         pre = jax.jit(lambda p, t, m: models.prefill(cfg, p, t, 44, mesh=m), static_argnums=2)
         dec = jax.jit(lambda p, c, t, m: models.decode(cfg, p, c, t, 40, 3, mesh=m)[:2],
@@ -360,10 +393,11 @@ def expert_parallel_cases():
         dec_g = dec.lower(sharded, cache_g, tok_g, mesh).compile()
         tokens_g, last_g = dec_g(sharded, cache_g, tok_g)
         texts = {"prefill": pre_g.as_text(), "decode": dec_g.as_text()}
-        inited = parallel.init_params(cfg, jax.random.key(0), mesh, mode, per_layer=per_layer)
+        inited = parallel.init_params(cfg, jax.random.key(0), mesh, mode, per_layer=per_layer,
+                                      layout=layout)
         init_err = max(err(a, b) for a, b in zip(
             jax.tree_util.tree_leaves(inited), jax.tree_util.tree_leaves(sharded)))
-        name = f"ep_{mode or 'bf16'}_{tp}x{ep}"
+        name = f"ep_{mode or 'bf16'}_{tp}x{ep}" + ("_cuda_mma" if layout == "cuda_mma" else "")
         out[name] = {"err": err(logits_g, logits_w), "decode_err": err(last_g, last_w),
                      "scale": float(jnp.max(jnp.abs(logits_w.astype(jnp.float32)))),
                      "same_tokens": bool(jnp.all(tokens_g == tokens_w)
@@ -377,33 +411,55 @@ def expert_parallel_cases():
 
 
 def tensor_parallel_cases():
-    """A dense decoder, per-layer buffers, affine4, on a tp=2 mesh: the compiled
-    decode step's all-reduces and all-gathers, and the tokens of one device."""
+    """A dense decoder, per-layer buffers, affine4, on a tp=2 mesh, in the canonical
+    layout and in the CUDA GPUs' default kernel layout (cuda_mma): the compiled
+    decode step's all-reduces and all-gathers, and the tokens of one device;
+    parallel.init_params against shard_params."""
     from jaxquant import models
     from jaxquant.models import parallel
 
     cfg = models.Config(family="llama", vocab_size=256, hidden_size=128, num_layers=3,
                         num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
                         dtype="float32")
-    params = models.quantize_params(models.init_params(cfg, jax.random.key(2), per_layer=True),
-                                    "affine4", per_layer=True)
-    mesh = parallel.make_mesh(2, 1)
-    prompt = jax.random.randint(jax.random.key(3), (1, 8), 0, cfg.vocab_size)
-    pre = jax.jit(lambda p, t: models.prefill(cfg, p, t, 12))
-    step = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 8, 1)[:2])
-    _, cache_w, tok_w = pre(params, prompt)
-    want, _ = step(params, cache_w, tok_w)
-    sharded = parallel.shard_params(cfg, params, mesh)
-    _, cache_g, tok_g = pre(sharded, prompt)
-    cache_g = parallel.shard_cache(cfg, cache_g, mesh)
-    compiled = step.lower(sharded, cache_g, tok_g).compile()
-    got, _ = compiled(sharded, cache_g, tok_g)
-    text = compiled.as_text()
-    return {"tp_dense_decode": {
-        "layers": cfg.num_layers, "all_reduces": count(text, "all-reduce"),
-        "gathers": gathers(text), "same_tokens": bool(jnp.all(got == want)),
-        "weight_elements": cfg.hidden_size * cfg.head_dim,
-        "per_layer": all(isinstance(p, dict) for p in sharded["layers"])}}
+    base = models.init_params(cfg, jax.random.key(2), per_layer=True)
+    out = {}
+    for layout in ("canonical", "cuda_mma"):
+        params = models.quantize_params(base, "affine4", per_layer=True, layout=layout)
+        mesh = parallel.make_mesh(2, 1)
+        prompt = jax.random.randint(jax.random.key(3), (1, 8), 0, cfg.vocab_size)
+        pre = jax.jit(lambda p, t: models.prefill(cfg, p, t, 12))
+        step = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 8, 1)[:2])
+        _, cache_w, tok_w = pre(params, prompt)
+        want, _ = step(params, cache_w, tok_w)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sharded = parallel.shard_params(cfg, params, mesh)
+            _, cache_g, tok_g = pre(sharded, prompt)
+            cache_g = parallel.shard_cache(cfg, cache_g, mesh)
+            compiled = step.lower(sharded, cache_g, tok_g).compile()
+            got, _ = compiled(sharded, cache_g, tok_g)
+        text = compiled.as_text()
+        inited = parallel.init_params(cfg, jax.random.key(2), mesh, "affine4", per_layer=True,
+                                      layout=layout)
+        placed = lambda t: [(str(a.sharding.spec), a.dtype.name)
+                            for a in jax.tree_util.tree_leaves(t)]
+        out[f"tp_dense_decode_{layout}"] = {
+            "layers": cfg.num_layers, "all_reduces": count(text, "all-reduce"),
+            "gathers": gathers(text), "same_tokens": bool(jnp.all(got == want)),
+            "weight_elements": cfg.hidden_size * cfg.head_dim,
+            "per_layer": all(isinstance(p, dict) for p in sharded["layers"]),
+            "layouts": sorted({v.layout for v in jax.tree_util.tree_leaves(
+                sharded["layers"], is_leaf=lambda a: isinstance(a, jq.QuantizedArray))
+                if isinstance(v, jq.QuantizedArray)}),
+            "split": sum(not a.sharding.is_fully_replicated
+                         for a in jax.tree_util.tree_leaves(sharded["layers"])),
+            "init_same_placement": placed(inited["layers"]) == placed(sharded["layers"]),
+            "init_err": max(err(a, b) for a, b in zip(jax.tree_util.tree_leaves(inited),
+                                                      jax.tree_util.tree_leaves(sharded))),
+            "init_same_tree": jax.tree_util.tree_structure(inited)
+            == jax.tree_util.tree_structure(sharded),
+            "warnings": [str(w.message) for w in caught if "jaxquant" in str(w.message)]}
+    return out
 
 
 if __name__ == "__main__":

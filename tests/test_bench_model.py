@@ -327,10 +327,12 @@ def test_mesh_and_xla_flags_variants_in_a_subprocess():
     lines = p.stdout.splitlines()
     tables = _tables(lines)
     (header, rows), (vheader, vrows) = tables[-2], tables[-1]
-    assert header[-1] == "vs 1 device"
+    assert header[-3:] == ["vs 1 device", "vs best 1 device", "prefill vs best 1 device"]
     by_impl = {r["impl"]: r for r in rows}
     assert set(by_impl) == {"jaxquant", "jaxquant 2x1"}
     assert by_impl["jaxquant 2x1"]["vs 1 device"].endswith("x")
+    # one mode: the best one-device run is that mode's
+    assert by_impl["jaxquant 2x1"]["vs best 1 device"] == by_impl["jaxquant 2x1"]["vs 1 device"]
     assert float(by_impl["jaxquant 2x1"]["decode tok/s"]) > 0
     assert any("mesh 4x1 not run: it needs 4 devices, 2 here" in l for l in lines)
     assert vheader[:5] == ["config", "mode", "batch", "XLA_FLAGS", "decode tok/s"]
@@ -341,18 +343,23 @@ def test_mesh_and_xla_flags_variants_in_a_subprocess():
 @pytest.mark.slow
 def test_sharded_init_on_an_expert_parallel_mesh_in_a_subprocess():
     """--init sharded (parallel.init_params: no host copy) with --mesh 1x2 on a MoE
-    config: a row per mode on one device and on the mesh; the mesh's bf16 logits those
-    of one device (the same weights drawn placed; expert parallel sums exactly here)."""
+    config, in the CUDA default kernel layout (--layout cuda_mma: the layout is data):
+    a row per mode on one device and on the mesh, and a one-device row in this
+    device's default layout for the quantized mode; the mesh's bf16 logits those of
+    one device (the same weights drawn placed; expert parallel sums exactly here)."""
     env = _two_cpu_devices_env()
     argv = [sys.executable, "-m", "jaxquant", "bench", "model", "--configs", "tiny",
             "--modes", "bf16,mxfp4", "--batch", "1", "--prefill", "8", "--peer", "none",
-            "--init", "sharded", "--mesh", "1x2", *TINY]
+            "--init", "sharded", "--mesh", "1x2", "--layout", "cuda_mma", *TINY]
     p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     header, rows = _tables(p.stdout.splitlines())[-1]
-    assert header[-1] == "vs 1 device"
+    assert header[-3:] == ["vs 1 device", "vs best 1 device", "prefill vs best 1 device"]
     got = {(r["impl"], r["mode"]) for r in rows if float(r["decode tok/s"]) > 0}
-    assert got == {(i, m) for i in ("jaxquant", "jaxquant 1x2") for m in ("bf16", "mxfp4")}, rows
+    assert got == {(i, m) for i in ("jaxquant", "jaxquant 1x2") for m in ("bf16", "mxfp4")} | {
+        ("jaxquant default layout", "mxfp4")}, rows
+    assert all(r["vs best 1 device"].endswith("x") and r["prefill vs best 1 device"].endswith("x")
+               for r in rows if r["impl"] == "jaxquant 1x2"), rows
     by = {(r["impl"], r["mode"]): r for r in rows}
     assert by[("jaxquant 1x2", "bf16")]["Δlogits"] == "0.00%", rows
     assert by[("jaxquant 1x2", "mxfp4")]["Δlogits"] == by[("jaxquant", "mxfp4")]["Δlogits"], rows

@@ -1,6 +1,8 @@
 """The sharded model across processes (JAX's multi-controller runtime, CPU
 collectives): two processes of two CPU devices each decode the same tokens as one
-process holding the same tp=2 x ep=2 mesh, and as one unsharded device."""
+process holding the same tp=2 x ep=2 mesh, and as one unsharded device; the
+quantized dense model in the CUDA default kernel layout (cuda_mma, its
+row-parallel matrices in the split layout)."""
 
 import json
 import os
@@ -47,7 +49,8 @@ def test_two_processes_decode_like_one():
     assert one["process_count"] == 1 and all(o["process_count"] == 2 for o in two)
     assert one["devices"] == 4 and all(o["devices"] == 4 for o in two)
     cases = sorted(k for k in one if k.endswith("/sharded"))
-    assert len(cases) == 2
+    assert len(cases) == 3
+    assert one["layouts"] == two[0]["layouts"] == ["cuda_mma", "cuda_mma/k2"], one["layouts"]
     for case in cases:
         ref = one[case.replace("/sharded", "/unsharded")]
         for got in (one[case], two[0][case], two[1][case]):

@@ -33,7 +33,10 @@ def _check(case, *, tol, collectives):
     assert found == collectives, case
 
 
+KERNEL_LAYOUTS = [("cuda_mma", "affine"), ("cuda_mma", "mxfp4"), ("cuda_mma", "nvfp4"),
+                  ("cdna4", "mxfp4")]
 NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
+    f"qmm_col_{layout}_{m}" for layout, m in KERNEL_LAYOUTS] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
     "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
     "gather_qmm_swiglu_tokens",
@@ -48,8 +51,10 @@ def test_no_collective(cases, name):
 
 
 @pytest.mark.parametrize("name", [f"qmm_row_{m}" for m in ("affine", "mxfp4", "nvfp4")]
+                         + [f"qmm_row_{layout}_{m}" for layout, m in KERNEL_LAYOUTS]
                          + ["gather_ep", "gather_ep_row", "gather_matmul_ep",
-                            "ragged_ep", "ragged_ep_col",
+                            "gather_ep_cuda_mma", "gather_ep_row_cuda_mma",
+                            "ragged_ep", "ragged_ep_col", "ragged_ep_col_cuda_mma",
                             "ragged_ep_bad_sizes", "ragged_matmul_ep",
                             "qmm_col_grad"])
 def test_one_all_reduce(cases, name):
@@ -87,6 +92,16 @@ def test_k_split_inside_a_group_is_gathered_with_a_warning(cases):
     assert any("quantization-group boundaries" in w for w in case["warnings"]), case
 
 
+def test_unsplit_kernel_layout_k_is_gathered_with_a_warning(cases):
+    """A kernel layout prepacked whole and split on K: a device's columns are not
+    its K block in the layout, so K is gathered (correct), and the warning names
+    the split layout to place the weight in."""
+    case = cases["qmm_row_cuda_mma_unsplit_gathered"]
+    assert case["err"] <= 1e-6 * 64 * case["scale"], case
+    assert case["collectives"]["all-gather"] >= 1, case
+    assert any("'cuda_mma/k4'" in w for w in case["warnings"]), case
+
+
 def test_kernels_kept_per_shard(cases):
     if "qmm_col_ffi" not in cases:
         pytest.skip("the ffi CPU library is not built here")
@@ -120,7 +135,7 @@ def test_model_ep_keeps_fused_matrices(cases):
     assert case["experts_by_layer"] is False
 
 
-@pytest.mark.parametrize("name", ["ep_bf16_1x4", "ep_mxfp4_2x2"])
+@pytest.mark.parametrize("name", ["ep_bf16_1x4", "ep_mxfp4_2x2", "ep_mxfp4_2x2_cuda_mma"])
 def test_expert_parallel_moves_activations_only(cases, name):
     """models.prefill / decode with mesh= (parallel.expert_parallel_moe): the tokens
     of one device, and no all-gather in the compiled steps bigger than a few
@@ -136,13 +151,24 @@ def test_expert_parallel_moves_activations_only(cases, name):
     assert case["init_err"] == 0.0 and case["init_same_tree"], case
 
 
-def test_tensor_parallel_dense_one_all_reduce_per_block(cases):
-    """A dense model's decode step on tp=2, per-layer buffers, affine4: one all-reduce
-    per block (attention's wo, the MLP's down: 2 per layer), no weight all-gather."""
-    case = cases["tp_dense_decode"]
+@pytest.mark.parametrize("layout", ["canonical", "cuda_mma"])
+def test_tensor_parallel_dense_one_all_reduce_per_block(cases, layout):
+    """A dense model's decode step on tp=2, per-layer buffers, affine4, in the canonical
+    layout and the CUDA default kernel layout (cuda_mma, forced here: the layout is
+    data): the tokens of one device, one all-reduce per block (attention's wo, the
+    MLP's down: 2 per layer), no weight all-gather, no warning; row-parallel
+    matrices placed in the split layout; parallel.init_params places the same."""
+    case = cases[f"tp_dense_decode_{layout}"]
     assert case["per_layer"] and case["same_tokens"], case
     assert case["all_reduces"] == 2 * case["layers"], case
     assert all(n < case["weight_elements"] for n in case["gathers"]), case
+    assert case["warnings"] == [], case
+    assert case["split"] > 0, case
+    want = ["canonical"] if layout == "canonical" else ["cuda_mma", "cuda_mma/k2"]
+    assert case["layouts"] == want, case
+    assert case["init_same_placement"] and case["init_same_tree"], case
+    # the same values, up to float32 rounding of the float weights drawn under jit
+    assert case["init_err"] <= 1e-6, case
 
 
 @pytest.mark.parametrize("name", ["load_bf16", "load_affine4", "load_mlx"])

@@ -56,6 +56,7 @@ GPU_CONFIGS, CPU_CONFIGS = ("llama3-8b", "gpt-oss-20b"), ("tiny-dense", "tiny")
 FLOAT_MODES = {"bf16": "bfloat16", "float32": "float32"}
 QUANT_DEFAULT = ("affine4", "mxfp4")
 PEER_IMPL = "torch (gpt-fast style)"
+DEFAULT_LAYOUT_IMPL = "jaxquant default layout"  # the one-device row beside a --layout
 
 
 def _block(tree):
@@ -64,23 +65,37 @@ def _block(tree):
     return jax.block_until_ready(tree)
 
 
-def step_bytes(cfg, params, batch: int) -> float:
-    """Weight bytes one decode step of `batch` sequences reads (see the module doc)."""
+def _device_bytes(tree) -> float:
+    """The bytes of tree's arrays that the device holding the most of them holds (the
+    whole array where it is replicated, its block where split)."""
+    import jax
+
+    per = {}
+    for a in jax.tree_util.tree_leaves(tree):
+        for shard in getattr(a, "addressable_shards", ()):
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return float(max(per.values(), default=0))
+
+
+def step_bytes(cfg, params, batch: int, per_device: bool = False) -> float:
+    """Weight bytes one decode step of `batch` sequences reads (see the module doc);
+    per_device: those the busiest device of a mesh reads (its blocks)."""
     from jaxquant import models
 
+    weigh = _device_bytes if per_device else models.weight_bytes
     share = 1.0
     if cfg.moe:
         share = 1.0 - (1.0 - cfg.experts_per_token / cfg.num_experts) ** batch
     total = 0.0
     for key, value in params.items():
         if key == "embed" and not cfg.tie_embeddings:
-            total += models.weight_bytes(value) / cfg.vocab_size * batch
+            total += weigh(value) / cfg.vocab_size * batch
         elif key == "layers":  # stacked [L, ...] or one dict per layer (separate buffers)
             for layer in (value if isinstance(value, (tuple, list)) else (value,)):
                 for name, w in layer.items():
-                    total += models.weight_bytes(w) * (share if name.startswith("e_") else 1.0)
+                    total += weigh(w) * (share if name.startswith("e_") else 1.0)
         else:
-            total += models.weight_bytes(value)
+            total += weigh(value)
     return total
 
 
@@ -355,8 +370,12 @@ def config_rows(args, name, out):
                                      jnp.int32) for b in args.batch}
     prompts["prefill"] = jax.random.randint(jax.random.key(2), (1, args.prefill or 1), 0,
                                             cfg.vocab_size, jnp.int32)
-    meshes = [(None, "jaxquant")] + [(parallel.make_mesh(tp, ep), f"jaxquant {tp}x{ep}")
-                                     for tp, ep in args.mesh if tp * ep <= jax.device_count()]
+    layout = getattr(args, "layout", None)
+    meshes = [(None, "jaxquant", layout)]
+    if args.mesh and layout is not None:  # the best one-device run is the default layout's
+        meshes.append((None, DEFAULT_LAYOUT_IMPL, None))
+    meshes += [(parallel.make_mesh(tp, ep), f"jaxquant {tp}x{ep}", layout)
+               for tp, ep in args.mesh if tp * ep <= jax.device_count()]
     for tp, ep in args.mesh:
         if tp * ep > jax.device_count():
             out(f"# mesh {tp}x{ep} not run: it needs {tp * ep} devices, {jax.device_count()} "
@@ -378,9 +397,13 @@ def config_rows(args, name, out):
             rows.append(_failed(name, "jaxquant", mode, 0, e))
             continue
         a8_rows = []
-        for mesh, impl in meshes:
+        for mesh, impl, mesh_layout in meshes:
+            if mode in FLOAT_MODES and impl == DEFAULT_LAYOUT_IMPL:
+                continue  # float weights have no layout
             try:
-                placed = _placed(cfg, params, mode, mesh, getattr(args, "layout", None))
+                placed = _placed(cfg, params if mesh_layout == layout or params is None else
+                                 models.prepack_params(params, mesh_layout), mode, mesh,
+                                 mesh_layout)
             except Exception as e:  # noqa: BLE001
                 rows.append(_failed(name, impl, mode, 0, e))
                 continue
@@ -388,6 +411,8 @@ def config_rows(args, name, out):
                 harness.progress(f"{name} {impl} {mode} batch {b}")
                 row = {"config": name, "impl": impl, "mode": mode, "batch": b,
                        "step_bytes": step_bytes(cfg, placed, b)}
+                if mesh is not None:
+                    row["device_step_bytes"] = step_bytes(cfg, placed, b, per_device=True)
                 profile_dir = None
                 if args.profile and mesh is None and b == args.batch[0]:
                     profile_dir = os.path.join(args.profile_dir, f"{name}_{mode}_b{b}")
@@ -395,7 +420,7 @@ def config_rows(args, name, out):
                     r = decode_run(cfg, placed, prompts[b], args.tokens, args.forward_kw,
                                    args.iters, mesh, profile_dir)
                     row["decode_tps"] = r["decode_tps"]
-                    if mode in FLOAT_MODES and mesh is None:
+                    if mode in FLOAT_MODES and mesh is None and impl == "jaxquant":
                         ref.setdefault(b, r["logits"])
                     elif b in ref:
                         row["dlogits"] = _logit_diff(r["logits"], ref[b])
@@ -480,24 +505,34 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
     cols += [] if cpu else ["% of bound", "bound tok/s"]
     cols += ["prefill tok/s"] + (["prefill % of GEMM"] if gemm_flops else [])
     cols += ["weights read/step", "Δlogits"]
-    cols += ["vs 1 device"] if meshes else []
+    cols += ["vs 1 device", "vs best 1 device", "prefill vs best 1 device"] if meshes else []
     out("")
     out("| " + " | ".join(cols) + " |")
     out("|" + "|".join("---" if i < 3 else "---:" for i in range(len(cols))) + "|")
     single = {(r["config"], r["mode"], r["batch"]): r.get("decode_tps") for r in rows
               if r["impl"] == "jaxquant"}
+    one_device = [r for r in rows if r["impl"] in ("jaxquant", DEFAULT_LAYOUT_IMPL)]
+
+    def best(r, key):
+        """The best one-device `key` of r's config and batch (any mode: a float mesh row
+        against the best quantized one-device run too, as a user would choose)."""
+        got = [o[key] for o in one_device if o["config"] == r["config"]
+               and o["batch"] == r["batch"] and o.get(key)]
+        return max(got, default=None)
     for r in rows:
         if "failed" in r:
             out("| " + " | ".join([r["config"], r["impl"], r["mode"], str(r["batch"]),
                                    "failed: " + r["failed"]] + [""] * (len(cols) - 5)) + " |")
             continue
-        bound = r["batch"] * bw / r["step_bytes"] if bw and "step_bytes" in r else None
+        # on a mesh, the bound of the weights the busiest device reads (its blocks)
+        read = r.get("device_step_bytes", r.get("step_bytes"))
+        bound = r["batch"] * bw / read if bw and read else None
         cells = [r["config"], r["impl"], r["mode"], str(r["batch"]),
                  _cell(r, "decode_tps", "{:.1f}")]
         if not cpu:
-            on_mesh = r["impl"] not in ("jaxquant", PEER_IMPL) or "decode_tps" not in r
-            cells += ["" if on_mesh else f"{100 * r['decode_tps'] / bound:.0f}%",
-                      "" if on_mesh else f"{bound:.0f}"]
+            none = bound is None or "decode_tps" not in r
+            cells += ["" if none else f"{100 * r['decode_tps'] / bound:.0f}%",
+                      "" if none else f"{bound:.0f}"]
         cells.append(_cell(r, "prefill_tps", "{:.0f}"))
         if gemm_flops:
             cells.append(f"{100 * r['prefill_flops'] / gemm_flops:.0f}%"
@@ -506,8 +541,12 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
                   _cell(r, "dlogits", "{:.2%}")]
         if meshes:
             one = single.get((r["config"], r["mode"], r["batch"]))
+            on_mesh = r["impl"] not in ("jaxquant", DEFAULT_LAYOUT_IMPL, PEER_IMPL)
             cells.append(f"{r['decode_tps'] / one:.2f}x" if one and "decode_tps" in r
-                         and r["impl"] not in ("jaxquant", PEER_IMPL) else "")
+                         and on_mesh else "")
+            for key in ("decode_tps", "prefill_tps"):
+                top = best(r, key) if on_mesh and r.get(key) else None
+                cells.append(f"{r[key] / top:.2f}x" if top else "")
         out("| " + " | ".join(cells) + " |")
 
 
@@ -634,8 +673,9 @@ def add_arguments(parser, cpu):
                    help="where the traces go (default: a temporary directory)")
     g.add_argument("--layout", default=None,
                    help="the quantized weights' kernel layout (jq.prepack; default: the "
-                        "device's fastest). A kernel layout splits on leading axes only, so "
-                        "tensor parallel on a GPU wants --layout canonical (docs/sharding.md)")
+                        "device's fastest). With --mesh, a one-device row in the default "
+                        "layout is run too: 'vs best 1 device' divides by the best one-device "
+                        "run (docs/sharding.md)")
     g.add_argument("--init", choices=("host", "sharded"), default="host",
                    help="host: one float copy of the weights, quantized and placed per mode and "
                         "mesh; sharded: each mode and mesh draws its weights straight into "
@@ -644,7 +684,11 @@ def add_arguments(parser, cpu):
                         "no peer)")
     g.add_argument("--mesh", type=_mesh_list, default=(),
                    help="also run on these tensor x expert parallel meshes, TPxEP,... (e.g. "
-                        "2x1,1x2), with the scaling against one device")
+                        "2x1,1x2), with the scaling against one device: 'vs 1 device' (the "
+                        "same mode and layout), 'vs best 1 device' and 'prefill vs best 1 "
+                        "device' (the best one-device run of the config and batch, any mode, "
+                        "the default layout among them); a mesh row's % of bound is of the "
+                        "weights the busiest device reads")
     g.add_argument("--xla-flags", action="append", default=[], metavar="FLAGS",
                    help="re-run the decode in a subprocess with FLAGS appended to XLA_FLAGS "
                         "(repeatable: one row per variant; write it with '=', e.g. "

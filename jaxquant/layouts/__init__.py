@@ -21,6 +21,15 @@ What a layout may change, so that the rest of the library need not know it:
   padding N), keeping the leading axes.
 - The permutation is within one [N, K] matrix: `qw[e]` of a prepacked stack
   is the prepacked `qw[e]`. Slicing N is refused (it would cut tiles).
+
+Sharding (docs/sharding.md): a layout that keeps blocks of `row_block` rows in
+place splits on N at those boundaries as it is (a device's contiguous rows of
+the packed arrays are the packed rows). Neither shipped layout keeps K's
+columns in place (a tile's K chunks follow each other within the tile), so a
+K split needs the weight in the *split* layout `split_layout(name, p)`,
+spelt "name/kp": K cut into p column blocks, each in `name`. Device j's
+contiguous 1/p of every packed array is then block j in `name`
+(`shard_layout` names what a device holds).
 """
 
 from __future__ import annotations
@@ -74,11 +83,98 @@ def register(layout: Layout) -> Layout:
 
 
 def get(name: str) -> Layout:
+    base, blocks = split_of(name)
+    if blocks > 1 and base in LAYOUTS and base != CANONICAL:
+        if name not in _SPLIT:
+            _SPLIT[name] = _split(LAYOUTS[base], blocks)
+        return _SPLIT[name]
     try:
         return LAYOUTS[name]
     except KeyError:
-        raise ValueError(f"layout={name!r} is not known; expected {CANONICAL!r} or one of "
-                         f"{sorted(LAYOUTS)}") from None
+        raise ValueError(f"layout={name!r} is not known; expected {CANONICAL!r}, one of "
+                         f"{sorted(LAYOUTS)} or one of those split on K as NAME{SPLIT}P "
+                         f"(P >= 2 column blocks)") from None
+
+
+# ---------------------------------------------------------------------------
+# Split layouts: K in column blocks, each block in a base layout (module docstring).
+
+SPLIT = "/k"
+_SPLIT: dict[str, Layout] = {}
+
+
+def split_of(name: str) -> tuple[str, int]:
+    """(base layout, number of K blocks) of a layout name: ("cuda_mma", 2) for
+    "cuda_mma/k2", (name, 1) for an unsplit one."""
+    base, sep, count = name.rpartition(SPLIT)
+    if sep and base and count.isdigit() and int(count) >= 2:
+        return base, int(count)
+    return name, 1
+
+
+def split_layout(name: str, blocks: int) -> str:
+    """The layout that holds K in `blocks` column blocks, each in the layout `name`
+    (itself for blocks=1 and for the canonical layout, whose bits run along K so a
+    column block already is its canonical block)."""
+    base, have = split_of(name)
+    if blocks < 1:
+        raise ValueError(f"blocks must be >= 1; got {blocks}")
+    total = have * blocks
+    return base if base == CANONICAL or total == 1 else f"{base}{SPLIT}{total}"
+
+
+def shard_layout(name: str, shards: int) -> str | None:
+    """The layout of one device's block when a weight in `name` has K split evenly
+    over `shards` devices; None where that block is not a valid layout (an unsplit
+    kernel layout, or a split one whose block count `shards` does not divide)."""
+    base, blocks = split_of(name)
+    if shards == 1 or base == CANONICAL:
+        return name
+    if blocks % shards:
+        return None
+    return split_layout(base, blocks // shards)
+
+
+def with_layout(qw: QuantizedArray, layout: str) -> QuantizedArray:
+    """qw's arrays as they are, recorded as being in `layout` (a device's block
+    of a split layout: shard_layout)."""
+    return QuantizedArray.tree_unflatten(
+        (qw.mode, qw.bits, qw.group_size, qw.dtype, layout), qw.tree_flatten()[0])
+
+
+def _blocks(qw: QuantizedArray, blocks: int):
+    """The `blocks` column blocks of qw's arrays (each [..., rows, last/blocks])."""
+    cut = lambda a: None if a is None else jnp.split(a, blocks, axis=-1)
+    data, scales, biases = cut(qw.data), cut(qw.scales), cut(qw.biases)
+    return [(data[i], scales[i], None if biases is None else biases[i]) for i in range(blocks)]
+
+
+def _split(base: Layout, blocks: int) -> Layout:
+    def convert(fn, qw):
+        out = [fn(QuantizedArray(d, s, b, None, mode=qw.mode, bits=qw.bits,
+                                 group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout))
+               for d, s, b in _blocks(qw, blocks)]
+        return tuple(None if out[0][i] is None else jnp.concatenate([o[i] for o in out], -1)
+                     for i in range(3))
+
+    def unsupported(qw):
+        k = qw.shape[-1]
+        groups = k // qw.group_size
+        if groups % blocks:
+            return (f"K={k} has {groups} quantization groups, which do not split into "
+                    f"{blocks} blocks")
+        shape = lambda a: None if a is None else jax.ShapeDtypeStruct(
+            a.shape[:-1] + (a.shape[-1] // blocks,), a.dtype)
+        block = QuantizedArray.tree_unflatten(
+            (qw.mode, qw.bits, qw.group_size, qw.dtype, CANONICAL),
+            (shape(qw.data), shape(qw.scales), shape(qw.biases), None))
+        why = base.unsupported(block)
+        return None if why is None else f"a block of K={k // blocks}: {why}"
+
+    return Layout(f"{base.name}{SPLIT}{blocks}", lambda qw: convert(base.pack, qw),
+                  lambda qw: convert(base.unpack, qw), unsupported, platforms=(),
+                  doc=f"K in {blocks} column blocks, each in {base.name!r}",
+                  row_block=base.row_block)
 
 
 def _with_arrays(qw: QuantizedArray, arrays, layout: str) -> QuantizedArray:
@@ -179,7 +275,7 @@ def _nbytes(arrays):
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _convert_jit(qw, name, pack):
-    layout = LAYOUTS[name]
+    layout = get(name)
     fn = layout.pack if pack else layout.unpack
     lead, n = qw.data.shape[:-2], qw.data.shape[-2]
     b = math.prod(lead)

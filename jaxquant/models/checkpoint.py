@@ -431,6 +431,7 @@ def _load_sharded(cfg, tensors, quant, mesh, *, lm_head, layout, fuse, per_layer
     for i in range(cfg.num_layers):
         p = _layer(cfg, tensors, quant, i, fuse and not parts, matrix)
         p = prepack_params({"layers": (p,)}, layout)["layers"][0]
+        p = parallel.mesh_layouts(mesh, p, stacked=False)[0]  # K splits: the split layout
         layers.append(parallel.put_sharded(mesh, p, parallel.layer_specs(p, mesh)))
     params = {"layers": tuple(layers), **_outer(cfg, tensors, quant)}
     if not cfg.tie_embeddings:

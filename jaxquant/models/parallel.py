@@ -31,10 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant.models.config import Config
+from jaxquant import layouts
 from jaxquant.models import params as model_params
 from jaxquant.models.moe import experts_mlp
 from jaxquant.models.params import EXPERT_BIASES, EXPERT_STACKS, unfuse_params
-from jaxquant.quantized_array import QuantizedArray
+from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 # key -> spec of the (stacked [L, ...]) logical matrix; None entries are replicated
 TP, EP = "tp", "ep"
@@ -82,13 +83,17 @@ def _place(mesh, a, spec):
     return jax.device_put(a, NamedSharding(mesh, named_spec(mesh, a, spec)))
 
 
-def matrix_specs(mesh, w, spec):
+def matrix_specs(mesh, w, spec, name: str = "weight"):
     """The PartitionSpec (a QuantizedArray: one per array, as a QuantizedArray of
-    them) each of w's arrays gets on `mesh` for the logical spec of w (SPECS)."""
+    them) each of w's arrays gets on `mesh` for the logical spec of w (SPECS).
+    A kernel layout splits on N only in whole tiles and on K only as its split
+    layout (mesh_layout) allows: anything else raises ValueError naming `name`."""
     if not isinstance(w, QuantizedArray):
         return named_spec(mesh, w, spec)
     groups = w.shape[-1] // w.group_size
     spec = _fits(mesh, w.shape, spec, units=groups)
+    if w.layout != CANONICAL:
+        _check_tiles(mesh, w, spec, name)
     lead = len(spec) - 2
     children = [None if c is None else named_spec(mesh, c, spec)
                 for c in (w.data, w.scales, w.biases)]
@@ -97,17 +102,111 @@ def matrix_specs(mesh, w, spec):
     return QuantizedArray.tree_unflatten(w.tree_flatten()[1], children)
 
 
+def _check_tiles(mesh, w, spec, name):
+    why = _tile_problems(mesh, w, spec)
+    if why:
+        raise ValueError(f"{name} {w.shape} in the {w.layout} layout on a {dict(mesh.shape)} "
+                         f"mesh: {why[0][1]} (logical_specs drops such an axis, mesh_layout "
+                         f"puts a K split in its split layout)")
+
+
+def _tile_problems(mesh, w, spec, convertible=False):
+    """[(axis index, why)] for each of w's N and K split axes in `spec` that its
+    kernel layout cannot take: N not in whole tiles; K whose blocks are not
+    valid layouts (convertible: those a split layout, mesh_layout's, can hold)."""
+    out = []
+    n_ax, k_ax = spec[-2], spec[-1]
+    if n_ax is not None and mesh.shape[n_ax] > 1:
+        block, rows = layouts.get(w.layout).row_block, w.shape[-2]
+        if np.shape(w.scales)[-2] != rows or not block or rows % (mesh.shape[n_ax] * block):
+            out.append((-2, f"N={rows} does not split over {n_ax!r} ({mesh.shape[n_ax]} "
+                            f"devices) into whole {block}-row tiles of the layout"))
+    if k_ax is not None and mesh.shape[k_ax] > 1:
+        shards = mesh.shape[k_ax]
+        if layouts.shard_layout(w.layout, shards) is None:
+            target = layouts.split_layout(layouts.split_of(w.layout)[0], shards)
+            why = layouts.get(target).unsupported(jax.eval_shape(jq.unpack_layout, w))
+            if not convertible or why is not None:
+                out.append((-1, f"K={w.shape[-1]} does not split over {k_ax!r} ({shards} "
+                                f"devices) in the layout"
+                                + (f": {target}: {why}" if why else f" (needs {target!r})")))
+    return out
+
+
+def _fit_layout(mesh, w, spec):
+    """spec (padded to w's rank, non-dividing axes dropped) with each axis w's
+    kernel layout cannot split on (_tile_problems, convertible) dropped too."""
+    spec = tuple(spec) + (None,) * (len(w.shape) - len(spec))
+    if not isinstance(w, QuantizedArray):
+        return _fits(mesh, w.shape, spec)
+    spec = list(_fits(mesh, w.shape, spec, units=w.shape[-1] // w.group_size))
+    if w.layout != CANONICAL:
+        for i, _ in _tile_problems(mesh, w, spec, convertible=True):
+            spec[i] = None
+    return tuple(spec)
+
+
+def logical_specs(mesh, p: dict, stacked: bool = True) -> dict:
+    """key -> the logical spec each weight of one layer dict (stacked: with the
+    layer axis) is placed by on `mesh`: SPECS with every axis dropped that does
+    not divide, or that a kernel layout cannot split in whole tiles (kept whole
+    on it: docs/sharding.md); and "tp" dropped from all the experts (matrices
+    and biases) where one of them cannot take it, so that expert_parallel_moe
+    never gathers a placed block."""
+    cut = 0 if stacked else 1
+    specs = {k: _fit_layout(mesh, v, SPECS.get(k, (None,))[cut:]) for k, v in p.items()}
+    experts = [k for k in EXPERT_STACKS if k in p]
+    if experts and not all(TP in specs[k] for k in experts):
+        for k in experts + [k for k in EXPERT_BIASES if k in p]:
+            specs[k] = tuple(None if a == TP else a for a in specs[k])
+    return specs
+
+
+def mesh_layout(mesh, w, spec):
+    """w in the layout it is placed in under the (logical_specs) spec: a kernel
+    layout whose K splits over a mesh axis goes into its split layout
+    (jaxquant/layouts: each device's contiguous block of the packed arrays is
+    then its block of K in the base layout, which the kernels read). Float
+    weights, the canonical layout and unsplit K: w as it is."""
+    if not isinstance(w, QuantizedArray) or w.layout == CANONICAL:
+        return w
+    k_ax = tuple(spec)[-1] if len(spec) == w.ndim else None
+    if k_ax is None or layouts.shard_layout(w.layout, mesh.shape[k_ax]) is not None:
+        return w
+    return jq.prepack(w, layouts.split_layout(layouts.split_of(w.layout)[0], mesh.shape[k_ax]))
+
+
+def mesh_layouts(mesh, p: dict, stacked: bool = True) -> tuple[dict, dict]:
+    """(p with each weight in its mesh_layout, the logical specs it is placed by)."""
+    specs = logical_specs(mesh, p, stacked)
+    return {k: mesh_layout(mesh, v, specs[k]) for k, v in p.items()}, specs
+
+
+def local_blocks(mesh, p: dict, specs: dict) -> dict:
+    """Inside a shard_map over `mesh`: each QuantizedArray of p (placed by `specs`,
+    matrix_specs') recorded in the layout of the block a device holds (a split
+    layout's block is its base layout)."""
+    def local(v, spec):
+        if not isinstance(v, QuantizedArray) or v.layout == CANONICAL:
+            return v
+        k_ax = jax.tree_util.tree_leaves(spec, is_leaf=_is_spec)[0][-1]
+        return v if k_ax is None else layouts.with_layout(
+            v, layouts.shard_layout(v.layout, mesh.shape[k_ax]))
+    return {k: local(v, specs[k]) for k, v in p.items()}
+
+
 def _is_spec(x):
     return isinstance(x, P)
 
 
-def _place_matrix(mesh, w, spec):
-    return put_sharded(mesh, w, matrix_specs(mesh, w, spec))
+def _place_matrix(mesh, w, spec, name="weight"):
+    return put_sharded(mesh, w, matrix_specs(mesh, w, spec, name))
 
 
 def layer_specs(p: dict, mesh: Mesh) -> dict:
     """The specs (matrix_specs) of one layer's dict of weights (no layer axis)."""
-    return {k: matrix_specs(mesh, v, SPECS.get(k, (None,))[1:]) for k, v in p.items()}
+    specs = logical_specs(mesh, p, stacked=False)
+    return {k: matrix_specs(mesh, v, specs[k], k) for k, v in p.items()}
 
 
 def shard_params(cfg: Config, params, mesh: Mesh):
@@ -117,11 +216,13 @@ def shard_params(cfg: Config, params, mesh: Mesh):
         params = unfuse_params(cfg, params)
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):  # separate per-layer buffers: no layer axis
+        layers = [mesh_layouts(mesh, p, stacked=False)[0] for p in layers]
         layers = tuple(put_sharded(mesh, p, layer_specs(p, mesh)) for p in layers)
     else:
-        layers = {k: _place_matrix(mesh, v, SPECS.get(k, ())) for k, v in layers.items()}
-    out = {k: _place_matrix(mesh, v, (TP, None) if k == "lm_head" else ())
-           for k, v in params.items() if k != "layers"}
+        layers, specs = mesh_layouts(mesh, layers)
+        layers = {k: _place_matrix(mesh, v, specs[k], k) for k, v in layers.items()}
+    out = {k: _place_matrix(mesh, v, _fit_layout(mesh, v, (TP, None) if k == "lm_head" else ()),
+                            k) for k, v in params.items() if k != "layers"}
     out["layers"] = layers
     return out
 
@@ -154,15 +255,12 @@ def expert_parallel_moe(cfg: Config, p, x, idx, weights, mesh: Mesh):
     psum is over "tp" only; where the experts' I does not split over "tp" the
     same for "tp"."""
     names = [k for k in EXPERT_STACKS + EXPERT_BIASES if k in p]
-    specs = {k: matrix_specs(mesh, p[k], SPECS[k][1:]) for k in names}
+    logical = logical_specs(mesh, p, stacked=False)
+    specs = {k: matrix_specs(mesh, p[k], logical[k], k) for k in names}
     first = lambda k: jax.tree_util.tree_leaves(specs[k], is_leaf=_is_spec)[0]
     matrices = [k for k in names if k in EXPERT_STACKS]
     ep_split = all(first(k)[0] == EP for k in matrices)
-    # a kernel layout's tiles span N and K: its blocks split on "tp" are not matrices
-    # (as the ops' rules, docs/sharding.md's limits: gathered on "tp", never misread)
-    tiled = any(isinstance(p[k], QuantizedArray) and p[k].layout != "canonical"
-                for k in matrices)
-    tp_split = not tiled and all(TP in first(k) for k in matrices)
+    tp_split = all(TP in first(k) for k in matrices)
     if not (ep_split and tp_split):  # one split for all of them, or none
         keep = (EP,) * ep_split + (TP,) * tp_split
         specs = {k: jax.tree_util.tree_map(
@@ -172,6 +270,7 @@ def expert_parallel_moe(cfg: Config, p, x, idx, weights, mesh: Mesh):
     local_experts = cfg.num_experts // mesh.shape[EP] if ep_split else cfg.num_experts
 
     def local(x, idx, weights, pe):
+        pe = local_blocks(mesh, pe, specs)
         offset = lax.axis_index(EP) * local_experts if ep_split else 0
         if tp_split and "e_down_bias" in pe:  # down's partial sums over tp: its bias once
             pe = dict(pe, e_down_bias=jnp.where(lax.axis_index(TP) == 0,
@@ -206,7 +305,8 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
             p = unfuse_params(cfg, {"layers": (p,)})["layers"][0]
         if kw is not None:
             p = {n: jq.quantize(w, **kw) if n in model_params.MATRICES else w for n, w in p.items()}
-        return model_params.prepack_params({"layers": (p,)}, layout)["layers"][0]
+        p = model_params.prepack_params({"layers": (p,)}, layout)["layers"][0]
+        return mesh_layouts(mesh, p, stacked=False)[0]
 
     def sharded(fn, specs_of, key):
         """fn jitted with its result placed by specs_of(its shapes): one compile per fn."""
@@ -228,8 +328,8 @@ def init_params(cfg: Config, key, mesh: Mesh, mode=None, *, per_layer: bool | No
             w = model_params.normal_init(k, (cfg.vocab_size, d), dtype)
             w = w if kw is None else jq.quantize(w, **kw)
             return model_params.prepack_params({"layers": (), "lm_head": w}, layout)["lm_head"]
-        params["lm_head"] = sharded(head, lambda s: matrix_specs(mesh, s, (TP, None)),
-                                    k_head)(k_head)
+        head_specs = lambda s: matrix_specs(mesh, s, _fit_layout(mesh, s, (TP, None)), "lm_head")
+        params["lm_head"] = sharded(head, head_specs, k_head)(k_head)
     if not per_layer:
         params = shard_params(cfg, model_params.stack_layers(params), mesh)
     return params

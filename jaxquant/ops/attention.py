@@ -29,6 +29,7 @@ from jax import lax
 from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
                                  jvp_through_reference, to_front_or_broadcast)
 from jaxquant.primitive import Op
+from jaxquant.sharding import Dims, Factors
 from jaxquant.static_args import require_static
 
 
@@ -59,7 +60,27 @@ def decode_attention_reference(q, k_cache, v_cache, positions, window, sinks, la
     return o.reshape(b, t, hq, hd).astype(q.dtype)
 
 
-decode_attention_op = Op("decode_attention", decode_attention_reference)
+# Sharding rules (jaxquant/sharding.py): which operand and result dimensions are
+# the same logical axis, and which may split.
+
+
+def attention_factors(q, k_cache, v_cache, positions, window, sinks, layer, **params):
+    # Batch, query rows and kv heads split (q's heads are (kv head, group)); the
+    # softmax's keys, the head dim and a stack's layers (one is read) do not.
+    b, t, hq, hd = q.shape
+    s, hkv = k_cache.shape[-3], k_cache.shape[-2]
+    sizes = {"b": b, "t": t, "h": hkv, "g": hq // hkv, "s": s, "d": hd}
+    if layer is not None:
+        sizes["l"] = k_cache.shape[0]
+    heads = Dims([("b",), ("t",), ("h", "g"), ("d",)])
+    cache = Dims(([] if layer is None else [("l",)]) + [("b",), ("s",), ("h",), ("d",)])
+    ops = [heads, cache, cache, Dims([("b",), ("t",)]), Dims([]),
+           None if sinks is None else Dims([("h", "g")]), None if layer is None else Dims([])]
+    return Factors(ops, [heads], sizes, replicated=("s", "d", "l"), priority=(1, 2))
+
+
+decode_attention_op = Op("decode_attention", decode_attention_reference,
+                         factors=attention_factors)
 
 
 # ---------------------------------------------------------------------------

@@ -8,13 +8,29 @@ from jax.interpreters import ad
 from jaxquant.ops.common import batch_size, quantized_to_front, require_quantized
 from jaxquant.primitive import Op
 from jaxquant.quantize import check_float_dtype, dequantize_reference
+from jaxquant.sharding import Dims, Factors, qw_dims
 
 
 def _reference(qw, *, dtype):
     return dequantize_reference(qw, dtype=dtype)
 
 
-dequantize_op = Op("dequantize", _reference)
+# Sharding rules (jaxquant/sharding.py): which operand and result dimensions are
+# the same logical axis, and which may split.
+
+
+def dequantize_factors(qw, *, dtype):
+    sizes, allowed = {"r": qw.shape[-2], "gk": qw.group_size}, {}
+    lead = [f"b{i}" for i in range(qw.ndim - 2)]
+    for i, f in enumerate(lead):
+        sizes[f] = qw.shape[i]
+    qdims = qw_dims(qw, lead, "r", "g", sizes, allowed)
+    out = Dims([(f,) for f in lead] + [("r",), ("g", "gk")])
+    return Factors([qdims], [out], sizes,
+                   replicated=("gk", "gw"), priority=(0,), allowed=allowed)
+
+
+dequantize_op = Op("dequantize", _reference, factors=dequantize_factors)
 
 
 def dequantize(qw, dtype=None, *, backend: str | None = None):

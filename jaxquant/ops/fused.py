@@ -31,9 +31,10 @@ import numpy as np
 from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
                                  jvp_through_reference, move_to_front, require_quantized)
 from jaxquant.ops.norms import check_norm_args, rms_norm_op, rms_norm_reference
-from jaxquant.ops.qmm import (check_gather_args, gather_batch, gather_qmm_op,
-                              gather_qmm_reference, qmm_op, qmm_reference)
+from jaxquant.ops.qmm import (check_gather_args, gather_batch, gather_factors, gather_qmm_op,
+                              gather_qmm_reference, qmm_factors, qmm_op, qmm_reference)
 from jaxquant.primitive import Op
+from jaxquant.sharding import Dims, Factors
 from jaxquant.static_args import require_static
 
 SWIGLU_ACTIVATIONS = ("silu", "gpt_oss")
@@ -107,10 +108,53 @@ def gather_qmm_swiglu_unfused(x, qw, indices, bias, *, backend, activation, limi
                             limit=limit, alpha=alpha, dtype=x.dtype)
 
 
-rms_norm_qmm_op = Op("rms_norm_qmm", rms_norm_qmm_reference, composition=_rms_norm_qmm_unfused)
-qmm_swiglu_op = Op("qmm_swiglu", qmm_swiglu_reference, composition=_qmm_swiglu_unfused)
+# Sharding rules (jaxquant/sharding.py): which operand and result dimensions are
+# the same logical axis, and which may split.
+
+
+def rms_norm_qmm_factors(x, norm_weight, qw, *, eps, weight_offset, precision):
+    """Column-parallel like qmm over N; K does not split (the norm reduces over it
+    before the product)."""
+    f = qmm_factors(x, qw, transpose=True, precision=precision)
+    xdims, qdims = f.operands
+    wdims = None if norm_weight is None else Dims([xdims[-1]])
+    return Factors([xdims, wdims, qdims], f.results, f.sizes,
+                   replicated=f.replicated + ("g",), allowed=f.allowed,
+                   priority=(1,) if norm_weight is None else (2,))  # qw's data leaf
+
+
+def qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
+    """Rows split; N does not (a shard of the rows [0, 2I) is not a gate half and an
+    up half), nor K (the activation follows the sum)."""
+    f = qmm_factors(x, qw, transpose=True, precision=precision)
+    xdims, qdims = f.operands
+    f.sizes["i"] = qw.shape[0] // 2
+    out = Dims(list(f.results[0][:-1]) + [("i",)])
+    bdims = None if bias is None else Dims([("r",)])
+    return Factors([xdims, qdims, bdims], [out], f.sizes,
+                   replicated=f.replicated + ("g", "r", "i"), priority=(1,), allowed=f.allowed)
+
+
+def gather_qmm_swiglu_factors(x, qw, indices, bias, *, activation, limit, alpha, precision):
+    """Tokens split; experts do not (each shard's activation needs its slots' whole
+    sums: an expert-parallel partial sum would be summed after the activation), nor
+    N or K (as qmm_swiglu's)."""
+    f = gather_factors(x, qw, indices, transpose=True, precision=precision)
+    xdims, qdims, idims = f.operands
+    f.sizes["i"] = qw.shape[1] // 2
+    out = Dims(list(f.results[0][:-1]) + [("i",)])
+    bdims = None if bias is None else Dims([("e",), ("r",)])
+    return Factors([xdims, qdims, idims, bdims], [out], f.sizes,
+                   replicated=f.replicated + ("e", "g", "r", "i"), priority=(1,),
+                   allowed=f.allowed)
+
+
+rms_norm_qmm_op = Op("rms_norm_qmm", rms_norm_qmm_reference, composition=_rms_norm_qmm_unfused,
+                     factors=rms_norm_qmm_factors)
+qmm_swiglu_op = Op("qmm_swiglu", qmm_swiglu_reference, composition=_qmm_swiglu_unfused,
+                   factors=qmm_swiglu_factors)
 gather_qmm_swiglu_op = Op("gather_qmm_swiglu", gather_qmm_swiglu_reference,
-                          composition=gather_qmm_swiglu_unfused)
+                          composition=gather_qmm_swiglu_unfused, factors=gather_qmm_swiglu_factors)
 
 
 # ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 from jaxquant.ops.common import (check_x, compute_dtype, jvp_through_reference,
                                  to_front_or_broadcast)
 from jaxquant.primitive import Op
+from jaxquant.sharding import Dims, Factors
 from jaxquant.static_args import require_static
 
 ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
@@ -56,9 +57,27 @@ def gated_rms_norm_reference(x, gate, weight, *, eps, weight_offset, activation,
     return y.astype(gate.dtype)
 
 
-rms_norm_op = Op("rms_norm", rms_norm_reference)
-add_rms_norm_op = Op("add_rms_norm", add_rms_norm_reference, multiple_results=True)
-gated_rms_norm_op = Op("gated_rms_norm", gated_rms_norm_reference)
+# Sharding rules (jaxquant/sharding.py): which operand and result dimensions are
+# the same logical axis, and which may split.
+
+
+def norm_factors(n_rows: int, n_results: int):
+    def factors(*args, **params):
+        x = args[0]
+        sizes = {f"m{i}": s for i, s in enumerate(x.shape[:-1])}
+        sizes["d"] = x.shape[-1]
+        row = Dims([(f"m{i}",) for i in range(x.ndim - 1)] + [("d",)])
+        ops = [row] * n_rows + [None if a is None else Dims([("d",)]) for a in args[n_rows:]]
+        # The hidden axis is reduced over inside the op: it does not split.
+        return Factors(ops, [row] * n_results, sizes, replicated=("d",),
+                       priority=tuple(range(n_rows)))
+    return factors
+
+
+rms_norm_op = Op("rms_norm", rms_norm_reference, factors=norm_factors(1, 1))
+add_rms_norm_op = Op("add_rms_norm", add_rms_norm_reference, multiple_results=True,
+                     factors=norm_factors(2, 2))
+gated_rms_norm_op = Op("gated_rms_norm", gated_rms_norm_reference, factors=norm_factors(2, 1))
 
 
 # ---------------------------------------------------------------------------

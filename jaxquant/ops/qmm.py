@@ -25,6 +25,7 @@ from jaxquant.ops.common import (batch_size, check_group_sizes, check_x, compute
 from jaxquant.primitive import Op
 from jaxquant.quantize import dequantize_reference
 from jaxquant.quantized_array import QuantizedArray
+from jaxquant.sharding import Dims, Factors, qw_dims
 from jaxquant.static_args import require_bool
 
 
@@ -82,11 +83,90 @@ def ragged_matmul_reference(x, w, group_sizes, *, transpose, precision):
                                 dequantize=lambda w, dtype: w.astype(dtype))
 
 
-qmm_op = Op("qmm", qmm_reference)
-gather_qmm_op = Op("gather_qmm", gather_qmm_reference)
-ragged_qmm_op = Op("ragged_qmm", ragged_qmm_reference)
-gather_matmul_op = Op("gather_matmul", gather_matmul_reference)
-ragged_matmul_op = Op("ragged_matmul", ragged_matmul_reference)
+# Sharding rules (jaxquant/sharding.py): which operand and result dimensions are
+# the same logical axis, and which may split.
+
+
+def qmm_factors(x, qw, *, transpose, precision):
+    sizes, allowed = {}, {}
+    nb = qw.ndim - 2
+    lead = [f"b{i}" for i in range(nb)]
+    for i, f in enumerate(lead):
+        sizes[f] = qw.shape[i]
+    rows = [f"m{i}" for i in range(x.ndim - 1 - nb)]
+    for i, f in enumerate(rows):
+        sizes[f] = x.shape[nb + i]
+    qdims = qw_dims(qw, lead, "r", "g", sizes, allowed)
+    sizes["r"] = qw.shape[-2]
+    sizes["gk"] = qw.group_size
+    grouped = ("g", "gk")
+    # transpose: W [N, K] (rows r = N, groups along K); else W [K, N] (groups along N).
+    k_dim, n_dim, contracted = (grouped, ("r",), "g") if transpose else (("r",), grouped, "r")
+    xdims = Dims([(f,) for f in lead + rows] + [k_dim])
+    out = Dims([(f,) for f in lead + rows] + [n_dim])
+    ops = [xdims, qdims]
+    return Factors(ops, [out], sizes, contracted=(contracted,),
+                   replicated=("gk", "gw"), priority=(1,), allowed=allowed)
+
+
+def gather_factors(x, qw, indices, *, transpose, precision):
+    sizes, allowed = {"e": qw.shape[0], "t": indices.shape[0], "s": indices.shape[1],
+                      "r": qw.shape[1], "gk": qw.group_size}, {}
+    qdims = qw_dims(qw, ["e"], "r", "g", sizes, allowed)
+    grouped = ("g", "gk")
+    k_dim, n_dim, contracted = (grouped, ("r",), "g") if transpose else (("r",), grouped, "r")
+    xdims = Dims([("t",), k_dim] if x.ndim == 2 else [("t",), ("s",), k_dim])
+    out = Dims([("t",), ("s",), n_dim])
+    return Factors([xdims, qdims, Dims([("t",), ("s",)])], [out], sizes,
+                   contracted=(contracted, "e"),
+                   replicated=("gk", "gw", "s"), priority=(1,), allowed=allowed)
+
+
+def float_experts(w, transpose, sizes):
+    """A float w [E, N, K] (or [E, K, N] with transpose=False): its e, n, k added to
+    `sizes`, and its Dims. Unlike a quantized w, K splits anywhere (no groups)."""
+    e, a, b = w.shape
+    sizes.update(e=e, n=a if transpose else b, k=b if transpose else a)
+    return Dims([("e",), ("n",), ("k",)] if transpose else [("e",), ("k",), ("n",)])
+
+
+def gather_matmul_factors(x, w, indices, *, transpose, precision):
+    """gather_qmm's factors on a float w."""
+    sizes = {"t": indices.shape[0], "s": indices.shape[1]}
+    wdims = float_experts(w, transpose, sizes)
+    xdims = Dims([("t",), ("k",)] if x.ndim == 2 else [("t",), ("s",), ("k",)])
+    return Factors([xdims, wdims, Dims([("t",), ("s",)])], [Dims([("t",), ("s",), ("n",)])],
+                   sizes, contracted=("k", "e"), replicated=("s",), priority=(1,))
+
+
+def ragged_matmul_factors(x, w, group_sizes, *, transpose, precision):
+    """ragged_qmm's factors on a float w."""
+    sizes = {"t": x.shape[0], "es": w.shape[0]}
+    wdims = float_experts(w, transpose, sizes)
+    # Token rows are grouped by expert in order, so they do not split (as ragged_qmm's).
+    return Factors([Dims([("t",), ("k",)]), wdims, Dims([("es",)])], [Dims([("t",), ("n",)])],
+                   sizes, contracted=("k", "e"), replicated=("t", "es"), priority=(1,))
+
+
+def ragged_factors(x, qw, group_sizes, *, transpose, precision):
+    sizes, allowed = {"e": qw.shape[0], "t": x.shape[0], "r": qw.shape[1],
+                      "gk": qw.group_size}, {}
+    qdims = qw_dims(qw, ["e"], "r", "g", sizes, allowed)
+    grouped = ("g", "gk")
+    k_dim, n_dim, contracted = (grouped, ("r",), "g") if transpose else (("r",), grouped, "r")
+    # Token rows are grouped by expert in order, so they do not split; every
+    # shard reads all group sizes (its rows start after the other experts').
+    sizes["es"] = qw.shape[0]
+    return Factors([Dims([("t",), k_dim]), qdims, Dims([("es",)])], [Dims([("t",), n_dim])],
+                   sizes, contracted=(contracted, "e"),
+                   replicated=("gk", "gw", "t", "es"), priority=(1,), allowed=allowed)
+
+
+qmm_op = Op("qmm", qmm_reference, factors=qmm_factors)
+gather_qmm_op = Op("gather_qmm", gather_qmm_reference, factors=gather_factors)
+ragged_qmm_op = Op("ragged_qmm", ragged_qmm_reference, factors=ragged_factors)
+gather_matmul_op = Op("gather_matmul", gather_matmul_reference, factors=gather_matmul_factors)
+ragged_matmul_op = Op("ragged_matmul", ragged_matmul_reference, factors=ragged_matmul_factors)
 
 
 # ---------------------------------------------------------------------------
