@@ -511,15 +511,7 @@ def gather_qmm(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, tr
     out_batch = jnp.broadcast_shapes(lhs.shape, rhs.shape)
     lhs = jnp.broadcast_to(lhs, out_batch).reshape(-1)
     rhs = jnp.broadcast_to(rhs, out_batch).reshape(-1)
-    experts = int(np.prod(w_batch))
-    gs = qw.global_scale
-    if gs is not None and jnp.ndim(gs) > 0:  # one per leading index: one per expert
-        gs = jnp.broadcast_to(gs.reshape(gs.shape + (1,) * (len(w_batch) - gs.ndim)),
-                              w_batch).reshape(-1)
-    qw_flat = QuantizedArray(
-        *(None if a is None else a.reshape((experts,) + a.shape[-2:])
-          for a in (qw.data, qw.scales, qw.biases)), gs,
-        mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype)
+    qw_flat = qw.flatten_leading()  # a global scale per leading index: one per expert
     rows = jnp.take(x.reshape(-1, m, k), lhs, axis=0, mode="fill", fill_value=jnp.nan)
     y = jq_ops.gather_qmm(rows.reshape(-1, k), qw_flat, jnp.repeat(rhs, m)[:, None],
                           transpose, backend=backend)

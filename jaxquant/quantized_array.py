@@ -61,6 +61,37 @@ class QuantizedArray:
         obj.mode, obj.bits, obj.group_size, obj.dtype, obj.layout = aux
         return obj
 
+    def replace(self, **fields) -> "QuantizedArray":
+        """This array with some of its fields (data, scales, biases, global_scale, mode,
+        bits, group_size, dtype, layout) replaced: a new QuantizedArray, validated."""
+        unknown = sorted(set(fields) - set(self.__slots__))
+        if unknown:
+            raise TypeError(f"QuantizedArray.replace: unknown field(s) {unknown}; expected "
+                            f"some of {self.__slots__}")
+        kw = {name: getattr(self, name) for name in self.__slots__}
+        kw.update(fields)
+        return QuantizedArray(**kw)
+
+    def flatten_leading(self, n: int | None = None) -> "QuantizedArray":
+        """[*B, N, K] -> [prod(B), N, K], B the first n axes (default: every axis before
+        the matrix; none gives a leading axis of 1): each child reshaped (no copy), a
+        global scale given per leading index broadcast over B and flattened with it
+        (a scalar one stays), the format and layout kept."""
+        n = self.ndim - 2 if n is None else n
+        if not 0 <= n <= self.ndim - 2:
+            raise ValueError(f"n={n} must be in [0, {self.ndim - 2}] for shape {self.shape}")
+        lead = self.shape[:n]
+        b = int(np.prod(lead))
+        flat = lambda c: None if c is None else c.reshape(b, *c.shape[n:])
+        gs = self.global_scale
+        if gs is not None and jnp.ndim(gs) > n:  # per index of B and of later axes
+            gs = gs.reshape(b, *jnp.shape(gs)[n:])
+        elif gs is not None and jnp.ndim(gs) > 0:
+            gs = jnp.broadcast_to(jnp.reshape(gs, jnp.shape(gs) + (1,) * (n - jnp.ndim(gs))),
+                                  lead).reshape(-1)
+        return self.replace(data=flat(self.data), scales=flat(self.scales),
+                            biases=flat(self.biases), global_scale=gs)
+
     # -- array-like --------------------------------------------------------
     @property
     def format(self) -> formats.Format:

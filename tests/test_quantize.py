@@ -964,3 +964,39 @@ def test_nonfinite_group_is_nan_and_only_it(mode, shape):
         missing = np.argwhere(~np.isnan(got) & expect_nan[..., None])
         assert not missing.size, (dtype, missing)
         np.testing.assert_array_equal(got[~expect_nan], ref[~expect_nan])
+
+
+def test_replace_and_flatten_leading_keep_every_field():
+    """QuantizedArray.replace rebuilds (validated) with the named fields changed;
+    flatten_leading ([*B, N, K] -> [prod(B), N, K]) keeps the format, the layout and a
+    global scale given per leading index (broadcast over B with the rest), so the flat
+    array dequantizes to the stack's values."""
+    w = jax.random.normal(jax.random.key(7), (2, 3, 16, 64), jnp.float32)
+    per_matrix = jax.vmap(jax.vmap(lambda m: jq.quantize(m, mode="nvfp4", layout="canonical")))(w)
+    per_stack = jq.quantize(w[0], mode="nvfp4", layout="canonical")
+    partial = per_matrix.replace(global_scale=per_matrix.global_scale[:, 0])  # one per B0
+    for qw, lead_gs in ((per_matrix, (2, 3)), (partial, (2,))):
+        assert qw.global_scale.shape == lead_gs
+        flat = qw.flatten_leading()
+        assert flat.shape == (6, 16, 64) and flat.global_scale.shape == (6,)
+        assert (flat.mode, flat.bits, flat.group_size, flat.dtype, flat.layout) == (
+            qw.mode, qw.bits, qw.group_size, qw.dtype, qw.layout)
+        np.testing.assert_array_equal(np.asarray(jq.dequantize(flat)),
+                                      np.asarray(jq.dequantize(qw)).reshape(6, 16, 64))
+    one = per_matrix.flatten_leading(1)  # B = (2,): the shape stays, the scales' too
+    assert one.shape == (2, 3, 16, 64) and one.global_scale.shape == (2, 3)
+    assert per_stack.flatten_leading().global_scale.shape == jnp.shape(per_stack.global_scale)
+    two_d = per_stack[0].flatten_leading()
+    assert two_d.shape == (1, 16, 64)
+    packed = jq.prepack(jq.quantize(w[0], mode="affine", bits=4, group_size=64,
+                                    layout="canonical"), "cuda_mma")
+    assert packed.flatten_leading().layout == "cuda_mma"
+    np.testing.assert_array_equal(np.asarray(jq.dequantize(packed.flatten_leading())),
+                                  np.asarray(jq.dequantize(packed)))
+    assert per_stack.replace(layout="canonical") is not per_stack
+    with pytest.raises(TypeError, match="unknown field"):
+        per_stack.replace(shape=(1, 2))
+    with pytest.raises(ValueError):
+        per_stack.replace(bits=3)
+    with pytest.raises(ValueError, match="n="):
+        per_stack.flatten_leading(2)

@@ -128,9 +128,7 @@ def qmm_impl(x, qw, *, platform, transpose, precision):
     n = qw.shape[-2]
     b, m = math.prod(qw.shape[:nb]), math.prod(x.shape[nb:-1])
     x3 = x.reshape(b, m, k)
-    flat = lambda a: a.reshape(b, *a.shape[nb:])
-    qw3 = QuantizedArray(flat(qw.data), flat(qw.scales), None, None, mode=qw.mode, bits=qw.bits,
-                         group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout)
+    qw3 = qw.flatten_leading(nb)
 
     def kernel(x3):
         return qmm_call(x3, qw3).reshape(*x.shape[:-1], n)

@@ -134,14 +134,6 @@ def supports_norm(*arrays, platform, **params):
 # The matmuls.
 
 
-def _flat_experts(qw: QuantizedArray, n_lead: int):
-    """qw [*B, N, K] -> [prod(B), N, K] (B may be empty)."""
-    b = math.prod(qw.shape[:n_lead])
-    r = lambda a: None if a is None else a.reshape(b, *a.shape[n_lead:])
-    return QuantizedArray(r(qw.data), r(qw.scales), r(qw.biases), qw.global_scale,
-                          mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype)
-
-
 def qmm(x, qw, *, transpose, precision, platform):
     """The fused GEMV for at most configs.GEMV_MAX_M[platform] rows of x per weight
     matrix (x @ W.T); otherwise the reference with the ffi dequantize."""
@@ -150,7 +142,7 @@ def qmm(x, qw, *, transpose, precision, platform):
         return qmm_reference(x, qw, transpose=transpose, precision=precision,
                              dequantize=dequantize_call)
     nb = qw.ndim - 2
-    y = qmv_call(x.reshape(math.prod(qw.shape[:nb]), m, x.shape[-1]), _flat_experts(qw, nb))
+    y = qmv_call(x.reshape(math.prod(qw.shape[:nb]), m, x.shape[-1]), qw.flatten_leading(nb))
     return y.reshape(*x.shape[:-1], qw.shape[-2])
 
 

@@ -165,20 +165,10 @@ def cublas_qmm_impl(x, qw, *, transpose, precision, platform):
                          dequantize=dequantize_mma_call)
 
 
-def _flat_qw(qw):
-    """qw [*B, N, K] as [prod(B), N, K] (a 2-D qw gets a leading axis of 1)."""
-    nb = qw.ndim - 2
-    b = math.prod(qw.shape[:nb])
-    flat = lambda a: None if a is None else a.reshape(b, *a.shape[nb:])
-    return QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), qw.global_scale,
-                          mode=qw.mode, bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
-                          layout=qw.layout)
-
-
 def _qmm_on(call):
     """qmm's impl on `call(x3 [B, M, K], qw3 [B, N, K]) -> [B, M, N]`."""
     def impl(x, qw, *, transpose, precision, platform):
-        qw3 = _flat_qw(qw)
+        qw3 = qw.flatten_leading()
         m, k, n = _rows_per_matrix(x, qw), x.shape[-1], qw.shape[-2]
         return call(x.reshape(qw3.shape[0], m, k), qw3).reshape(*x.shape[:-1], n)
     return impl
@@ -203,7 +193,7 @@ def rms_norm_qmm_applies(x, norm_weight, qw, *, eps, weight_offset, precision, p
 
 def rms_norm_qmm_impl(x, norm_weight, qw, *, eps, weight_offset, precision, platform):
     m, n = _rows_per_matrix(x, qw), qw.shape[0]
-    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), norm_weight,
+    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), qw.flatten_leading(), norm_weight,
                            fuse=FUSE_NORM, eps=eps, weight_offset=weight_offset)
     return y.reshape(*x.shape[:-1], n)
 
@@ -215,7 +205,7 @@ def qmm_swiglu_applies(x, qw, bias, *, activation, limit, alpha, precision, plat
 
 def qmm_swiglu_impl(x, qw, bias, *, activation, limit, alpha, precision, platform):
     m, i = _rows_per_matrix(x, qw), qw.shape[0] // 2
-    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), _flat_qw(qw), bias, fuse=FUSE_SWIGLU,
+    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), qw.flatten_leading(), bias, fuse=FUSE_SWIGLU,
                            activation=activation, limit=limit, alpha=alpha)
     return y.reshape(*x.shape[:-1], i)
 

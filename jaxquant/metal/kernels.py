@@ -155,19 +155,12 @@ def gated_rms_norm_applies(x, gate, weight, *, eps, weight_offset, activation, n
 # impls
 
 
-def _flat(qw: QuantizedArray, n_lead: int) -> QuantizedArray:
-    b = math.prod(qw.shape[:n_lead])
-    r = lambda a: None if a is None else a.reshape(b, *a.shape[n_lead:])
-    return QuantizedArray(r(qw.data), r(qw.scales), r(qw.biases), None, mode=qw.mode,
-                          bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype)
-
-
 def qmm_impl(x, qw, *, transpose, precision, platform="cpu"):
     nb = qw.ndim - 2
     k, n = x.shape[-1], qw.shape[-2]
     m = math.prod(x.shape[nb:-1])
     b = math.prod(qw.shape[:nb])
-    x3, qw3 = x.reshape(b, m, k), _flat(qw, nb)
+    x3, qw3 = x.reshape(b, m, k), qw.flatten_leading(nb)
     y = qmv_call(x3, qw3) if m <= GEMV_MAX_M else qmm_call(x3, qw3)
     return y.reshape(*x.shape[:-1], n)
 

@@ -34,14 +34,7 @@ def flatten_layers(qw):
     """[L, E, N, K] -> [L*E, N, K]: a reshape (of a QuantizedArray's children; no copy)."""
     if not isinstance(qw, QuantizedArray):
         return qw.reshape(-1, *qw.shape[2:])
-    lead = qw.shape[:2]
-    flat = lambda c: None if c is None else c.reshape(lead[0] * lead[1], *c.shape[2:])
-    gs = qw.global_scale
-    if gs is not None:
-        gs = jnp.broadcast_to(gs.reshape(gs.shape + (1,) * (2 - gs.ndim)), lead).reshape(-1)
-    return QuantizedArray(flat(qw.data), flat(qw.scales), flat(qw.biases), gs, mode=qw.mode,
-                          bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype,
-                          layout=qw.layout)
+    return qw.flatten_leading(2)
 
 
 def in_stack(w, rows):
