@@ -459,11 +459,9 @@ def _broadcast_quantized(qw: QuantizedArray, batch: tuple) -> QuantizedArray:
     """qw with its leading (batch) axes broadcast to `batch`."""
     grow = lambda a: None if a is None else jnp.broadcast_to(a, batch + a.shape[-2:])
     gs = qw.global_scale
-    return QuantizedArray(grow(qw.data), grow(qw.scales), grow(qw.biases),
-                          gs if gs is None or jnp.ndim(gs) == 0 else jnp.broadcast_to(
-                              gs, batch[:len(batch) - (qw.ndim - 2) + jnp.ndim(gs)]),
-                          mode=qw.mode, bits=qw.bits, group_size=qw.group_size,
-                          dtype=qw.dtype)
+    return qw.replace(data=grow(qw.data), scales=grow(qw.scales), biases=grow(qw.biases),
+                      global_scale=gs if gs is None or jnp.ndim(gs) == 0 else jnp.broadcast_to(
+                          gs, batch[:len(batch) - (qw.ndim - 2) + jnp.ndim(gs)]))
 
 
 def quantized_matmul(x, w, scales, biases=None, transpose=True, group_size=None, bits=None,

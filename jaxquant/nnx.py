@@ -195,9 +195,8 @@ def _quantized_placement(qw: QuantizedArray, plan: _Plan, kernel, group_size):
     put = lambda a, s: None if a is None else jax.device_put(a, NamedSharding(mesh, P(*s)))
     spec2 = (*lead, n_ax, k_ax)
     gs = qw.global_scale
-    return QuantizedArray(put(qw.data, spec2), put(qw.scales, spec2), put(qw.biases, spec2),
-                          None if gs is None else put(gs, ()), mode=qw.mode, bits=qw.bits,
-                          group_size=qw.group_size, dtype=qw.dtype, layout=qw.layout)
+    return qw.replace(data=put(qw.data, spec2), scales=put(qw.scales, spec2),
+                      biases=put(qw.biases, spec2), global_scale=None if gs is None else put(gs, ()))
 
 
 def _quantize_layer(layer, kw, prepack):

@@ -165,8 +165,8 @@ class QuantizedArray:
         gs = self.global_scale
         if gs is not None and np.ndim(gs):
             gs = gs[idx[:np.ndim(gs)]]
-        return QuantizedArray(pick(self.data), pick(self.scales), pick(self.biases), gs, mode=self.mode, bits=self.bits,
-                              group_size=self.group_size, dtype=self.dtype, layout=self.layout)
+        return self.replace(data=pick(self.data), scales=pick(self.scales),
+                            biases=pick(self.biases), global_scale=gs)
 
     def __repr__(self):
         return (f"QuantizedArray(shape={self.shape}, dtype={self.dtype.name}, mode={self.mode!r}, "

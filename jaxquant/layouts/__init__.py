@@ -179,8 +179,7 @@ def _split(base: Layout, blocks: int) -> Layout:
 
 def _with_arrays(qw: QuantizedArray, arrays, layout: str) -> QuantizedArray:
     data, scales, biases = arrays
-    return QuantizedArray(data, scales, biases, qw.global_scale, mode=qw.mode, bits=qw.bits,
-                          group_size=qw.group_size, dtype=qw.dtype, layout=layout)
+    return qw.replace(data=data, scales=scales, biases=biases, layout=layout)
 
 
 def default_platform() -> str:

@@ -208,8 +208,7 @@ def _take_rows(w, index, axis=-2):
     (exact: whole rows move)."""
     if isinstance(w, QuantizedArray):
         pick = lambda c: None if c is None else np.take(np.asarray(c), index, axis=-2)  # noqa: E731
-        return QuantizedArray(pick(w.data), pick(w.scales), pick(w.biases), w.global_scale,
-                              mode=w.mode, bits=w.bits, group_size=w.group_size, dtype=w.dtype)
+        return w.replace(data=pick(w.data), scales=pick(w.scales), biases=pick(w.biases))
     return np.take(w, index, axis=axis)
 
 
