@@ -59,6 +59,18 @@ from typing import Callable
 
 # The backends, in preference order; each but "reference" is the package jaxquant.<name>.
 BACKENDS = ("reference", "pallas", "ffi", "metal")
+
+# Every backend's rank under automatic choice (the `priority=` of `register`), in one
+# table so the order between backends is read in one place; higher is tried first.
+#   pallas: the GPU kernels on the canonical layout.
+#   ffi: on the CPU no other backend serves the ops, so first; on a GPU below Pallas,
+#     faster in every same-process comparison on the canonical layout (h100/qmm.json
+#     `qmm.ffi_gemv.*` against `qmm.pallas.*`).
+#   ffi_layout: the ffi kernels of a kernel layout (cuda_mma, cdna4): only they read
+#     that layout, so first wherever they apply.
+#   metal: above ffi on the CPU platform (its automatic choice is off anyway).
+PRIORITY = {"pallas": 0, "ffi": {"cpu": 10, "cuda": -1, "rocm": -1}, "ffi_layout": 10,
+            "metal": 20}
 ENV_VAR = "JAXQUANT_BACKEND"
 
 

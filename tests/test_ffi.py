@@ -675,7 +675,7 @@ def test_kernel_choice_table():
         from_table = [k for k in ks if k.impl is table.get(name)]
         if name in table:
             assert [k.platforms for k in from_table] == [(p,) for p in jf.loaded_platforms()], name
-            assert all(k.priority == configs.PRIORITY[k.platforms[0]] for k in from_table), name
+            assert all(k.priority == dispatch.PRIORITY["ffi"][k.platforms[0]] for k in from_table), name
         layout_kernels = [k for k in ks if k.impl is not table.get(name)]
         assert all(k.impl.__module__ in ("jaxquant.ffi.mma", "jaxquant.ffi.cdna4")
                    for k in layout_kernels), name

@@ -260,10 +260,10 @@ def test_registered_for_gpus_above_ffi():
     for name in ("rms_norm", "add_rms_norm", "gated_rms_norm"):
         ks = [k for k in dispatch._KERNELS.get(name, ()) if k.backend == "pallas"]
         assert sorted(p for k in ks for p in k.platforms) == ["cuda", "rocm"], name
-        assert all(k.priority == configs.PRIORITY == 0 for k in ks)
+        assert all(k.priority == dispatch.PRIORITY["pallas"] == 0 for k in ks)
         ffi = [k for k in dispatch._KERNELS.get(name, ()) if k.backend == "ffi"
                and set(k.platforms) & {"cuda", "rocm"}]
-        assert all(k.priority < configs.PRIORITY for k in ffi)
+        assert all(k.priority < dispatch.PRIORITY["pallas"] for k in ffi)
     x = jax.ShapeDtypeStruct((4096, 4096), F32)       # applies reads shape and dtype only
     x64 = jax.ShapeDtypeStruct((4096, 4096), jnp.float64)
     small = jax.ShapeDtypeStruct((64, 4096), F32)     # below AUTO_NORM_MIN_ELEMENTS

@@ -105,7 +105,7 @@ def unavailable_reason(platform: str | None = None) -> str | None:
 
 
 # (primitive, impl, supports, auto): registered for every loaded platform, with
-# configs.PRIORITY[platform]; each takes `platform` from the dispatcher.
+# dispatch.PRIORITY["ffi"][platform]; each takes `platform` from the dispatcher.
 KERNELS = (
     ("qmm", kernels.qmm, kernels.supports_matmul, configs.auto_qmm),
     ("gather_qmm", kernels.gather_qmm, kernels.supports_matmul, configs.auto_gather_qmm),
@@ -120,7 +120,7 @@ _load_all()
 for _platform in loaded_platforms():
     for _name, _impl, _supports, _auto in KERNELS:
         dispatch.register(_name, "ffi", (_platform,), _impl, _supports,
-                          priority=configs.PRIORITY[_platform], auto=_auto)
+                          priority=dispatch.PRIORITY["ffi"][_platform], auto=_auto)
 # The ROCm library's gfx950 qmm on cdna4-layout weights (no canonical-layout kernel
 # takes that layout): its choice and priority live with it in cdna4.py.
 if "rocm" in loaded_platforms() and "cdna4_qmm" in _LIBS["rocm"].targets:

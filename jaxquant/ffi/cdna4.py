@@ -106,9 +106,6 @@ def qmm_applies(x, qw, *, platform, transpose, precision):
             and transpose and jnp.dtype(x.dtype) in TERMS and _is_gfx950())
 
 
-# Above every kernel for the canonical layout (none of which takes this layout, so
-# the order only matters for clarity).
-PRIORITY = 10
 # Automatic choice takes the kernel up to this many rows of x per weight matrix.
 # Reasoned, not measured (no gfx950 was available): the kernel reads the weight
 # once per 16-row tile of x, so up to 4 tiles it stays near one pass over the
@@ -142,5 +139,5 @@ def qmm_impl(x, qw, *, platform, transpose, precision):
 def register():
     """Register the kernel as the ffi backend's qmm on ROCm (jaxquant.ffi does,
     when the ROCm library lists the jaxquant_cdna4_qmm target)."""
-    dispatch.register("qmm", "ffi", ("rocm",), qmm_impl, qmm_applies, priority=PRIORITY,
+    dispatch.register("qmm", "ffi", ("rocm",), qmm_impl, qmm_applies, priority=dispatch.PRIORITY["ffi_layout"],
                       auto=qmm_auto)

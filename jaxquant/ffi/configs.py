@@ -6,10 +6,6 @@ library was loaded for (jaxquant/ffi/__init__.py: KERNELS). Each threshold is
 where two kernels measured in one process cross; the numbers are data under
 benchmarks/ (benchmarks/README.md), named by key below.
 
-- PRIORITY: the ffi kernels' rank against other backends under automatic
-  choice. CPU: no other backend serves it, so ffi ranks first there. GPU: below
-  the Pallas kernels (priority 0), faster in every same-process comparison on
-  the canonical layout (h100/qmm.json `qmm.ffi_gemv.*` against `qmm.pallas.*`).
 - GEMV_MAX_M: the most rows of x per weight matrix that qmm runs as the fused
   dequantize-GEMV (jaxquant/ffi/kernels.py: qmm); past it qmm is the ffi
   dequantize + XLA's dot, which wins once the weight's decode is amortized over
@@ -50,8 +46,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-PRIORITY = {"cpu": 10, "cuda": -1, "rocm": -1}
 
 GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
 

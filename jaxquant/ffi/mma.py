@@ -49,9 +49,7 @@ MMA_MAX_M = 16  # rows of x per weight matrix: the MMA's N (8 or 16)
 FUSE_NORM, FUSE_SWIGLU = 1, 2
 SWIGLU_ACTIVATION_IDS = {"silu": 0, "gpt_oss": 1}
 NORM_MAX_X_SHARED_BYTES = 96 * 1024
-# Priority against the other kernels on CUDA (pallas 0, the canonical ffi GEMV -1):
-# only this kernel reads the layout, so it is first wherever it applies.
-PRIORITY = 10
+PRIORITY = dispatch.PRIORITY["ffi_layout"]  # the cuBLAS path registers one below
 
 _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _GEMM_X_DTYPES = _X_DTYPES[1:]

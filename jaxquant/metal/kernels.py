@@ -24,7 +24,6 @@ from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 FORMAT_IDS = {"affine4": 0, "mxfp4": 1, "fp4": 2}  # metal_src/jq_metal.h Format
 GEMV_MAX_M = 8  # metal_src/dispatch_plan.h kGemvMaxM
-PRIORITY = 20   # above ffi on the CPU platform; automatic choice is off (`_never`)
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -194,4 +193,4 @@ def register_kernels():
         ("gated_rms_norm", gated_rms_norm_impl, gated_rms_norm_applies),
         ("ragged_qmm", _never, _never),  # no kernel: backend="metal" gets the reference
     ]:
-        dispatch.register(name, "metal", ("cpu",), impl, applies, priority=PRIORITY, auto=_never)
+        dispatch.register(name, "metal", ("cpu",), impl, applies, priority=dispatch.PRIORITY["metal"], auto=_never)

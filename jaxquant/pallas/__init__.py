@@ -51,5 +51,5 @@ KERNELS = (
 
 for _name, _impl, _applies, _auto in KERNELS:
     dispatch.register(_name, "pallas", PLATFORMS, _impl, _applies,
-                      priority=configs.PRIORITY, auto=_auto)
+                      priority=dispatch.PRIORITY["pallas"], auto=_auto)
 dispatch.register_backend("pallas", unavailable_reason, lowering_scope=quiet_lowering)

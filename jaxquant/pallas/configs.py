@@ -284,9 +284,6 @@ ATTENTION_CONFIGS: dict[str, AttentionConfig] = {
 # Automatic choice (dispatch's `auto`): where the kernels were measured to beat the
 # reference; an explicit backend="pallas" still takes every case they support.
 
-# Against other backends' kernels: the ffi backend registers -1 on cuda/rocm (its
-# GPU kernels were slower than these in every same-run comparison on an H100).
-PRIORITY = 0
 
 # qmm: the GEMV/skinny cases (M <= 16, x @ W.T), where the kernels beat the jnp
 # reference 2-7x on an H100; at M >= 512 the tiled GEMM is slower than the

@@ -32,7 +32,7 @@ Two shapes of kernel, chosen by configs.NORM_CONFIGS (data, per platform):
              first loop and recomputes it (bit-identical) in the second rather
              than reading back its own stores.
 
-Dispatch: registered for cuda and rocm at configs.PRIORITY, above the ffi
+Dispatch: registered for cuda and rocm at dispatch.PRIORITY["pallas"], above the ffi
 backend's -1 there, so automatic choice takes these kernels on GPUs from
 configs.AUTO_NORM_MIN_ELEMENTS (backend="ffi" still selects ffi); float64 or
 other dtypes fall back to the reference.
