@@ -112,7 +112,7 @@ _MX_RULES = ("floor", "rceil", "round")
 FORMATS: dict[str, Format] = {
     f.mode: f
     for f in (
-        Format("affine", None, (2, 3, 4, 5, 6, 8), (32, 64, 128), 64, "float",
+        Format("affine", None, (2, 3, 4, 5, 6, 8), (16, 32, 64, 128), 64, "float",
                has_biases=True),
         Format("mxfp4", "e2m1", (4,), (32,), 32, "e8m0", scale_rules=_MX_RULES),
         Format("mxfp6_e2m3", "e2m3", (6,), (32,), 32, "e8m0", scale_rules=_MX_RULES),

@@ -30,7 +30,7 @@ ELEMENT_SPECS = {
 
 # mode: (element or None for affine, allowed bits, allowed groups, default group, scale kind)
 MODES = {
-    "affine": (None, (2, 3, 4, 5, 6, 8), (32, 64, 128), 64, "float"),
+    "affine": (None, (2, 3, 4, 5, 6, 8), (16, 32, 64, 128), 64, "float"),
     "mxfp4": ("e2m1", (4,), (32,), 32, "e8m0"),
     "mxfp6_e2m3": ("e2m3", (6,), (32,), 32, "e8m0"),
     "mxfp6_e3m2": ("e3m2", (6,), (32,), 32, "e8m0"),

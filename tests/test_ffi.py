@@ -254,6 +254,24 @@ def test_dequantize_fp4_groups(group_size):
     np.testing.assert_array_equal(ffi(jq.dequantize, qw), ref(jq.dequantize, qw))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_affine_group16(bits):
+    """Affine in 16-element groups (GGUF's Q6_K / Q2_K sub-blocks): the native
+    dequantize one float32 rounding of the oracle's value (as for every group size),
+    the GEMV (few rows) and the dequantize + dot path (many rows) against the float64
+    product."""
+    qw = quantize_for("affine", bits, rand(bits, (40, 160)), group_size=16)
+    np.testing.assert_array_equal(ffi(jq.dequantize, qw), deq64(qw).astype(np.float32))
+    for m in (1, 3, 40):
+        x = rand(m, (m, 160))
+        assert_matmul_close(ffi(jq.qmm, x, qw), x, deq64(qw), jnp.float32)
+    qs = quantize_for("affine", bits, rand(bits + 1, (3, 24, 64)), group_size=16)
+    x = rand(5, (2, 64))
+    idx = jnp.array([[2, 0], [1, 1]], jnp.int32)
+    want = ref(jq.gather_qmm, x, qs, idx)
+    np.testing.assert_allclose(ffi(jq.gather_qmm, x, qs, idx), want, rtol=1e-5, atol=1e-5)
+
+
 def test_dequantize_e8m0_extremes():
     qw = quantize_for("mxfp4", 4, rand(2, (4, 128)))
     scales = np.asarray(qw.scales).copy()

@@ -10,6 +10,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import layouts
+from tests.common import rand
 
 
 def _pack(qw):
@@ -75,6 +76,18 @@ def test_errors():
         jq.prepack(np.zeros((4, 4)))
     with pytest.raises(IndexError, match="jq.unpack_layout it first"):
         jq.prepack(qw, layout="test_reversed_rows")[0, 1:3]
+
+
+def test_cuda_mma_refuses_affine_group16():
+    """The cuda_mma kernels take affine groups of 32 and more: a group-16 array (GGUF
+    Q6_K / Q2_K) stays canonical, where the GEMV decodes it."""
+    from jaxquant.layouts import cuda_mma
+
+    qw = jq.quantize(rand(3, (32, 128)), mode="affine", bits=6, group_size=16)
+    assert "group_size=16" in cuda_mma.unsupported(qw)
+    assert cuda_mma.unsupported(jq.quantize(rand(3, (32, 128)), mode="affine", bits=6,
+                                            group_size=32)) is None
+    assert layouts.default_layout(qw, platform="cuda") == "canonical"
 
 
 def test_no_layout_named_keeps_canonical_where_no_kernel_reads_another():

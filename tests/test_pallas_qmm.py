@@ -23,7 +23,7 @@ _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # (mode, bits, group_size): every row of docs/formats.md, some group sizes twice.
 FORMATS = [
     ("affine", 2, 32), ("affine", 3, 64), ("affine", 4, 64), ("affine", 5, 32),
-    ("affine", 6, 64), ("affine", 8, 128),
+    ("affine", 6, 64), ("affine", 8, 128), ("affine", 2, 16), ("affine", 8, 16),
     ("mxfp4", 4, 32), ("mxfp6_e2m3", 6, 32), ("mxfp6_e3m2", 6, 32),
     ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32), ("nvfp4", 4, 16), ("fp4", 4, 32),
 ]

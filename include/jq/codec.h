@@ -65,7 +65,7 @@ constexpr uint32_t log2_mask_of(G... g) {  // bit log2(g) set for each g
 
 //   id           name          element     bits allowed             group sizes allowed      scale       biases global_scale
 #define JQ_FORMAT_LIST(X)                                                                                            \
-  X(kAffine,     "affine",     kNoElement, mask_of(2, 3, 4, 5, 6, 8), log2_mask_of(32, 64, 128), kScaleFloat, 1, 0) \
+  X(kAffine,     "affine",     kNoElement, mask_of(2, 3, 4, 5, 6, 8), log2_mask_of(16, 32, 64, 128), kScaleFloat, 1, 0) \
   X(kMxfp4,      "mxfp4",      kE2M1,      mask_of(4),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
   X(kMxfp6E2M3,  "mxfp6_e2m3", kE2M3,      mask_of(6),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
   X(kMxfp6E3M2,  "mxfp6_e3m2", kE3M2,      mask_of(6),                log2_mask_of(32),          kScaleE8M0,  0, 0) \

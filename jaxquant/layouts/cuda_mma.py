@@ -102,6 +102,10 @@ def unsupported(qw):
         return f"K={k} is not a multiple of {CHUNK_K}"
     if qw.ndim < 2:
         return "needs a matrix (rank >= 2)"
+    if qw.mode == "affine" and qw.group_size < 32:
+        # the layout's kernels (gpu_src/cuda/gemv_mma.h: launch_nt) take affine groups
+        # of 32 and more; group 16 stays canonical, where the GEMV decodes it
+        return f"affine group_size={qw.group_size}: the kernels take affine groups >= 32"
     return None
 
 

@@ -115,6 +115,8 @@ def _qw_ok(qw, value_dtype):
     k = qw.shape[-1]
     if k == 0 or k % 32 or qw.global_scale is not None or math.prod(qw.shape) == 0:
         return False
+    if qw.mode == "affine" and qw.group_size < 32:  # the GEMV takes affine groups >= 32
+        return False
     if qw.mode == "mxfp4":
         return qw.scales.dtype == jnp.uint8
     same = lambda a: a is None or jnp.dtype(a.dtype) == jnp.dtype(value_dtype)
