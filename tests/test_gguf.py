@@ -105,8 +105,9 @@ def test_k_quants_dequantize_like_gguf(name, shape):
     raw = k_quant_bytes(name, rows, shape[-1]).reshape(*shape[:-1], -1)
     got = jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.float32)
     ref = gq.dequantize(raw, T[name])
-    if name in ("Q2_K", "Q6_K"):  # no mode holds them: exact float32 values
-        assert isinstance(got, np.ndarray)
+    if name in ("Q2_K", "Q6_K"):  # 16-element sub-blocks: affine group 16, float32 terms
+        assert (got.mode, got.bits, got.group_size) == ("affine", 2 if name == "Q2_K" else 6, 16)
+        assert got.scales.dtype == got.biases.dtype == np.float32
     elif name == "Q3_K":  # q in [-4, 3]: E2M1 values, 16-element groups
         assert (got.mode, got.group_size, got.scales.dtype) == ("fp4", 16, np.float32)
     else:
@@ -417,10 +418,17 @@ def test_gguf_file_decodes_like_its_float_model(tmp_path, case):
         assert isinstance(lay[key], QuantizedArray)  # stayed quantized
     if cfg.family == "gpt_oss":
         assert lay["e_gate"].mode == "mxfp4" and lay["e_gate"].shape == (2, 4, 64, 64)
-    if case == "llama_k_quants":  # Q6_K, Q2_K have no mode: float; Q4_K/Q6_K layers too
-        assert lay["wo"].mode == "fp4" and not isinstance(lay["w_up"], QuantizedArray)
-        assert not isinstance(lay["wv"], QuantizedArray)
-        assert not isinstance(lay["w_down"], QuantizedArray)
+    if case == "llama_k_quants":  # a Q4_K_M-style mix: no float matrix but the norms
+        assert lay["wo"].mode == "fp4"
+        assert (lay["wv"].bits, lay["wv"].group_size) == (6, 16)       # Q6_K
+        assert (lay["w_up"].bits, lay["w_up"].group_size) == (2, 16)   # Q2_K
+        # Q4_K and Q6_K layers of w_down: widened to 6 bits, Q4_K's groups split in two
+        assert (lay["w_down"].mode, lay["w_down"].bits, lay["w_down"].group_size) == (
+            "affine", 6, 16)
+        floats = [k for k, a in lay.items() if not isinstance(a, QuantizedArray)]
+        assert sorted(floats) == ["attn_norm", "mlp_norm"], floats
+        assert isinstance(params["embed"], QuantizedArray)
+        assert isinstance(params["lm_head"], QuantizedArray)
     if case == "llama_tied":  # Q8_0 and Q4_0 layers of w_down: widened to 8 bits, exact
         assert (lay["w_down"].bits, lay["w_down"].scales.dtype) == (8, jnp.float32)
     # the imported weights are gguf's dequantization, number for number

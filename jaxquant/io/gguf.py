@@ -16,15 +16,18 @@ float numpy array where no jaxquant mode holds the type:
 | Q4_K      | 256   | (d*sc) * q - (dmin*m), 8 x 32    | affine 4-bit g32, float32 scale d*sc, bias -(dmin*m) |
 | Q5_K      | 256   | as Q4_K with 5-bit q             | affine 5-bit g32, float32 scale and bias|
 | Q3_K      | 256   | d*(sc-32) * q, q in [-4, 3], 16 x 16 | fp4 g16 (each q is an E2M1 value), float32 scale d*(sc-32) |
-| Q2_K      | 256   | (d*sc) * q - (dmin*m), 16 x 16   | float32 values (no mode: 16-element groups with a bias) |
-| Q6_K      | 256   | (d*sc) * (q - 32), 16 x 16       | float32 values (no mode: 6-bit codes in 16-element groups) |
+| Q2_K      | 256   | (d*sc) * q - (dmin*m), 16 x 16   | affine 2-bit g16, float32 scale d*sc, bias -(dmin*m) |
+| Q6_K      | 256   | (d*sc) * (q - 32), 16 x 16       | affine 6-bit g16, code q, float32 scale d*sc, bias -32*d*sc |
 | F32/F16/BF16 | 1  | as stored                        | float numpy array of that dtype         |
 
 Why these are exact: ggml computes in float32, and every product above is exact
 in float32 (d is float16: 11 significant bits; d*sc with a 6-bit sc has 17,
 times a 4/5-bit q at most 22 < 24), so ggml's result is one rounding of the
 exact value, and jaxquant's affine `scale * q + bias` (float32, the product
-exact) rounds the same sum once. Q4_0/Q5_0/Q8_0's -8d/-16d/-128d and Q4_1's
+exact) rounds the same sum once. Q2_K likewise (d*sc: 15 bits, times a 2-bit q).
+Q6_K's d*sc (an int8 sc: 18 bits) times q - 32 (6 bits) is exact, and so are
+jaxquant's scale * q (q in [0, 63]) and its bias -32*d*sc (a power of two
+times d*sc): the sum is the exact value, which float32 holds. Q4_0/Q5_0/Q8_0's -8d/-16d/-128d and Q4_1's
 d*q + m are exact or the same single rounding likewise. The scales and biases
 of the 32-block types are float16 where that holds them (d, m, and -8d etc.
 when they do not overflow float16), else float32; the K-quants' are float32
@@ -33,9 +36,7 @@ when they do not overflow float16), else float32; the K-quants' are float32
 Differences from ggml, all at non-finite or zero values: a block whose d (or
 m, dmin) is Inf or NaN dequantizes to NaN in every element (jaxquant's rule
 for non-finite groups; ggml gives Inf*q); ggml's d*0 with a negative d is -0,
-jaxquant's +0. Q6_K and Q2_K have no jaxquant mode (affine groups are 32..128,
-docs/formats.md; fp4's elements hold Q3_K's q in [-4, 3] but not theirs): they
-are decoded to their exact float32 values. The IQ types are refused (ValueError).
+jaxquant's +0. The IQ types are refused (ValueError).
 
 Block layouts (ggml-common.h; element j of a 32-block, 0-based):
 - Q4_0: fp16 d, qs[16]: element j in the low nibble of qs[j], j+16 in the high.
@@ -48,7 +49,7 @@ Block layouts (ggml-common.h; element j of a 32-block, 0-based):
   qs[32i:32i+32], 2i+1 in the high nibbles.
 - Q5_K: as Q4_K, then qh[32] before qs: bit i of qh[l] is the 5th bit of
   element l of sub-block i.
-- Q2_K, Q3_K, Q6_K: see `_q2_k_values`, `_q3_k_parts`, `_q6_k_values`.
+- Q2_K, Q3_K, Q6_K: see `_q2_k_parts`, `_q3_k_parts`, `_q6_k_parts`.
 
 `to_gguf_tensor(qw, ggml_type)` is the inverse for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 and MXFP4 (an array the importer made, or any whose scales and biases have that
@@ -180,10 +181,11 @@ def _decode_affine(name: str, blocks: np.ndarray):
     return codes.reshape(*lead[:-1], -1, 32), scale, bias
 
 
-def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
-    """Q6_K [..., nb, 210] -> float32 [..., nb*256], as ggml's dequantize_row_q6_K:
-    element 32g + l (g in 0..7) has low nibble ql[64*(g//4) + 32*(g%2) + l] >> 4*((g//2)%2)
-    and high bits qh[32*(g//4) + l] >> 2*(g%4); the scale of its 16-element sub-block
+def _q6_k_parts(blocks: np.ndarray):
+    """Q6_K [..., nb, 210] -> (codes uint8 [..., nb*16, 16] in [0, 63], float32 scale
+    d*sc [..., nb*16]), as ggml's dequantize_row_q6_K: element 32g + l (g in 0..7) has
+    low nibble ql[64*(g//4) + 32*(g%2) + l] >> 4*((g//2)%2) and high bits
+    qh[32*(g//4) + l] >> 2*(g%4); the int8 scale of its 16-element sub-block times d
     multiplies q - 32."""
     lead = blocks.shape[:-1]
     ql, qh = blocks[..., 0:128], blocks[..., 128:192]
@@ -193,10 +195,10 @@ def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
     low = (low & 0x0F).reshape(*lead, 8, 32)
     high = qh.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
     high = (high & 0x03).reshape(*lead, 8, 32)
-    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.float32).reshape(*lead, 16, 16)
+    codes = (low | (high << 4)).reshape(*lead[:-1], -1, 16)
     with np.errstate(over="ignore", invalid="ignore"):
-        values = (d[..., None] * sc)[..., None] * q
-    return values.reshape(*lead[:-1], -1)
+        scale = d[..., None] * sc
+    return codes, scale.reshape(*lead[:-1], -1)
 
 
 #: Q3_K's q in [-4, 3] (index q + 4) -> its E2M1 code: every such integer is an E2M1 value.
@@ -224,26 +226,20 @@ def _q3_k_parts(blocks: np.ndarray):
     return q.reshape(*lead[:-1], -1, 16), scale.reshape(*lead[:-1], -1)
 
 
-def _q2_k_values(blocks: np.ndarray) -> np.ndarray:
-    """Q2_K [..., nb, 84] -> float32 [..., nb*256], as ggml's dequantize_row_q2_K:
-    scales[16] (low nibble sc, high nibble m, per 16 elements), qs[64] (element
-    32i + l in bits 2*(i%4) of qs[32*(i//4) + l]), fp16 d, dmin;
-    value = (d*sc) * q - (dmin*m)."""
+def _q2_k_parts(blocks: np.ndarray):
+    """Q2_K [..., nb, 84] -> (codes uint8 [..., nb*16, 16] in [0, 3], float32 scale d*sc
+    and bias -(dmin*m) [..., nb*16]), as ggml's dequantize_row_q2_K: scales[16] (low
+    nibble sc, high nibble m, per 16 elements), qs[64] (element 32i + l in bits
+    2*(i%4) of qs[32*(i//4) + l]), fp16 d, dmin; value = (d*sc) * q - (dmin*m)."""
     lead = blocks.shape[:-1]
     scales, qs = blocks[..., 0:16], blocks[..., 16:80]
     d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
     q = (qs.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
-    q = q.reshape(*lead, 16, 16).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        dl = (d[..., None] * (scales & 0x0F).astype(np.float32))[..., None]
-        ml = (dmin[..., None] * (scales >> 4).astype(np.float32))[..., None]
-        values = dl * q - ml
-    return values.reshape(*lead[:-1], -1)
-
-
-#: The types no mode holds (16-element sub-blocks with a bias, or 6-bit signed codes):
-#: decoded to their exact float32 values.
-_FLOAT_VALUES = {"Q2_K": _q2_k_values, "Q6_K": _q6_k_values}
+        scale = d[..., None] * (scales & 0x0F).astype(np.float32)
+        bias = -(dmin[..., None] * (scales >> 4).astype(np.float32))
+    return (q.reshape(*lead[:-1], -1, 16), scale.reshape(*lead[:-1], -1),
+            bias.reshape(*lead[:-1], -1))
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -327,8 +323,16 @@ def from_gguf_tensor(raw, ggml_type, shape, *, dtype=None):
     blocks = raw.reshape(*shape[:-1], shape[-1] // block, nbytes)
     if name == "MXFP4":
         return from_ggml_mxfp4(blocks.reshape(*shape[:-1], row), shape[-1], dtype=dtype)
-    if name in _FLOAT_VALUES:
-        return _FLOAT_VALUES[name](blocks)
+    if name == "Q6_K":
+        codes, scales = _q6_k_parts(blocks)
+        with np.errstate(over="ignore", invalid="ignore"):
+            biases = scales * np.float32(-32)
+        return QuantizedArray(pack_codes(codes.reshape(*shape), 6), scales, biases,
+                              mode="affine", bits=6, group_size=16, dtype=logical_dtype(dtype))
+    if name == "Q2_K":
+        codes, scales, biases = _q2_k_parts(blocks)
+        return QuantizedArray(pack_codes(codes.reshape(*shape), 2), scales, biases,
+                              mode="affine", bits=2, group_size=16, dtype=logical_dtype(dtype))
     if name == "Q3_K":
         q, scales = _q3_k_parts(blocks)
         data = pack_codes(_E2M1_OF_INT[q + 4].reshape(*shape), 4)

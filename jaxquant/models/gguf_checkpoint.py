@@ -5,9 +5,9 @@ Architectures (`general.architecture`): llama (also Mistral's GGUFs), qwen2,
 qwen3, qwen3moe, gpt-oss. The GGUF metadata gives the Config; tensors are read
 through `jq.io.from_gguf_tensor`, layer by layer, and stay in their quantized
 form (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as exact affine group-32 arrays,
-Q3_K as fp4 group 16, MXFP4 as mxfp4); float tensors (F32/F16/BF16, and Q2_K,
-Q6_K, which no jaxquant mode holds, as their exact values) are cast to `dtype`,
-or quantized to `mode` when one is given, like a float checkpoint's.
+Q2_K/Q6_K as affine group 16, Q3_K as fp4 group 16, MXFP4 as mxfp4); float
+tensors (F32/F16/BF16) are cast to `dtype`, or quantized to `mode` when one is
+given, like a float checkpoint's.
 
 What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone exactly:
 - llama: Q and K rows were permuted for ggml's adjacent-pair rope (`permute`:
@@ -22,10 +22,11 @@ What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone exactly:
 
 A matrix's layers are stacked for lax.scan, so they need one format. Where a
 file mixes types across layers (llama.cpp's Q4_K_M puts some layers' ffn_down
-and attn_v in Q6_K): affine layers of different widths are widened to the
-widest (codes and float32 scales unchanged: exact); any other mix (a Q6_K
-layer, fp4 beside affine) makes that matrix float (`dtype`) in every layer, or
-`mode` if given.
+and attn_v in Q6_K): affine layers of different widths or groups are widened
+to the widest bits and split to the smallest group (codes unchanged, each
+group's float32 scale and bias repeated over its pieces: exact), so a
+Q4_K_M file loads with no float matrix; any other mix (fp4 beside affine)
+makes that matrix float (`dtype`) in every layer, or `mode` if given.
 """
 
 from __future__ import annotations
@@ -221,12 +222,15 @@ def unpermute_rope_rows(w, n_head: int):
     return _take_rows(w, index)
 
 
-def _widen(qw: QuantizedArray, bits: int) -> QuantizedArray:
-    """An affine array at more bits: the same codes, float32 scales and biases (exact)."""
+def _widen(qw: QuantizedArray, bits: int, group_size: int) -> QuantizedArray:
+    """An affine array at more bits and a smaller group (one that divides its own):
+    the same codes, each group's float32 scale and bias repeated over its pieces
+    (exact)."""
     codes = io_gguf.unpack_codes(np.asarray(qw.data), qw.bits)
-    return QuantizedArray(io_gguf.pack_codes(codes, bits), np.asarray(qw.scales, np.float32),
-                          np.asarray(qw.biases, np.float32), mode="affine", bits=bits,
-                          group_size=qw.group_size, dtype=qw.dtype)
+    pieces = qw.group_size // group_size
+    terms = [np.repeat(np.asarray(a, np.float32), pieces, axis=-1) for a in (qw.scales, qw.biases)]
+    return QuantizedArray(io_gguf.pack_codes(codes, bits), *terms, mode="affine", bits=bits,
+                          group_size=group_size, dtype=qw.dtype)
 
 
 def _dequantize(w):
@@ -242,9 +246,11 @@ def _one_format(parts: list, name: str) -> list:
              for p in parts}
     if len(kinds) == 1:
         return parts
-    if None not in kinds and {k[0] for k in kinds} == {"affine"} and len({k[2] for k in kinds}) == 1:
-        bits = max(k[1] for k in kinds)
-        return [p if p.bits == bits else _widen(p, bits) for p in parts]
+    if None not in kinds and {k[0] for k in kinds} == {"affine"}:
+        # power-of-two groups: the smallest divides every other
+        bits, group = max(k[1] for k in kinds), min(k[2] for k in kinds)
+        return [p if (p.bits, p.group_size) == (bits, group) else _widen(p, bits, group)
+                for p in parts]
     return [_dequantize(p) for p in parts]
 
 
@@ -319,7 +325,7 @@ class _Loader:
 
 def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True):
     """(Config, params) from a .gguf file. mode: quantize the float matrices
-    (F16/F32/BF16/Q2_K/Q6_K) on load; quantized GGUF tensors stay as they are."""
+    (F16/F32/BF16) on load; quantized GGUF tensors stay as they are."""
     f = GGUFFile(path)
     cfg = config_from_gguf(f, dtype=dtype)
     ld = _Loader(f, cfg, mode)
