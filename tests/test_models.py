@@ -672,6 +672,13 @@ def test_mlx_checkpoint(tmp_path):
     assert [lay["w_down"].bits for lay in mixed["layers"]] == [4, 8]
     logits = _logits(cfg, mixed)
     assert logits.shape == (2, 6, 64) and bool(jnp.all(jnp.isfinite(logits)))
+    # default arguments on any device: the mixed model loads per layer by itself
+    _, default = checkpoint.load(tmp_path / "mixed")
+    assert models.params.is_per_layer(default)
+    assert [lay["w_down"].bits for lay in default["layers"]] == [4, 8]
+    np.testing.assert_array_equal(_logits(cfg, default), logits)
+    assert models.params.mixed_formats(default["layers"]) == {
+        "w_down": ["('affine', 4, 64, 'canonical')", "('affine', 8, 64, 'canonical')"]}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)

@@ -42,10 +42,10 @@ from jaxquant.io.safetensors import SafetensorsFile
 from jaxquant.models import parallel
 from jaxquant.models.config import Config, from_hf
 from jaxquant.models.layers import PermutedMatrix
-from jaxquant.models.layerwise import build_layers, release_on_failure
+from jaxquant.models.layerwise import MixedLayers, build_layers, release_on_failure
 from jaxquant.models.loader_checks import check_layer_count, check_shapes, layer_shapes
 from jaxquant.models.params import (MATRICES, default_per_layer, fuse_layer, fuse_params,
-                                    prepack_matrix, prepack_params, quantize_args,
+                                    mixed_formats, prepack_matrix, prepack_params, quantize_args,
                                     quantize_matrix, stack_layers, unstack_layers)
 from jaxquant.quantized_array import QuantizedArray
 
@@ -208,8 +208,10 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
     device's fastest, as jq.prepack; "canonical" keeps the exchange layout);
     fuse: q/k/v and gate/up as one matrix each (models.fuse_params);
     per_layer: the layers as separate buffers, read one at a time (None: the
-    default device's fastest form, models.params.default_per_layer); stacked,
-    a matrix must have one format in every layer.
+    default device's fastest form, models.params.default_per_layer, or
+    per-layer buffers where a matrix's format differs between layers, as in
+    mlx_lm's mixed-bit recipes); stacked (False), a matrix must have one format
+    in every layer.
 
     mesh: a ("tp", "ep") mesh (parallel.make_mesh): the params come back placed
     as parallel.shard_params places them (the same values), read a layer at a
@@ -244,11 +246,18 @@ def load(path, mode=None, *, dtype="bfloat16", lm_head: bool = True, layout: str
                                   fuse=fuse, per_layer=per_layer)
     # a layer at a time: read, fused, quantized, in `layout`, then written into the
     # result (stacked: in place), so the device holds the model and one layer's temporaries
-    layers = build_layers(
-        cfg.num_layers,
-        lambda i, _: {k: prepack_matrix(v, layout)
-                      for k, v in _layer(cfg, tensors, quant, i, fuse).items()},
-        default_per_layer() if per_layer is None else per_layer)
+    def convert(i, _):
+        return {k: prepack_matrix(v, layout) for k, v in _layer(cfg, tensors, quant, i, fuse).items()}
+
+    try:
+        layers = build_layers(cfg.num_layers, convert,
+                              default_per_layer() if per_layer is None else per_layer)
+    except MixedLayers:
+        if per_layer is not None:
+            raise
+        # a matrix's format differs between layers (mlx_lm's mixed-bit recipes): the
+        # default form is then per-layer buffers, the one form that runs them
+        layers = build_layers(cfg.num_layers, convert, True)
     params = {"layers": layers}
     try:
         params.update(_outer(cfg, tensors, quant))
@@ -439,7 +448,8 @@ def _load_sharded(cfg, tensors, quant, mesh, *, lm_head, layout, fuse, per_layer
         params["lm_head"] = prepack_params({"layers": (), "lm_head": quant.quantize(head)
                                             if lm_head else head}, layout)["lm_head"]
     tensors.check_all_used()
-    if not (default_per_layer() if per_layer is None else per_layer):
+    stacked = not (default_per_layer() if per_layer is None else per_layer)
+    if stacked and (per_layer is not None or not mixed_formats(params["layers"])):
         params = stack_layers(params)
     return parallel.shard_params(cfg, params, mesh)  # the rest placed; the layers stay
 

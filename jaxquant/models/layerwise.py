@@ -27,6 +27,11 @@ def _write_layer(stack, layer, i):
     return jax.tree_util.tree_map(lambda s, a: s.at[i].set(a), stack, layer)
 
 
+class MixedLayers(ValueError):
+    """A layer's matrix is stored unlike layer 0's (another format or shape): its
+    layers cannot stack."""
+
+
 def _check_like(key, i, stack, layer):
     """layer i's value of key has layer 0's structure, shapes and dtypes (ValueError
     naming the key otherwise: a stack holds one format)."""
@@ -35,7 +40,7 @@ def _check_like(key, i, stack, layer):
     if jax.tree_util.tree_structure(first) != jax.tree_util.tree_structure(this) or any(
             (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in
             zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(this))):
-        raise ValueError(f"{key}: layer {i} is not stored like layer 0 ({layer!r} against "
+        raise MixedLayers(f"{key}: layer {i} is not stored like layer 0 ({layer!r} against "
                          f"{stack!r}); stacked layers (lax.scan) need one format and shape per "
                          f"matrix across layers (per-layer buffers, per_layer=True, take any)")
 
@@ -110,4 +115,4 @@ def release_on_failure(error: BaseException, *trees, keep=()):
         traceback.clear_frames(error.__traceback__.tb_next)
 
 
-__all__ = ["build_layers", "release_on_failure"]
+__all__ = ["MixedLayers", "build_layers", "release_on_failure"]

@@ -254,21 +254,30 @@ def _format_of(w):
     return ("float",)
 
 
+def mixed_formats(layers) -> dict:
+    """Per-layer dicts -> {key: its formats} for each key whose layers differ in
+    format (e.g. MLX's mixed-bit recipes: 4 and 6 bits per layer); {} when every
+    matrix has one format across layers (stackable)."""
+    out = {}
+    for key in layers[0] if layers else ():
+        kinds = {_format_of(lay[key]) for lay in layers}
+        if len(kinds) > 1:
+            out[key] = sorted(map(str, kinds))
+    return out
+
+
 def stack_layers(params):
     """params with per-layer dicts stacked into [L, ...] arrays (for lax.scan). Every
     layer's matrix must have one format (ValueError naming it otherwise)."""
     layers = params["layers"]
     if not is_per_layer(layers):
         return params
-    out = {}
-    for key in layers[0]:
-        parts = [lay[key] for lay in layers]
-        kinds = {_format_of(p) for p in parts}
-        if len(kinds) > 1:
-            raise ValueError(f"{key}: layers are quantized differently ({sorted(map(str, kinds))})"
-                             f"; stacked layers (lax.scan) need one format per matrix across "
-                             f"layers (per-layer buffers, per_layer=True, take any)")
-        out[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
+    for key, kinds in mixed_formats(layers).items():
+        raise ValueError(f"{key}: layers are quantized differently ({kinds}); stacked layers "
+                         f"(lax.scan) need one format per matrix across layers (per-layer "
+                         f"buffers, per_layer=True, take any)")
+    out = {key: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *(lay[key] for lay in layers))
+           for key in layers[0]}
     return dict(params, layers=out)
 
 
