@@ -421,6 +421,49 @@ def _ct_compress(w, args, fmt):
     return tensors, config, host(ref)
 
 
+def test_compressed_tensors_weight_g_idx():
+    """Group act-order (weight_g_idx: input channel k in group g_idx[k]) honoured as a
+    permutation of K, as act-order GPTQ's: against the transcribed definition
+    W[n, k] = q[n, k] * scale[n, g_idx[k]] (compressed-tensors' dequantize with g_idx;
+    the installed package no longer reads it), the codes q recovered from the
+    package's own contiguous-group decompression. Refused by name where read without
+    the permutation; a contiguous g_idx changes nothing."""
+    torch = pytest.importorskip("torch")
+    from jaxquant.models.checkpoint import hf_quantized_matrix
+    from jaxquant.models.decoder import PermutedMatrix, linear
+
+    n, k, g = 24, 128, 32
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16)
+    args = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=g)
+    tensors, config, ref = _ct_compress(w, args, "pack-quantized")
+    scale = np.asarray(tensors["m.weight_scale"], np.float64)            # [N, G]
+    q = np.round(np.asarray(ref, np.float64) / np.repeat(scale, g, axis=1))
+    g_idx = np.random.default_rng(0).permutation(np.arange(k) // g).astype(np.int32)
+    want = q * scale[:, g_idx]
+    tensors["m.weight_g_idx"] = g_idx
+    with pytest.raises(ValueError, match="weight_g_idx"):
+        jq.io.from_compressed_tensors(tensors, "m", config)
+    qw, perm = jq.io.from_compressed_tensors_act_order(tensors, "m", config, dtype=jnp.float32)
+    got = np.asarray(jq.dequantize(qw, dtype=jnp.float32), np.float64)[:, np.argsort(perm)]
+    np.testing.assert_array_equal(got, want)
+    x = np.random.default_rng(1).standard_normal((3, k)).astype(np.float32)
+    pm = hf_quantized_matrix(tensors, "m", config, jnp.float32)
+    assert isinstance(pm, PermutedMatrix)
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), pm)), x @ want.T, rtol=1e-5,
+                               atol=1e-5)
+    # contiguous groups: the plain import, no permutation
+    tensors["m.weight_g_idx"] = (np.arange(k) // g).astype(np.int32)
+    plain = jq.io.from_compressed_tensors(tensors, "m", config, dtype=jnp.float32)
+    assert jq.io.from_compressed_tensors_act_order(tensors, "m", config)[1] is None
+    np.testing.assert_array_equal(np.asarray(jq.dequantize(plain, dtype=jnp.float32)),
+                                  q * np.repeat(scale, g, axis=1))
+    for bad in (np.zeros(k, np.int32), np.arange(k, dtype=np.int32) // g - 1,
+                np.zeros(k - 1, np.int32), np.zeros(k, np.float32)):
+        tensors["m.weight_g_idx"] = bad
+        with pytest.raises(ValueError, match="weight_g_idx"):
+            jq.io.from_compressed_tensors_act_order(tensors, "m", config)
+
+
 def test_compressed_tensors_int_quantized():
     """W8A8-style int8 weights stored unpacked (`weight` int8, channel scales)."""
     torch = pytest.importorskip("torch")

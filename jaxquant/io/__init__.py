@@ -56,15 +56,16 @@ from __future__ import annotations
 from jaxquant.io._common import CheckpointError
 from jaxquant.io.gguf import from_gguf, from_gguf_tensor, to_gguf_tensor
 from jaxquant.io.gpt_oss import from_gpt_oss, to_gpt_oss
-from jaxquant.io.hf import (from_awq, from_compressed_tensors, from_gptq, to_awq,
-                            to_compressed_tensors, to_gptq)
+from jaxquant.io.hf import (from_awq, from_compressed_tensors, from_compressed_tensors_act_order,
+                            from_gptq, to_awq, to_compressed_tensors, to_gptq)
 from jaxquant.io.mlx_tensors import from_mlx_tensors, to_mlx_tensors
 from jaxquant.io.mx_blocks import (MX_BLOCK_BYTES, from_ggml_mxfp4, from_mx_blocks, to_ggml_mxfp4,
                                    to_mx_blocks)
 from jaxquant.io.safetensors import load_safetensors, save_safetensors
 
 __all__ = [
-    "CheckpointError", "from_awq", "from_compressed_tensors", "from_ggml_mxfp4", "from_gguf", "from_gguf_tensor",
+    "CheckpointError", "from_awq", "from_compressed_tensors", "from_compressed_tensors_act_order",
+    "from_ggml_mxfp4", "from_gguf", "from_gguf_tensor",
     "from_gpt_oss", "from_gptq", "from_mlx_tensors", "from_mx_blocks", "load_safetensors",
     "save_safetensors", "to_awq", "to_compressed_tensors", "to_ggml_mxfp4", "to_gguf_tensor",
     "to_gpt_oss", "to_gptq", "to_mlx_tensors", "to_mx_blocks",

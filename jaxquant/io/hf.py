@@ -257,6 +257,7 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits, checkpoint_format="g
     zeros = (_gptq_v1_zeros(qzeros, bits, n) if checkpoint_format == "gptq"
              else unpack_stream(qzeros, bits, n))
     data = np.ascontiguousarray(qweight.T)            # K's stream per row n
+<<<<<<< HEAD
     perm = None
     if g_idx is not None:
         g_idx = host_array(g_idx, "g_idx")
@@ -274,9 +275,36 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits, checkpoint_format="g
                                  f"the {groups} groups; got counts {counts.tolist()[:8]}...")
             perm = np.argsort(g_idx, kind="stable").astype(np.int32)
             data = pack_stream(unpack_stream(data, bits, k)[:, perm], bits)
+=======
+    perm = act_order_perm(g_idx, k, groups, "g_idx")
+    if perm is not None:
+        data = pack_stream(unpack_stream(data, bits, k)[:, perm], bits)
+>>>>>>> 4f4a1af (compressed-tensors weight_g_idx (group act-order): honoured as a permutation of K (jq.io.from_compressed_tensors_act_order, PermutedMatrix in models.checkpoint.load), refused by name by from_compressed_tensors; one act_order_perm for GPTQ's g_idx and it; test against the transcribed definition)
     qw = affine_from_zeros(data, scales.T, zeros.T, bits=bits, group=group,
                            dtype=_logical(dtype, scales.dtype))
     return qw, perm
+
+
+def act_order_perm(g_idx, k: int, groups: int, name: str):
+    """A group index per input channel (GPTQ's g_idx, compressed-tensors'
+    weight_g_idx) -> None where the groups are contiguous in K (k // group), else the
+    int32 permutation that sorts the channels by group (stable): the codes in that
+    order have contiguous groups. ValueError unless each group has exactly K/groups
+    channels."""
+    if g_idx is None:
+        return None
+    g_idx = host_array(g_idx, name)
+    group = k // groups
+    if g_idx.shape != (k,) or g_idx.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array of shape ({k},); got "
+                         f"{g_idx.shape} {g_idx.dtype}")
+    if np.array_equal(g_idx, np.arange(k) // group):
+        return None
+    counts = np.bincount(g_idx.astype(np.int64), minlength=groups) if g_idx.min() >= 0 else None
+    if counts is None or counts.shape != (groups,) or np.any(counts != group):
+        raise ValueError(f"{name} must put exactly {group} input channels in each of the "
+                         f"{groups} groups; got {'negative ids' if counts is None else counts.tolist()[:8]}")
+    return np.argsort(g_idx, kind="stable").astype(np.int32)
 
 
 def to_gptq(qw: QuantizedArray, perm=None, *, checkpoint_format="gptq"):
@@ -458,6 +486,9 @@ def from_compressed_tensors(tensors: dict, prefix: str, quant_config: dict, *, d
     (a float32 rounding per element away from the reference, a quarter of the scale
     bytes). ``float-quantized`` (FP8 with float per-tensor/channel scales) is refused:
     no mode holds E4M3 codes with a free float scale (mxfp8's scales are powers of 2).
+    ``weight_g_idx`` (group act-order: input channel k in group weight_g_idx[k]) is
+    refused here unless its groups are contiguous: `from_compressed_tensors_act_order`
+    returns the weight with its permutation.
     """
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict of name -> array; got {type(tensors).__name__}")
@@ -468,6 +499,16 @@ def from_compressed_tensors(tensors: dict, prefix: str, quant_config: dict, *, d
         raise ValueError(f"module {prefix!r} is not quantized by quant_config (no config group "
                          f"targets it, or it is ignored)")
     fmt, args = scheme
+    g_idx_name = f"{prefix}.weight_g_idx"
+    if g_idx_name in tensors:
+        qw = from_compressed_tensors({t: v for t, v in tensors.items() if t != g_idx_name},
+                                     prefix, quant_config, dtype=dtype, exact=exact)
+        groups = qw.shape[-1] // qw.group_size
+        if act_order_perm(tensors[g_idx_name], qw.shape[-1], groups, g_idx_name) is not None:
+            raise ValueError(f"{g_idx_name}: group act-order (input channels of a group are "
+                             f"not contiguous in K); jq.io.from_compressed_tensors_act_order "
+                             f"reads it with its permutation (models.checkpoint.load does)")
+        return qw
 
     def get(part, required=True):
         name = f"{prefix}.{part}"
@@ -493,6 +534,33 @@ def from_compressed_tensors(tensors: dict, prefix: str, quant_config: dict, *, d
                          f"scale per tensor or channel) maps onto no jaxquant mode exactly: "
                          f"mxfp8's scales are powers of two per 32 elements")
     raise ValueError(f"{prefix}: compressed-tensors format {fmt!r} is not supported")
+
+
+def from_compressed_tensors_act_order(tensors: dict, prefix: str, quant_config: dict, *,
+                                      dtype=None, exact: bool = True):
+    """`from_compressed_tensors` for a module that may carry ``weight_g_idx`` (group
+    act-order: input channel k uses the scale and zero point of group
+    weight_g_idx[k]) -> (qw, perm) as `from_gptq` returns them: perm None where the
+    groups are contiguous, else int32 [K] with the codes stored in that order, so
+    ``x @ W.T == jq.qmm(x[..., perm], qw)`` and ``W == jq.dequantize(qw)[:, argsort(perm)]``."""
+    if not isinstance(tensors, dict):
+        raise TypeError(f"tensors must be a dict of name -> array; got {type(tensors).__name__}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str; got {type(prefix).__name__}")
+    g_idx_name = f"{prefix}.weight_g_idx"
+    g_idx = tensors.get(g_idx_name)
+    qw = from_compressed_tensors({t: v for t, v in tensors.items() if t != g_idx_name}, prefix,
+                                 quant_config, dtype=dtype, exact=exact)
+    k = qw.shape[-1]
+    perm = act_order_perm(g_idx, k, k // qw.group_size, g_idx_name)
+    if perm is None:
+        return qw, None
+    if qw.mode != "affine":
+        raise ValueError(f"{g_idx_name}: group act-order with mode {qw.mode!r}; only the int "
+                         f"formats (affine) carry it")
+    codes = unpack_stream(np.asarray(qw.data), qw.bits, k)[:, perm]
+    return QuantizedArray(pack_stream(codes, qw.bits), qw.scales, qw.biases, mode="affine",
+                          bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype), perm
 
 
 def _ct_int(fmt, args, get, dtype) -> QuantizedArray:

@@ -505,7 +505,7 @@ def _mlx_from_slices(tensors, prefix, quant, mesh, spec):
 
 HF_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
 _CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
-             "weight_global_scale")
+             "weight_global_scale", "weight_g_idx")
 
 
 def hf_quantized_matrix(tensors, prefix, quant_config, dtype):
@@ -518,7 +518,15 @@ def hf_quantized_matrix(tensors, prefix, quant_config, dtype):
             return None
         own = {f"{prefix}.{p}": tensors[f"{prefix}.{p}"] for p in _CT_PARTS
                if f"{prefix}.{p}" in tensors}
-        return _on_device(jq.io.from_compressed_tensors(own, prefix, quant_config, dtype=dtype))
+        if f"{prefix}.weight_g_idx" not in own:
+            return _on_device(jq.io.from_compressed_tensors(own, prefix, quant_config,
+                                                            dtype=dtype))
+        # group act-order: a permutation of K, as act-order GPTQ's (identity where the
+        # groups are contiguous, so every matrix of the checkpoint stacks and fuses alike)
+        qw, perm = jq.io.from_compressed_tensors_act_order(own, prefix, quant_config,
+                                                           dtype=dtype)
+        perm = np.arange(qw.shape[-1], dtype=np.int32) if perm is None else perm
+        return PermutedMatrix(_on_device(qw), jnp.asarray(perm))
     if f"{prefix}.qweight" not in tensors:
         return None
     parts = [tensors[f"{prefix}.{p}"] for p in ("qweight", "qzeros", "scales")]
