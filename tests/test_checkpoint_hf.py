@@ -11,9 +11,11 @@ reference dequantizer's output.
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
+import jaxquant as jq
 from jaxquant import models
 from jaxquant.models import checkpoint
 from jaxquant.models.layers import PermutedMatrix
@@ -202,3 +204,143 @@ def test_bf16_model_keeps_float16_gptq_scales(tmp_path):
     assert tokens.shape == (2, 6) and np.all(np.isfinite(logits))
 
 
+
+
+# ---------------------------------------------------------------------------
+# Quantized experts of a Qwen3-MoE checkpoint (mlp.experts.{e}.{gate,up,down}_proj).
+
+
+def _contiguous_gptq_pack(prefix, w):
+    """Random GPTQ words with contiguous groups (no act-order), dequantized by
+    gptqmodel's transcribed reading (tests/test_io_hf.py)."""
+    n, k = w.shape
+    rng = np.random.default_rng(sum(map(ord, prefix)))
+    qweight = rng.integers(0, 2 ** 32, (k // 8, n), dtype=np.uint32).view(np.int32)
+    qzeros = rng.integers(0, 2 ** 32, (k // 32, n // 8), dtype=np.uint32).view(np.int32)
+    scales = (rng.random((k // 32, n)) * 0.02 + 1e-3).astype(np.float16)
+    g_idx = (np.arange(k) // 32).astype(np.int32)
+    deq = _gptqmodel_dequant(qweight, qzeros, scales, g_idx, 4, v1=True)
+    return ({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros,
+             f"{prefix}.scales": scales, f"{prefix}.g_idx": g_idx},
+            deq.astype(np.float16).astype(np.float32))
+
+
+MOE_QUANT = {
+    "gptq-random-words": ({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                           "desc_act": False, "sym": False}, _contiguous_gptq_pack),
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+              "sym": False, "checkpoint_format": "gptq"}, _gptq_pack),
+    "awq": QUANT_CONFIGS["awq"],
+    "pack-quantized": QUANT_CONFIGS["pack-quantized"],
+    "nvfp4-pack-quantized": QUANT_CONFIGS["nvfp4-pack-quantized"],
+}
+EXPERT_KEYS = {"gate_proj": "e_gate", "up_proj": "e_up", "down_proj": "e_down"}
+
+
+def _qwen3_moe_float(seed):
+    from tests.test_models import QWEN3_MOE, _rand
+
+    rng = np.random.default_rng(seed)
+    t = _hf_common(rng, QWEN3_MOE, qk_norm=True)
+    for li in range(2):
+        pre = f"model.layers.{li}.mlp."
+        t[pre + "gate.weight"] = _rand(rng, 4, 64)
+        for e in range(4):
+            for name in EXPERT_KEYS:
+                t[pre + f"experts.{e}.{name}.weight"] = _rand(rng, 64, 64)
+    return QWEN3_MOE, t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(MOE_QUANT))
+def test_quantized_moe_checkpoint_decodes_like_its_float_model(tmp_path, kind):
+    """Every expert of a tiny Qwen3-MoE checkpoint packed by the reference package (or
+    random GPTQ words): the experts load as one quantized stack [E, N, K] per layer,
+    their values the package's dequantization, and the model decodes the greedy
+    tokens of the float model built from those values."""
+    quant_config, pack = MOE_QUANT[kind]
+    if kind == "gptq":
+        pack = _gptq_pack_contiguous
+    config, t = _qwen3_moe_float(13)
+    out, ref = dict(t), {}
+    for li in range(2):
+        for e in range(4):
+            for name in EXPERT_KEYS:
+                prefix = f"model.layers.{li}.mlp.experts.{e}.{name}"
+                tensors, w = pack(prefix, np.asarray(out.pop(prefix + ".weight"), np.float32))
+                out.update(tensors)
+                ref[prefix] = np.asarray(w, np.float32)
+    _write(tmp_path, dict(config, quantization_config=quant_config), out)
+    cfg, params = checkpoint.load(tmp_path, dtype="float32", per_layer=False, fuse=False)
+    lay = params["layers"]
+    floats = dict(_manual_common(t, 2))
+    fl = dict(floats["layers"])
+    fl["router"] = jnp.stack([jnp.asarray(t[f"model.layers.{li}.mlp.gate.weight"])
+                              for li in range(2)])
+    for name, key in EXPERT_KEYS.items():
+        w = lay[key]
+        assert isinstance(w, QuantizedArray) and w.shape == (2, 4, 64, 64), (key, type(w))
+        want = np.stack([np.stack([ref[f"model.layers.{li}.mlp.experts.{e}.{name}"]
+                                   for e in range(4)]) for li in range(2)])
+        got = np.asarray(jq.dequantize(w, dtype=jnp.float32))
+        # the references return their weights in float16 / bfloat16: equal once rounded so
+        assert any(np.array_equal(got.astype(dt).astype(np.float32), want)
+                   for dt in (np.float32, np.float16, ml_dtypes.bfloat16)), key
+        fl[key] = jnp.asarray(want)
+    floats["layers"] = fl
+    floats = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), floats)
+    want_tokens, want_logits = _tokens(cfg, floats)
+    got_tokens, got_logits = _tokens(cfg, params)
+    np.testing.assert_array_equal(got_tokens, want_tokens)
+    # the only difference: float16 / bfloat16 rounding of the reference's weights
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0,
+                               atol=2e-2 * float(np.abs(want_logits).max()))
+    # with default arguments: gate and up fused into one quantized stack, the same tokens
+    _, fused = checkpoint.load(tmp_path, dtype="float32")
+    layers = fused["layers"]
+    e_gate_up = (layers[0] if isinstance(layers, tuple) else layers)["e_gate_up"]
+    assert isinstance(e_gate_up, QuantizedArray)
+    np.testing.assert_array_equal(_tokens(cfg, fused)[0], want_tokens)
+
+
+def _gptq_pack_contiguous(prefix, w):
+    """auto-gptq's own packing with contiguous groups (desc_act False)."""
+    torch = pytest.importorskip("torch")
+    qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
+    n, k = w.shape
+    g = 32
+    g_idx = torch.arange(k, dtype=torch.int32) // g
+    wt = torch.from_numpy(w)
+    lo = wt.reshape(n, k // g, g).amin(-1).clamp(max=0)
+    hi = wt.reshape(n, k // g, g).amax(-1).clamp(min=0)
+    scales = ((hi - lo) / 15).half().float()
+    zeros = torch.round(-lo / scales).clamp(1, 15)
+    layer = qlinear.QuantLinear(4, g, k, n, False)
+    codes = torch.clamp(torch.round(wt / scales[:, g_idx.long()]) + zeros[:, g_idx.long()], 0, 15)
+    lin = torch.nn.Linear(k, n, bias=False).half()
+    lin.weight.data = ((codes - zeros[:, g_idx.long()]) * scales[:, g_idx.long()]).half()
+    layer.pack(lin, scales, zeros, g_idx)
+    deq = layer(torch.eye(k, dtype=torch.float16)).T.float().numpy()
+    return {f"{prefix}.{p}": getattr(layer, p).numpy() for p in ("qweight", "qzeros", "scales",
+                                                                 "g_idx")}, deq
+
+
+def test_quantized_moe_experts_refused_by_name(tmp_path):
+    """Act-order experts (a permutation per expert) and a mix of quantized and float
+    experts: a ValueError naming the module, never a silently wrong model."""
+    config, t = _qwen3_moe_float(14)
+    out = dict(t)
+    prefix = "model.layers.0.mlp.experts.1.down_proj"
+    tensors, _ = _random_gptq_pack(prefix, np.asarray(out.pop(prefix + ".weight"), np.float32))
+    out.update(tensors)
+    cfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False}
+    _write(tmp_path, dict(config, quantization_config=cfg), out)
+    with pytest.raises(ValueError, match="some experts are quantized"):
+        checkpoint.load(tmp_path, dtype="float32")
+    for e in (0, 2, 3):
+        p = f"model.layers.0.mlp.experts.{e}.down_proj"
+        tensors, _ = _random_gptq_pack(p, np.asarray(out.pop(p + ".weight"), np.float32))
+        out.update(tensors)
+    _write(tmp_path / "all", dict(config, quantization_config=cfg), out)
+    with pytest.raises(ValueError, match="act-order experts"):
+        checkpoint.load(tmp_path / "all", dtype="float32")

@@ -257,29 +257,9 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits, checkpoint_format="g
     zeros = (_gptq_v1_zeros(qzeros, bits, n) if checkpoint_format == "gptq"
              else unpack_stream(qzeros, bits, n))
     data = np.ascontiguousarray(qweight.T)            # K's stream per row n
-<<<<<<< HEAD
-    perm = None
-    if g_idx is not None:
-        g_idx = host_array(g_idx, "g_idx")
-        if g_idx.shape != (k,) or g_idx.dtype.kind not in "iu":
-            raise ValueError(f"g_idx must be an integer array of shape ({k},); got "
-                             f"{g_idx.shape} {g_idx.dtype}")
-        if not np.array_equal(g_idx, np.arange(k) // group):
-            lo, hi = int(g_idx.min()), int(g_idx.max())
-            if lo < 0 or hi >= groups:  # before bincount, which allocates max + 1 counters
-                raise ValueError(f"g_idx must hold group numbers in [0, {groups}); got values "
-                                 f"from {lo} to {hi}")
-            counts = np.bincount(g_idx.astype(np.int64), minlength=groups)
-            if np.any(counts != group):
-                raise ValueError(f"g_idx must put exactly {group} input channels in each of "
-                                 f"the {groups} groups; got counts {counts.tolist()[:8]}...")
-            perm = np.argsort(g_idx, kind="stable").astype(np.int32)
-            data = pack_stream(unpack_stream(data, bits, k)[:, perm], bits)
-=======
     perm = act_order_perm(g_idx, k, groups, "g_idx")
     if perm is not None:
         data = pack_stream(unpack_stream(data, bits, k)[:, perm], bits)
->>>>>>> 4f4a1af (compressed-tensors weight_g_idx (group act-order): honoured as a permutation of K (jq.io.from_compressed_tensors_act_order, PermutedMatrix in models.checkpoint.load), refused by name by from_compressed_tensors; one act_order_perm for GPTQ's g_idx and it; test against the transcribed definition)
     qw = affine_from_zeros(data, scales.T, zeros.T, bits=bits, group=group,
                            dtype=_logical(dtype, scales.dtype))
     return qw, perm
@@ -300,10 +280,14 @@ def act_order_perm(g_idx, k: int, groups: int, name: str):
                          f"{g_idx.shape} {g_idx.dtype}")
     if np.array_equal(g_idx, np.arange(k) // group):
         return None
-    counts = np.bincount(g_idx.astype(np.int64), minlength=groups) if g_idx.min() >= 0 else None
-    if counts is None or counts.shape != (groups,) or np.any(counts != group):
+    lo, hi = int(g_idx.min()), int(g_idx.max())
+    if lo < 0 or hi >= groups:  # before bincount, which allocates max + 1 counters
+        raise ValueError(f"{name} must hold group numbers in [0, {groups}); got values "
+                         f"from {lo} to {hi}")
+    counts = np.bincount(g_idx.astype(np.int64), minlength=groups)
+    if np.any(counts != group):
         raise ValueError(f"{name} must put exactly {group} input channels in each of the "
-                         f"{groups} groups; got {'negative ids' if counts is None else counts.tolist()[:8]}")
+                         f"{groups} groups; got counts {counts.tolist()[:8]}...")
     return np.argsort(g_idx, kind="stable").astype(np.int32)
 
 

@@ -418,10 +418,39 @@ def _qwen3_moe_mlp(cfg, tensors, quant, pre):
         if switch + ".weight" in tensors:
             p[key] = quant.matrix(tensors, switch)
             continue
-        per_expert = [tensors.floating(f"{pre}mlp.experts.{j}.{name}.weight")
-                      for j in range(cfg.num_experts)]
-        p[key] = quant.array(np.stack(per_expert))
+        prefixes = [f"{pre}mlp.experts.{j}.{name}" for j in range(cfg.num_experts)]
+        if quant.hf_quant is not None:
+            stack = _quantized_experts(tensors, prefixes, quant)
+            if stack is not None:
+                p[key] = stack
+                continue
+        p[key] = quant.array(np.stack([tensors.floating(e + ".weight") for e in prefixes]))
     return p
+
+
+def _quantized_experts(tensors, prefixes, quant):
+    """GPTQ / AWQ / compressed-tensors experts (one module per expert) -> one quantized
+    stack [E, N, K], or None where the checkpoint keeps them float. Every expert must
+    have one format; act-order permutations must be the identity (gather_qmm reads
+    each token's expert in place, with no per-expert permutation of x)."""
+    parts = [hf_quantized_matrix(tensors, e, quant.hf_quant, quant.dtype) for e in prefixes]
+    if all(w is None for w in parts):
+        return None
+    if any(w is None for w in parts):
+        raise ValueError(f"{prefixes[0].rsplit('.', 2)[0]}: some experts are quantized and "
+                         f"some float; an expert stack needs one format")
+    for e, w in zip(prefixes, parts):
+        if isinstance(w, PermutedMatrix):
+            if not np.array_equal(np.asarray(w.perm), np.arange(w.perm.shape[-1])):
+                raise ValueError(f"{e}: act-order experts (a permutation of K per expert) are "
+                                 f"not supported; the expert kernels read x unpermuted")
+    parts = [w.matrix if isinstance(w, PermutedMatrix) else w for w in parts]
+    kinds = {(w.mode, w.bits, w.group_size, w.scales.dtype, w.shape) for w in parts}
+    if len(kinds) > 1:
+        raise ValueError(f"{prefixes[0].rsplit('.', 2)[0]}: the experts are quantized "
+                         f"differently ({sorted(map(str, kinds))[:3]}); a stack needs one "
+                         f"format")
+    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
 
 
 def _load_sharded(cfg, tensors, quant, mesh, *, lm_head, layout, fuse, per_layer):
