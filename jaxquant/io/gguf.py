@@ -28,10 +28,10 @@ exact) rounds the same sum once. Q2_K likewise (d*sc: 15 bits, times a 2-bit q).
 Q6_K's d*sc (an int8 sc: 18 bits) times q - 32 (6 bits) is exact, and so are
 jaxquant's scale * q (q in [0, 63]) and its bias -32*d*sc (a power of two
 times d*sc): the sum is the exact value, which float32 holds. Q4_0/Q5_0/Q8_0's
--8d/-16d/-128d and Q4_1's d*q + m are exact or the same single rounding likewise. The scales and biases
-of the 32-block types are float16 where that holds them (d, m, and -8d etc.
-when they do not overflow float16), else float32; the K-quants' are float32
-(d*sc needs 17 bits).
+-8d/-16d/-128d and Q4_1's d*q + m are exact or the same single rounding
+likewise. The scales and biases of the 32-block types are float16 where that
+holds them (d, m, and -8d etc. when they do not overflow float16), else
+float32; the K-quants' are float32 (d*sc needs 17 bits).
 
 Differences from ggml, all at non-finite or zero values: a block whose d (or
 m, dmin) is Inf or NaN dequantizes to NaN in every element (jaxquant's rule
