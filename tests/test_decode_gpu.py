@@ -135,6 +135,21 @@ def test_group_sizes(mode, bits, group):
     assert_matmul_close(jq.qmm(x, packed, backend="ffi"), x, deq64(qw), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
+def test_affine_group16_stays_canonical_and_decodes(bits):
+    """Affine group 16 (GGUF Q6_K / Q2_K): the cuda_mma layout refuses it (its kernels
+    take groups >= 32), so prepack keeps it canonical, where the CUDA GEMV and the
+    automatic choice decode it against the float64 product."""
+    qw = quantize_for("affine", bits, rand(bits, (48, 256), jnp.bfloat16, scale=2.0), 16)
+    assert jq.prepack(qw).layout == "canonical"
+    with pytest.raises(ValueError, match="group_size=16"):
+        jq.prepack(qw, layout="cuda_mma")
+    for m in (1, 3, 40):
+        x = rand(m, (m, 256), jnp.bfloat16)
+        assert_matmul_close(jq.qmm(x, qw, backend="ffi"), x, deq64(qw), jnp.bfloat16)
+        assert_matmul_close(jax.jit(jq.qmm)(x, qw), x, deq64(qw), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("mxfp8_e4m3", 8)])
 def test_gather_dedupe_bad_ids_and_bitwise_qmm(mode, bits):
     e, n, k = 6, 40, 128

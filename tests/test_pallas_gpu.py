@@ -26,6 +26,7 @@ FORMATS = [
     ("affine", 5, 32), ("affine", 6, 64), ("affine", 8, 64),
     ("mxfp4", 4, 32), ("mxfp6_e2m3", 6, 32), ("mxfp6_e3m2", 6, 32),
     ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32), ("nvfp4", 4, 16), ("fp4", 4, 32),
+    ("affine", 2, 16), ("affine", 8, 16),
 ]
 # M per kernel class under the CUDA/ROCm block tables: gemv (M <= 4), skinny
 # tensor-core tiles (M <= 64), large tiles.
