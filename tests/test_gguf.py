@@ -155,7 +155,9 @@ def test_float_tensors_load_as_float(name, dtype):
 
 
 @pytest.mark.parametrize("call,exc,match", [
-    (lambda r: jq.io.from_gguf_tensor(r, "IQ4_NL", (1, 256)), ValueError, "IQ4_NL"),
+    *[(lambda r, t=t: jq.io.from_gguf_tensor(r, t, (1, 256)), ValueError, f"'{t}' has no")
+      for t in ("IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+                "IQ1_M", "TQ1_0", "TQ2_0")],
     (lambda r: jq.io.from_gguf_tensor(r, "Q9_9", (1, 256)), ValueError, "Q9_9"),
     (lambda r: jq.io.from_gguf_tensor(r, 99, (1, 256)), ValueError, "99"),
     (lambda r: jq.io.from_gguf_tensor(r, 2.0, (1, 256)), TypeError, "ggml_type"),

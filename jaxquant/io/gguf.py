@@ -36,7 +36,7 @@ float32; the K-quants' are float32 (d*sc needs 17 bits).
 Differences from ggml, all at non-finite or zero values: a block whose d (or
 m, dmin) is Inf or NaN dequantizes to NaN in every element (jaxquant's rule
 for non-finite groups; ggml gives Inf*q); ggml's d*0 with a negative d is -0,
-jaxquant's +0. The IQ types are refused (ValueError).
+jaxquant's +0. The IQ and TQ types are refused by name (ValueError).
 
 Block layouts (ggml-common.h; element j of a 32-block, 0-based):
 - Q4_0: fp16 d, qs[16]: element j in the low nibble of qs[j], j+16 in the high.
@@ -77,7 +77,11 @@ GGML_TYPES = {
     "F32": (0, 1, 4), "F16": (1, 1, 2), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
     "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "Q2_K": (10, 256, 84),
     "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
-    "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18), "BF16": (30, 1, 2), "MXFP4": (39, 32, 17),
+    "Q6_K": (14, 256, 210), "IQ2_XXS": (16, 256, 66), "IQ2_XS": (17, 256, 74),
+    "IQ3_XXS": (18, 256, 98), "IQ1_S": (19, 256, 50), "IQ4_NL": (20, 32, 18),
+    "IQ3_S": (21, 256, 110), "IQ2_S": (22, 256, 82), "IQ4_XS": (23, 256, 136),
+    "IQ1_M": (29, 256, 56), "BF16": (30, 1, 2), "TQ1_0": (34, 256, 54), "TQ2_0": (35, 256, 66),
+    "MXFP4": (39, 32, 17),
 }
 _BY_NUMBER = {num: name for name, (num, _, _) in GGML_TYPES.items()}
 _FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -297,8 +301,10 @@ def from_gguf_tensor(raw, ggml_type, shape, *, dtype=None):
     """
     name = type_name(ggml_type)
     if name not in _SUPPORTED:
-        raise ValueError(f"ggml_type={name!r} has no jaxquant import; supported: "
-                         f"{list(_SUPPORTED)}")
+        # the IQ types' codebooks (non-uniform 4-bit values, lattice codebooks) and the
+        # ternary TQ types have no jaxquant mode
+        raise ValueError(f"ggml_type={name!r} has no jaxquant import (no mode holds its "
+                         f"codes); supported: {list(_SUPPORTED)}")
     shape = _check_shape(shape, name)
     if not hasattr(raw, "shape") or not hasattr(raw, "dtype"):
         raise TypeError(f"raw must be an array (numpy or jax); got {type(raw).__name__}")
