@@ -82,7 +82,7 @@ def test_quantize_bits_wrong_type(bits):
         jq.quantize(W, mode="affine", bits=bits)
 
 
-@pytest.mark.parametrize("mode,group", [("affine", 16), ("affine", 256), ("affine", 0), ("affine", -64),
+@pytest.mark.parametrize("mode,group", [("affine", 8), ("affine", 256), ("affine", 0), ("affine", -64),
                                         ("mxfp4", 64), ("mxfp4", 16), ("nvfp4", 32),
                                         ("fp4", 128), ("fp4", 8), ("mxfp8_e5m2", 64)])
 def test_quantize_group_size_not_allowed(mode, group):
