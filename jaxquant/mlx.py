@@ -194,10 +194,19 @@ def _to_dtype(dtype, name="dtype"):
         raise TypeError(f"{name}={dtype!r} is not a dtype") from e
 
 
+# MLX's affine groups; jaxquant's affine also takes 16 (GGUF's Q6_K / Q2_K), which MLX
+# refuses, so these functions refuse it as MLX does
+MLX_AFFINE_GROUP_SIZES = (32, 64, 128)
+
+
 def _resolve(mode, bits, group_size):
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a str such as {list(MLX_MODES)}; got {mode!r}")
-    return formats.resolve(mode, bits, group_size)
+    fmt, bits, group_size = formats.resolve(mode, bits, group_size)
+    if fmt.mode == "affine" and group_size not in MLX_AFFINE_GROUP_SIZES:
+        raise ValueError(f"group_size={group_size} is not supported by MLX's affine "
+                         f"quantization; expected one of {list(MLX_AFFINE_GROUP_SIZES)}")
+    return fmt, bits, group_size
 
 
 def _global_scale_from_mlx(g):

@@ -393,6 +393,8 @@ MLX_ERROR_CASES = {
     "gather-mode-xyz": lambda L, c: L.gather_qmm(c(_EX), c(_EWQ), c(_ES), c(_EB),
                                                  rhs_indices=c(np.array(0)), bits=4,
                                                  group_size=32, mode="xyz"),
+    # jaxquant's affine takes group 16 (GGUF's Q6_K / Q2_K); MLX's does not
+    "quantize-affine-group16": lambda L, c: L.quantize(c(_EW), group_size=16, bits=4),
     "quantize-int32": lambda L, c: L.quantize(c(np.zeros((128, 128), np.int32))),
     "quantize-int32-mxfp4": lambda L, c: L.quantize(c(np.zeros((128, 128), np.int32)),
                                                     mode="mxfp4"),
