@@ -430,7 +430,7 @@ def test_compressed_tensors_weight_g_idx():
     the permutation; a contiguous g_idx changes nothing."""
     torch = pytest.importorskip("torch")
     from jaxquant.models.checkpoint import hf_quantized_matrix
-    from jaxquant.models.decoder import PermutedMatrix, linear
+    from jaxquant.models.layers import PermutedMatrix, linear
 
     n, k, g = 24, 128, 32
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16)
