@@ -105,7 +105,7 @@ def test_gpt_oss_decode_logits_vs_reference_backend():
 @pytest.mark.parametrize("shape", [(5120, 2880), (6144, 4096)], ids=lambda s: f"{s[1]}to{s[0]}")
 def test_decoder_linear_at_decode_takes_the_float_gemv(shape):
     """models.layers.linear on a float matrix at one row per sequence (decode) runs the
-    Pallas float GEMV (layers.FLOAT_GEMV) and gives the float32 product, bias added."""
+    Pallas float GEMV (pallas.configs.FLOAT_GEMV_OVER_XLA) and gives the float32 product, bias added."""
     from jaxquant.models import layers
 
     n, k = shape

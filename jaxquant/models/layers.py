@@ -14,6 +14,7 @@ from jax import lax
 
 import jaxquant as jq
 from jaxquant.models.config import MLP_ACTIVATIONS, Config
+from jaxquant.pallas import configs
 from jaxquant.quantized_array import QuantizedArray
 
 
@@ -33,23 +34,16 @@ def on_several_devices(a) -> bool:
     return sharding is not None and len(sharding.device_set) > 1
 
 
-# A float matrix at decode goes through the Pallas float GEMV (jq.gather_matmul with the
-# matrix as its one expert) on a GPU where XLA's dot was measured slower inside the
-# models' decode step: N >= 5120 with K < 8192 (q/k/v, gate+up). XLA stays where it was
-# as fast or faster: the o projections (N <= 4096), K >= 8192 (Llama's down), the router
-# (N = 32) and the heads (N >= 128k, XLA at 96-99% of copy). benchmarks/h100/decode.json
-# `float_gemv.*` (per matrix, in the model, whole model).
-FLOAT_GEMV = dict(max_rows=8, min_n=5120, max_n=32768, max_k=8192)
-
-
 def float_gemv_applies(x, w) -> bool:
-    """Whether linear(x, w) on a float w [N, K] takes the Pallas float GEMV (FLOAT_GEMV).
+    """Whether linear(x, w) on a float w [N, K] takes the Pallas float GEMV (the float GEMV's
+    shapes in jaxquant/pallas/configs.py, FLOAT_GEMV_OVER_XLA).
     One device only: the GEMV was measured on one GPU; over a mesh, XLA partitions its
     own dot."""
     rows = int(np.prod(x.shape[:-1]))
     n, k = w.shape
-    return (jax.default_backend() == "gpu" and 0 < rows <= FLOAT_GEMV["max_rows"]
-            and FLOAT_GEMV["min_n"] <= n <= FLOAT_GEMV["max_n"] and k <= FLOAT_GEMV["max_k"]
+    route = configs.FLOAT_GEMV_OVER_XLA
+    return (jax.default_backend() == "gpu" and 0 < rows <= route["max_rows"]
+            and route["min_n"] <= n <= route["max_n"] and k <= route["max_k"]
             and not on_several_devices(w))
 
 

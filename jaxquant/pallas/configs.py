@@ -166,6 +166,14 @@ FLOAT_GEMV_CONFIGS: dict[str, FloatGemvConfig] = {
 # The smallest block_n a config may hold (the kernel's N-block grid axis is bounded).
 FLOAT_GEMV_MIN_BLOCK_N = 8
 
+# A float matrix at decode goes through the Pallas float GEMV (jq.gather_matmul with the
+# matrix as its one expert) on a GPU where XLA's dot was measured slower inside the
+# models' decode step: N >= 5120 with K < 8192 (q/k/v, gate+up). XLA stays where it was
+# as fast or faster: the o projections (N <= 4096), K >= 8192 (Llama's down), the router
+# (N = 32) and the heads (N >= 128k, XLA at 96-99% of copy). benchmarks/h100/decode.json
+# `float_gemv.*` (per matrix, in the model, whole model).
+FLOAT_GEMV_OVER_XLA = dict(max_rows=8, min_n=5120, max_n=32768, max_k=8192)
+
 
 # ---------------------------------------------------------------------------
 # ragged_matmul (float expert weights, prefill): block configurations of the float
