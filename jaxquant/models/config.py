@@ -15,13 +15,10 @@ MOE_ROUTERS = ("softmax_topk", "topk_softmax")
 # What a family's blocks do differently, beyond the sizes: the value a Config field left
 # None takes. The model code reads the fields, never the family name, so a new family
 # that only recombines these needs a row here (docs/architecture.md, "Adding a model family").
+_LLAMA_BLOCKS = dict(mlp_activation="silu", moe_router="softmax_topk", attention_sinks=False,
+                     moe_bias=False)
 FAMILY_TRAITS = {
-    "llama": dict(mlp_activation="silu", moe_router="softmax_topk", attention_sinks=False,
-                  moe_bias=False),
-    "qwen3": dict(mlp_activation="silu", moe_router="softmax_topk", attention_sinks=False,
-                  moe_bias=False),
-    "qwen3_moe": dict(mlp_activation="silu", moe_router="softmax_topk", attention_sinks=False,
-                      moe_bias=False),
+    "llama": _LLAMA_BLOCKS, "qwen3": _LLAMA_BLOCKS, "qwen3_moe": _LLAMA_BLOCKS,
     "gpt_oss": dict(mlp_activation="gpt_oss", moe_router="topk_softmax", attention_sinks=True,
                     moe_bias=True),
 }
