@@ -294,7 +294,8 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
         for m, fused in ((1, True), (most, True), (most + 1, False)):
             text = _targets(f, rand(4, (m, 192), jnp.bfloat16), packed)
             assert ("jaxquant_gemv_mma_fused" in text) == fused, (op, m)
-            assert "jaxquant_qmv_mma" in text, (op, m)
+            # the unfused ops still run the tensor-core GEMV, not a fallback
+            assert fused or "jaxquant_qmv_mma" in text, (op, m)
     # gather_qmm_swiglu: opt-in (configs.py): the gather GEMV, then XLA's epilogue
     _, experts = _packed("mxfp4", 4, (3, 64, 192), key=5)
     idx = jnp.array([[0, 2]], jnp.int32)
