@@ -313,6 +313,22 @@ def test_config_refusals(tmp_path, edit, match):
     assert time.perf_counter() - t0 < 30
 
 
+def test_tied_checkpoint_with_a_stored_copy_of_the_embedding_loads(tmp_path):
+    """A tied model whose exporter also wrote lm_head.weight (equal to the embedding)
+    loads as transformers loads it; a head that differs stays refused (above)."""
+    rng = np.random.default_rng(3)
+    t = _hf_common(rng, LLAMA)
+    _dense_mlps(rng, t)
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
+    _write(tmp_path / "copy", dict(LLAMA, tie_word_embeddings=True), t)
+    del t["lm_head.weight"]
+    _write(tmp_path / "plain", dict(LLAMA, tie_word_embeddings=True), t)
+    cfg_a, a = checkpoint.load(tmp_path / "copy", layout="canonical")
+    cfg_b, b = checkpoint.load(tmp_path / "plain", layout="canonical")
+    assert cfg_a.tie_embeddings and "lm_head" not in a
+    np.testing.assert_array_equal(np.asarray(a["embed"]), np.asarray(b["embed"]))
+
+
 def test_config_json_cut_short_names_the_file(tmp_path):
     llama_dir(tmp_path)
     cfg = tmp_path / "config.json"

@@ -280,8 +280,34 @@ def _outer(cfg, tensors, quant) -> dict:
     if not cfg.tie_embeddings:
         out["lm_head"] = quant.matrix(tensors, "lm_head")
         shapes["lm_head"] = shapes["embed"]
+    else:
+        check_tied_head(tensors)
     check_shapes(quant.config_file, out, shapes)
     return out
+
+
+def check_tied_head(tensors, rows: int = 4096) -> None:
+    """Some exporters store `lm_head.*` beside the embedding of a tied model; transformers
+    then ties (ignores the copy). The copy is accepted, and counted as used, where it
+    equals the embedding bit for bit (compared `rows` rows at a time, so a large
+    vocabulary costs no whole second copy); a different head means the config and the
+    weights disagree, and check_all_used refuses it."""
+    heads = [n for n in tensors.keys() if n.startswith("lm_head.")]
+    if not all(same_tensor(tensors, name, "model.embed_tokens." + name[len("lm_head."):], rows)
+               for name in heads):
+        tensors.used.difference_update(heads)  # reading them marked them: unmark
+
+
+def same_tensor(tensors, a: str, b: str, rows: int) -> bool:
+    if b not in tensors or tensors.shape(a) != tensors.shape(b):
+        return False
+    shape = tensors.shape(a)
+    for r in range(0, max(shape[0], 1) if shape else 1, rows):
+        index = (slice(r, r + rows),) if shape else ()
+        x, y = tensors.part(a, index), tensors.part(b, index)
+        if x.dtype != y.dtype or x.tobytes() != y.tobytes():
+            return False
+    return True
 
 
 class _Quantizer:
