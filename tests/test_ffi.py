@@ -320,7 +320,7 @@ def test_dequantize_vmap_of_the_call():
 @pytest.mark.parametrize("transpose", [True, False])
 def test_qmm_large_m_and_transpose(mode, bits, transpose):
     n, k = 64, 128
-    m = jf.configs.GEMV_MAX_M["cpu"] + 3
+    m = jf.configs.FFI_GEMV_MAX_M["cpu"] + 3
     qws = {jnp.dtype(dt).name: quantize_for(mode, bits, rand(2, (n, k) if transpose else (k, n), dt))
            for dt in DTYPES}
     xs = {jnp.dtype(dt).name: rand(3, (m, k), dt) for dt in DTYPES}
@@ -668,7 +668,7 @@ def test_kernel_choice_table():
     platform with its priority and `platform` passed by the dispatcher."""
     sa = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)
     qw = jax.eval_shape(lambda w: quantize_for("mxfp4", 4, w), sa((64, 128)))
-    for platform, max_m in configs.GEMV_MAX_M.items():
+    for platform, max_m in configs.FFI_GEMV_MAX_M.items():
         assert configs.auto_qmm(sa((max_m, 128)), qw, transpose=True, precision=None,
                                 platform=platform)
         assert not configs.auto_qmm(sa((max_m + 1, 128)), qw, transpose=True, precision=None,

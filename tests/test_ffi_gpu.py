@@ -50,7 +50,7 @@ def test_gpu_mode_sweep(mode, bits):
     xl = {name: rand(2, (20, k), x.dtype) for name, x in xs.items()}
     idx = jnp.asarray(GATHER_IDX)
 
-    def large(x, q):  # M > GEMV_MAX_M: ffi dequantize + XLA's dot (IEEE float32 when highest)
+    def large(x, q):  # M > FFI_GEMV_MAX_M: ffi dequantize + XLA's dot (IEEE float32 when highest)
         with jax.default_matmul_precision("highest"):
             return jq.qmm(x, q, backend="ffi")
 

@@ -590,13 +590,13 @@ def _header_enum(path, name):
 
 def test_format_ids_match_the_kernels_header():
     """metal.kernels.FORMAT_IDS is a copy of jq_metal.h's Format enum (the kernels switch on
-    these numbers): the same names, in kCamelCase, with the same values; and GEMV_MAX_M is
-    dispatch_plan.h's kGemvMaxM."""
+    these numbers): the same names, in kCamelCase, with the same values; and
+    configs.METAL_GEMV_MAX_M is dispatch_plan.h's kGemvMaxM."""
     import re
-    from jaxquant.metal import kernels
+    from jaxquant.metal import configs, kernels
     header = _header_enum("metal_src/jq_metal.h", "Format")
     assert header, "no Format enum in metal_src/jq_metal.h"
     assert {"k" + name.capitalize(): i for name, i in kernels.FORMAT_IDS.items()} == header
     import pathlib
     plan = (pathlib.Path(__file__).resolve().parents[1] / "metal_src/dispatch_plan.h").read_text()
-    assert int(re.search(r"kGemvMaxM\s*=\s*(\d+)", plan).group(1)) == kernels.GEMV_MAX_M
+    assert int(re.search(r"kGemvMaxM\s*=\s*(\d+)", plan).group(1)) == configs.METAL_GEMV_MAX_M

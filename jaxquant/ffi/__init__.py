@@ -23,7 +23,7 @@ Numerics (docs/ops.md):
 - dequantize is bit for bit the reference (float32 arithmetic, affine as
   fma(q, scale, bias) like XLA at its default optimization level, E8M0 as an exact
   power of two; docs/ops.md, "Arithmetic").
-- qmm with transpose=True and at most configs.GEMV_MAX_M rows of x per weight matrix,
+- qmm with transpose=True and at most configs.FFI_GEMV_MAX_M rows of x per weight matrix,
   and every gather_qmm slot, run the fused dequantize-GEMV: it never
   materializes the weight; each group's float32 partial sum is scaled once
   (exactly, for E8M0), accumulation is float32 and the output is x's dtype.

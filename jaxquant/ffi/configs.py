@@ -6,8 +6,8 @@ library was loaded for (jaxquant/ffi/__init__.py: KERNELS). Each threshold is
 where two kernels measured in one process cross; the numbers are data under
 benchmarks/ (benchmarks/README.md), named by key below.
 
-- GEMV_MAX_M: the most rows of x per weight matrix that qmm runs as the fused
-  dequantize-GEMV (jaxquant/ffi/kernels.py: qmm); past it qmm is the ffi
+- FFI_GEMV_MAX_M: the most rows of x per weight matrix that qmm runs as the native
+  fused dequantize-GEMV (target jaxquant_qmv; jaxquant/ffi/kernels.py: qmm); past it qmm is the ffi
   dequantize + XLA's dot, which wins once the weight's decode is amortized over
   enough rows.
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
@@ -24,13 +24,21 @@ benchmarks/ (benchmarks/README.md), named by key below.
   256: the most slots the GEMV shares an expert's read over (gpu_src/cuda/gemv_mma.hip;
   past it every row would read its expert alone), and up to there the GEMV path
   beats the GEMM (h100/moe.json `ragged_qmm.gather_vs_gemm.*`).
+- GATHER_MAX_PAIRS: the most (token, expert) pairs for which a mixture-of-experts
+  layer (jaxquant/models/moe.py) runs its experts as gather_qmm; more run as
+  ragged_qmm. gather_qmm runs one GEMV per pair, reading each chosen expert's weight
+  in place, which is the least weight traffic while pairs rarely share an expert
+  (decode); with more pairs experts repeat, and ragged_qmm, the pairs sorted by
+  expert with one grouped matmul per projection, reads each expert once per group.
+  The same choice, made inside ragged_qmm for a `cuda_mma` weight, is
+  RAGGED_GATHER_MAX_T.
 - ragged_gather_dedupe: how many consecutive rows (sorted by expert) a GEMV block
   takes together in that path. Fewer means more blocks; more means fewer reads of an
   expert split over blocks: 8 is faster up to 128 rows, 16 above
   (`ragged_qmm.gather_dedupe.*`; 2 and 4 within a few % of 8, 1 up to 4x slower).
 - auto_*: where automatic choice takes the ffi kernel (an explicit
   backend="ffi" gets every case the kernel supports). qmm: the fused GEMV only
-  (above GEMV_MAX_M rows the ffi dequantize + XLA's dot is slower than the
+  (above FFI_GEMV_MAX_M rows the ffi dequantize + XLA's dot is slower than the
   reference, which XLA fuses). gather_qmm with x @ W.T: the fused GEMV per slot,
   faster than the reference on the CPU and the GPU. CPU only: dequantize (faster
   for every format), norms from NORM_MIN_ELEMENTS elements (smaller rows are a few
@@ -47,13 +55,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
+FFI_GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
 
 NORM_MIN_ELEMENTS = 1 << 16
 
 MMA_GEMM_MAX_M = 64
 MMA_GEMM_MAX_M_SM90 = 1024
 RAGGED_GATHER_MAX_T = 256
+GATHER_MAX_PAIRS = 64
 
 
 def ragged_gather_dedupe(rows: int) -> int:
@@ -81,7 +90,7 @@ def _cuda_capability() -> str | None:
 def gemv_rows(x, qw, *, transpose, platform) -> int | None:
     """The rows of x per weight matrix when qmm runs as the fused GEMV, else None."""
     m = math.prod(x.shape[qw.ndim - 2:-1])
-    return m if transpose and 0 < m <= GEMV_MAX_M[platform] else None
+    return m if transpose and 0 < m <= FFI_GEMV_MAX_M[platform] else None
 
 
 def auto_qmm(x, qw, *, transpose, platform, **params) -> bool:

@@ -6,7 +6,7 @@ KERNELS) takes the op's arguments and params plus `platform`, as the
 dispatcher passes them; the same functions serve direct calls (tests,
 benchmarks), where `platform` may be left out: the handler that runs is the
 library of the platform being lowered for. What runs where: qmm with few rows
-of x per weight matrix (configs.GEMV_MAX_M) and every gather_qmm slot with
+of x per weight matrix (configs.FFI_GEMV_MAX_M) and every gather_qmm slot with
 x @ W.T run the fused dequantize-GEMV; the rest is the op's reference
 (jaxquant/ops/qmm.py) with the ffi dequantize in place of the jnp one.
 """
@@ -135,7 +135,7 @@ def supports_norm(*arrays, platform, **params):
 
 
 def qmm(x, qw, *, transpose, precision, platform):
-    """The fused GEMV for at most configs.GEMV_MAX_M[platform] rows of x per weight
+    """The fused GEMV for at most configs.FFI_GEMV_MAX_M[platform] rows of x per weight
     matrix (x @ W.T); otherwise the reference with the ffi dequantize."""
     m = configs.gemv_rows(x, qw, transpose=transpose, platform=platform)
     if m is None:

@@ -2,8 +2,8 @@
 
 Served (the reference serves the rest, see `applies`): formats affine 4-bit, mxfp4 and
 fp4 in the canonical layout, K a multiple of 32, float scales in x's dtype; x, norms in
-float32/float16/bfloat16. qmm with x @ W.T: the GEMV up to GEMV_MAX_M rows of x per
-weight matrix, the GEMM above; gather_qmm with x @ W.T: the GEMV per slot, expert ids
+float32/float16/bfloat16. qmm with x @ W.T: the GEMV up to configs.METAL_GEMV_MAX_M rows
+of x per weight matrix, the GEMM above; gather_qmm with x @ W.T: the GEMV per slot, expert ids
 read on the GPU (ids outside [0, E) give NaN rows). dequantize. The three norms, the
 weight in the output's dtype.
 
@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import dispatch
+from jaxquant.metal import configs
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
 
 FORMAT_IDS = {"affine4": 0, "mxfp4": 1, "fp4": 2}  # metal_src/jq_metal.h Format
-GEMV_MAX_M = 8  # metal_src/dispatch_plan.h kGemvMaxM
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -162,7 +162,7 @@ def qmm_impl(x, qw, *, transpose, precision, platform="cpu"):
     m = math.prod(x.shape[nb:-1])
     b = math.prod(qw.shape[:nb])
     x3, qw3 = x.reshape(b, m, k), qw.flatten_leading(nb)
-    y = qmv_call(x3, qw3) if m <= GEMV_MAX_M else qmm_call(x3, qw3)
+    y = qmv_call(x3, qw3) if m <= configs.METAL_GEMV_MAX_M else qmm_call(x3, qw3)
     return y.reshape(*x.shape[:-1], n)
 
 

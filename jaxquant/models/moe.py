@@ -14,12 +14,10 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxquant as jq
+from jaxquant.ffi.configs import GATHER_MAX_PAIRS
 from jaxquant.models.config import Config
 from jaxquant.models.layers import linear, swiglu
 from jaxquant.quantized_array import QuantizedArray
-
-# At most this many (token, expert) pairs go through gather_qmm; more through ragged_qmm.
-GATHER_MAX_PAIRS = 64
 
 
 class ExpertsOfLayer(NamedTuple):

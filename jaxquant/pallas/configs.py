@@ -5,8 +5,8 @@ This is the one place where kernel choice (GEMV vs GEMM) and block sizes live
 `KernelConfig`; everything it reads is in the tables below.
 
 Shape classes (M = rows of x after flattening the leading axes):
-  "gemv"   M <= GEMV_MAX_M: CUDA-core kernel, one weight pass, f32 FMA.
-  "skinny" GEMV_MAX_M < M <= 64: tensor-core kernel with a 16..64-row M tile.
+  "gemv"   M <= PALLAS_GEMV_MAX_M: CUDA-core kernel, one weight pass, f32 FMA.
+  "skinny" PALLAS_GEMV_MAX_M < M <= 64: tensor-core kernel with a 16..64-row M tile.
   "gemm"   M > 64: tensor-core kernel with large tiles.
 
 Units: `block_n` rows of the weight (transpose=True) per program; `k_words`
@@ -44,7 +44,9 @@ class KernelConfig:
         return dataclasses.replace(self, **kw)
 
 
-GEMV_MAX_M = {"cuda": 4, "rocm": 4, "interpret": 4}
+# The most rows of x the Pallas GEMV kernel (jaxquant/pallas/gemv.py) takes: the "gemv"
+# shape class above; past it the tensor-core GEMM.
+PALLAS_GEMV_MAX_M = {"cuda": 4, "rocm": 4, "interpret": 4}
 
 # GEMV (transpose=True): at least this many programs, so that every SM streams
 # weights (132 SMs on an H100/H200, 304 CUs on an MI300X); below it block_n
@@ -88,7 +90,7 @@ TABLE: dict[tuple[str, bool, str], KernelConfig] = {
 
 
 def shape_class(platform: str, m: int) -> str:
-    if m <= GEMV_MAX_M[platform]:
+    if m <= PALLAS_GEMV_MAX_M[platform]:
         return "gemv"
     return "skinny" if m <= 64 else "gemm"
 

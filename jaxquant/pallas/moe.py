@@ -263,8 +263,8 @@ def ragged_schedule(group_sizes, rows, bm):
 
 
 def _ragged_config(platform, t, n, k, qw, x_dtype):
-    # The tile class from the mean group size (never the GEMV: at least GEMV_MAX_M + 1).
-    m = max(configs.GEMV_MAX_M[platform] + 1, -(-t // qw.shape[0]))
+    # The tile class from the mean group size (never the GEMV: at least PALLAS_GEMV_MAX_M + 1).
+    m = max(configs.PALLAS_GEMV_MAX_M[platform] + 1, -(-t // qw.shape[0]))
     cfg = configs.select(platform, True, m, n, k, qw.bits, qw.group_size, x_dtype)
     assert cfg.kernel == "gemm", cfg
     return cfg

@@ -3,7 +3,7 @@
 The front of the kernel families: `lower_qmm` is what the dispatcher runs (the
 arguments as jq.qmm validated them, a case `supports` accepted, the platform it
 lowers for); `qmm` is the same for direct use, with its own argument checks.
-The kernels: `jaxquant.pallas.gemv` (M <= GEMV_MAX_M) and `jaxquant.pallas.gemm`;
+The kernels: `jaxquant.pallas.gemv` (M <= configs.PALLAS_GEMV_MAX_M) and `jaxquant.pallas.gemm`;
 which one and its block sizes: `jaxquant.pallas.configs.select`. None writes the
 dequantized weight to memory; all accumulate in float32.
 """
