@@ -35,6 +35,13 @@ def skip_module_without_gpu(what: str):
         pytest.skip(f"no CUDA/ROCm GPU visible to JAX: {what}", allow_module_level=True)
 
 
+def skip_without_gpu(what: str):
+    """A skip mark for the GPU tests of a module that also holds CPU tests: each test
+    marked `@pytest.mark.gpu` and with this mark skips, saying why, where JAX sees no GPU
+    (the module's CPU tests still run)."""
+    return pytest.mark.skipif(not gpus(), reason=f"no CUDA/ROCm GPU visible to JAX: {what}")
+
+
 def rand(key, shape, dtype=jnp.float32, scale=1.0):
     return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
 
