@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Pallas norm kernels on the GPU machine, in one call (< 120 s on an H100):
-# GPU tests (tests/test_pallas_norms_gpu.py) + the norm benchmark
+# GPU tests (tests/test_pallas_norms.py -m gpu) + the norm benchmark
 # (jaxquant/bench_norm.py: pallas vs ffi vs jnp reference, %copy bandwidth).
 # The caller has already run `pip install --no-build-isolation --no-deps -e .`.
 # Run from anywhere:  bash tools/gpu/check_norms.sh [extra bench args...]
@@ -25,7 +25,7 @@ echo "=== GPU tests ($(date +%T))"
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n 4"    # parallel compiles where pytest-xdist is installed
 timeout 70 $PY -m pytest -q -m gpu -p no:cacheprovider -rs $XDIST --durations=5 \
-  tests/test_pallas_norms_gpu.py 2>&1 | tee "$OUT/norms_gpu_tests.txt" | tail -n 30
+  tests/test_pallas_norms.py 2>&1 | tee "$OUT/norms_gpu_tests.txt" | tail -n 30
 echo "tests rc=${PIPESTATUS[0]} after ${SECONDS}s"
 
 LEFT=$((BUDGET - SECONDS))
