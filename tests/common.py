@@ -35,6 +35,16 @@ def skip_module_without_gpu(what: str):
         pytest.skip(f"no CUDA/ROCm GPU visible to JAX: {what}", allow_module_level=True)
 
 
+def cuda_library() -> bool:
+    """Whether JAX's default backend is an NVIDIA GPU and jaxquant's CUDA library is loaded
+    (the tests of the native CUDA kernels need both)."""
+    try:
+        import jaxquant.ffi as jf
+        return jax.default_backend() in ("gpu", "cuda") and "cuda" in jf.loaded_platforms()
+    except Exception:  # noqa: BLE001 - no GPU, no library
+        return False
+
+
 def skip_without_gpu(what: str):
     """A skip mark for the GPU tests of a module that also holds CPU tests: each test
     marked `@pytest.mark.gpu` and with this mark skips, saying why, where JAX sees no GPU

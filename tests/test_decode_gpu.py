@@ -13,20 +13,14 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-import jaxquant.ffi as jf
 from jaxquant import dispatch
-from tests.common import DTYPES, MODES, assert_matmul_close, deq64, quantize_for, rand
-
-
-def _cuda():
-    try:
-        return jax.default_backend() in ("gpu", "cuda") and "cuda" in jf.loaded_platforms()
-    except Exception:  # noqa: BLE001
-        return False
+from tests.common import (DTYPES, MODES, assert_matmul_close, cuda_library, deq64, quantize_for,
+                          rand)
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU and the CUDA library")]
+              pytest.mark.skipif(not cuda_library(),
+                                 reason="needs an NVIDIA GPU and the CUDA library")]
 
 
 def _packed(mode, bits, shape, key=0, group_size=None):

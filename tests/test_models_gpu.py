@@ -12,20 +12,14 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-import jaxquant.ffi as jf
 from jaxquant import models
 from jaxquant.quantized_array import QuantizedArray
-
-
-def _cuda():
-    try:
-        return jax.default_backend() in ("gpu", "cuda") and "cuda" in jf.loaded_platforms()
-    except Exception:  # noqa: BLE001 - no GPU, no library
-        return False
+from tests.common import cuda_library
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU and the CUDA library")]
+              pytest.mark.skipif(not cuda_library(),
+                                 reason="needs an NVIDIA GPU and the CUDA library")]
 
 CFG = models.Config(family="gpt_oss", vocab_size=512, hidden_size=256, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8,

@@ -18,11 +18,12 @@ import pytest
 import jaxquant as jq
 from jaxquant import dispatch
 from jaxquant.ffi import configs
-from tests.common import MODES, assert_matmul_close, deq64, rand
-from tests.test_decode_gpu import _cuda, _packed
+from tests.common import MODES, assert_matmul_close, cuda_library, deq64, rand
+from tests.test_decode_gpu import _packed
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU and the CUDA library")]
+              pytest.mark.skipif(not cuda_library(),
+                                 reason="needs an NVIDIA GPU and the CUDA library")]
 
 X16 = (jnp.float16, jnp.bfloat16)
 
