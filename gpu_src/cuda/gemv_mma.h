@@ -56,6 +56,7 @@
 
 #include <stdlib.h>
 
+#include <atomic>
 #include <initializer_list>
 #include <type_traits>
 
@@ -1302,17 +1303,25 @@ inline int env_choice(const char* name, std::initializer_list<int> allowed) {
   return 0;
 }
 
-// The current device's SM count (132, an H100's, if it cannot be read).
-inline int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-                   cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-                   v > 0
-               ? v
-               : 132;
-  }();
-  return n;
+// The current device's SM count (gpu_ffi.hip caches it per device).
+inline int sm_count() { return jq_device_sm_count(); }
+
+// cudaFuncSetAttribute changes a kernel on the CURRENT device only: a process that
+// launches it on several GPUs (tensor / expert parallel: one XLA thread per device) must
+// raise the shared-memory limit on each, or the launch fails on every device but the
+// first, and that device's peers then wait forever in their next collective. `done`
+// (a static of the caller's template instance: one per kernel) holds a bit per device.
+template <class Kernel>
+inline bool raise_shared_limit(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  const uint64_t bit = uint64_t(1) << dev;
+  if (done.load(std::memory_order_acquire) & bit) return true;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
+      cudaSuccess)
+    return false;
+  done.fetch_or(bit, std::memory_order_acq_rel);
+  return true;
 }
 
 // Launch the GEMV as a programmatic dependent (sm_90+): its blocks start while the
@@ -1426,13 +1435,10 @@ static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
   constexpr int S = Stages<C::kBits>::value;
   auto kernel = qmv_mma_kernel<C, XDT, NT, P, SDT, S, true, S - 1, TB, FUSE>;
   const SharedLayout lay = SharedLayout::of<C, P, S, TB>(prx.x_rows, prx.x_stride, warps);
-  static const bool attr_set = [kernel] {
-    constexpr int kMost = max_x_shared_bytes<FUSE>() +
-                          kMaxWarps * S * TB * (32 * C::kBits * 4 + 2 * ScaleStage<P>::bytes);
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMost) ==
-           cudaSuccess;
-  }();
-  if (!attr_set) return hipErrorInvalidValue;
+  constexpr int kMost = max_x_shared_bytes<FUSE>() +
+                        kMaxWarps * S * TB * (32 * C::kBits * 4 + 2 * ScaleStage<P>::bytes);
+  static std::atomic<uint64_t> raised{0};
+  if (!raise_shared_limit(kernel, kMost, raised)) return hipErrorInvalidValue;
   const int64_t blocks = FUSE == kFuseSwiglu
                              ? prx.full_tiles / 2
                              : (prx.full_tiles + TB - 1) / TB + (prx.tiles - prx.full_tiles);

@@ -436,10 +436,9 @@ struct GemmLaunch {
       return hipErrorInvalidValue;  // float32 x: not this kernel (qmm_gemm.hip refuses it)
     } else {
       constexpr int kMost = kGemmStages * (4 * kXChunkBytes + kGemmWarps * 32 * 8 * 4);
-      static const bool attr_set =
-          cudaFuncSetAttribute(qmm_gemm_kernel<C, XDT, P, SDT>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, kMost) == cudaSuccess;
-      if (!attr_set) return hipErrorInvalidValue;
+      static std::atomic<uint64_t> raised{0};
+      if (!raise_shared_limit(qmm_gemm_kernel<C, XDT, P, SDT>, kMost, raised))
+        return hipErrorInvalidValue;
       const GemmShared lay = GemmShared::of(kGemmWarps / pr.row_tiles, C::kBits);
       dim3 grid((unsigned)((pr.tiles + pr.row_tiles - 1) / pr.row_tiles), (unsigned)pr.row_blocks);
       qmm_gemm_kernel<C, XDT, P, SDT><<<grid, kGemmWarps * 32, lay.bytes, stream>>>(pr);

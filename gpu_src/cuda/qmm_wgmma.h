@@ -376,10 +376,8 @@ struct WgmmaLaunch {
   static hipError_t go(const GemmProblem& pr, hipStream_t stream) {
     using Lay = WgShared<N, C::kBits, P>;
     auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, N>;
-    static const bool attr_set =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::bytes) ==
-        cudaSuccess;
-    if (!attr_set) return hipErrorInvalidValue;
+    static std::atomic<uint64_t> raised{0};
+    if (!raise_shared_limit(kernel, Lay::bytes, raised)) return hipErrorInvalidValue;
     WgParams prm;
     prm.pr = pr;
     if (!x_tensor_map(pr, N, XDT == kF16, &prm.x_map)) return hipErrorInvalidValue;
