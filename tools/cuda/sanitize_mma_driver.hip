@@ -13,7 +13,7 @@
 // (rms_norm_qmm's norm with and without a weight, N with a tail; qmm_swiglu's
 // silu / gpt_oss with and without a bias, two slots; gather_qmm_swiglu with bad ids,
 // a bias per expert and dedupe). Values are checked by
-// tests/test_decode_gpu.py, test_prefill_gpu.py and test_fused_gpu.py; here: NaN
+// tests/test_decode_gpu.py, test_prefill_gpu.py and test_fused.py's GPU tests; here: NaN
 // rows exactly where the ids are bad, zero rows past the groups, every output
 // element written. Not part of the library.
 #include <math.h>

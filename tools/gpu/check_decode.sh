@@ -27,7 +27,7 @@ fi
 
 if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
   step "GPU tests"
-  timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -rs ${JQ_TESTS:-tests/test_decode_gpu.py tests/test_fused_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+  timeout ${JQ_TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu -p no:cacheprovider -rs ${JQ_TESTS:-tests/test_decode_gpu.py tests/test_fused.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   if [ -z "${JQ_TESTS:-}" ]; then
     step "GPU tests, two tiles per block wherever built (JAXQUANT_MMA_TILES=2: M > 8, and 4-bit codes at M <= 8)"
     JAXQUANT_MMA_TILES=2 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_gpu.py \
