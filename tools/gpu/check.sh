@@ -34,7 +34,7 @@ has attention && OUT=$OUT/attention bash tools/gpu/check_attention.sh
 if has sanitizer-moe; then
   PY=$PY JQ_SANITIZER_TIMEOUT=200 bash tools/gpu/memcheck_tests.sh "$OUT/sanitizer" \
     tests/test_pallas_moe_gpu.py::test_bad_ids_are_nan_rows \
-    "tests/test_ffi_gpu.py::test_gpu_mode_sweep[mxfp4-4]"
+    "tests/test_ffi.py::test_gpu_mode_sweep[mxfp4-4]"
 fi
 echo "== after norms/moe: ${SECONDS}s"
 if has qmm; then

@@ -16,7 +16,7 @@ rc=$?; echo "pip rc=$rc in ${SECONDS}s"; tail -n 30 "$OUT/build.log"
 $PY -c "import jaxquant.ffi as jf; print('loaded', jf.loaded_platforms()); [print(' ', p, l.path, l.error) for p, l in jf.libraries().items()]"
 
 step "GPU tests"
-timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_ffi_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_ffi.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
   step "compute-sanitizer on the kernels (tools/cuda/sanitize_driver.hip, no JAX)"
