@@ -33,7 +33,7 @@ has moe && OUT=$OUT/moe bash tools/gpu/check_moe.sh
 has attention && OUT=$OUT/attention bash tools/gpu/check_attention.sh
 if has sanitizer-moe; then
   PY=$PY JQ_SANITIZER_TIMEOUT=200 bash tools/gpu/memcheck_tests.sh "$OUT/sanitizer" \
-    tests/test_pallas_moe_gpu.py::test_bad_ids_are_nan_rows \
+    tests/test_pallas_moe.py::test_bad_ids_are_nan_rows \
     "tests/test_ffi.py::test_gpu_mode_sweep[mxfp4-4]"
 fi
 echo "== after norms/moe: ${SECONDS}s"

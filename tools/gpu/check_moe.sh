@@ -18,7 +18,7 @@ left() { local l=$(( BUDGET - SECONDS )); (( l > $1 )) && l=$1; (( l < 5 )) && l
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n ${NPROC:-4}"
 echo "== tests (timeout $(left 65) s)"
-timeout -k 5 "$(left 65)" $PY -m pytest -q -m gpu tests/test_pallas_moe_gpu.py -p no:cacheprovider \
+timeout -k 5 "$(left 65)" $PY -m pytest -q -m gpu tests/test_pallas_moe.py -p no:cacheprovider \
     $XDIST --durations=5 2>&1 | tee "$OUT/moe_gpu_tests.txt" | tail -25
 echo "== bench: decode (timeout $(left 55) s)"
 timeout -k 5 "$(left 55)" $PY -m jaxquant bench moe --no-prefill --iters 5 --target-ms 5 \
