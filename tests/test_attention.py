@@ -1,7 +1,7 @@
 """jq.decode_attention: the reference against a float64 numpy oracle written from the
 op's definition (docs/ops.md), argument checks, and the op under jit, vmap, scan, grad
-and x64. The Pallas kernel: tests/test_pallas_attention.py (interpret mode) and
-tests/test_pallas_attention_gpu.py."""
+and x64. The Pallas kernel: tests/test_pallas_attention.py (interpret mode, and its tests
+marked `gpu`)."""
 
 import functools
 

@@ -12,16 +12,16 @@ source "$(dirname "$0")/env.sh"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
-  step "GPU tests (tests/test_pallas_attention_gpu.py)"
-  timeout 300 $PY -m pytest -q -p no:cacheprovider -rs --durations=5 \
-    tests/test_pallas_attention_gpu.py 2>&1 | tee "$OUT/attention_gpu_tests.log" | tail -n 20
+  step "GPU tests (tests/test_pallas_attention.py -m gpu)"
+  timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs --durations=5 \
+    tests/test_pallas_attention.py 2>&1 | tee "$OUT/attention_gpu_tests.log" | tail -n 20
 fi
 
 if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   step "compute-sanitizer memcheck (one process per test)"
   PY=$PY bash tools/gpu/memcheck_tests.sh "$OUT" \
-    "tests/test_pallas_attention_gpu.py::test_kernel_matches_oracle_and_reference[gptoss_b1_t8_window]" \
-    tests/test_pallas_attention_gpu.py::test_no_visible_key_and_positions_past_the_cache
+    "tests/test_pallas_attention.py::test_kernel_matches_oracle_and_reference[gptoss_b1_t8_window]" \
+    tests/test_pallas_attention.py::test_no_visible_key_and_positions_past_the_cache
 fi
 
 if [ "${JQ_SKIP_BENCH:-0}" != 1 ]; then
