@@ -8,7 +8,7 @@
 #   sanitizer-moe    compute-sanitizer memcheck over the bad-expert-id tests (Pallas and ffi
 #                    gather_qmm), XLA allocating each buffer on its own so overruns show
 #   qmm              python -m jaxquant bench qmm at the decode shapes (pallas and ffi)
-#   pallas-qmm-tests tests/test_pallas_gpu.py (every mode x path at realistic shapes)
+#   pallas-qmm-tests tests/test_pallas_qmm.py -m gpu (every mode x path at realistic shapes)
 #   qmm-full         python -m jaxquant bench qmm at all seven shapes of issue 4
 #   attention        tools/gpu/check_attention.sh (decode attention: tests, memcheck, bench)
 # Logs under $OUT (default ./gpu_logs), one folder per stage.
@@ -45,7 +45,7 @@ fi
 if has pallas-qmm-tests; then
   mkdir -p "$OUT/qmm"
   XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n ${NPROC:-8}"
-  timeout 300 $PY -m pytest tests/test_pallas_gpu.py -q -p no:cacheprovider $XDIST \
+  timeout 300 $PY -m pytest tests/test_pallas_qmm.py -m gpu -q -p no:cacheprovider $XDIST \
     --durations=5 2>&1 | tee "$OUT/qmm/gpu_tests.txt" | tail -25
 fi
 if has qmm-full; then
