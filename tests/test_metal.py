@@ -7,7 +7,9 @@
   the reference, with the other backends' tolerances;
 - the shim itself: kernels that would deadlock or race on a GPU fail here.
 
-On macOS with the backend built, tests/test_metal_gpu.py (through the bridge) runs too.
+The GPU tests (marked `gpu`): on macOS with the backend built, the same ops on an Apple GPU
+through the bridge (.github/workflows/macos.yml runs them); elsewhere they skip, saying
+why.
 """
 
 import shutil
@@ -21,7 +23,9 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant import dispatch
 from tests.common import EPS, act64, assert_matmul_close, deq64, rms64
+from tests.common import rand as common_rand
 from tests.metal_shim import shim
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -443,7 +447,7 @@ def metal_backend(metal):
     """backend="metal" served by the shim for one test (dispatch's state restored after,
     so no other test in this process sees a metal backend off macOS)."""
     if sys.platform == "darwin":
-        pytest.skip("macOS has the real backend (tests/test_metal_gpu.py)")
+        pytest.skip("macOS has the real backend (this module's gpu tests)")
     from jaxquant import dispatch
     from jaxquant.metal import kernels, loader
     if not _TARGETS_REGISTERED:  # FFI targets can be registered once per process
@@ -600,3 +604,146 @@ def test_format_ids_match_the_kernels_header():
     import pathlib
     plan = (pathlib.Path(__file__).resolve().parents[1] / "metal_src/dispatch_plan.h").read_text()
     assert int(re.search(r"kGemvMaxM\s*=\s*(\d+)", plan).group(1)) == configs.METAL_GEMV_MAX_M
+
+
+# ---------------------------------------------------------------------------
+# On an Apple GPU, through the bridge (macOS with the backend built).
+
+METAL_HERE = "metal" in jq.available_backends()
+needs_gpu = pytest.mark.skipif(
+    not METAL_HERE,
+    reason="" if METAL_HERE else
+    f"the metal backend cannot run here: {dispatch.unavailable_reason('metal')}")
+GPU_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+GPU_MODES = [("affine", 4, 64), ("mxfp4", None, 32), ("fp4", None, 32), ("fp4", None, 16)]
+
+
+def on_apple_gpu(f, *args, **kw):
+    return jax.jit(lambda *a: f(*a, **kw, backend="metal"))(*args)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_lowers_to_the_metal_targets():
+    qw = jq.quantize(common_rand(0, (64, 128)), mode="mxfp4")
+    text = jax.jit(lambda x: jq.qmm(x, qw, backend="metal")).lower(
+        common_rand(1, (2, 128))).as_text()
+    assert "jaxquant_metal_qmv" in text
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode,bits,group", GPU_MODES)
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_qmm_gemv_and_gemm(mode, bits, group, dtype):
+    w = common_rand(2, (2, 96, 256)).astype(dtype)  # scales in x's dtype: the kernels' case
+    qw = jq.quantize(w, mode=mode, bits=bits, group_size=group)
+    for m in (1, 8, 9, 70):  # the GEMV up to 8 rows, the GEMM above (edges masked)
+        x = common_rand(3 + m, (2, m, 256)).astype(dtype)
+        y = on_apple_gpu(jq.qmm, x, qw)
+        assert y.dtype == dtype and y.shape == (2, m, 96)
+        w64 = deq64(qw)
+        for b in range(2):
+            assert_matmul_close(y[b], x[b], w64[b], jnp.dtype(dtype))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gather_qmm_bad_ids_give_nan_rows():
+    qw = jq.quantize(common_rand(4, (4, 32, 128)), mode="affine", bits=4)
+    x = common_rand(5, (3, 128))
+    idx = jnp.array([[0, 3], [-1, 2], [4, 1]], jnp.int32)
+    y = np.asarray(on_apple_gpu(jq.gather_qmm, x, qw, idx))
+    w64 = deq64(qw)
+    for t in range(3):
+        for j in range(2):
+            e = int(idx[t, j])
+            if 0 <= e < 4:
+                assert_matmul_close(y[t, j], x[t], w64[e], jnp.float32)
+                np.testing.assert_array_equal(y[t, j],
+                                              np.asarray(on_apple_gpu(jq.qmm, x[t], qw[e])))
+            else:
+                assert np.isnan(y[t, j]).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mxfp4_dequantize_exact(dtype):
+    qw = jq.quantize(common_rand(6, (64, 256), scale=1e-37), mode="mxfp4")  # E8M0 near 2^-127
+    got = np.asarray(on_apple_gpu(jq.dequantize, qw, dtype=dtype))
+    want = np.asarray(jq.dequantize(qw, dtype=dtype, backend="reference"))
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n", [64, 128, 256, 384, 4096, 100, 5000])
+def test_rms_norm_widths(n):
+    for dtype in GPU_DTYPES:
+        x, w = common_rand(7, (5, n), scale=2.0).astype(dtype), common_rand(8, (n,)).astype(dtype)
+        eps = EPS[jnp.dtype(dtype)]
+        y = on_apple_gpu(jq.rms_norm, x, w)
+        np.testing.assert_allclose(np.asarray(y, np.float64), rms64(x, w),
+                                   rtol=4 * eps + 1e-6, atol=4 * eps + 1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_add_and_gated_rms_norm():
+    x = common_rand(9, (4, 320), dtype=jnp.float32)
+    r = common_rand(10, (4, 320), dtype=jnp.bfloat16)
+    w = common_rand(11, (320,), dtype=jnp.bfloat16)
+    y, h = on_apple_gpu(jq.add_rms_norm, x, r, w)
+    _, hr = jq.add_rms_norm(x, r, w, backend="reference")
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(hr, np.float32))
+    eps = EPS[jnp.dtype(jnp.bfloat16)]
+    np.testing.assert_allclose(np.asarray(y, np.float64), rms64(h, w), rtol=4 * eps + 1e-6,
+                               atol=4 * eps + 1e-6)
+    gate = common_rand(12, (4, 320), dtype=jnp.bfloat16)
+    for activation in ("silu", "sigmoid"):
+        for before in (True, False):
+            for group in (None, 64):
+                y = on_apple_gpu(jq.gated_rms_norm, x, gate, w, activation=activation,
+                          norm_before_gate=before, group_size=group)
+                g = act64(gate, activation)
+                want = (rms64(x, w, group=group) * g if before
+                        else rms64(np.asarray(x, np.float64) * g, w, group=group))
+                np.testing.assert_allclose(np.asarray(y, np.float64), want,
+                                           rtol=8 * eps + 1e-5, atol=8 * eps + 1e-5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_page_aligned_and_staged_buffers_agree():
+    """Sizes that are and are not multiples of the page: the zero-copy and the staged path."""
+    for rows in (4, 3):  # 4 x 4096 float32 = 64 KiB (a page multiple); 3 x 4096 is not
+        x = common_rand(13, (rows, 4096))
+        np.testing.assert_allclose(np.asarray(on_apple_gpu(jq.rms_norm, x)), rms64(x), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_bridge_refuses_bad_calls_gpu():
+    """Shapes the lowering never sends, straight through the FFI: an error, no crash."""
+    from jaxquant.metal import kernels
+    qw = jq.quantize(common_rand(14, (1, 32, 128)), mode="fp4")
+    bad_out = jax.ShapeDtypeStruct((1, 2, 31), jnp.float32)  # N should be 32
+    with pytest.raises(Exception, match="the output must be x's dtype"):
+        jax.ffi.ffi_call("jaxquant_metal_qmm", bad_out)(
+            common_rand(15, (1, 2, 128)), qw.data, qw.scales, kernels._biases(qw), fmt=np.int64(2),
+            group_size=np.int64(32)).block_until_ready()
+    with pytest.raises(Exception, match="group_size 48"):
+        jax.ffi.ffi_call("jaxquant_metal_dequantize",
+                         jax.ShapeDtypeStruct((1, 32, 128), jnp.float32))(
+            qw.data, qw.scales, kernels._biases(qw), fmt=np.int64(2),
+            group_size=np.int64(48)).block_until_ready()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bfloat16_inputs_with_ml_dtypes():
+    x = np.asarray(common_rand(17, (2, 128))).astype(ml_dtypes.bfloat16)
+    y = on_apple_gpu(jq.rms_norm, x)
+    assert y.dtype == jnp.bfloat16
