@@ -30,6 +30,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.ffi import cdna4 as ffi_cdna4
+from jaxquant.ffi import configs as ffi_configs
 from jaxquant.layouts import cdna4
 from tests.common import assert_matmul_close, deq64, rand
 
@@ -226,8 +227,8 @@ def test_rocm_lowering_calls_the_kernel_for_cdna4_weights(monkeypatch):
         assert hlo.count("@jaxquant_cdna4_qmm") == 1 and "stablehlo.case" in hlo, hlo[:2000]
         assert "jaxquant_cdna4_qmm" in _lower_for_rocm(lambda x, w: jq.qmm(x, w[1]),
                                                        S((1, 512), jnp.float16), packed)
-        # automatic choice: up to AUTO_MAX_M rows; backend="ffi" takes any M
-        big = S((ffi_cdna4.AUTO_MAX_M + 1, 512), jnp.bfloat16)
+        # automatic choice: up to configs.CDNA4_AUTO_MAX_M rows; backend="ffi" takes any M
+        big = S((ffi_configs.CDNA4_AUTO_MAX_M + 1, 512), jnp.bfloat16)
         assert "jaxquant_cdna4_qmm" not in _lower_for_rocm(lambda x, w: jq.qmm(x, w), big,
                                                            packed[0])
         with jq.backend("ffi"):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxquant import dispatch
+from jaxquant.ffi import configs
 from jaxquant.ops.qmm import qmm_reference
 from jaxquant.quantized_array import QuantizedArray
 
@@ -106,17 +107,8 @@ def qmm_applies(x, qw, *, platform, transpose, precision):
             and transpose and jnp.dtype(x.dtype) in TERMS and _is_gfx950())
 
 
-# Automatic choice takes the kernel up to this many rows of x per weight matrix.
-# Reasoned, not measured (no gfx950 was available): the kernel reads the weight
-# once per 16-row tile of x, so up to 4 tiles it stays near one pass over the
-# weight, while the reference unpacks and dequantizes the whole weight to x's
-# dtype (4x its bytes) every call; past that the reference's tuned dot wins on
-# compute. backend="ffi" still takes every M.
-AUTO_MAX_M = 64
-
-
 def qmm_auto(x, qw, *, platform, transpose, precision):
-    return 0 < math.prod(x.shape[qw.ndim - 2:-1]) <= AUTO_MAX_M
+    return 0 < math.prod(x.shape[qw.ndim - 2:-1]) <= configs.CDNA4_AUTO_MAX_M
 
 
 def qmm_impl(x, qw, *, platform, transpose, precision):

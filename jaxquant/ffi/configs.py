@@ -12,7 +12,7 @@ benchmarks/ (benchmarks/README.md), named by key below.
   enough rows.
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
   runs qmm on a `cuda_mma` weight as the mma.sync tensor-core GEMM
-  (gpu_src/cuda/qmm_gemm.h; above MMA_MAX_M); past it the layout's dequantize
+  (gpu_src/cuda/qmm_gemm.h; above MMA_GEMV_MAX_M); past it the layout's dequantize
   kernel, then XLA's dot (cuBLAS), is faster (h100/prefill.json
   `qmm.mma_sync_vs_dequant.*`: the GEMM wins at 64 rows, loses 2x at 512).
   MMA_GEMM_MAX_M_SM90: the same for the wgmma GEMM (gpu_src/cuda/qmm_wgmma.h; compute
@@ -62,6 +62,16 @@ NORM_MIN_ELEMENTS = 1 << 16
 MMA_GEMM_MAX_M = 64
 MMA_GEMM_MAX_M_SM90 = 1024
 RAGGED_GATHER_MAX_T = 256
+# The most rows of x per weight matrix the tensor-core decode GEMV (gpu_src/cuda/gemv_mma.h,
+# jaxquant/ffi/mma.py) takes: the MMA's N (8 or 16). More rows take the GEMM.
+MMA_GEMV_MAX_M = 16
+# The most rows of x per weight matrix for which automatic choice takes the gfx950 MXFP4
+# qmm (jaxquant/ffi/cdna4.py; backend="ffi" still takes every M). Reasoned, not measured
+# (no gfx950 was available): the kernel reads the weight once per 16-row tile of x, so up
+# to 4 tiles it stays near one pass over the weight, while the reference unpacks and
+# dequantizes the whole weight to x's dtype (4x its bytes) every call; past that the
+# reference's tuned dot wins on compute.
+CDNA4_AUTO_MAX_M = 64
 GATHER_MAX_PAIRS = 64
 
 

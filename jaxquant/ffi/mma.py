@@ -2,7 +2,7 @@
 (`jq.prepack(qw)` on an NVIDIA GPU; jaxquant/layouts/cuda_mma.py) as lowerings
 of qmm, gather_qmm and ragged_qmm (x @ W.T).
 
-- The decode GEMV (gpu_src/cuda/gemv_mma.h): qmm with at most MMA_MAX_M rows of x per
+- The decode GEMV (gpu_src/cuda/gemv_mma.h): qmm with at most configs.MMA_GEMV_MAX_M rows of x per
   weight matrix and every gather_qmm slot; the weight is read once for all of
   them (M = 1..16 cost about the same).
 - The prefill GEMM (gpu_src/cuda/qmm_gemm.h): qmm with more rows (16-bit x) and
@@ -10,7 +10,7 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
   few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
 - The fused GEMVs (gpu_src/cuda/gemv_mma.h, FUSE): rms_norm_qmm (the norm applied to x
   as the block stages it) and qmm_swiglu (a block owns a gate tile and its up tile
-  and writes the activation), with at most MMA_MAX_M rows of x, and
+  and writes the activation), with at most configs.MMA_GEMV_MAX_M rows of x, and
   gather_qmm_swiglu (the same epilogue on gather_qmm's slots, each with its
   expert's bias row); other cases of those ops run the unfused ops
   (jaxquant/ops/fused.py).
@@ -43,7 +43,6 @@ TARGET = "jaxquant_qmv_mma"
 GEMM_TARGET = "jaxquant_qmm_gemm"
 DEQUANT_TARGET = "jaxquant_dequant_mma"
 FUSED_TARGET = "jaxquant_gemv_mma_fused"
-MMA_MAX_M = 16  # rows of x per weight matrix: the MMA's N (8 or 16)
 # The fused GEMV (gemv_mma.h): its kinds, activations, and the most bytes of x the
 # norm's block stages in shared memory (M x (K x bytes + 16); kMaxNormXSharedBytes).
 FUSE_NORM, FUSE_SWIGLU = 1, 2
@@ -137,12 +136,12 @@ def _rows_per_matrix(x, qw):
 
 def qmm_applies(x, qw, *, transpose, precision, platform):
     return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _X_DTYPES
-            and 0 < _rows_per_matrix(x, qw) <= MMA_MAX_M and qw.shape[-2] > 0)
+            and 0 < _rows_per_matrix(x, qw) <= configs.MMA_GEMV_MAX_M and qw.shape[-2] > 0)
 
 
 def gemm_qmm_applies(x, qw, *, transpose, precision, platform):
     return (_qw_ok(qw) and transpose and jnp.dtype(x.dtype) in _GEMM_X_DTYPES
-            and _rows_per_matrix(x, qw) > MMA_MAX_M and qw.shape[-2] > 0)
+            and _rows_per_matrix(x, qw) > configs.MMA_GEMV_MAX_M and qw.shape[-2] > 0)
 
 
 def gemm_qmm_auto(x, qw, *, transpose, precision, platform):
@@ -177,10 +176,10 @@ gemm_qmm_impl = _qmm_on(qmm_gemm_call)
 
 
 def _fused_ok(x, qw, aux):
-    """The cases both fused GEMVs take: x [..., K] (at most MMA_MAX_M rows) with a 2-D
+    """The cases both fused GEMVs take: x [..., K] (at most configs.MMA_GEMV_MAX_M rows) with a 2-D
     qw in the layout, the norm weight / bias (aux) None or a kernel dtype."""
     return (_qw_ok(qw) and qw.ndim == 2 and jnp.dtype(x.dtype) in _X_DTYPES
-            and 0 < _rows_per_matrix(x, qw) <= MMA_MAX_M and qw.shape[0] > 0
+            and 0 < _rows_per_matrix(x, qw) <= configs.MMA_GEMV_MAX_M and qw.shape[0] > 0
             and (aux is None or jnp.dtype(aux.dtype) in _X_DTYPES))
 
 
@@ -221,7 +220,7 @@ def _gather_slots(x, qw, indices):
     x3 = x.reshape(t * slots if x.ndim == 3 else t, 1, x.shape[-1])
     # decode (T > 1): the tokens that pick one expert share one read of it (at most T
     # of them when a token's k ids are distinct; more simply start another segment)
-    dedupe = min(t, MMA_MAX_M) if t > 1 else 0
+    dedupe = min(t, configs.MMA_GEMV_MAX_M) if t > 1 else 0
     return x3, idx.astype(jnp.int32).reshape(-1), dedupe
 
 
