@@ -791,7 +791,8 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
     for backend, fused in ((None, False), ("ffi", True)):
         text = _targets(lambda x, q: jq.gather_qmm_swiglu(x, q, idx, backend=backend),
                         rand(4, (1, 192), jnp.bfloat16), experts)
-        assert ("jaxquant_gemv_mma_fused" in text) == fused and "jaxquant_qmv_mma" in text
+        assert ("jaxquant_gemv_mma_fused" in text) == fused, backend
+        assert fused or "jaxquant_qmv_mma" in text, backend
 
 
 @pytest.mark.gpu
@@ -799,7 +800,7 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
 def test_handler_checks():
     k = 128
     _, packed = _packed("mxfp4", 4, (32, k))
-    q3 = mma._flat_qw(packed)
+    q3 = packed.flatten_leading()
     x = rand(0, (1, 2, k), jnp.bfloat16)
     call = lambda *a, **kw: jax.block_until_ready(mma.gemv_mma_fused_call(*a, **kw))
     with pytest.raises(Exception, match="norm weight must be"):
@@ -810,10 +811,10 @@ def test_handler_checks():
         call(x, q3, None, fuse=3)
     _, odd = _packed("mxfp4", 4, (48, k))
     with pytest.raises(Exception, match="I a multiple of 16"):
-        call(x, mma._flat_qw(odd), None, fuse=mma.FUSE_SWIGLU)
+        call(x, odd.flatten_leading(), None, fuse=mma.FUSE_SWIGLU)
     _, big = _packed("affine", 4, (32, 8192))
     with pytest.raises(Exception, match="stages x in shared memory"):
-        call(rand(0, (1, 16, 8192), jnp.float32), mma._flat_qw(big), None, fuse=mma.FUSE_NORM)
+        call(rand(0, (1, 16, 8192), jnp.float32), big.flatten_leading(), None, fuse=mma.FUSE_NORM)
     # gather_qmm_swiglu: a bias row per expert; no indices with the norm
     _, experts = _packed("mxfp4", 4, (3, 32, k))
     ids, x1 = jnp.array([0, 2], jnp.int32), rand(0, (2, 1, k), jnp.bfloat16)
