@@ -687,7 +687,7 @@ def add_arguments(parser, cpu):
                         "2x1,1x2), with the scaling against one device: 'vs 1 device' (the "
                         "same mode and layout), 'vs best 1 device' and 'prefill vs best 1 "
                         "device' (the best one-device run of the config and batch, any mode, "
-                        "the default layout among them); a mesh row's % of bound is of the "
+                        "the default layout among them); a mesh row's %% of bound is of the "
                         "weights the busiest device reads")
     g.add_argument("--xla-flags", action="append", default=[], metavar="FLAGS",
                    help="re-run the decode in a subprocess with FLAGS appended to XLA_FLAGS "
