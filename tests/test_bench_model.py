@@ -340,6 +340,8 @@ def test_mesh_and_xla_flags_variants_in_a_subprocess():
     assert float(vrows[0]["decode tok/s"]) > 0 and vrows[0]["vs this process"].endswith("x")
 
 
+# a subprocess of a minute of CPU: CI's full matrix (tests/conftest.py), not the README's run
+@pytest.mark.full
 @pytest.mark.slow
 def test_sharded_init_on_an_expert_parallel_mesh_in_a_subprocess():
     """--init sharded (parallel.init_params: no host copy) with --mesh 1x2 on a MoE

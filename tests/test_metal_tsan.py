@@ -12,7 +12,10 @@ import pytest
 from tests.metal_shim import shim
 
 # one xdist work unit: the sanitizer build (the module fixture) then runs once, not per worker
-pytestmark = [pytest.mark.toolchain, pytest.mark.slow, pytest.mark.xdist_group("metal_tsan")]
+# compiles and runs the MSL shim under ThreadSanitizer (half a minute of CPU): CI's full
+# matrix (tests/conftest.py), not the README's run
+pytestmark = [pytest.mark.toolchain, pytest.mark.slow, pytest.mark.full,
+              pytest.mark.xdist_group("metal_tsan")]
 
 
 @pytest.fixture(scope="module")

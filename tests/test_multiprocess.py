@@ -42,6 +42,8 @@ def _launch(nproc):
     return outs
 
 
+# a subprocess of a minute of CPU: CI's full matrix (tests/conftest.py), not the README's run
+@pytest.mark.full
 @pytest.mark.slow
 def test_two_processes_decode_like_one():
     (one,) = _launch(1)

@@ -5,6 +5,7 @@ norms on rows and dequantize; exactly one all-reduce for row-parallel qmm and
 expert-parallel gather_qmm / gather_matmul / ragged_qmm / ragged_matmul; no all-gather unless K is split inside
 a quantization group (then a warning says so)."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -19,12 +20,22 @@ pytestmark = [pytest.mark.xdist_group("sharding"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def cases():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "tests.sharding_cases"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+def cases(tmp_path_factory):
+    # The subprocess runs once per pytest run even where xdist hands this module's tests
+    # to several workers: the first writes its output beside the workers' temp folders
+    # (one parent per run), under a lock; the others read it.
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / "sharding_cases.json"
+    with open(shared / "sharding_cases.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+            proc = subprocess.run([sys.executable, "-m", "tests.sharding_cases"], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            out.write_text(proc.stdout)
+    return json.loads(out.read_text())
 
 
 def _check(case, *, tol, collectives):
