@@ -316,6 +316,8 @@ def _two_cpu_devices_env():
                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+# a subprocess (eight seconds of CPU): CI's full matrix (tests/conftest.py)
+@pytest.mark.full
 @pytest.mark.slow
 def test_mesh_and_xla_flags_variants_in_a_subprocess():
     env = _two_cpu_devices_env()
