@@ -283,8 +283,36 @@ def test_profile_parser_on_a_gpu_trace(tmp_path):
     assert b.copy_bytes == 4096 * 512 * 4       # the memcpy's size is not in the HLO
 
 
+def test_profile_of_a_mesh_takes_the_first_gpu(tmp_path):
+    """A sharded step's trace has every GPU's streams: only GPU 0's kernels count (in
+    device order: GPU 10 is not before GPU 2), its all-reduce as a collective."""
+    meta = [{"ph": "M", "pid": p, "name": "process_name", "args": {"name": f"/device:GPU:{d}"}}
+            for p, d in ((3, 10), (4, 2), (5, 0))]
+    meta += [{"ph": "M", "pid": p, "tid": 7, "name": "thread_name",
+              "args": {"name": "Stream #7(Compute)"}} for p in (3, 4, 5)]
+    events = [{"ph": "X", "pid": p, "tid": 7, "name": name, "ts": ts, "dur": 5,
+               "args": {"hlo_op": op, "hlo_module": "jit_decode_steps"}}
+              for p in (3, 4, 5)
+              for name, ts, op in (("void jaxquant::qmv_mma<4>(...)", 0, "ffi_call.3"),
+                                   ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 6,
+                                    "all-reduce-start.1"),
+                                   ("loop_add_fusion", 12, "add_fusion.2"))]
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    found, kind = profile.device_events(profile.trace_file(str(tmp_path)), "jit_decode_steps")
+    assert kind == "gpu" and len(found) == 3
+    hlo = "\n".join([
+        '  %ffi_call.3 = bf16[1,1,4096]{2,1,0} custom-call(%c), custom_call_target="jaxquant_qmv"',
+        '  %all-reduce-start.1 = bf16[1,4096]{1,0} all-reduce-start(%c), to_apply=%add',
+        '  %add_fusion.2 = bf16[1,4096]{1,0} fusion(%d, %e), kind=kLoop'])
+    b = profile.breakdown(found, profile.hlo_index(hlo), steps=1, layers=1, kind=kind)
+    assert {c: n for c, (n, _) in b.by_class.items() if n} == {
+        "qmm": 1, "collectives": 1, "other": 1}
+
+
 @pytest.mark.parametrize("kernel, op, cls", [
     ("MemcpyDtoD", "", "copies"),
+    ("ncclDevKernel_AllGather_RING_LL", "", "collectives"),
     ("sm90_xmma_gemm_bf16", "", "dense mm"),
     ("nvjet_hsh_64x8_64x16", "", "dense mm"),
     ("void qmv_mma_kernel<4, 64>", "", "qmm"),

@@ -32,7 +32,8 @@ each mesh (`parallel.init_params`, one layer at a time: no float copy of a 70B
 model); the default draws one float copy and quantizes and places it.
 
 --profile traces each config and mode's decode at the first batch size, and its
-prefill, and prints where the time goes (`jaxquant/bench/profile.py`). --mesh runs the
+prefill, and prints where the time goes (`jaxquant/bench/profile.py`); on a mesh,
+the first GPU's kernels, with the collectives as a class of their own. --mesh runs the
 same on tensor x expert parallel meshes (`jaxquant.models.parallel`) with the
 scaling against one device. --xla-flags re-runs the decode measurement in a
 subprocess per variant with the flags appended to XLA_FLAGS.
@@ -414,8 +415,9 @@ def config_rows(args, name, out):
                 if mesh is not None:
                     row["device_step_bytes"] = step_bytes(cfg, placed, b, per_device=True)
                 profile_dir = None
-                if args.profile and mesh is None and b == args.batch[0]:
-                    profile_dir = os.path.join(args.profile_dir, f"{name}_{mode}_b{b}")
+                if args.profile and b == args.batch[0]:
+                    profile_dir = os.path.join(args.profile_dir,
+                                               f"{name}_{impl}_{mode}_b{b}")
                 try:
                     r = decode_run(cfg, placed, prompts[b], args.tokens, args.forward_kw,
                                    args.iters, mesh, profile_dir)
@@ -434,8 +436,9 @@ def config_rows(args, name, out):
                         a8_rows += prefill_a8_rows(cfg, name, mode, placed, prompts[b], ref.get(b),
                                                    args)
                     for what, res, title in (
-                            ("decode steps", r, f"{name} {mode} batch {b}"),
-                            ("prefill", p, f"{name} {mode} prefill {args.prefill} tokens")):
+                            ("decode steps", r, f"{name} {impl} {mode} batch {b}"),
+                            ("prefill", p,
+                             f"{name} {impl} {mode} prefill {args.prefill} tokens")):
                         if isinstance(res.get("profile"), str):
                             out(f"# profile of {title} failed: {res['profile']}")
                         elif "profile" in res:

@@ -18,6 +18,7 @@ in classes:
               reference lowering where no kernel runs)
   dense mm    cuBLAS / XLA dots (bf16 weights)
   moe glue    router, top-k, activation, combine
+  collectives all-reduce / all-gather / all-to-all ... (NCCL kernels) of a sharded run
   other       every other fusion (residual adds, embedding, head argmax, ...)
 
 Per decode step (per prefill) it reports kernels (and per layer), time per class, the span
@@ -35,13 +36,17 @@ import json
 import os
 import re
 
-CLASSES = ("copies", "attention", "norms", "qmm", "dense mm", "moe glue", "other")
+CLASSES = ("copies", "attention", "norms", "qmm", "dense mm", "moe glue", "collectives",
+           "other")
 
 # ops that move data without computing; a fusion of only these is a copy
 _MOVES = {"copy", "dynamic-slice", "slice", "bitcast", "select", "transpose", "reshape",
           "broadcast", "concatenate", "copy-start", "copy-done"}
 # ops that only run others (the CPU runtime times a while loop around its body's ops)
 _CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
+# collectives across the devices of a mesh (their -start / -done halves too)
+_COLLECTIVES = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                          r"collective-permute|collective-broadcast)(-start|-done)?$")
 _XLA_TARGETS = ("__cublas", "__cudnn", "TopK", "Sharding", "SPMD", "__gpu$xla.gpu.ext")
 _ATTENTION_FUNCS = {"attention", "rope"}
 _MOE_FUNCS = {"route", "moe_mlp", "expert_gather", "expert_ragged", "_expert_act",
@@ -123,6 +128,8 @@ def classify(kernel: str, op_name: str, op: HloOp | None) -> str:
     names = f"{kernel} {op_name} {op.kernel if op else ''}".lower()
     if re.search(r"memcpy|memset", names):
         return "copies"
+    if re.search(r"nccl", names) or (op is not None and _COLLECTIVES.match(op.opcode)):
+        return "collectives"
     if op is None:  # a kernel the HLO does not name (e.g. inside a command buffer)
         if re.search(r"attention|flash|fmha", names):
             return "attention"
@@ -180,6 +187,8 @@ def trace_file(trace_dir: str) -> str:
 def device_events(path: str, module: str | None = None) -> tuple[list[Event], str]:
     """The device events of a perfetto trace (GPU kernels and memcpys on their streams;
     without a device timeline, the XLA CPU ops), of `module` where events name theirs.
+    Of a program on several GPUs (a mesh), the first GPU's only: its step is the
+    mesh's, and the devices' kernels would overlap in one timeline.
     Returns (events sorted by start, "gpu" or "cpu")."""
     with gzip.open(path, "rt") as f:
         data = json.load(f)
@@ -190,7 +199,8 @@ def device_events(path: str, module: str | None = None) -> tuple[list[Event], st
             procs[e["pid"]] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e["pid"], e["tid"])] = e["args"]["name"]
-    device_pids = {pid for pid, n in procs.items() if n.startswith("/device:")}
+    devices = {pid: n for pid, n in procs.items() if n.startswith("/device:")}
+    device_pids = {min(devices, key=lambda pid: _device_order(devices[pid]))} if devices else set()
     streams = {k for k, n in threads.items() if k[0] in device_pids
                and n.lower().startswith("stream")}
     # the trace's summary lines of a device repeat its kernels: never counted
@@ -209,6 +219,12 @@ def device_events(path: str, module: str | None = None) -> tuple[list[Event], st
     out = [Event(e["name"], float(e["ts"]), float(e["dur"]), e.get("args", {}).get("hlo_op", ""))
            for e in keep]
     return sorted(out, key=lambda e: e.ts), kind
+
+
+def _device_order(name: str):
+    """'/device:GPU:10 ...' -> ('/device:GPU:', 10): GPU 0 first, 10 after 9."""
+    m = re.match(r"(/device:[A-Za-z_]+:)(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, 0)
 
 
 @dataclasses.dataclass
