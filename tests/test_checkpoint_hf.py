@@ -207,7 +207,8 @@ def test_bf16_model_keeps_float16_gptq_scales(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# Quantized experts of a Qwen3-MoE checkpoint (mlp.experts.{e}.{gate,up,down}_proj).
+# Quantized experts of MoE checkpoints: Qwen3-MoE's (mlp.experts.{e}.{gate,up,down}_proj)
+# and Mixtral's (block_sparse_moe.experts.{e}.{w1,w3,w2}).
 
 
 def _contiguous_gptq_pack(prefix, w):
@@ -235,52 +236,72 @@ MOE_QUANT = {
     "nvfp4-pack-quantized": QUANT_CONFIGS["nvfp4-pack-quantized"],
 }
 EXPERT_KEYS = {"gate_proj": "e_gate", "up_proj": "e_up", "down_proj": "e_down"}
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 64, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+           "sliding_window": None, "tie_word_embeddings": False}
+# layout: (its expert block's module, expert module -> decoder key, q/k norms)
+MOE_LAYOUTS = {"qwen3_moe": ("mlp", EXPERT_KEYS, True),
+               "mixtral": ("block_sparse_moe", {"w1": "e_gate", "w3": "e_up", "w2": "e_down"},
+                           False)}
 
 
-def _qwen3_moe_float(seed):
+def _moe_float(seed, layout="qwen3_moe"):
+    """(config.json, tensors) of a tiny float MoE checkpoint in `layout`'s names."""
     from tests.test_models import QWEN3_MOE, _rand
 
+    block, names, qk_norm = MOE_LAYOUTS[layout]
+    config = QWEN3_MOE if layout == "qwen3_moe" else MIXTRAL
     rng = np.random.default_rng(seed)
-    t = _hf_common(rng, QWEN3_MOE, qk_norm=True)
+    t = _hf_common(rng, config, qk_norm=qk_norm)
     for li in range(2):
-        pre = f"model.layers.{li}.mlp."
+        pre = f"model.layers.{li}.{block}."
         t[pre + "gate.weight"] = _rand(rng, 4, 64)
         for e in range(4):
-            for name in EXPERT_KEYS:
+            for name in names:
                 t[pre + f"experts.{e}.{name}.weight"] = _rand(rng, 64, 64)
-    return QWEN3_MOE, t
+    return config, t
+
+
+# Mixtral's names through the same importers: one format covers them by default
+MOE_CASES = [("qwen3_moe", kind) for kind in MOE_QUANT] + [
+    pytest.param("mixtral", kind, marks=() if kind == "pack-quantized" else pytest.mark.full)
+    for kind in MOE_QUANT]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", list(MOE_QUANT))
-def test_quantized_moe_checkpoint_decodes_like_its_float_model(tmp_path, kind):
-    """Every expert of a tiny Qwen3-MoE checkpoint packed by the reference package (or
-    random GPTQ words): the experts load as one quantized stack [E, N, K] per layer,
-    their values the package's dequantization, and the model decodes the greedy
-    tokens of the float model built from those values."""
+@pytest.mark.parametrize("layout,kind", MOE_CASES)
+def test_quantized_moe_checkpoint_decodes_like_its_float_model(tmp_path, layout, kind):
+    """Every expert of a tiny Qwen3-MoE or Mixtral checkpoint packed by the reference
+    package (or random GPTQ words): the experts load as one quantized stack [E, N, K]
+    per layer, their values the package's dequantization, and the model decodes the
+    greedy tokens of the float model built from those values."""
     quant_config, pack = MOE_QUANT[kind]
     if kind == "gptq":
         pack = _gptq_pack_contiguous
-    config, t = _qwen3_moe_float(13)
+    block, names, _ = MOE_LAYOUTS[layout]
+    config, t = _moe_float(13, layout)
     out, ref = dict(t), {}
     for li in range(2):
         for e in range(4):
-            for name in EXPERT_KEYS:
-                prefix = f"model.layers.{li}.mlp.experts.{e}.{name}"
+            for name in names:
+                prefix = f"model.layers.{li}.{block}.experts.{e}.{name}"
                 tensors, w = pack(prefix, np.asarray(out.pop(prefix + ".weight"), np.float32))
                 out.update(tensors)
                 ref[prefix] = np.asarray(w, np.float32)
     _write(tmp_path, dict(config, quantization_config=quant_config), out)
     cfg, params = checkpoint.load(tmp_path, dtype="float32", per_layer=False, fuse=False)
+    assert cfg.family == layout
     lay = params["layers"]
     floats = dict(_manual_common(t, 2))
     fl = dict(floats["layers"])
-    fl["router"] = jnp.stack([jnp.asarray(t[f"model.layers.{li}.mlp.gate.weight"])
+    fl["router"] = jnp.stack([jnp.asarray(t[f"model.layers.{li}.{block}.gate.weight"])
                               for li in range(2)])
-    for name, key in EXPERT_KEYS.items():
+    for name, key in names.items():
         w = lay[key]
         assert isinstance(w, QuantizedArray) and w.shape == (2, 4, 64, 64), (key, type(w))
-        want = np.stack([np.stack([ref[f"model.layers.{li}.mlp.experts.{e}.{name}"]
+        want = np.stack([np.stack([ref[f"model.layers.{li}.{block}.experts.{e}.{name}"]
                                    for e in range(4)]) for li in range(2)])
         got = np.asarray(jq.dequantize(w, dtype=jnp.float32))
         # the references return their weights in float16 / bfloat16: equal once rounded so
@@ -325,20 +346,24 @@ def _gptq_pack_contiguous(prefix, w):
                                                                  "g_idx")}, deq
 
 
-def test_quantized_moe_experts_refused_by_name(tmp_path):
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_quantized_moe_experts_refused_by_name(tmp_path, layout):
     """Act-order experts (a permutation per expert) and a mix of quantized and float
     experts: a ValueError naming the module, never a silently wrong model."""
-    config, t = _qwen3_moe_float(14)
+    config, t = _moe_float(14, layout)
+    block, names, _ = MOE_LAYOUTS[layout]
+    down = next(n for n, key in names.items() if key == "e_down")
     out = dict(t)
-    prefix = "model.layers.0.mlp.experts.1.down_proj"
+    prefix = f"model.layers.0.{block}.experts.1.{down}"
     tensors, _ = _random_gptq_pack(prefix, np.asarray(out.pop(prefix + ".weight"), np.float32))
     out.update(tensors)
     cfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False}
     _write(tmp_path, dict(config, quantization_config=cfg), out)
-    with pytest.raises(ValueError, match="some experts are quantized"):
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.{block}\.experts.*some experts "
+                                         rf"are quantized"):
         checkpoint.load(tmp_path, dtype="float32")
     for e in (0, 2, 3):
-        p = f"model.layers.0.mlp.experts.{e}.down_proj"
+        p = f"model.layers.0.{block}.experts.{e}.{down}"
         tensors, _ = _random_gptq_pack(p, np.asarray(out.pop(p + ".weight"), np.float32))
         out.update(tensors)
     _write(tmp_path / "all", dict(config, quantization_config=cfg), out)

@@ -18,7 +18,8 @@ from jaxquant import models
 from jaxquant.models import checkpoint
 
 # config.json as transformers 5.24's save_pretrained wrote it for tiny random models
-# (Llama with llama3 RoPE scaling, Qwen3, Qwen3-MoE, gpt-oss with YaRN).
+# (Llama with llama3 RoPE scaling, Qwen3, Qwen3-MoE, Mixtral with a sliding window, gpt-oss
+# with YaRN).
 _DIMS = {"vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "attention_dropout": 0.0,
          "hidden_act": "silu", "initializer_range": 0.02, "pad_token_id": None,
@@ -46,6 +47,14 @@ HF5 = {
                       rms_norm_eps=1e-06, router_aux_loss_coef=0.001, sliding_window=None,
                       rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
                       use_sliding_window=False),
+    # Mixtral: intermediate_size is the experts'; a window of 4 on every layer (the tests'
+    # 12 positions cross it; released Mixtrals have none)
+    "mixtral": dict(_DIMS, architectures=["MixtralForCausalLM"], model_type="mixtral",
+                    bos_token_id=1, eos_token_id=2, intermediate_size=32,
+                    max_position_embeddings=131072, num_experts_per_tok=2,
+                    num_local_experts=4, output_router_logits=False, rms_norm_eps=1e-05,
+                    rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+                    router_aux_loss_coef=0.001, router_jitter_noise=0.0, sliding_window=4),
     "gpt_oss": dict(_DIMS, architectures=["GptOssForCausalLM"], model_type="gpt_oss",
                     attention_bias=True, bos_token_id=None, eos_token_id=None,
                     intermediate_size=64, layer_types=["sliding_attention", "full_attention"],
@@ -66,6 +75,10 @@ WANT = {
     "qwen3": dict(family="qwen3", rope_theta=1000000.0, rope_scaling=(), qk_norm=True),
     "qwen3_moe": dict(family="qwen3_moe", rope_theta=10000.0, rope_scaling=(), num_experts=4,
                       experts_per_token=2, moe_intermediate_size=64, norm_topk_prob=True),
+    "mixtral": dict(family="mixtral", rope_theta=1000000.0, rope_scaling=(), num_experts=4,
+                    experts_per_token=2, moe_intermediate_size=32, norm_topk_prob=True,
+                    layer_windows=(4, 4), rms_eps=1e-5, qk_norm=False,
+                    moe_router="softmax_topk", mlp_activation="silu"),
     "gpt_oss": dict(family="gpt_oss", rope_theta=150000.0, rope_scaling=(
         ("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
         ("original_max_position_embeddings", 4096), ("rope_type", "yarn"), ("truncate", False)),
@@ -120,6 +133,14 @@ def _with(name, **changes):
     ("qwen3", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
     ("qwen3_moe", {"num_experts": 8}, "num_local_experts or num_experts"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts"),
+    ("mixtral", {"num_local_experts": "4"}, "num_local_experts"),
+    ("mixtral", {"num_local_experts": None}, "num_local_experts"),
+    ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is more than "
+                                           "num_local_experts=4"),
+    ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ("mixtral", {"num_experts": 4}, "num_experts"),   # not a key Mixtral's config writes
+    ("mixtral", {"sliding_window": -1}, "sliding_window"),
     ("gpt_oss", {"swiglu_alpha": 1.5}, "swiglu_alpha"),
     ("gpt_oss", {"num_local_experts": None}, "num_local_experts"),
 ])
@@ -146,6 +167,7 @@ def test_harmless_and_agreeing_keys_are_accepted():
 _CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
             "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 
 

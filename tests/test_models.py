@@ -19,6 +19,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import models
 from jaxquant.models import checkpoint
+from jaxquant.models.config import MOE_FAMILIES
 from jaxquant.models.decoder import moe_mlp
 from jaxquant.quantized_array import QuantizedArray
 from tests.common import cuda_library
@@ -29,7 +30,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def tiny(family, **kw):
-    moe = family in ("qwen3_moe", "gpt_oss")
+    moe = family in MOE_FAMILIES
     base = dict(family=family, vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=16, intermediate_size=128,
                 num_experts=4 if moe else 0, experts_per_token=2 if moe else 0,

@@ -1,7 +1,7 @@
 """Load Hugging Face-layout checkpoint directories (config.json + *.safetensors)
 into the decoder's parameters (docs/models.md).
 
-Families: Llama / Mistral / Qwen2 / Qwen3 (dense), Qwen3-MoE and gpt-oss.
+Families: Llama / Mistral / Qwen2 / Qwen3 (dense), Qwen3-MoE, Mixtral and gpt-oss.
 - Float (bf16/fp16/fp32) matrices are quantized on load to `mode` (a
   `jaxquant.models.MODES` name or jq.quantize arguments), layer by layer; with
   mode=None they stay float.
@@ -54,6 +54,15 @@ ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_att
 BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
           "bv": "self_attn.v_proj.bias", "bo": "self_attn.o_proj.bias"}
 DENSE = {"w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+#: An MoE family's expert block: (the block's module, the router's module inside it, each
+#: expert's gate / up / down module). Experts are `{block}.experts.{e}.{module}`.
+EXPERTS = {
+    "qwen3_moe": ("mlp", "gate", {"e_gate": "gate_proj", "e_up": "up_proj",
+                                  "e_down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", "gate", {"e_gate": "w1", "e_up": "w3", "e_down": "w2"}),
+}
+#: mlx-lm stacks every expert of a block into `{block}.switch_mlp.{name}` ([E, N, K]).
+SWITCH_MLP = {"e_gate": "gate_proj", "e_up": "up_proj", "e_down": "down_proj"}
 
 
 #: Tensors a checkpoint may hold that are no weights (buffers older exports saved).
@@ -396,8 +405,8 @@ def _read_layer(cfg: Config, tensors, quant: _Quantizer, i: int, fuse: bool, mat
         p["k_norm"] = quant.float(tensors, pre + "self_attn.k_norm.weight")
     if cfg.family == "gpt_oss":
         p.update(_gpt_oss_mlp(tensors, quant, pre))
-    elif cfg.family == "qwen3_moe":
-        p.update(_qwen3_moe_mlp(cfg, tensors, quant, pre))
+    elif cfg.family in EXPERTS:
+        p.update(_experts_mlp(cfg, tensors, quant, pre))
     else:
         for key, name in DENSE.items():
             p[key] = matrix(key, pre + name)
@@ -437,14 +446,18 @@ def _gpt_oss_mlp(tensors, quant, pre):
     return p
 
 
-def _qwen3_moe_mlp(cfg, tensors, quant, pre):
-    p = {"router": quant.float(tensors, pre + "mlp.gate.weight")}
-    for key, name in (("e_gate", "gate_proj"), ("e_up", "up_proj"), ("e_down", "down_proj")):
-        switch = pre + "mlp.switch_mlp." + name  # mlx-lm stacks the experts
+def _experts_mlp(cfg, tensors, quant, pre):
+    """The router and the expert stacks [E, N, K] of an EXPERTS family's layer: float
+    experts stacked (then quantized to `mode`), GPTQ / AWQ / compressed-tensors experts
+    imported as one quantized stack, mlx-lm's stacked switch_mlp as it is."""
+    block, router, names = EXPERTS[cfg.family]
+    p = {"router": quant.float(tensors, f"{pre}{block}.{router}.weight")}
+    for key, name in names.items():
+        switch = f"{pre}{block}.switch_mlp.{SWITCH_MLP[key]}"
         if switch + ".weight" in tensors:
             p[key] = quant.matrix(tensors, switch)
             continue
-        prefixes = [f"{pre}mlp.experts.{j}.{name}" for j in range(cfg.num_experts)]
+        prefixes = [f"{pre}{block}.experts.{j}.{name}" for j in range(cfg.num_experts)]
         if quant.hf_quant is not None:
             stack = _quantized_experts(tensors, prefixes, quant)
             if stack is not None:

@@ -7,7 +7,9 @@ import math
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+#: The families whose MLPs are experts (num_experts > 0); the others are dense.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 MLP_ACTIVATIONS = ("silu", "gpt_oss")  # silu(gate) * up; gpt-oss's clamped (up + 1) * glu
 # softmax over all experts, then top-k; or top-k of the logits, then softmax over those k
 MOE_ROUTERS = ("softmax_topk", "topk_softmax")
@@ -19,6 +21,9 @@ _LLAMA_BLOCKS = dict(mlp_activation="silu", moe_router="softmax_topk", attention
                      moe_bias=False)
 FAMILY_TRAITS = {
     "llama": _LLAMA_BLOCKS, "qwen3": _LLAMA_BLOCKS, "qwen3_moe": _LLAMA_BLOCKS,
+    # Mixtral's router (transformers' MixtralTopKRouter): softmax over every expert, top-k,
+    # the k renormalized: Qwen3-MoE's with norm_topk_prob, which from_hf sets
+    "mixtral": _LLAMA_BLOCKS,
     "gpt_oss": dict(mlp_activation="gpt_oss", moe_router="topk_softmax", attention_sinks=True,
                     moe_bias=True),
 }
@@ -29,7 +34,9 @@ class Config:
     """Hyperparameters of a decoder-only transformer. Hashable (a static jit argument).
 
     family: "llama" (also Mistral/Qwen2-style dense), "qwen3" (dense, q/k norms),
-    "qwen3_moe" (q/k norms, softmax-then-top-k router, SwiGLU experts) or "gpt_oss"
+    "qwen3_moe" (q/k norms, softmax-then-top-k router, SwiGLU experts), "mixtral"
+    (Llama attention, Mistral's sliding window on every layer where set, Qwen3-MoE's
+    router with the top k renormalized, SwiGLU experts) or "gpt_oss"
     (attention biases and sinks, alternating sliding window, top-k-then-softmax
     router with bias, clamped SwiGLU experts with biases, gate/up interleaved).
     mlp_activation, moe_router, attention_sinks (a learned per-head sink logit) and
@@ -114,7 +121,7 @@ class Config:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        if self.moe != (self.family in ("qwen3_moe", "gpt_oss")):
+        if self.moe != (self.family in MOE_FAMILIES):
             raise ValueError(f"family={self.family!r} needs num_experts "
                              f"{'> 0' if not self.moe else '= 0'}; got {self.num_experts}")
         if self.moe and not 0 < self.experts_per_token <= self.num_experts:
@@ -219,8 +226,8 @@ MAX_LAYERS = 4096
 #: The largest size (hidden, vocabulary, heads, intermediate, ...) a config may declare.
 MAX_SIZE = 1 << 31
 # transformers' defaults where a config.json leaves a key out.
-ROPE_THETA = {"gpt_oss": 150000.0}
-RMS_EPS = {"gpt_oss": 1e-5}
+ROPE_THETA = {"gpt_oss": 150000.0, "mixtral": 1000000.0}
+RMS_EPS = {"gpt_oss": 1e-5, "mixtral": 1e-5}
 GPT_OSS_SWIGLU_ALPHA = 1.702  # the decoder's (docs/models.md)
 
 
@@ -323,7 +330,8 @@ def _rope(f: _Fields, family: str):
 
 def _windows(f: _Fields, mt: str, layers: int) -> tuple[int, tuple]:
     """(sliding window, per-layer windows): `layer_types` where given (5.x writes it for
-    Qwen and gpt-oss), Mistral's window on every layer, gpt-oss alternating by default."""
+    Qwen and gpt-oss), Mistral's and Mixtral's window on every layer, gpt-oss alternating
+    by default."""
     window = f.int("sliding_window", 0, lo=0)
     types = f.get("layer_types")
     if types is not None and not isinstance(types, list):
@@ -344,7 +352,7 @@ def _windows(f: _Fields, mt: str, layers: int) -> tuple[int, tuple]:
                              "sliding_window")
         windows = tuple(window if t == "sliding_attention" else 0 for t in types)
         return (window if any(windows) else 0), (windows if any(windows) else ())
-    if mt == "mistral" and window:
+    if mt in ("mistral", "mixtral") and window:
         return window, (window,) * layers
     return 0, ()
 
@@ -365,9 +373,20 @@ def _quantization(f: _Fields):
                          f"compressed-tensors checkpoints)")
 
 
+def _experts(f: _Fields, count: str, per_token: str) -> dict:
+    """num_experts and experts_per_token from config.json's keys `count` and `per_token`,
+    a bad value refused naming the key."""
+    experts = f.int(count)
+    k = f.int(per_token)
+    if k > experts:
+        raise ValueError(f"config.json {per_token}={k} is more than {count}={experts} (each "
+                         f"token picks that many distinct experts)")
+    return dict(num_experts=experts, experts_per_token=k)
+
+
 def from_hf(cfg: dict, dtype: str = "bfloat16") -> Config:
     """A Config from a Hugging Face config.json dict (model_type llama, mistral,
-    qwen2, qwen3, qwen3_moe, gpt_oss), as transformers 4.x or 5.x writes it.
+    qwen2, qwen3, qwen3_moe, mixtral, gpt_oss), as transformers 4.x or 5.x writes it.
 
     Every key must be one the decoder implements or one that does not change inference
     (HARMLESS_KEYS); anything else raises ValueError naming the key, rather than being
@@ -377,10 +396,10 @@ def from_hf(cfg: dict, dtype: str = "bfloat16") -> Config:
     if not isinstance(mt, str):
         raise ValueError(f"config.json model_type={mt!r:.80} must be a string")
     family = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3",
-              "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}.get(mt)
+              "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}.get(mt)
     if family is None:
         raise ValueError(f"model_type={mt!r} is not supported; expected llama, mistral, qwen2, "
-                         f"qwen3, qwen3_moe or gpt_oss")
+                         f"qwen3, qwen3_moe, mixtral or gpt_oss")
     f.expect("hidden_act", ("silu",), "the MLPs are SwiGLU")
     f.expect("mlp_bias", (False,), "the dense MLP has no biases")
     f.expect("partial_rotary_factor", (1, 1.0), "RoPE rotates the whole head")
@@ -415,14 +434,17 @@ def from_hf(cfg: dict, dtype: str = "bfloat16") -> Config:
             raise ValueError(f"config.json needs one number of experts (num_local_experts or "
                              f"num_experts); got {sorted(spellings)}")
         key = "num_local_experts" if f.get("num_local_experts") is not None else "num_experts"
-        kw.update(num_experts=f.int(key), experts_per_token=f.int("num_experts_per_tok"),
+        kw.update(_experts(f, key, "num_experts_per_tok"),
                   moe_intermediate_size=f.int("moe_intermediate_size"),
                   norm_topk_prob=f.bool("norm_topk_prob", False))
+    if family == "mixtral":  # intermediate_size is the experts' (there is no dense MLP)
+        kw.update(_experts(f, "num_local_experts", "num_experts_per_tok"),
+                  moe_intermediate_size=f.int("intermediate_size"), norm_topk_prob=True)
     if family == "gpt_oss":
         f.expect("swiglu_alpha", (GPT_OSS_SWIGLU_ALPHA,), "the experts' SwiGLU uses 1.702")
         per_token = ("num_experts_per_tok" if f.get("num_experts_per_tok") is not None
                      else "experts_per_token")
-        kw.update(num_experts=f.int("num_local_experts"), experts_per_token=f.int(per_token),
+        kw.update(_experts(f, "num_local_experts", per_token),
                   moe_intermediate_size=f.int("intermediate_size"), sliding_window=window,
                   swiglu_limit=f.number("swiglu_limit", 7.0))
     unknown = f.leftover()

@@ -1,8 +1,10 @@
 """Load a single GGUF file (llama.cpp) into the decoder's parameters
 (`models.checkpoint.load("model.gguf")` dispatches here; docs/checkpoints.md).
 
-Architectures (`general.architecture`): llama (also Mistral's GGUFs), qwen2,
-qwen3, qwen3moe, gpt-oss. The GGUF metadata gives the Config; tensors are read
+Architectures (`general.architecture`): llama (also Mistral's GGUFs, and
+Mixtral's: llama with `llama.expert_count` and stacked expert tensors
+ffn_{gate,up,down}_exps, as convert_hf_to_gguf writes them), qwen2, qwen3,
+qwen3moe, gpt-oss. The GGUF metadata gives the Config; tensors are read
 through `jq.io.from_gguf_tensor`, layer by layer, and stay in their quantized
 form (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as exact affine group-32 arrays,
 Q2_K/Q6_K as affine group 16, Q3_K as fp4 group 16, MXFP4 as mxfp4); float
@@ -39,7 +41,7 @@ import numpy as np
 
 from jaxquant.io import gguf as io_gguf
 from jaxquant.io import CheckpointError
-from jaxquant.models.config import MAX_LAYERS, MAX_SIZE, Config
+from jaxquant.models.config import MAX_LAYERS, MAX_SIZE, MOE_FAMILIES, Config
 from jaxquant.models.loader_checks import check_layer_count, check_shapes, layer_shapes
 from jaxquant.models.params import quantize_args, quantize_matrix
 from jaxquant.quantized_array import QuantizedArray
@@ -121,6 +123,13 @@ def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
     if family is None:
         raise CheckpointError(f"{f.path}: general.architecture={arch!r} is not supported; "
                               f"expected one of {sorted(ARCHITECTURES)}")
+    if arch == "llama" and f.get("llama.expert_count") not in (None, 0):
+        family = "mixtral"  # llama.cpp stores Mixtral as llama with experts
+        if "blk.0.ffn_gate_exps.weight" not in f:
+            raise CheckpointError(f"{f.path}: llama.expert_count is set but there is no "
+                                  f"'blk.0.ffn_gate_exps.weight': one tensor per expert "
+                                  f"(ffn_gate.E, an older llama.cpp layout) is not supported; "
+                                  f"convert the model again")
     heads, hidden = f.int(f"{arch}.attention.head_count"), f.int(f"{arch}.embedding_length")
     layers = f.int(f"{arch}.block_count", hi=MAX_LAYERS)
     check_layer_count(f.path, f.tensors, r"blk\.(\d+)\.", _Layers(layers))
@@ -143,14 +152,18 @@ def config_from_gguf(f: GGUFFile, dtype: str = "bfloat16") -> Config:
     if "rope_freqs.weight" in f:  # Llama 3's scaling, baked into per-frequency divisors
         kw["rope_freq_factors"] = tuple(float(v) for v in np.asarray(
             f.tensor("rope_freqs.weight"), np.float64).reshape(-1))
-    if family in ("qwen3_moe", "gpt_oss"):
+    if family in MOE_FAMILIES:
         norm = f.get(f"{arch}.expert_weights_norm", True)
         if not isinstance(norm, (bool, np.bool_)):
             raise CheckpointError(f"{f.path}: metadata {arch}.expert_weights_norm={norm!r:.80} "
                                   f"must be a bool")
-        kw.update(num_experts=f.int(f"{arch}.expert_count"),
-                  experts_per_token=f.int(f"{arch}.expert_used_count"),
-                  moe_intermediate_size=f.int(f"{arch}.expert_feed_forward_length"),
+        experts = f.int(f"{arch}.expert_count")
+        # Mixtral's converter writes the experts' size as feed_forward_length only
+        ffn = f"{arch}.expert_feed_forward_length"
+        kw.update(num_experts=experts,
+                  experts_per_token=f.int(f"{arch}.expert_used_count", hi=experts),
+                  moe_intermediate_size=f.int(ffn if family != "mixtral" or ffn in f.reader.fields
+                                              else f"{arch}.feed_forward_length"),
                   norm_topk_prob=bool(norm))
     if family == "gpt_oss":
         window = f.int(f"{arch}.attention.sliding_window", 0, lo=0)
@@ -308,7 +321,7 @@ class _Loader:
             p["e_up_bias"] = self.vector(pre + "ffn_up_exps.bias")
             p["e_down"] = self.matrix(pre + "ffn_down_exps.weight")
             p["e_down_bias"] = self.vector(pre + "ffn_down_exps.bias")
-        elif cfg.family == "qwen3_moe":
+        elif cfg.moe:
             p["router"] = self.vector(pre + "ffn_gate_inp.weight")
             for key, name in (("e_gate", "ffn_gate_exps"), ("e_up", "ffn_up_exps"),
                               ("e_down", "ffn_down_exps")):

@@ -38,7 +38,7 @@ def layer_shapes(cfg: Config) -> dict:
                       e_gate_up=(e, 2 * mi, h), e_gate_up_bias=(e, 2 * mi), e_gate=(e, mi, h),
                       e_up=(e, mi, h), e_gate_bias=(e, mi), e_up_bias=(e, mi),
                       e_down=(e, h, mi), e_down_bias=(e, h))
-    elif cfg.family == "qwen3_moe":
+    elif cfg.moe:
         shapes.update(router=(e, h), e_gate=(e, mi, h), e_up=(e, mi, h), e_down=(e, h, mi))
     else:
         shapes.update(w_gate=(i, h), w_up=(i, h), w_down=(h, i))
