@@ -369,3 +369,74 @@ def test_quantized_moe_experts_refused_by_name(tmp_path, layout):
     _write(tmp_path / "all", dict(config, quantization_config=cfg), out)
     with pytest.raises(ValueError, match="act-order experts"):
         checkpoint.load(tmp_path / "all", dtype="float32")
+
+
+@pytest.mark.slow
+def test_transformers_mixtral_with_compressed_tensors_experts(tmp_path):
+    """A tiny Mixtral saved by transformers' save_pretrained, its experts packed by
+    compressed-tensors (int4, group 32): loaded as quantized expert stacks, it decodes
+    the greedy tokens transformers gives for the same checkpoint with every expert
+    replaced by compressed-tensors' dequantization (read back by from_pretrained)."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    torch = pytest.importorskip("torch", reason="torch (CPU) is needed to run transformers")
+    transformers = pytest.importorskip("transformers", reason="compares against transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
+        num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path / "float")
+    (file,) = (tmp_path / "float").glob("*.safetensors")
+    tensors = load_file(file)
+    experts = sorted(n for n in tensors if ".block_sparse_moe.experts." in n)
+    assert len(experts) == 2 * 4 * 3  # layers x experts x {w1, w2, w3}
+    packed, dequantized = dict(tensors), dict(tensors)
+    for name in experts:
+        prefix = name[:-len(".weight")]
+        parts, w = _ct_pack("pack-quantized")(prefix, packed.pop(name))
+        packed.update(parts)
+        dequantized[name] = w
+    hf = json.loads((tmp_path / "float" / "config.json").read_text())
+    for sub, weights, extra in (
+            ("quantized", packed, dict(quantization_config=QUANT_CONFIGS["pack-quantized"][0])),
+            ("reference", dequantized, {})):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "config.json").write_text(json.dumps(dict(hf, **extra)))
+        save_file(weights, tmp_path / sub / "model.safetensors")
+
+    prompt = np.arange(12).reshape(2, 6) % 64
+    reference = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path / "reference", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want_logits = reference(torch.tensor(prompt)).logits.numpy()
+        ids = torch.tensor(prompt)
+        for _ in range(6):
+            step = reference(ids, use_cache=False).logits[:, -1].argmax(-1)
+            ids = torch.cat([ids, step[:, None]], 1)
+    cfg, params = checkpoint.load(tmp_path / "quantized", dtype="float32")
+    assert cfg.family == "mixtral" and cfg.num_experts == 4
+    layers = params["layers"]
+    layer0 = layers[0] if isinstance(layers, tuple) else jax.tree_util.tree_map(
+        lambda a: a[0], layers)
+    e_down = layer0["e_down"]
+    assert isinstance(e_down, QuantizedArray) and e_down.bits == 4
+    # the package's dequantization, bit for bit once rounded to its bfloat16 output
+    got = np.asarray(jq.dequantize(e_down, dtype=jnp.float32)).astype(ml_dtypes.bfloat16)
+    want = np.stack([dequantized[f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"]
+                     for e in range(4)]).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(got, want)
+    tokens = jnp.asarray(prompt, jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        got_logits = np.asarray(models.prefill(cfg, params, tokens, 16)[0])
+        got_tokens = np.asarray(models.generate(cfg, params, tokens, 6))
+    np.testing.assert_array_equal(got_tokens, ids[:, 6:].numpy())
+    # the only difference: the reference's experts are compressed-tensors' bfloat16
+    # output (the products rounded), the loaded ones scale * (q - zero) in float32
+    assert np.linalg.norm(got_logits - want_logits) / np.linalg.norm(want_logits) < 4e-3
