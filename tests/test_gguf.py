@@ -279,7 +279,9 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
     if cfg.moe:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.experts_per_token)
+    if cfg.moe and arch != "llama":
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    # llama.cpp's Mixtral (llama with experts): the experts' size is feed_forward_length
     w.add_feed_forward_length(cfg.intermediate_size)
     if cfg.family == "gpt_oss":
         w.add_sliding_window(cfg.sliding_window)
@@ -337,7 +339,7 @@ def write_model(path, arch, cfg, qtypes, tokenizer="gpt2"):
             wr.add(pre + "ffn_up_exps.bias", L["e_up_bias"])
             wr.add(pre + "ffn_down_exps.weight", L["e_down"], "MXFP4")
             wr.add(pre + "ffn_down_exps.bias", L["e_down_bias"])
-        elif cfg.family == "qwen3_moe":
+        elif cfg.moe:  # qwen3moe's and llama.cpp's Mixtral's stacked experts
             wr.add(pre + "ffn_gate_inp.weight", L["router"])
             for key, name in (("e_gate", "ffn_gate_exps"), ("e_up", "ffn_up_exps"),
                               ("e_down", "ffn_down_exps")):
@@ -397,6 +399,9 @@ CASES = {
     "llama3_rope": ("llama", tiny("llama", rope_freq_factors=tuple(
         float(v) for v in llama3_rope_factors(tiny("llama")))), {}),
     "qwen3moe": ("qwen3moe", tiny("qwen3_moe"), {"e_down": "Q8_0"}),
+    # Mixtral as convert_hf_to_gguf writes it: general.architecture llama, llama.expert_count
+    "mixtral": ("llama", tiny("mixtral", intermediate_size=64), {"e_up": "Q4_1",
+                                                                 "e_down": "Q8_0"}),
     "gpt-oss": ("gpt-oss", tiny("gpt_oss", rope_scaling=tuple(sorted(dict(
         rope_type="yarn", factor=32.0, original_max_position_embeddings=64,
         truncate=False).items()))), {}),
@@ -495,6 +500,27 @@ def test_tokenizer_decodes(tmp_path, model):
     assert tok.bos_id == 0 and len(tok.tokens) == cfg.vocab_size
     want = "Hello world\u2019" if model == "gpt2" else " Hello worldA"
     assert tok.decode([0, 1, 2, 3]) == want
+
+
+def test_per_expert_mixtral_tensors_are_refused(tmp_path):
+    """llama with llama.expert_count but one tensor per expert (blk.N.ffn_gate.E, an
+    older llama.cpp layout): refused by name, never read as a dense llama."""
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(2)
+    w.add_expert_count(2)
+    w.add_expert_used_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    for e in range(2):
+        w.add_tensor(f"blk.0.ffn_gate.{e}.weight", np.zeros((16, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="ffn_gate_exps"):
+        checkpoint.load(str(path))
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
