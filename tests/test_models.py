@@ -635,6 +635,49 @@ def test_qwen3_moe_checkpoint(tmp_path):
         2, 4, 64, 64)
 
 
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 64, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+           "sliding_window": None, "tie_word_embeddings": False}
+MIXTRAL_EXPERTS = {"e_gate": ("w1", "gate_proj"), "e_up": ("w3", "up_proj"),
+                   "e_down": ("w2", "down_proj")}
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_mixtral_checkpoint(tmp_path, stacked):
+    """Mixtral's names: block_sparse_moe.gate (the router) and experts.{e}.{w1, w3, w2}
+    (gate, up, down), or mlx-lm's stacked block_sparse_moe.switch_mlp.{gate,up,down}_proj,
+    4-bit here: the same logits as the parameters written out by hand."""
+    rng = np.random.default_rng(5)
+    t = _hf_common(rng, MIXTRAL)
+    manual = _manual_common(t, 2)
+    ml = manual["layers"]
+    stacks = {key: [] for key in MIXTRAL_EXPERTS}
+    for li in range(2):
+        pre = f"model.layers.{li}.block_sparse_moe."
+        t[pre + "gate.weight"] = _rand(rng, 4, 64)
+        for key, (name, switch) in MIXTRAL_EXPERTS.items():
+            w = np.stack([_rand(rng, 64, 64) for _ in range(4)])
+            if stacked:
+                qw = jq.quantize(jnp.asarray(w, jnp.float32), mode="affine", bits=4,
+                                 group_size=32)
+                t.update(jq.io.to_mlx_tensors(qw, pre + "switch_mlp." + switch))
+                stacks[key].append(qw)
+            else:
+                t.update({pre + f"experts.{e}.{name}.weight": w[e] for e in range(4)})
+                stacks[key].append(jnp.asarray(w))
+    ml["router"] = _stack(t, "model.layers.{}.block_sparse_moe.gate.weight", 2)
+    for key, parts in stacks.items():
+        ml[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
+    config = dict(MIXTRAL, quantization={"group_size": 32, "bits": 4}) if stacked else MIXTRAL
+    _write(tmp_path, config, t)
+    cfg, params = checkpoint.load(tmp_path, fuse=False, per_layer=False)
+    assert cfg.family == "mixtral" and cfg.moe_intermediate_size == 64
+    assert isinstance(params["layers"]["e_down"], QuantizedArray) == stacked
+    np.testing.assert_array_equal(_logits(cfg, params), _logits(cfg, manual))
+
+
 def test_mlx_checkpoint(tmp_path):
     """An mlx-lm 4-bit checkpoint: every linear and the embedding quantized
     (`.weight` uint32, `.scales`, `.biases`), lm_head overridden to 8 bits."""
