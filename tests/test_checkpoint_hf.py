@@ -236,11 +236,6 @@ MOE_QUANT = {
     "nvfp4-pack-quantized": QUANT_CONFIGS["nvfp4-pack-quantized"],
 }
 EXPERT_KEYS = {"gate_proj": "e_gate", "up_proj": "e_up", "down_proj": "e_down"}
-MIXTRAL = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 64,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 16, "intermediate_size": 64, "num_local_experts": 4,
-           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
-           "sliding_window": None, "tie_word_embeddings": False}
 # layout: (its expert block's module, expert module -> decoder key, q/k norms)
 MOE_LAYOUTS = {"qwen3_moe": ("mlp", EXPERT_KEYS, True),
                "mixtral": ("block_sparse_moe", {"w1": "e_gate", "w3": "e_up", "w2": "e_down"},
@@ -249,7 +244,7 @@ MOE_LAYOUTS = {"qwen3_moe": ("mlp", EXPERT_KEYS, True),
 
 def _moe_float(seed, layout="qwen3_moe"):
     """(config.json, tensors) of a tiny float MoE checkpoint in `layout`'s names."""
-    from tests.test_models import QWEN3_MOE, _rand
+    from tests.test_models import MIXTRAL, QWEN3_MOE, _rand
 
     block, names, qk_norm = MOE_LAYOUTS[layout]
     config = QWEN3_MOE if layout == "qwen3_moe" else MIXTRAL

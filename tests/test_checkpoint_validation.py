@@ -37,7 +37,8 @@ from jaxquant.io.gguf_file import GGUFReader
 from jaxquant.io.safetensors import SafetensorsFile
 from jaxquant.models import checkpoint
 from jaxquant.models.config import from_hf
-from tests.test_models import GPT_OSS, LLAMA, _dense_mlps, _gpt_oss_tensors, _hf_common, _write
+from tests.test_models import (GPT_OSS, LLAMA, MIXTRAL, _dense_mlps, _gpt_oss_tensors,
+                               _hf_common, _mixtral_tensors, _write)
 
 pytest.importorskip("safetensors")
 
@@ -590,8 +591,8 @@ def _mutate_json(rng, doc: dict):
     return doc
 
 
-@pytest.mark.parametrize("base", ["llama", "gpt_oss", "gptq", "awq", "compressed-tensors",
-                                  "mlx"])
+@pytest.mark.parametrize("base", ["llama", "gpt_oss", "mixtral", "gptq", "awq",
+                                  "compressed-tensors", "mlx"])
 def test_fuzz_config_fields(base):
     """config.json (and its quantization configs) with fields dropped, retyped or set to
     hostile values: from_hf and the quantizer's reading of them raise ValueError or
@@ -604,7 +605,7 @@ def test_fuzz_config_fields(base):
                                         "targets": ["Linear"], "weights": {
                                             "num_bits": 4, "strategy": "group",
                                             "group_size": 32}}}, "ignore": ["lm_head"]}}
-    doc = dict(GPT_OSS if base == "gpt_oss" else LLAMA)
+    doc = dict({"gpt_oss": GPT_OSS, "mixtral": MIXTRAL}.get(base, LLAMA))
     if base in quant:
         doc["quantization_config"] = quant[base]
     if base == "mlx":
@@ -632,7 +633,8 @@ def _with_index(path):
     (path / checkpoint.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gpt_oss",
+                                    pytest.param("mixtral", marks=pytest.mark.full)])
 def test_fuzz_checkpoint_loads(tmp_path, family):
     """Whole loads of corrupted sharded checkpoints with an index (config fields, index
     entries and safetensors bytes; gpt-oss with its MXFP4 experts): a CheckpointError
@@ -641,6 +643,8 @@ def test_fuzz_checkpoint_loads(tmp_path, family):
     src = tmp_path / "src"
     if family == "llama":
         llama_dir(src, shards=2)
+    elif family == "mixtral":
+        _write(src, MIXTRAL, _mixtral_tensors(np.random.default_rng(1)))
     else:
         _write(src, GPT_OSS, _gpt_oss_tensors(np.random.default_rng(1)))
     _with_index(src)

@@ -644,6 +644,18 @@ MIXTRAL_EXPERTS = {"e_gate": ("w1", "gate_proj"), "e_up": ("w3", "up_proj"),
                    "e_down": ("w2", "down_proj")}
 
 
+def _mixtral_tensors(rng):
+    """A tiny float Mixtral checkpoint's tensors (MIXTRAL's config)."""
+    t = _hf_common(rng, MIXTRAL)
+    for li in range(2):
+        pre = f"model.layers.{li}.block_sparse_moe."
+        t[pre + "gate.weight"] = _rand(rng, 4, 64)
+        for e in range(4):
+            for name, _ in MIXTRAL_EXPERTS.values():
+                t[pre + f"experts.{e}.{name}.weight"] = _rand(rng, 64, 64)
+    return t
+
+
 @pytest.mark.parametrize("stacked", [False, True])
 def test_mixtral_checkpoint(tmp_path, stacked):
     """Mixtral's names: block_sparse_moe.gate (the router) and experts.{e}.{w1, w3, w2}
