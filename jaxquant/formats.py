@@ -80,11 +80,27 @@ ELEMENTS: dict[str, ElementFormat] = {
 }
 
 
+#: Non-uniform elements: code -> value, small integers (exact in every float dtype).
+#: An element named here is decoded by a table lookup, not from sign/exponent/mantissa
+#: bits; its width is log2 of the table's length.
+CODEBOOKS: dict[str, tuple[int, ...]] = {
+    # llama.cpp's kvalues_iq4nl (ggml-common.h), the values of GGUF's IQ4_NL and IQ4_XS
+    "iq4nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+}
+
+
+def element_bits(element: str) -> int:
+    """The code width of an ELEMENTS or CODEBOOKS entry."""
+    if element in CODEBOOKS:
+        return len(CODEBOOKS[element]).bit_length() - 1
+    return ELEMENTS[element].bits
+
+
 @dataclasses.dataclass(frozen=True)
 class Format:
     """One row of docs/formats.md.
 
-    element: an ELEMENTS key, or None for affine (unsigned integers).
+    element: an ELEMENTS key, a CODEBOOKS key, or None for affine (unsigned integers).
     scale:   "e8m0" | "e4m3" (stored as uint8 codes) | "float" (w's dtype).
     """
 
@@ -121,6 +137,7 @@ FORMATS: dict[str, Format] = {
         Format("mxfp8_e5m2", "e5m2", (8,), (32,), 32, "e8m0", scale_rules=_MX_RULES),
         Format("nvfp4", "e2m1", (4,), (16,), 16, "e4m3", has_global_scale=True),
         Format("fp4", "e2m1", (4,), (32, 16, 64), 32, "float"),
+        Format("iq4nl", "iq4nl", (4,), (32,), 32, "float"),
     )
 }
 
@@ -296,6 +313,9 @@ def log2_parts(a):
 
 def decode_element(codes, element: str):
     """Element codes (any uint) -> float32 values, exact."""
+    if element in CODEBOOKS:
+        table = np.asarray(CODEBOOKS[element], np.float32)
+        return jnp.asarray(table)[jnp.asarray(codes).astype(jnp.int32) & (len(table) - 1)]
     f = ELEMENTS[element]
     c = jnp.asarray(codes).astype(jnp.int32)
     e = (c >> f.mbits) & ((1 << f.ebits) - 1)
@@ -362,6 +382,17 @@ def encode_element(x, element: str):
         nan_code = (1 << (f.bits - 1)) - 1  # S.111..1: NaN in both fn and ieee
         code = jnp.where(jnp.isnan(x), nan_code, code)
     return code.astype(jnp.uint32)
+
+
+def encode_codebook(x, element: str):
+    """float32 values -> uint32 codes of CODEBOOKS[element]: the nearest value, ties to
+    the larger one (llama.cpp's best_index_int8), saturating; NaN encodes as 0. The
+    midpoints of the integer values are exact in float32, so one comparison per
+    midpoint decides."""
+    values = np.asarray(CODEBOOKS[element], np.float64)
+    mids = ((values[:-1] + values[1:]) / 2).astype(np.float32)
+    x = jnp.asarray(x, jnp.float32)
+    return jnp.sum(x[..., None] >= mids, axis=-1, dtype=jnp.uint32)
 
 
 def round_to_element(x, element: str):
@@ -452,7 +483,7 @@ def decode_scales(fmt: Format, scales):
 
 @functools.lru_cache(maxsize=None)
 def element_values(element: str) -> np.ndarray:
-    """All 2**bits values of an element format, as float32 numpy (for docs and kernels)."""
-    f = ELEMENTS[element]
+    """All 2**bits values of an element format or codebook, as float32 numpy (for docs
+    and kernels)."""
     return np.asarray(jax.jit(lambda c: decode_element(c, element))(
-        np.arange(1 << f.bits, dtype=np.uint32)))
+        np.arange(1 << element_bits(element), dtype=np.uint32)))

@@ -113,6 +113,8 @@ def _quantize(w, mode, bits, group_size, scale_rule):
         codes, scales, global_scale = _quantize_nvfp4(wg)
     elif fmt.mode == "fp4":
         codes, scales = _quantize_fp4(wg, dtype)
+    elif fmt.element in formats.CODEBOOKS:
+        codes, scales = _quantize_codebook(wg, fmt.element, dtype)
     else:  # pragma: no cover - the table and this dispatch must agree
         raise NotImplementedError(fmt.mode)
     data = formats.pack_bits(codes.reshape(w.shape), bits)
@@ -168,6 +170,23 @@ def _quantize_fp4(wg, dtype):
     scales = div(formats.abs_max(wg, axis=-1), np.float32(6)).astype(dtype)
     divisor = scales.astype(jnp.float32)[..., None]
     codes = formats.encode_element(jnp.where(divisor != 0, div(wg, divisor), 0), "e2m1")
+    return codes, scales
+
+
+def _quantize_codebook(wg, element, dtype):
+    # llama.cpp's first guess for IQ4_NL (quantize_row_iq4_nl_impl before its scale
+    # search): the group's element of largest magnitude lands exactly on the codebook's
+    # value of largest magnitude (-127), so scale = that element / -127 (its sign follows).
+    table = formats.CODEBOOKS[element]
+    end = np.float32(max(table, key=abs))
+    bits = lax.bitcast_convert_type(wg, jnp.int32) & 0x7FFFFFFF  # |w| ordered as its bits
+    peak = jnp.take_along_axis(wg, jnp.argmax(bits, axis=-1)[..., None], axis=-1)[..., 0]
+    scales = div(peak, end).astype(dtype)
+    divisor = scales.astype(jnp.float32)[..., None]
+    codes = formats.encode_codebook(jnp.where(divisor != 0, div(wg, divisor), 0), element)
+    nonfinite = ~jnp.isfinite(formats.abs_max(wg, axis=-1))
+    scales = jnp.where(nonfinite, jnp.asarray(np.nan, dtype), scales)
+    codes = jnp.where(nonfinite[..., None], 0, codes).astype(jnp.uint32)
     return codes, scales
 
 

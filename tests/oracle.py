@@ -28,6 +28,12 @@ ELEMENT_SPECS = {
     "e5m2": (5, 2, 15, "ieee"),
 }
 
+# Non-uniform 4-bit codebooks, code -> value: llama.cpp's kvalues_iq4nl (ggml-common.h),
+# the values of GGUF's IQ4_NL and IQ4_XS.
+CODEBOOKS = {
+    "iq4nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+}
+
 # mode: (element or None for affine, allowed bits, allowed groups, default group, scale kind)
 MODES = {
     "affine": (None, (2, 3, 4, 5, 6, 8), (16, 32, 64, 128), 64, "float"),
@@ -38,6 +44,7 @@ MODES = {
     "mxfp8_e5m2": ("e5m2", (8,), (32,), 32, "e8m0"),
     "nvfp4": ("e2m1", (4,), (16,), 16, "e4m3"),
     "fp4": ("e2m1", (4,), (32, 16, 64), 32, "float"),
+    "iq4nl": ("iq4nl", (4,), (32,), 32, "float"),
 }
 MODE_ALIASES = {"mxfp8": "mxfp8_e4m3"}
 MX_RULES = ("floor", "rceil", "round")
@@ -48,6 +55,8 @@ def canonical_mode(mode: str) -> str:
 
 
 def element_bits(name: str) -> int:
+    if name in CODEBOOKS:
+        return int(math.log2(len(CODEBOOKS[name])))
     ebits, mbits, _, _ = ELEMENT_SPECS[name]
     return 1 + ebits + mbits
 
@@ -81,6 +90,8 @@ def _element_table(name: str) -> tuple:
 
 def element_table(name: str) -> np.ndarray:
     """All 2**bits values of element format `name`, indexed by code (float64)."""
+    if name in CODEBOOKS:
+        return np.array(CODEBOOKS[name], dtype=np.float64)
     return np.array(_element_table(name), dtype=np.float64)
 
 
@@ -277,6 +288,8 @@ def quantize(w, mode="affine", bits=None, group_size=None, scale_rule=None) -> d
             div = scales.astype(np.float32)[..., None]
             x = np.where(div != 0, wg / np.where(div != 0, div, np.float32(1)), np.float32(0))
             codes = encode_element(x.astype(np.float64), "e2m1")
+        elif element in CODEBOOKS:
+            codes, scales = _codebook(wg, element, dtype)
         else:
             raise AssertionError(mode)
     data = pack_bits(np.asarray(codes).reshape(w.shape), bits)
@@ -307,6 +320,33 @@ def _affine(wg, bits, dtype):
     q = np.where(np.isnan(q) | bad[..., None], f32(0), q)
     assert q.dtype == np.float32
     return q.astype(np.uint32), scale.astype(dtype), bias.astype(dtype)
+
+
+def _codebook(wg, element, dtype):
+    """docs/formats.md's codebook rule: scale = (the group's element of largest
+    magnitude, the first if several) / (the codebook value of largest magnitude), in
+    float32, stored in w's dtype; each code the nearest value to w / scale (float32),
+    ties to the larger value; a non-finite group: NaN scale, codes 0."""
+    f32 = np.float32
+    table = element_table(element)
+    end = f32(table[np.argmax(np.abs(table))])
+    idx = np.argmax(np.abs(wg), axis=-1)
+    peak = np.take_along_axis(wg, idx[..., None], axis=-1)[..., 0]
+    scales = (peak / end).astype(dtype)
+    div = scales.astype(f32)[..., None]
+    x = np.where(div != 0, wg / np.where(div != 0, div, f32(1)), f32(0))
+    assert x.dtype == np.float32
+    # nearest by distance (float64, exact for float32 x and integer values); on a tie
+    # the larger value, which is the later code (the table increases)
+    dist = np.abs(x.astype(np.float64)[..., None] - table)
+    best = dist.min(axis=-1, keepdims=True)
+    codes = (table.size - 1 - np.argmax((dist == best)[..., ::-1], axis=-1)).astype(np.uint32)
+    codes = np.where(x.astype(np.float64) >= table[-1], table.size - 1, codes)
+    codes = np.where(x.astype(np.float64) <= table[0], 0, codes)
+    bad = ~np.isfinite(wg).all(axis=-1)
+    scales = np.where(bad, np.nan, scales.astype(np.float64)).astype(dtype)
+    codes = np.where(bad[..., None], 0, codes).astype(np.uint32)
+    return codes, scales
 
 
 def _nvfp4(wg):
@@ -355,7 +395,7 @@ def dequantize(mode, bits, group_size, data, scales, biases=None, global_scale=N
         if global_scale is not None:  # a scalar, or one per leading index
             gs = np.asarray(global_scale, np.float32).astype(np.float64)
             values = values * gs.reshape(gs.shape + (1,) * (values.ndim - gs.ndim))
-    else:  # fp4
+    else:  # fp4, codebooks
         values = decode_element(codes, element) * scales.astype(np.float64)[..., None]
     return values.reshape(*lead, n, k)
 

@@ -18,6 +18,8 @@ float numpy array where no jaxquant mode holds the type:
 | Q3_K      | 256   | d*(sc-32) * q, q in [-4, 3], 16 x 16 | fp4 g16 (each q is an E2M1 value), float32 scale d*(sc-32) |
 | Q2_K      | 256   | (d*sc) * q - (dmin*m), 16 x 16   | affine 2-bit g16, float32 scale d*sc, bias -(dmin*m) |
 | Q6_K      | 256   | (d*sc) * (q - 32), 16 x 16       | affine 6-bit g16, code q, float32 scale d*sc, bias -32*d*sc |
+| IQ4_NL    | 32    | d * kvalues_iq4nl[q]             | iq4nl (codebook) g32, code q, float16 scale d |
+| IQ4_XS    | 256   | d*(ls-32) * kvalues_iq4nl[q], 8 x 32 | iq4nl g32, code q, float32 scale d*(ls-32) |
 | F32/F16/BF16 | 1  | as stored                        | float numpy array of that dtype         |
 
 Why these are exact: ggml computes in float32, and every product above is exact
@@ -31,12 +33,18 @@ times d*sc): the sum is the exact value, which float32 holds. Q4_0/Q5_0/Q8_0's
 -8d/-16d/-128d and Q4_1's d*q + m are exact or the same single rounding
 likewise. The scales and biases of the 32-block types are float16 where that
 holds them (d, m, and -8d etc. when they do not overflow float16), else
-float32; the K-quants' are float32 (d*sc needs 17 bits).
+float32; the K-quants' are float32 (d*sc needs 17 bits). IQ4_NL's d (11
+significant bits) times a codebook value (an integer of at most 7) and IQ4_XS's
+d*(ls-32) (at most 11 + 5 bits; ls a 6-bit field) times one (at most 23 bits) are
+exact in float32 as well, so jaxquant's `scale * value` is ggml's number, its
+non-finite ones included (no codebook value is 0: a d of Inf gives +-Inf, as in
+ggml).
 
 Differences from ggml, all at non-finite or zero values: a block whose d (or
 m, dmin) is Inf or NaN dequantizes to NaN in every element (jaxquant's rule
 for non-finite groups; ggml gives Inf*q); ggml's d*0 with a negative d is -0,
-jaxquant's +0. The IQ and TQ types are refused by name (ValueError).
+jaxquant's +0. The IQ types other than IQ4_NL and IQ4_XS (lattice codebooks of
+2 and 3 bits) and the ternary TQ types are refused by name (ValueError).
 
 Block layouts (ggml-common.h; element j of a 32-block, 0-based):
 - Q4_0: fp16 d, qs[16]: element j in the low nibble of qs[j], j+16 in the high.
@@ -50,6 +58,10 @@ Block layouts (ggml-common.h; element j of a 32-block, 0-based):
 - Q5_K: as Q4_K, then qh[32] before qs: bit i of qh[l] is the 5th bit of
   element l of sub-block i.
 - Q2_K, Q3_K, Q6_K: see `_q2_k_parts`, `_q3_k_parts`, `_q6_k_parts`.
+- IQ4_NL: fp16 d, qs[16] as Q4_0 (codes index kvalues_iq4nl).
+- IQ4_XS: fp16 d, uint16 scales_h, scales_l[4], qs[128]: sub-block i's 6-bit ls is
+  the nibble i%2 of scales_l[i//2] with bits 2i..2i+1 of scales_h on top; its 32
+  codes are qs[16i:16i+16] as Q4_0's.
 
 `to_gguf_tensor(qw, ggml_type)` is the inverse for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 and MXFP4 (an array the importer made, or any whose scales and biases have that
@@ -87,7 +99,8 @@ _BY_NUMBER = {num: name for name, (num, _, _) in GGML_TYPES.items()}
 _FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 #: ggml type -> affine bits, for the types imported as affine group-32 arrays.
 _AFFINE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
-_SUPPORTED = tuple(_FLOATS) + tuple(_AFFINE_BITS) + ("MXFP4", "Q3_K", "Q2_K", "Q6_K")
+_SUPPORTED = (tuple(_FLOATS) + tuple(_AFFINE_BITS)
+              + ("MXFP4", "Q3_K", "Q2_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
 
 
 def type_name(ggml_type) -> str:
@@ -246,6 +259,25 @@ def _q2_k_parts(blocks: np.ndarray):
             bias.reshape(*lead[:-1], -1))
 
 
+def _iq4_parts(name: str, blocks: np.ndarray):
+    """IQ4_NL [..., nb, 18] / IQ4_XS [..., nb, 136] -> (codes uint8 [..., nb*G, 32]
+    indexing kvalues_iq4nl, scales [..., nb*G]: IQ4_NL's fp16 d as float16, IQ4_XS's
+    d * (ls - 32) as float32), as ggml's dequantize_row_iq4_nl / _iq4_xs."""
+    lead = blocks.shape[:-1]
+    if name == "IQ4_NL":
+        d = np.ascontiguousarray(blocks[..., 0:2]).view("<f2")[..., 0].astype(np.float16)
+        return _nibbles(blocks[..., 2:18]).reshape(*lead[:-1], -1, 32), d.reshape(*lead[:-1], -1)
+    d = _f16(blocks[..., 0:2])
+    high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2").astype(np.uint16)  # [..., 1]
+    high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3                       # [..., 8]
+    low = blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)
+    ls = (low & 0x0F).reshape(*lead, 8) | (high.astype(np.uint8) << 4)
+    codes = _nibbles(blocks[..., 8:136].reshape(*lead, 8, 16))
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = d[..., None] * (ls.astype(np.float32) - np.float32(32))
+    return codes.reshape(*lead[:-1], -1, 32), scale.reshape(*lead[:-1], -1)
+
+
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint8 codes [..., K] (each < 2**bits) -> docs/formats.md's uint32 stream [..., K*bits/32]."""
     if bits == 8:
@@ -344,6 +376,10 @@ def from_gguf_tensor(raw, ggml_type, shape, *, dtype=None):
         data = pack_codes(_E2M1_OF_INT[q + 4].reshape(*shape), 4)
         return QuantizedArray(data, scales, mode="fp4", bits=4, group_size=16,
                               dtype=logical_dtype(dtype))
+    if name in ("IQ4_NL", "IQ4_XS"):
+        codes, scales = _iq4_parts(name, blocks)
+        return QuantizedArray(pack_codes(codes.reshape(*shape), 4), scales, mode="iq4nl",
+                              bits=4, group_size=32, dtype=logical_dtype(dtype))
     bits = _AFFINE_BITS[name]
     codes, scales, biases = _decode_affine(name, blocks)
     data = pack_codes(codes.reshape(*shape), bits)
