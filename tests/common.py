@@ -11,11 +11,17 @@ import pytest
 from hypothesis import strategies as st
 
 import jaxquant as jq
+from jaxquant import formats
 from tests import oracle
 
 MODES = [("affine", 2), ("affine", 3), ("affine", 4), ("affine", 5), ("affine", 6),
          ("affine", 8), ("mxfp4", 4), ("mxfp6_e2m3", 6), ("mxfp6_e3m2", 6), ("mxfp8_e4m3", 8),
-         ("mxfp8_e5m2", 8), ("nvfp4", 4), ("fp4", 4)]
+         ("mxfp8_e5m2", 8), ("nvfp4", 4), ("fp4", 4), ("iq4nl", 4)]
+# The modes the native libraries (include/jq/codec.h's format list) and the cuda_mma
+# layout decode: all but the codebook ones, which the ffi backend and the layout refuse
+# (tests/test_ffi.py and tests/test_decode_layout.py check the refusals; the Pallas
+# kernels and the reference serve them).
+NATIVE_MODES = [(m, b) for m, b in MODES if formats.FORMATS[m].element not in formats.CODEBOOKS]
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
        jnp.dtype(jnp.bfloat16): 2.0**-8}

@@ -11,7 +11,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import formats
 from jaxquant.layouts import cuda_mma
-from tests.common import MODES, quantize_for
+from tests.common import NATIVE_MODES, quantize_for
 
 
 def _qw(mode, bits, shape, key=0):
@@ -19,7 +19,7 @@ def _qw(mode, bits, shape, key=0):
     return quantize_for(mode, bits, w)
 
 
-@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("mode,bits", NATIVE_MODES)
 def test_round_trip_every_mode(mode, bits):
     qw = _qw(mode, bits, (2, 40, 128))  # N = 40: two tiles and a canonical tail of 8 rows
     packed = jax.jit(jq.prepack, static_argnames="layout")(qw, layout="cuda_mma")
@@ -29,6 +29,15 @@ def test_round_trip_every_mode(mode, bits):
     back = jq.unpack_layout(packed)
     for a, b in zip(jax.tree_util.tree_leaves(qw), jax.tree_util.tree_leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_codebook_modes_stay_canonical():
+    """The layout's kernels decode no codebook: prepack refuses iq4nl by name, and the
+    default layout keeps it canonical (where the Pallas kernels read it)."""
+    qw = _qw("iq4nl", 4, (16, 64))
+    assert "codebook" in cuda_mma.unsupported(qw)
+    with pytest.raises(ValueError, match="codebook"):
+        jq.prepack(qw, layout="cuda_mma")
 
 
 @pytest.mark.parametrize("mode,bits,n,k", [("affine", 4, 37, 192), ("affine", 3, 16, 64),

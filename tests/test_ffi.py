@@ -28,8 +28,8 @@ import jaxquant.ffi as jf
 from jaxquant import dispatch, formats
 from jaxquant.ffi import configs, kernels, loader
 from tests import oracle
-from tests.common import (DTYPES, EPS, MODES, act64, assert_matmul_close, deq64, quantize_for,
-                          rand, rms64, xla_rounds_affine_once)
+from tests.common import (DTYPES, EPS, MODES, NATIVE_MODES, act64, assert_matmul_close, deq64,
+                          quantize_for, rand, rms64, xla_rounds_affine_once)
 
 CPU_LIB = jf.libraries()["cpu"]
 
@@ -227,7 +227,7 @@ def _sweep_qw(mode, bits):
     return _SWEEP_QW[mode, bits]
 
 
-@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("mode,bits", NATIVE_MODES)
 def test_mode_sweep(mode, bits):
     k, t = 128, 3
     qw = _sweep_qw(mode, bits)
@@ -252,6 +252,23 @@ def test_mode_sweep(mode, bits):
 
 # ---------------------------------------------------------------------------
 # dequantize
+
+
+def test_codebook_modes_fall_back_to_the_reference():
+    """The native libraries decode no codebook (include/jq/codec.h has no iq4nl row): the
+    ffi backend refuses iq4nl in its `supports`, so jq.dequantize / jq.qmm named to it run
+    the reference, number for number."""
+    assert "iq4nl" not in kernels.FORMAT_IDS and set(kernels.FORMAT_IDS) >= {
+        m for m, _ in NATIVE_MODES}
+    qw = quantize_for("iq4nl", 4, rand(4, (2, 24, 128)))
+    x = rand(5, (3, 128))
+    assert not kernels.supports_dequantize(qw, dtype=jnp.float32, platform="cpu")
+    assert not kernels.supports_matmul(x, qw[0], platform="cpu", transpose=True)
+    for backend in ("ffi", "reference"):
+        np.testing.assert_array_equal(np.asarray(jq.dequantize(qw, jnp.float32, backend=backend)),
+                                      deq64(qw).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(jq.qmm(x, qw[0], backend="ffi")),
+                                  np.asarray(jq.qmm(x, qw[0], backend="reference")))
 
 
 @pytest.mark.parametrize("group_size", [16, 32, 64])
@@ -556,7 +573,7 @@ def test_gather_qmm_vmap_and_grad():
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("mode,bits", NATIVE_MODES)
 def test_ragged_qmm(mode, bits):
     """Every mode, one activation dtype each (float32, float16, bfloat16 in turn) and
     transpose=True and False in turn (the sweep's [4, 24, 128] weights: N=24, K=128, or
@@ -564,7 +581,7 @@ def test_ragged_qmm(mode, bits):
     each live row close to the oracle for its group's expert, rows past
     sum(group_sizes) zero."""
     qw = _sweep_qw(mode, bits)
-    i = MODES.index((mode, bits))
+    i = NATIVE_MODES.index((mode, bits))
     dt, tr = DTYPES[i % len(DTYPES)], i % 2 == 0
     sizes = [3, 0, 4, 1]                     # 8 live rows of 10
     t = 10
@@ -974,7 +991,7 @@ QUICK = os.environ.get("JQ_GPU_TEST_QUICK") == "1"  # (compute-sanitizer runs: f
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("mode,bits", MODES[:1] + MODES[6:8] if QUICK else MODES)
+@pytest.mark.parametrize("mode,bits", MODES[:1] + MODES[6:8] if QUICK else NATIVE_MODES)
 def test_gpu_mode_sweep(mode, bits):
     e, n, k, t = 4, 40, 256, 3
     w = rand(0, (e, n, k), jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32, scale=3.0)

@@ -74,7 +74,7 @@ def test_report_prints_backends_and_one_error_row_per_mode():
             rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]), float(m[5]), float(m[6]))
     assert sorted(rows) == sorted(oracle.MODES)
     # bits per weight from the format: element bits + scale (and bias) bits per group
-    scale_bits = {"affine": 2 * 32, "fp4": 32, "nvfp4": 8}
+    scale_bits = {"affine": 2 * 32, "fp4": 32, "iq4nl": 32, "nvfp4": 8}
     for mode, (bits, group, bpw, rel, max_abs) in rows.items():
         _, allowed_bits, _, default_group, _ = oracle.MODES[mode]
         assert bits == (4 if 4 in allowed_bits else allowed_bits[0]) and group == default_group

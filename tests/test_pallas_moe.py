@@ -87,7 +87,8 @@ def _id(c):
 # The modes CASES leaves out (every mode of §3 between the two lists).
 MORE_CASES = [("affine", 2, jnp.float32), ("affine", 5, jnp.bfloat16), ("affine", 6, jnp.float16),
               ("affine", 8, jnp.bfloat16), ("mxfp6_e2m3", 6, jnp.float32),
-              ("mxfp8_e5m2", 8, jnp.bfloat16), ("fp4", 4, jnp.float16)]
+              ("mxfp8_e5m2", 8, jnp.bfloat16), ("fp4", 4, jnp.float16),
+              ("iq4nl", 4, jnp.bfloat16)]
 
 
 def test_gather_cases_cover_every_mode():

@@ -28,6 +28,7 @@ CONFIGS = (
     + [(m, None, None, r) for m in MX_MODES for r in RULES]
     + [("nvfp4", None, None, None)]
     + [("fp4", None, g, None) for g in (16, 32, 64)]
+    + [("iq4nl", None, None, None)]
 )
 
 
@@ -143,7 +144,7 @@ def dequant_tolerance(qw, ref, got, dtype):
         tol = tol + 0.5 * oracle.ulp(sq, np.float32) + 0.5 * oracle.ulp(mag, np.float32)
         if dtype != np.float32:  # double rounding
             tol = tol + 0.5 * oracle.ulp(mag, dtype)
-    if qw.mode == "fp4":  # e2m1 (2 significant bits) * scale may need 26 bits: one float32 rounding
+    if qw.mode in ("fp4", "iq4nl"):  # element (2 or 7 significant bits) * scale: one float32 rounding
         tol = tol + 0.5 * oracle.ulp(mag, np.float32)
     if qw.mode == "nvfp4":  # float32 product with the global scale, then the cast
         tol = tol + 0.5 * oracle.ulp(mag, np.float32)
@@ -218,6 +219,24 @@ def assert_round_trip(w, qw, deq):
             np.max((err - bound_i)[interior])
         return
     element = oracle.MODES[mode][0]
+    if element in oracle.CODEBOOKS:
+        # the nearest codebook value to x = w / scale (float32): within its distance
+        # to the table, which past the ends is the distance to the end
+        table = oracle.element_table(element)
+        div = scales.astype(np.float32).astype(np.float64)[..., None]
+        with np.errstate(all="ignore"):
+            x = wg / div
+        near = np.min(np.abs(x[..., None] - table), axis=-1) + oracle.ulp(x, np.float32)
+        bound = near * np.abs(div) + out + 0.5 * oracle.ulp(dg, np.float32)
+        zero_div = np.broadcast_to(div == 0, err.shape)
+        assert np.all(dg[zero_div] == 0)
+        ok = np.where(zero_div, True, err <= bound)
+        assert ok.all(), (wg[~ok][:4], dg[~ok][:4], bound[~ok][:4])
+        # the group's element of largest magnitude is the value -127 * scale
+        peak = np.take_along_axis(wg, np.argmax(np.abs(wg), -1)[..., None], -1)
+        assert np.all(np.abs(peak - table[0] * div) <= np.abs(peak) * 2.0 ** -7
+                      + F32_SUBNORMAL_SLACK)
+        return
     maxv = oracle.max_finite(element)
     if mode.startswith("mx"):
         e = scales.astype(np.int64)[..., None] - 127
@@ -928,7 +947,7 @@ def test_shape_dtype_nbytes_by_hand():
 # affine once lost a NaN at [0, 0] of a (64, 64) matrix but not of (16, 64).
 
 NONFINITE_MODES = ["affine", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
-                   "nvfp4", "fp4"]
+                   "nvfp4", "fp4", "iq4nl"]
 
 
 @pytest.mark.parametrize("mode", NONFINITE_MODES)
@@ -952,7 +971,7 @@ def test_nonfinite_group_is_nan_and_only_it(mode, shape):
     for r, c, p, v in poison:
         groups[r, c, p] = 0.0  # same finite values (NVFP4's tensor amax) as the dirty copy
         dirty[r, c, p] = v
-    for dtype in ([np.float32, ml_dtypes.bfloat16] if mode in ("affine", "fp4")
+    for dtype in ([np.float32, ml_dtypes.bfloat16] if mode in ("affine", "fp4", "iq4nl")
                   else [np.float32]):
         ref = np.asarray(jq.dequantize(jq.quantize(groups.reshape(shape).astype(dtype), mode),
                                        dtype=jnp.float32)).reshape(groups.shape)

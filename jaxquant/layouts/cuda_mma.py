@@ -106,6 +106,10 @@ def unsupported(qw):
         # the layout's kernels (gpu_src/cuda/gemv_mma.h: launch_nt) take affine groups
         # of 32 and more; group 16 stays canonical, where the GEMV decodes it
         return f"affine group_size={qw.group_size}: the kernels take affine groups >= 32"
+    if qw.format.element in formats.CODEBOOKS:
+        # the layout's kernels decode integers and minifloats; a codebook weight stays
+        # canonical, where the Pallas kernels decode it
+        return f"mode={qw.mode!r}: the kernels decode no codebook"
     return None
 
 

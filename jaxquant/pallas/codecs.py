@@ -4,7 +4,8 @@ Everything here is derived from `jaxquant.formats` (FORMATS / ELEMENTS): the
 kernels re-derive no bit layout of their own. The functions are plain jnp on
 arrays, so they run inside a Pallas Triton kernel, in interpret mode, and in
 plain XLA alike; they use only shifts, masks, bit casts, selects and
-multiplications by powers of two (no integer->float conversion, no LUT).
+multiplications by powers of two (no integer->float conversion, no table in
+memory: a codebook's values are constants of the code, picked by selects and shifts).
 
 Geometry. The packed stream of docs/formats.md is cut into *blocks*: the smallest
 run of whole words that holds a whole number of elements at fixed bit offsets.
@@ -25,6 +26,7 @@ affine relation to the true element value, folded into the per-group scale:
            are moved into a float32 as a number 2**(bias-127) times too small
            (subnormal for the element's subnormals) and multiplied by
            2**(127-bias). NaN/Inf codes decode as NaN/Inf.
+  codebooks: v = the codebook's value (an integer, exact).
 """
 
 from __future__ import annotations
@@ -158,10 +160,37 @@ def decode_float_top(top, element: str, hw_subnormals: bool = True):
     return v
 
 
+@functools.lru_cache(maxsize=None)
+def codebook_words(element: str) -> tuple[int, ...]:
+    """formats.CODEBOOKS[element] as uint32 words, 4 values a word: byte j of word i
+    is value 4i + j plus 128 (the values are integers in [-128, 127])."""
+    values = formats.CODEBOOKS[element]
+    if any(not -128 <= v <= 127 for v in values) or len(values) % 4:
+        raise ValueError(f"codebook {element!r} does not fit bytes, four to a word")
+    return tuple(sum((values[4 * i + j] + 128) << (8 * j) for j in range(4))
+                 for i in range(len(values) // 4))
+
+
+def decode_codebook(code, element: str):
+    """A codebook code (low bits of a uint32, zeros above) -> its float32 value: the
+    word holding it chosen by selects on the code's high bits, its byte shifted out,
+    and byte - 128 made a float with the mantissa trick (exact)."""
+    words = [U32(w) for w in codebook_words(element)]
+    pick, level = words, 0
+    while len(pick) > 1:
+        bit = (code & U32(4 << level)) != U32(0)
+        pick = [jnp.where(bit, pick[i + 1], pick[i]) for i in range(0, len(pick), 2)]
+        level += 1
+    byte = (pick[0] >> ((code & U32(3)) << U32(3))) & U32(0xFF)
+    return f32_bits(byte | U32(0x4B000000)) - np.float32(8388608 + 128)
+
+
 def decode_slot(planes, geo: Geometry, t: int, fmt: formats.Format, hw_subnormals: bool = True):
     """Slot t of the word planes -> float32 `v` (see the module docstring)."""
     if fmt.element is None:
         return decode_affine_v(slot_bits(planes, geo, t, 23 - geo.bits), geo.bits)
+    if fmt.element in formats.CODEBOOKS:
+        return decode_codebook(slot_bits(planes, geo, t, 0), fmt.element)
     return decode_float_top(slot_top(planes, geo, t), fmt.element, hw_subnormals)
 
 
@@ -185,6 +214,8 @@ def decode_code(code, geo: Geometry, fmt: formats.Format, hw_subnormals: bool = 
     """An element code (low bits of a uint32) -> float32 `v`."""
     if fmt.element is None:
         return decode_affine_v(code << U32(23 - geo.bits), geo.bits)
+    if fmt.element in formats.CODEBOOKS:
+        return decode_codebook(code, fmt.element)
     return decode_float_top(code << U32(32 - geo.bits), fmt.element, hw_subnormals)
 
 
