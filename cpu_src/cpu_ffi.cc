@@ -281,11 +281,12 @@ __attribute__((visibility("default"))) int jq_element_spec(int el, int32_t* out)
   return 0;
 }
 
-// All 2**bits values of element `el`, decoded by the shared codec header.
+// All 2**bits values of element `el` (a minifloat, or a codebook: ids from
+// kNumElements on), decoded by the shared codec header.
 __attribute__((visibility("default"))) int jq_decode_element_all(int el, float* out) {
-  if (el < 0 || el >= jq::kNumElements) return -1;
-  const jq::ElementSpec& e = jq::kElements[el];
-  const int n = 1 << (1 + e.ebits + e.mbits);
+  if (el < 0 || el >= jq::kNumElementsAndCodebooks) return -1;
+  const int n = jq::is_codebook(el) ? 16 : 1 << (1 + jq::kElements[el].ebits +
+                                                 jq::kElements[el].mbits);
   for (int c = 0; c < n; ++c) out[c] = jq::decode_element(el, (uint32_t)c);
   return n;
 }

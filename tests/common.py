@@ -17,11 +17,12 @@ from tests import oracle
 MODES = [("affine", 2), ("affine", 3), ("affine", 4), ("affine", 5), ("affine", 6),
          ("affine", 8), ("mxfp4", 4), ("mxfp6_e2m3", 6), ("mxfp6_e3m2", 6), ("mxfp8_e4m3", 8),
          ("mxfp8_e5m2", 8), ("nvfp4", 4), ("fp4", 4), ("iq4nl", 4)]
-# The modes the native libraries (include/jq/codec.h's format list) and the cuda_mma
-# layout decode: all but the codebook ones, which the ffi backend and the layout refuse
+# The modes the GPU libraries' kernels and the cuda_mma layout decode: all but the
+# codebook ones, which the ffi backend refuses on a GPU and the layout refuses everywhere
 # (tests/test_ffi.py and tests/test_decode_layout.py check the refusals; the Pallas
-# kernels and the reference serve them).
-NATIVE_MODES = [(m, b) for m, b in MODES if formats.FORMATS[m].element not in formats.CODEBOOKS]
+# kernels serve them on a GPU, the CPU library on the CPU).
+GPU_NATIVE_MODES = [(m, b) for m, b in MODES
+                    if formats.FORMATS[m].element not in formats.CODEBOOKS]
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
        jnp.dtype(jnp.bfloat16): 2.0**-8}

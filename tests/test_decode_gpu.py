@@ -14,7 +14,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import dispatch
-from tests.common import (DTYPES, MODES, NATIVE_MODES, assert_matmul_close, cuda_library, deq64,
+from tests.common import (DTYPES, GPU_NATIVE_MODES, MODES, assert_matmul_close, cuda_library, deq64,
                           quantize_for, rand)
 
 
@@ -29,7 +29,7 @@ def _packed(mode, bits, shape, key=0, group_size=None):
     return qw, jq.prepack(qw, layout="cuda_mma")
 
 
-@pytest.mark.parametrize("mode,bits", NATIVE_MODES)
+@pytest.mark.parametrize("mode,bits", GPU_NATIVE_MODES)
 def test_qmm_every_mode_dtype_and_m(mode, bits):
     # N = 37: two tiles and a canonical tail of 5 rows; K = 192: 3 chunks (odd)
     qw, packed = _packed(mode, bits, (37, 192), key=bits)

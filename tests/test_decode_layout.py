@@ -11,7 +11,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import formats
 from jaxquant.layouts import cuda_mma
-from tests.common import NATIVE_MODES, quantize_for
+from tests.common import GPU_NATIVE_MODES, quantize_for
 
 
 def _qw(mode, bits, shape, key=0):
@@ -19,7 +19,7 @@ def _qw(mode, bits, shape, key=0):
     return quantize_for(mode, bits, w)
 
 
-@pytest.mark.parametrize("mode,bits", NATIVE_MODES)
+@pytest.mark.parametrize("mode,bits", GPU_NATIVE_MODES)
 def test_round_trip_every_mode(mode, bits):
     qw = _qw(mode, bits, (2, 40, 128))  # N = 40: two tiles and a canonical tail of 8 rows
     packed = jax.jit(jq.prepack, static_argnames="layout")(qw, layout="cuda_mma")

@@ -28,7 +28,7 @@ import jaxquant.ffi as jf
 from jaxquant import dispatch, formats
 from jaxquant.ffi import configs, kernels, loader
 from tests import oracle
-from tests.common import (DTYPES, EPS, MODES, NATIVE_MODES, act64, assert_matmul_close, deq64,
+from tests.common import (DTYPES, EPS, GPU_NATIVE_MODES, MODES, act64, assert_matmul_close, deq64,
                           quantize_for, rand, rms64, xla_rounds_affine_once)
 
 CPU_LIB = jf.libraries()["cpu"]
@@ -101,6 +101,7 @@ def test_codec_table_matches_formats():
     import ctypes
     h = CPU_LIB.handle
     names = ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"]
+    codebooks = ["iq4nl"]  # element ids after the minifloats
     specials = {"none": 0, "fn": 1, "ieee": 2}
     out = (ctypes.c_int32 * 6)()
     for i, name in enumerate(names):
@@ -113,12 +114,20 @@ def test_codec_table_matches_formats():
         got = np.array(vals[:n], np.float32)
         np.testing.assert_array_equal(got, formats.element_values(name))
         np.testing.assert_array_equal(got.astype(np.float64), oracle.element_table(name))
+    for i, name in enumerate(codebooks, start=len(names)):
+        assert h.jq_element_spec(i, out) == -1  # no minifloat fields
+        vals = (ctypes.c_float * 256)()
+        assert h.jq_decode_element_all(i, vals) == len(formats.CODEBOOKS[name]) == 16
+        got = np.array(vals[:16], np.float32)
+        np.testing.assert_array_equal(got, formats.element_values(name))
+        np.testing.assert_array_equal(got.astype(np.float64), oracle.element_table(name))
+    assert h.jq_decode_element_all(len(names) + len(codebooks), vals) == -1
     scale_kinds = {"float": 0, "e8m0": 1, "e4m3": 2}
     assert set(kernels.FORMAT_IDS) == set(formats.FORMATS)
     for mode, fid in kernels.FORMAT_IDS.items():
         f = formats.FORMATS[mode]
         assert h.jq_format_spec(fid, out) == 0
-        element = -1 if f.element is None else names.index(f.element)
+        element = -1 if f.element is None else (names + codebooks).index(f.element)
         bits_mask = sum(1 << b for b in f.bits)
         group_mask = sum(1 << int(np.log2(g)) for g in f.group_sizes)
         assert list(out) == [element, bits_mask, group_mask, scale_kinds[f.scale],
@@ -227,7 +236,7 @@ def _sweep_qw(mode, bits):
     return _SWEEP_QW[mode, bits]
 
 
-@pytest.mark.parametrize("mode,bits", NATIVE_MODES)
+@pytest.mark.parametrize("mode,bits", MODES)
 def test_mode_sweep(mode, bits):
     k, t = 128, 3
     qw = _sweep_qw(mode, bits)
@@ -254,21 +263,19 @@ def test_mode_sweep(mode, bits):
 # dequantize
 
 
-def test_codebook_modes_fall_back_to_the_reference():
-    """The native libraries decode no codebook (include/jq/codec.h has no iq4nl row): the
-    ffi backend refuses iq4nl in its `supports`, so jq.dequantize / jq.qmm named to it run
-    the reference, number for number."""
-    assert "iq4nl" not in kernels.FORMAT_IDS and set(kernels.FORMAT_IDS) >= {
-        m for m, _ in NATIVE_MODES}
-    qw = quantize_for("iq4nl", 4, rand(4, (2, 24, 128)))
+def test_codebook_modes_only_on_the_cpu():
+    """The CPU library decodes codebooks (test_mode_sweep); the GPU libraries build their
+    float kernels for minifloats only (codec.h kFloatFormats), so the ffi backend's
+    `supports` refuses iq4nl for cuda and rocm, where the Pallas kernels take it."""
+    qw = quantize_for("iq4nl", 4, rand(4, (24, 128)))
     x = rand(5, (3, 128))
-    assert not kernels.supports_dequantize(qw, dtype=jnp.float32, platform="cpu")
-    assert not kernels.supports_matmul(x, qw[0], platform="cpu", transpose=True)
-    for backend in ("ffi", "reference"):
-        np.testing.assert_array_equal(np.asarray(jq.dequantize(qw, jnp.float32, backend=backend)),
-                                      deq64(qw).astype(np.float32))
-    np.testing.assert_array_equal(np.asarray(jq.qmm(x, qw[0], backend="ffi")),
-                                  np.asarray(jq.qmm(x, qw[0], backend="reference")))
+    assert kernels.supports_dequantize(qw, dtype=jnp.float32, platform="cpu")
+    assert kernels.supports_matmul(x, qw, platform="cpu", transpose=True)
+    for platform in ("cuda", "rocm"):
+        assert not kernels.supports_dequantize(qw, dtype=jnp.float32, platform=platform)
+        assert not kernels.supports_matmul(x, qw, platform=platform, transpose=True)
+    fp4 = quantize_for("fp4", 4, rand(4, (24, 128)))
+    assert kernels.supports_matmul(x, fp4, platform="cuda", transpose=True)
 
 
 @pytest.mark.parametrize("group_size", [16, 32, 64])
@@ -573,7 +580,7 @@ def test_gather_qmm_vmap_and_grad():
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,bits", NATIVE_MODES)
+@pytest.mark.parametrize("mode,bits", MODES)
 def test_ragged_qmm(mode, bits):
     """Every mode, one activation dtype each (float32, float16, bfloat16 in turn) and
     transpose=True and False in turn (the sweep's [4, 24, 128] weights: N=24, K=128, or
@@ -581,7 +588,7 @@ def test_ragged_qmm(mode, bits):
     each live row close to the oracle for its group's expert, rows past
     sum(group_sizes) zero."""
     qw = _sweep_qw(mode, bits)
-    i = NATIVE_MODES.index((mode, bits))
+    i = MODES.index((mode, bits))
     dt, tr = DTYPES[i % len(DTYPES)], i % 2 == 0
     sizes = [3, 0, 4, 1]                     # 8 live rows of 10
     t = 10
@@ -991,7 +998,7 @@ QUICK = os.environ.get("JQ_GPU_TEST_QUICK") == "1"  # (compute-sanitizer runs: f
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("mode,bits", MODES[:1] + MODES[6:8] if QUICK else NATIVE_MODES)
+@pytest.mark.parametrize("mode,bits", MODES[:1] + MODES[6:8] if QUICK else GPU_NATIVE_MODES)
 def test_gpu_mode_sweep(mode, bits):
     e, n, k, t = 4, 40, 256, 3
     w = rand(0, (e, n, k), jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32, scale=3.0)

@@ -22,7 +22,7 @@ import jaxquant as jq
 import jaxquant.ffi as jf
 from tests.common import DTYPES as ALL_DTYPES
 from tests.common import EPS, deq64, quantize_for, rand, rms64
-from tests.common import NATIVE_MODES as ALL_MODES
+from tests.common import GPU_NATIVE_MODES as ALL_MODES
 from tests.test_ops import nrand, oracle_quantized
 
 MODES = [("affine", 4), ("affine", 3), ("mxfp4", 4), ("nvfp4", 4), ("mxfp8_e4m3", 8)]

@@ -3,7 +3,7 @@
 
 - tensors: blocks made by gguf.quants.quantize (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   MXFP4), or random bytes with finite scale fields for the types gguf can only
-  dequantize (Q4_K, Q5_K, Q6_K); jq.dequantize of the import equals
+  dequantize (the K-quants, IQ4_NL, IQ4_XS; non-finite and extreme fields apart); jq.dequantize of the import equals
   gguf.quants.dequantize number for number (ggml's d*0 with d < 0 is -0,
   jaxquant's +0: compared as numbers, and the bits of every nonzero value);
 - files: tiny models written with gguf.GGUFWriter from random weights quantized
@@ -35,6 +35,7 @@ GGUF_VERSION = importlib.metadata.version("gguf")  # tested with 0.19.0
 RNG = np.random.default_rng(29)
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"]  # gguf.quants.quantize writes these
 K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]              # gguf only dequantizes these
+IQ4 = ["IQ4_NL", "IQ4_XS"]                                        # and these (codebook: iq4nl)
 
 
 def assert_same_numbers(got, ref):
@@ -73,6 +74,21 @@ def k_quant_bytes(name, rows, k):
     width = 2 if name in ("Q3_K", "Q6_K") else 4
     raw[..., where:where + width] = d[..., :width]
     return raw.reshape(rows, -1)
+
+
+def iq4_bytes(name, rows, k):
+    """Random blocks of IQ4_NL / IQ4_XS with finite d fields (float16 subnormals included):
+    every other byte (codes, IQ4_XS's 6-bit sub-block scales) is any value."""
+    _, nbytes = GGML_QUANT_SIZES[T[name]]
+    raw = RNG.integers(0, 256, (rows, k // GGML_QUANT_SIZES[T[name]][0], nbytes), dtype=np.uint8)
+    d = (RNG.standard_normal(raw.shape[:-1]) * 1e-2).astype(np.float16)
+    d.flat[0] = np.float16(6e-8)  # a float16 subnormal
+    raw[..., 0:2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def quantized_bytes(name, rows, k):
+    return (iq4_bytes if name in IQ4 else k_quant_bytes)(name, rows, k)
 
 
 # ---------------------------------------------------------------------------
@@ -116,6 +132,80 @@ def test_k_quants_dequantize_like_gguf(name, shape):
     assert_same_numbers(values(got), ref)
 
 
+@pytest.mark.parametrize("name", IQ4)
+@pytest.mark.parametrize("shape", [(5, 512), (2, 3, 256)])
+def test_iq4_dequantize_like_gguf(name, shape):
+    rows = int(np.prod(shape[:-1]))
+    raw = iq4_bytes(name, rows, shape[-1]).reshape(*shape[:-1], -1)
+    got = jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.float32)
+    assert (got.mode, got.bits, got.group_size, got.biases) == ("iq4nl", 4, 32, None)
+    assert got.scales.dtype == (np.float16 if name == "IQ4_NL" else np.float32)
+    assert_same_numbers(values(got), gq.dequantize(raw, T[name]))
+    by_number = jq.io.from_gguf_tensor(raw.reshape(-1), T[name].value, shape)
+    assert_same_numbers(values(by_number), values(got))
+
+
+def _iq4_block_fields(name, raw):
+    """(d float64 [blocks], ls [blocks, G] or None, codes [blocks, G, 32]) read byte by byte
+    from ggml-common.h's block_iq4_nl / block_iq4_xs, independently of the importer."""
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[T[name]][1])
+    d = np.array([np.frombuffer(b[0:2].tobytes(), "<f2")[0] for b in blocks], np.float64)
+    if name == "IQ4_NL":
+        qs, ls = blocks[:, None, 2:18], None
+    else:
+        qs = blocks[:, 8:136].reshape(-1, 8, 16)
+        ls = np.zeros((len(blocks), 8), np.int64)
+        for n, b in enumerate(blocks):
+            high = int(b[2]) | int(b[3]) << 8
+            for i in range(8):
+                ls[n, i] = ((int(b[4 + i // 2]) >> (4 * (i % 2))) & 15) | ((high >> 2 * i) & 3) << 4
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return d, ls, codes
+
+
+@pytest.mark.parametrize("name", IQ4)
+def test_iq4_codes_and_scales_from_the_block_layout(name):
+    """The importer's codes and scales against a byte-by-byte reading of the blocks: code
+    j of a 32-group in the low nibble of byte j (j < 16) or the high nibble of byte j-16;
+    IQ4_XS's scale d * (ls - 32) with its 6-bit ls, exact (a float32 product of at most
+    16 significant bits)."""
+    raw = iq4_bytes(name, 3, 512)
+    qw = jq.io.from_gguf_tensor(raw, name, (3, 512))
+    d, ls, codes = _iq4_block_fields(name, raw)
+    got_codes = jq.io.gguf.unpack_codes(np.asarray(qw.data), 4).reshape(codes.shape)
+    np.testing.assert_array_equal(got_codes, codes)
+    want = d[:, None] if ls is None else d[:, None] * (ls - 32)
+    np.testing.assert_array_equal(np.asarray(qw.scales, np.float64).reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("name", IQ4)
+def test_iq4_edge_blocks_like_gguf(name):
+    """Extreme codes (0: -127, 15: 113) and IQ4_XS's extreme sub-block scales (ls 0 and
+    63: -32d and 31d), d = +-0, a float16 subnormal, the largest float16, Inf and NaN:
+    gguf's numbers, non-finite ones included (no codebook value is 0, so d = Inf gives
+    +-Inf, and IQ4_XS's ls = 32 with d = Inf NaN, as in ggml)."""
+    _, nbytes = GGML_QUANT_SIZES[T[name]]
+    ds = [0.0, -0.0, 6e-8, -6e-8, 65504.0, -65504.0, np.inf, -np.inf, np.nan, 1.0]
+    raw = RNG.integers(0, 256, (len(ds), nbytes), dtype=np.uint8)
+    raw[:, 0:2] = np.array(ds, np.float16)[:, None].view(np.uint8)
+    first = 18 if name == "IQ4_NL" else 136
+    raw[0::2, first - 16:first] = 0x00   # codes 0 (-127) in the last 32 elements
+    raw[1::2, first - 16:first] = 0xFF   # codes 15 (113)
+    if name == "IQ4_XS":                # ls: 0, 63, 32 in sub-blocks 0, 1, 2
+        raw[:, 2:4] = np.array([0b00_11_00 << 4 | 0b10_11_00], "<u2")[:, None].view(np.uint8)[0]
+        raw[:, 4] = 0xF0
+        raw[:, 5] = (raw[:, 5] & 0xF0) | 0x00
+    k = GGML_QUANT_SIZES[T[name]][0]
+    got = values(jq.io.from_gguf_tensor(raw, name, (len(ds), k), dtype=jnp.float32))
+    with np.errstate(invalid="ignore"):
+        ref = gq.dequantize(raw, T[name])
+    assert np.isinf(ref).any() and np.isnan(ref).any()
+    assert_same_numbers(got, ref)
+    if name == "IQ4_XS":
+        d, ls, _ = _iq4_block_fields(name, raw)
+        assert (ls[:, 0] == 0).all() and (ls[:, 1] == 63).all() and (ls[:, 2] == 32).all()
+
+
 def test_q4_k_affine_terms_are_exact_products():
     """Q4_K's scale is float32(d) * sc and its bias -(dmin * m), both exact in float32."""
     raw = k_quant_bytes("Q4_K", 4, 256)
@@ -156,8 +246,15 @@ def test_float_tensors_load_as_float(name, dtype):
 
 @pytest.mark.parametrize("call,exc,match", [
     *[(lambda r, t=t: jq.io.from_gguf_tensor(r, t, (1, 256)), ValueError, f"'{t}' has no")
-      for t in ("IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
-                "IQ1_M", "TQ1_0", "TQ2_0")],
+      for t in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0",
+                "TQ2_0")],
+    (lambda r: jq.io.from_gguf_tensor(r[:, :18 * 7], "IQ4_NL", (1, 256)), ValueError, "raw has"),
+    (lambda r: jq.io.from_gguf_tensor(r[:, :18 * 8], "IQ4_NL", (1, 288)), ValueError, "raw has"),
+    (lambda r: jq.io.from_gguf_tensor(r[:, :136], "IQ4_XS", (2, 256)), ValueError, "raw has"),
+    (lambda r: jq.io.from_gguf_tensor(r, "IQ4_XS", (1, 128)), ValueError, "256-element"),
+    (lambda r: jq.io.from_gguf_tensor(r[:, :136], "IQ4_XS", (256,)), ValueError, "shape"),
+    (lambda r: jq.io.from_gguf_tensor(r.view(np.int8)[:, :136], "IQ4_XS", (1, 256)), TypeError,
+     "uint8"),
     (lambda r: jq.io.from_gguf_tensor(r, "Q9_9", (1, 256)), ValueError, "Q9_9"),
     (lambda r: jq.io.from_gguf_tensor(r, 99, (1, 256)), ValueError, "99"),
     (lambda r: jq.io.from_gguf_tensor(r, 2.0, (1, 256)), TypeError, "ggml_type"),
@@ -217,8 +314,8 @@ class Writer:
             return
         if qtype in QUANTIZABLE:
             raw = gq.quantize(w, T[qtype])
-        else:  # K-quants: random blocks of w's shape
-            raw = k_quant_bytes(qtype, int(np.prod(w.shape[:-1])), w.shape[-1])
+        else:  # K-quants, IQ4: random blocks of w's shape
+            raw = quantized_bytes(qtype, int(np.prod(w.shape[:-1])), w.shape[-1])
             raw = raw.reshape(*w.shape[:-1], -1)
         self.w.add_tensor(name, raw, raw_dtype=T[qtype])
         self.ref[name] = gq.dequantize(raw, T[qtype])
@@ -409,6 +506,10 @@ CASES = {
                        {"wq": "Q4_K", "wk": "Q5_K", "wv": "Q6_K", "wo": "Q3_K", "w_gate": "Q5_K",
                         "w_up": "Q2_K", "w_down": ["Q4_K", "Q6_K"], "embed": "Q6_K",
                         "lm_head": "Q4_K"}),
+    "llama_iq4": ("llama", tiny("llama", hidden_size=256, head_dim=64, intermediate_size=512),
+                  {"wq": "IQ4_NL", "wk": "IQ4_XS", "wv": "IQ4_XS", "wo": "IQ4_NL",
+                   "w_gate": "IQ4_XS", "w_up": "IQ4_NL", "w_down": ["IQ4_XS", "IQ4_NL"],
+                   "embed": "IQ4_NL", "lm_head": "IQ4_XS"}),
 }
 
 
@@ -436,6 +537,11 @@ def test_gguf_file_decodes_like_its_float_model(tmp_path, case):
         assert sorted(floats) == ["attn_norm", "mlp_norm"], floats
         assert isinstance(params["embed"], QuantizedArray)
         assert isinstance(params["lm_head"], QuantizedArray)
+    if case == "llama_iq4":  # every matrix in the codebook format, none float
+        floats = [k for k, a in lay.items() if not isinstance(a, QuantizedArray)]
+        assert sorted(floats) == ["attn_norm", "mlp_norm"], floats
+        assert {a.mode for k, a in lay.items() if k not in floats} == {"iq4nl"}
+        assert params["embed"].mode == params["lm_head"].mode == "iq4nl"
     if case == "llama_tied":  # Q8_0 and Q4_0 layers of w_down: widened to 8 bits, exact
         assert (lay["w_down"].bits, lay["w_down"].scales.dtype) == (8, jnp.float32)
     # the imported weights are gguf's dequantization, number for number
@@ -543,7 +649,7 @@ def imported(name, shape):
     if name in QUANTIZABLE:
         raw = gq.quantize(weights(shape), T[name])
     else:
-        raw = k_quant_bytes(name, shape[0], shape[1])
+        raw = quantized_bytes(name, shape[0], shape[1])
     return jq.io.from_gguf_tensor(raw, name, shape, dtype=jnp.bfloat16)
 
 
@@ -551,7 +657,8 @@ def _gpu():
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K",
+                                  "IQ4_NL", "IQ4_XS"])
 def test_every_backend_here_runs_imported_arrays(name):
     """jq.qmm on each available backend (the ffi kernels on the CPU, the Pallas and
     native GPU kernels on a GPU), canonical and prepacked, against the float64 product
@@ -568,7 +675,8 @@ def test_every_backend_here_runs_imported_arrays(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a GPU")
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "MXFP4", "Q3_K", "Q4_K", "Q5_K", "IQ4_NL",
+                                  "IQ4_XS"])
 @pytest.mark.parametrize("m", [1, 16, 128])
 def test_gpu_kernels_on_imported_arrays(name, m):
     """Decode (M = 1, 16) and prefill (M = 128) shapes on the default (auto) kernels."""

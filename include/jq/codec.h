@@ -40,7 +40,8 @@ namespace jq {
 // reads the names through jq_format_name, so the Python side never keeps its
 // own copy), the spec tables, every Codec<FMT, BITS> and dispatch_format below.
 // Adding a format: one row in JQ_FORMAT_LIST (and its element in
-// JQ_ELEMENT_LIST if new); the kernels pick it up through dispatch_format.
+// JQ_ELEMENT_LIST, or its codebook in JQ_CODEBOOK_LIST, if new); the kernels pick it
+// up through dispatch_format.
 
 enum ScaleKind : int32_t { kScaleFloat = 0, kScaleE8M0 = 1, kScaleE4M3 = 2 };
 enum Special : int32_t { kSpecialNone = 0, kSpecialFn = 1, kSpecialIeee = 2 };
@@ -52,6 +53,12 @@ enum Special : int32_t { kSpecialNone = 0, kSpecialFn = 1, kSpecialIeee = 2 };
   X(kE3M2, "e3m2", 3, 2, 3, kSpecialNone)  \
   X(kE4M3, "e4m3", 4, 3, 7, kSpecialFn)    \
   X(kE5M2, "e5m2", 5, 2, 15, kSpecialIeee)
+
+// Codebooks: non-uniform elements, code -> value (integers in [-128, 127], exact in
+// every float type). Their element ids follow the minifloats' (kCbIq4nl == kNumElements).
+//   id        name     the values in code order
+#define JQ_CODEBOOK_LIST(X) \
+  X(kCbIq4nl, "iq4nl", -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 template <class... B>
 constexpr uint32_t mask_of(B... b) {  // bit b set for each b
@@ -72,21 +79,32 @@ constexpr uint32_t log2_mask_of(G... g) {  // bit log2(g) set for each g
   X(kMxfp8E4M3,  "mxfp8_e4m3", kE4M3,      mask_of(8),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
   X(kMxfp8E5M2,  "mxfp8_e5m2", kE5M2,      mask_of(8),                log2_mask_of(32),          kScaleE8M0,  0, 0) \
   X(kNvfp4,      "nvfp4",      kE2M1,      mask_of(4),                log2_mask_of(16),          kScaleE4M3,  0, 1) \
-  X(kFp4,        "fp4",        kE2M1,      mask_of(4),                log2_mask_of(16, 32, 64),  kScaleFloat, 0, 0)
+  X(kFp4,        "fp4",        kE2M1,      mask_of(4),                log2_mask_of(16, 32, 64),  kScaleFloat, 0, 0) \
+  X(kIq4nl,      "iq4nl",      kCbIq4nl,   mask_of(4),                log2_mask_of(32),          kScaleFloat, 0, 0)
 
 #define JQ_LIST_ID(id, ...) id,
 enum Element : int32_t { JQ_ELEMENT_LIST(JQ_LIST_ID) kNumElements, kNoElement = -1 };
+enum CodebookId : int32_t {
+  kCodebookIdsBefore = kNumElements - 1,
+  JQ_CODEBOOK_LIST(JQ_LIST_ID) kNumElementsAndCodebooks
+};
 enum Format : int32_t { JQ_FORMAT_LIST(JQ_LIST_ID) kNumFormats };
 #undef JQ_LIST_ID
+constexpr int kNumCodebooks = kNumElementsAndCodebooks - kNumElements;
 
 struct ElementSpec {
   const char* name;
   int32_t ebits, mbits, bias, special;
 };
 
+struct CodebookSpec {
+  const char* name;
+  int8_t values[16];
+};
+
 struct FormatSpec {
   const char* name;     // jaxquant.formats.FORMATS key
-  int32_t element;      // Element, or kNoElement (affine: unsigned ints)
+  int32_t element;      // Element or CodebookId, or kNoElement (affine: unsigned ints)
   uint32_t bits_mask;   // bit b set: bits=b allowed
   uint32_t group_mask;  // bit log2(g) set: group_size=g allowed
   int32_t scale;        // ScaleKind
@@ -98,11 +116,28 @@ struct FormatSpec {
 static constexpr ElementSpec kElements[kNumElements] = {JQ_ELEMENT_LIST(JQ_LIST_ROW)};
 static constexpr FormatSpec kFormats[kNumFormats] = {JQ_FORMAT_LIST(JQ_LIST_ROW)};
 #undef JQ_LIST_ROW
+#define JQ_CODEBOOK_ROW(id, name, ...) {name, {__VA_ARGS__}},
+static constexpr CodebookSpec kCodebooks[kNumCodebooks] = {JQ_CODEBOOK_LIST(JQ_CODEBOOK_ROW)};
+#undef JQ_CODEBOOK_ROW
+
+constexpr bool is_codebook(int32_t element) {
+  return element >= kNumElements && element < kNumElementsAndCodebooks;
+}
+
+constexpr uint32_t codebook_format_mask() {
+  uint32_t m = 0;
+  for (int f = 0; f < kNumFormats; ++f)
+    if (is_codebook(kFormats[f].element)) m |= 1u << f;
+  return m;
+}
 
 // Format sets, for dispatch_format in translation units that build only some.
+// kFloatFormats: the minifloat elements (the GPU kernels' float decoders take those);
+// kCodebookFormats: the codebook ones (decoded by Codec::decode alone).
 constexpr uint32_t kAllFormats = (1u << kNumFormats) - 1u;
 constexpr uint32_t kAffineFormats = 1u << kAffine;
-constexpr uint32_t kFloatFormats = kAllFormats & ~kAffineFormats;
+constexpr uint32_t kCodebookFormats = codebook_format_mask();
+constexpr uint32_t kFloatFormats = kAllFormats & ~kAffineFormats & ~kCodebookFormats;
 
 inline bool format_allows(int32_t fmt, int64_t bits, int64_t group) {
   if (fmt < 0 || fmt >= kNumFormats || bits < 1 || bits > 31 || group < 1 || group > (1 << 30))
@@ -239,12 +274,37 @@ JQ_HD float decode_element_gpu(uint32_t word) {
   return decode_minifloat_gpu<e.ebits, e.mbits, e.bias, e.special, SHIFT>(word);
 }
 
+// Codebook CB's value of code c (low 4 bits): the values, as bytes value + 128, are
+// four 32-bit constants; the code's bits 2-3 pick the word, bits 0-1 the byte, and the
+// byte minus 128 becomes a float by the mantissa trick (exact). No table in memory, so
+// the same code serves host and device, scalar or vectorized.
+constexpr uint32_t codebook_word(int cb, int i) {
+  uint32_t w = 0;
+  for (int j = 0; j < 4; ++j)
+    w |= (uint32_t)(uint8_t)(kCodebooks[cb].values[4 * i + j] + 128) << (8 * j);
+  return w;
+}
+
+template <int EL>
+JQ_HD float decode_codebook(uint32_t c) {
+  static_assert(is_codebook(EL), "not a codebook");
+  constexpr int cb = EL - kNumElements;
+  constexpr uint32_t w0 = codebook_word(cb, 0), w1 = codebook_word(cb, 1);
+  constexpr uint32_t w2 = codebook_word(cb, 2), w3 = codebook_word(cb, 3);
+  const uint32_t w = (c & 8u) ? ((c & 4u) ? w3 : w2) : ((c & 4u) ? w1 : w0);
+  const uint32_t byte = (w >> ((c & 3u) << 3)) & 0xffu;
+  return bits_to_f32(byte | 0x4b000000u) - 8388736.0f;  // 2**23 + 128
+}
+
 // Runtime element id (host code, tests): exact values.
 JQ_HD float decode_element(int32_t element, uint32_t c) {
   switch (element) {
 #define JQ_ELEMENT_CASE(id, ...) case id: return decode_element_exact<id>(c);
     JQ_ELEMENT_LIST(JQ_ELEMENT_CASE)
 #undef JQ_ELEMENT_CASE
+#define JQ_CODEBOOK_CASE(id, ...) case id: return decode_codebook<id>(c);
+    JQ_CODEBOOK_LIST(JQ_CODEBOOK_CASE)
+#undef JQ_CODEBOOK_CASE
     default: return quiet_nan();
   }
 }
@@ -289,11 +349,13 @@ struct Codec {
                 "no format allows this (format, bits)");
   static constexpr int kFmt = FMT, kBits = BITS, kScale = kFormats[FMT].scale;
   static constexpr int kElement = kFormats[FMT].element;
-  // The element's parameters (minifloat formats; unused for affine).
-  static constexpr int kEb = kElement < 0 ? 0 : kElements[kElement].ebits;
-  static constexpr int kMb = kElement < 0 ? 0 : kElements[kElement].mbits;
-  static constexpr int kBias = kElement < 0 ? 0 : kElements[kElement].bias;
-  static constexpr int kSp = kElement < 0 ? 0 : kElements[kElement].special;
+  static constexpr bool kCodebook = is_codebook(kElement);
+  // The element's parameters (minifloat formats; unused for affine and codebooks).
+  static constexpr bool kMinifloat = kElement >= 0 && !kCodebook;
+  static constexpr int kEb = kMinifloat ? kElements[kElement].ebits : 0;
+  static constexpr int kMb = kMinifloat ? kElements[kElement].mbits : 0;
+  static constexpr int kBias = kMinifloat ? kElements[kElement].bias : 0;
+  static constexpr int kSp = kMinifloat ? kElements[kElement].special : 0;
 
   JQ_HD static float decode(uint32_t c) {
     if constexpr (FMT == kAffine) {
@@ -302,6 +364,8 @@ struct Codec {
 #else
       return (float)c;
 #endif
+    } else if constexpr (kCodebook) {
+      return decode_codebook<kElement>(c);
     } else {
 #if JQ_GPU_DECODE
       return decode_element_gpu<kElement>(c);
@@ -314,7 +378,7 @@ struct Codec {
   template <int E>
   JQ_HD static float unit_element(const uint32_t* w) {
     constexpr int start = E * BITS, word = start / 32, shift = start % 32;
-    if constexpr (JQ_GPU_DECODE && FMT != kAffine && shift + BITS <= 32) {
+    if constexpr (JQ_GPU_DECODE && kMinifloat && shift + BITS <= 32) {
       return decode_element_gpu<kElement, shift>(w[word]);
     } else {
       return decode(unit_code<BITS, E>(w));

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import formats
 from jaxquant.ffi import configs
 from jaxquant.ops.qmm import gather_qmm_reference, qmm_reference, ragged_qmm_reference
 from jaxquant.quantized_array import CANONICAL, QuantizedArray
@@ -106,8 +107,12 @@ def _float_ok(*avals):
     return all(a is None or jnp.dtype(a.dtype) in _KERNEL_DTYPES for a in avals)
 
 
-def _qw_ok(qw):
+def _qw_ok(qw, platform):
     if not isinstance(qw, QuantizedArray) or qw.layout != CANONICAL or qw.mode not in FORMAT_IDS:
+        return False
+    if platform != "cpu" and qw.format.element in formats.CODEBOOKS:
+        # the GPU libraries build their float kernels for the minifloat elements only
+        # (include/jq/codec.h: kFloatFormats); the Pallas kernels decode codebooks there
         return False
     if qw.shape[-1] % 32 or qw.shape[-1] == 0:
         return False
@@ -117,12 +122,12 @@ def _qw_ok(qw):
 
 
 def supports_dequantize(qw, *, dtype, platform):
-    return _qw_ok(qw) and jnp.dtype(dtype) in _KERNEL_DTYPES
+    return _qw_ok(qw, platform) and jnp.dtype(dtype) in _KERNEL_DTYPES
 
 
 def supports_matmul(x, qw, *operands, platform, **params):
     """qmm, gather_qmm, ragged_qmm."""
-    return _qw_ok(qw) and _float_ok(x)
+    return _qw_ok(qw, platform) and _float_ok(x)
 
 
 def supports_norm(*arrays, platform, **params):
