@@ -44,7 +44,8 @@ def test_quantize_w_ndim(shape, jit):
 
 
 @pytest.mark.parametrize("mode,group,k", [("affine", 64, 96), ("affine", 128, 192), ("mxfp4", 32, 48),
-                                          ("nvfp4", 16, 24), ("fp4", 64, 96), ("mxfp6_e3m2", 32, 40)])
+                                          ("nvfp4", 16, 24), ("fp4", 64, 96), ("mxfp6_e3m2", 32, 40),
+                                          ("iq4nl", 32, 48)])
 @pytest.mark.parametrize("jit", [False, True])
 def test_quantize_k_not_multiple_of_group(mode, group, k, jit):
     w = np.ones((3, k), np.float32)
@@ -70,7 +71,7 @@ def test_quantize_mode_not_a_string(mode):
 
 @pytest.mark.parametrize("mode,bits", [("affine", 7), ("affine", 1), ("affine", 16), ("affine", 0),
                                        ("mxfp4", 8), ("mxfp6_e2m3", 4), ("mxfp8", 4),
-                                       ("mxfp8_e5m2", 6), ("nvfp4", 8), ("fp4", 2)])
+                                       ("mxfp8_e5m2", 6), ("nvfp4", 8), ("fp4", 2), ("iq4nl", 8)])
 def test_quantize_bits_not_allowed(mode, bits):
     with pytest.raises(ValueError, match=rf"bits={bits}\b.*mode="):
         jq.quantize(W, mode=mode, bits=bits)
@@ -84,7 +85,8 @@ def test_quantize_bits_wrong_type(bits):
 
 @pytest.mark.parametrize("mode,group", [("affine", 8), ("affine", 256), ("affine", 0), ("affine", -64),
                                         ("mxfp4", 64), ("mxfp4", 16), ("nvfp4", 32),
-                                        ("fp4", 128), ("fp4", 8), ("mxfp8_e5m2", 64)])
+                                        ("fp4", 128), ("fp4", 8), ("mxfp8_e5m2", 64),
+                                        ("iq4nl", 16), ("iq4nl", 64)])
 def test_quantize_group_size_not_allowed(mode, group):
     w = np.ones((2, 256), np.float32)
     with pytest.raises(ValueError, match=rf"group_size={group}\b.*mode="):
@@ -104,7 +106,7 @@ def test_quantize_unknown_scale_rule(mode, rule):
         jq.quantize(W, mode=mode, scale_rule=rule)
 
 
-@pytest.mark.parametrize("mode", ["affine", "nvfp4", "fp4"])
+@pytest.mark.parametrize("mode", ["affine", "nvfp4", "fp4", "iq4nl"])
 @pytest.mark.parametrize("rule", ["floor", "rceil", "round"])
 def test_quantize_scale_rule_for_non_mx_mode(mode, rule):
     with pytest.raises(ValueError, match=rf"scale_rule={rule!r}.*mode={mode!r}"):
@@ -174,6 +176,7 @@ def test_valid_arrays_are_accepted():
     assert mx().shape == (4, 64)
     assert QA(D, SF, SF, mode="affine", bits=4, group_size=32, dtype=np.float32).shape == (4, 64)
     assert QA(D, SF, mode="fp4", bits=4, group_size=32, dtype=np.float32).shape == (4, 64)
+    assert QA(D, SF, mode="iq4nl", bits=4, group_size=32, dtype=np.float32).shape == (4, 64)
     assert QA(D16, S16, None, np.float32(0.5), mode="nvfp4", bits=4, group_size=16,
               dtype=np.float32).shape == (4, 64)
     assert QA(D16, S16, mode="nvfp4", bits=4, group_size=16, dtype=np.float32).shape == (4, 64)
@@ -192,7 +195,8 @@ def test_qa_data_not_an_array():
 
 @pytest.mark.parametrize("mode,scales", [("mxfp4", SF), ("mxfp4", S8.astype(np.int8)),
                                          ("mxfp4", S8.astype(np.uint16)),
-                                         ("fp4", S8), ("fp4", S8.astype(np.int32))])
+                                         ("fp4", S8), ("fp4", S8.astype(np.int32)),
+                                         ("iq4nl", S8), ("iq4nl", S8.astype(np.int16))])
 def test_qa_scales_dtype(mode, scales):
     with pytest.raises(TypeError, match=r"\bscales\b"):
         mx(mode=mode, scales=scales)
@@ -231,7 +235,7 @@ def test_qa_affine_biases():
         QA(D, SF, SF.astype(np.float16), mode="affine", bits=4, group_size=32, dtype=np.float32)
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "fp4"])
+@pytest.mark.parametrize("mode", ["mxfp4", "fp4", "iq4nl"])
 def test_qa_biases_for_a_mode_without_them(mode):
     scales = S8 if mode == "mxfp4" else SF
     with pytest.raises(ValueError, match=r"\bbiases\b"):

@@ -29,6 +29,7 @@ ALL_FORMATS = [
     ("affine", 6, 64), ("affine", 8, 128),
     ("mxfp4", 4, 32), ("mxfp6_e2m3", 6, 32), ("mxfp6_e3m2", 6, 32),
     ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32), ("nvfp4", 4, 16), ("fp4", 4, 32),
+    ("iq4nl", 4, 32),
 ]
 # kernel kind -> (M, transpose)
 KINDS = {"gemv_t": (1, True), "skinny_t": (16, True), "gemm_t": (256, True),

@@ -32,6 +32,7 @@ FORMATS = [
     ("affine", 6, 64), ("affine", 8, 128), ("affine", 2, 16), ("affine", 8, 16),
     ("mxfp4", 4, 32), ("mxfp6_e2m3", 6, 32), ("mxfp6_e3m2", 6, 32),
     ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32), ("nvfp4", 4, 16), ("fp4", 4, 32),
+    ("iq4nl", 4, 32),
 ]
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 # M per path under the interpret block table: GEMV for M <= 4, GEMM above.
@@ -232,7 +233,7 @@ GPU_FORMATS = [
     ("affine", 5, 32), ("affine", 6, 64), ("affine", 8, 64),
     ("mxfp4", 4, 32), ("mxfp6_e2m3", 6, 32), ("mxfp6_e3m2", 6, 32),
     ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32), ("nvfp4", 4, 16), ("fp4", 4, 32),
-    ("affine", 2, 16), ("affine", 8, 16),
+    ("affine", 2, 16), ("affine", 8, 16), ("iq4nl", 4, 32),
 ]
 # M per kernel class under the CUDA/ROCm block tables: gemv (M <= 4), skinny
 # tensor-core tiles (M <= 64), large tiles.

@@ -349,7 +349,7 @@ def check_edge(w, mode, bits=None, g=None, rule=None):
     return qw, deq, codes
 
 
-@pytest.mark.parametrize("mode", ["affine", "mxfp6_e3m2", "nvfp4", "fp4"])
+@pytest.mark.parametrize("mode", ["affine", "mxfp6_e3m2", "nvfp4", "fp4", "iq4nl"])
 def test_dequantize_to_other_dtypes(mode):
     rng = np.random.default_rng(7)
     w = random_weights(rng, (3, 128), np.dtype(ml_dtypes.bfloat16), 0.5, 0.0)
@@ -654,6 +654,56 @@ def test_mx_scale_rules_near_boundaries(mode):
 
 # ---------------------------------------------------------------------------
 # NVFP4 and FP4.
+
+
+KV = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def test_iq4nl_hand():
+    """Worked groups of 32: the peak lands on -127 (scale = peak / -127, its sign the
+    peak's opposite); ties go to the larger value (7 between 1 and 13 -> 13; -115.5
+    between -127 and -104 -> -104); past the ends saturates (+127 -> 113); an all-zero
+    group has scale 0 and decodes to 0; among equal magnitudes the first is the peak."""
+    f32 = np.float32
+    rows = np.zeros((4, 32), f32)
+    rows[0, :6] = [-127, 7, -115.5, 127, 0, 113]          # scale 1
+    rows[1, :3] = [2, -2, 1]                               # scale -2/127
+    rows[3, :4] = [-0.5, 0.5, 0.25, -0.25]                 # first peak -0.5: scale 0.5/127
+    w = np.concatenate([rows, rows[::-1]], axis=1)         # K = 64: two groups a row
+    qw, deq, codes = check_edge(w, "iq4nl")
+    codes = codes.reshape(4, 2, 32)
+    scales = np.asarray(qw.scales, np.float32)
+    assert scales[0, 0] == 1 and scales[1, 0] == f32(2) / f32(-127) and scales[2, 0] == 0
+    assert codes[0, 0, :6].tolist() == [0, 9, 1, 15, 8, 15]
+    np.testing.assert_array_equal(deq[0, :6], [-127, 13, -104, 113, 1, 113])
+    assert codes[1, 0, :3].tolist() == [0, 15, 3]          # 1 / (-2/127) = -63.5 -> -65
+    np.testing.assert_array_equal(deq[1, :3], np.array([-127, 113, -65], f32) * scales[1, 0])
+    assert (deq[2, :32] == 0).all()
+    assert scales[3, 0] == f32(-0.5) / f32(-127)
+    assert deq[3, 0] == -0.5 and deq[3, 1] == f32(113) * scales[3, 0]
+    # every code reachable, the extremes included, and the values are the codebook's
+    w = (np.arange(32, dtype=f32) - 16)[None] * f32(127 / 16)
+    qw, deq, codes = check_edge(w, "iq4nl")
+    assert {0, 15} <= set(codes.ravel().tolist())
+    np.testing.assert_array_equal(np.unique(deq / np.asarray(qw.scales, f32)[:, :1]),
+                                  np.unique(np.array(KV, f32)[np.unique(codes)]))
+
+
+def test_iq4nl_extremes_and_nonfinite():
+    """float16 extremes (a large peak; a subnormal peak: a scale that rounds to 0 in
+    float16, every value 0) and NaN / Inf groups (scale NaN). (A peak of 65504 gets the
+    scale 516 = float16(65504/127), and -127 * 516 overflows float16: as fp4's 6 * amax/6,
+    the float16 output of such a group is Inf, its float32 output finite.)"""
+    w = np.zeros((3, 64), np.float16)
+    w[0, 0], w[0, 1] = 60000, -60000
+    w[1, :32] = np.float16(6e-8)
+    w[2, 0], w[2, 33] = np.nan, np.inf
+    qw, deq, _ = check_edge(w, "iq4nl")
+    scales = np.asarray(qw.scales)
+    assert scales.dtype == np.float16 and scales[0, 0] == np.float16(np.float32(60000) / -127)
+    assert deq[0, 0] == np.float16(-127 * np.float32(scales[0, 0]))
+    assert scales[1, 0] == 0 and (deq[1] == 0).all()
+    assert np.isnan(scales[2]).all() and np.isnan(deq[2]).all()
 
 
 def test_nvfp4_hand():

@@ -7,7 +7,8 @@ ffn_{gate,up,down}_exps, as convert_hf_to_gguf writes them), qwen2, qwen3,
 qwen3moe, gpt-oss. The GGUF metadata gives the Config; tensors are read
 through `jq.io.from_gguf_tensor`, layer by layer, and stay in their quantized
 form (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as exact affine group-32 arrays,
-Q2_K/Q6_K as affine group 16, Q3_K as fp4 group 16, MXFP4 as mxfp4); float
+Q2_K/Q6_K as affine group 16, Q3_K as fp4 group 16, MXFP4 as mxfp4, IQ4_NL/IQ4_XS
+as iq4nl); float
 tensors (F32/F16/BF16) are cast to `dtype`, or quantized to `mode` when one is
 given, like a float checkpoint's.
 
