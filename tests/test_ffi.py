@@ -162,7 +162,7 @@ def test_gpu_decoders_on_host(tmp_path):
                     "tests/native/codec_check.cc", "-o", exe], check=True, cwd=root)
     p = subprocess.run([exe], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-3000:]
-    assert "13 (format, bits) checked, 0 failing" in p.stdout
+    assert "14 (format, bits) checked, 0 failing" in p.stdout
 
 
 @pytest.mark.parametrize("dt,mlt", [(2, ml_dtypes.bfloat16), (1, np.float16)])
