@@ -80,8 +80,8 @@ def test_rocm_activation_dtypes(dtype, kind):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("fmt", [("affine", 4, 64), ("mxfp4", 4, 32), ("affine", 3, 64)],
-                         ids=_fid)
+@pytest.mark.parametrize("fmt", [("affine", 4, 64), ("mxfp4", 4, 32), ("affine", 3, 64),
+                                 ("iq4nl", 4, 32)], ids=_fid)
 def test_cuda_every_kernel(fmt, kind):
     _compile_all(_kernels(fmt, kind, "cuda"), CUDA)
 
