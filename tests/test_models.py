@@ -660,15 +660,24 @@ def _mixtral_tensors(rng):
 def test_mixtral_checkpoint(tmp_path, stacked):
     """Mixtral's names: block_sparse_moe.gate (the router) and experts.{e}.{w1, w3, w2}
     (gate, up, down), or mlx-lm's stacked block_sparse_moe.switch_mlp.{gate,up,down}_proj,
-    4-bit here: the same logits as the parameters written out by hand."""
+    4-bit here, with the router quantized too (8 bits, a per-module override, as mlx-lm
+    writes Qwen3-MoE's; it loads dequantized): the same logits as the parameters
+    written out by hand."""
     rng = np.random.default_rng(5)
     t = _hf_common(rng, MIXTRAL)
     manual = _manual_common(t, 2)
     ml = manual["layers"]
-    stacks = {key: [] for key in MIXTRAL_EXPERTS}
+    stacks, routers = {key: [] for key in MIXTRAL_EXPERTS}, []
     for li in range(2):
         pre = f"model.layers.{li}.block_sparse_moe."
         t[pre + "gate.weight"] = _rand(rng, 4, 64)
+        if stacked:
+            qr = jq.quantize(jnp.asarray(t.pop(pre + "gate.weight"), jnp.float32),
+                             mode="affine", bits=8, group_size=32)
+            t.update(jq.io.to_mlx_tensors(qr, pre + "gate"))
+            routers.append(jq.dequantize(qr, dtype=jnp.float32))
+        else:
+            routers.append(jnp.asarray(t[pre + "gate.weight"]))
         for key, (name, switch) in MIXTRAL_EXPERTS.items():
             w = np.stack([_rand(rng, 64, 64) for _ in range(4)])
             if stacked:
@@ -679,10 +688,13 @@ def test_mixtral_checkpoint(tmp_path, stacked):
             else:
                 t.update({pre + f"experts.{e}.{name}.weight": w[e] for e in range(4)})
                 stacks[key].append(jnp.asarray(w))
-    ml["router"] = _stack(t, "model.layers.{}.block_sparse_moe.gate.weight", 2)
+    ml["router"] = jnp.stack(routers)
     for key, parts in stacks.items():
         ml[key] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *parts)
-    config = dict(MIXTRAL, quantization={"group_size": 32, "bits": 4}) if stacked else MIXTRAL
+    mlx = {"group_size": 32, "bits": 4, **{
+        f"model.layers.{li}.block_sparse_moe.gate": {"group_size": 32, "bits": 8}
+        for li in range(2)}}
+    config = dict(MIXTRAL, quantization=mlx) if stacked else MIXTRAL
     _write(tmp_path, config, t)
     cfg, params = checkpoint.load(tmp_path, fuse=False, per_layer=False)
     assert cfg.family == "mixtral" and cfg.moe_intermediate_size == 64

@@ -451,7 +451,7 @@ def _experts_mlp(cfg, tensors, quant, pre):
     experts stacked (then quantized to `mode`), GPTQ / AWQ / compressed-tensors experts
     imported as one quantized stack, mlx-lm's stacked switch_mlp as it is."""
     block, router, names = EXPERTS[cfg.family]
-    p = {"router": quant.float(tensors, f"{pre}{block}.{router}.weight")}
+    p = {"router": _router(tensors, quant, f"{pre}{block}.{router}")}
     for key, name in names.items():
         switch = f"{pre}{block}.switch_mlp.{SWITCH_MLP[key]}"
         if switch + ".weight" in tensors:
@@ -465,6 +465,16 @@ def _experts_mlp(cfg, tensors, quant, pre):
                 continue
         p[key] = quant.array(np.stack([tensors.floating(e + ".weight") for e in prefixes]))
     return p
+
+
+def _router(tensors, quant, prefix):
+    """A router's weight [E, D], float. mlx-lm quantizes routers (Qwen3-MoE's at 8
+    bits, Mixtral's with every other linear): those are dequantized to float32, the
+    dtype the routing runs in (exact: no rounding to `dtype` first)."""
+    if f"{prefix}.scales" not in tensors:
+        return quant.float(tensors, f"{prefix}.weight")
+    w = quant.matrix(tensors, prefix)
+    return jq.dequantize(jax.tree_util.tree_map(jnp.asarray, w), dtype=jnp.float32)
 
 
 def _quantized_experts(tensors, prefixes, quant):
