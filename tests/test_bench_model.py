@@ -313,6 +313,7 @@ def test_profile_of_a_mesh_takes_the_first_gpu(tmp_path):
 @pytest.mark.parametrize("kernel, op, cls", [
     ("MemcpyDtoD", "", "copies"),
     ("ncclDevKernel_AllGather_RING_LL", "", "collectives"),
+    ("psum_57_0_fusion_1", "", "collectives"),
     ("sm90_xmma_gemm_bf16", "", "dense mm"),
     ("nvjet_hsh_64x8_64x16", "", "dense mm"),
     ("void qmv_mma_kernel<4, 64>", "", "qmm"),

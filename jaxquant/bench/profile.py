@@ -128,7 +128,9 @@ def classify(kernel: str, op_name: str, op: HloOp | None) -> str:
     names = f"{kernel} {op_name} {op.kernel if op else ''}".lower()
     if re.search(r"memcpy|memset", names):
         return "copies"
-    if re.search(r"nccl", names) or (op is not None and _COLLECTIVES.match(op.opcode)):
+    # NCCL's kernels, and XLA's own all-reduce kernel: a fusion named after jax's psum
+    if re.search(r"nccl|psum|all.reduce|all.gather|reduce.scatter|all.to.all", names) or (
+            op is not None and _COLLECTIVES.match(op.opcode)):
         return "collectives"
     if op is None:  # a kernel the HLO does not name (e.g. inside a command buffer)
         if re.search(r"attention|flash|fmha", names):
