@@ -737,7 +737,8 @@ h = jf.libraries()["cpu"].handle
 h.jq_cpu_isa.restype = ctypes.c_char_p
 assert h.jq_cpu_isa() == b"baseline", h.jq_cpu_isa()
 out = {}
-for mode, bits in [("affine", 4), ("affine", 6), ("mxfp4", 4), ("mxfp8_e5m2", 8), ("nvfp4", 4)]:
+for mode, bits in [("affine", 4), ("affine", 6), ("mxfp4", 4), ("mxfp8_e5m2", 8), ("nvfp4", 4),
+                   ("iq4nl", 4)]:
     qw = jq.quantize(jax.random.normal(jax.random.key(0), (24, 128)), mode=mode,
                      bits=bits if mode == "affine" else None)
     x = jax.random.normal(jax.random.key(1), (2, 128), jnp.bfloat16)

@@ -31,7 +31,7 @@ from jaxquant.formats import PRESETS
 # Quantization settings the benchmarks accept, by the name the options use.
 MODES = {name: PRESETS[name] for name in (
     "affine4", "affine8", "affine3", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3",
-    "mxfp8_e5m2", "nvfp4", "fp4")}
+    "mxfp8_e5m2", "nvfp4", "fp4", "iq4nl")}
 
 
 def platform() -> str:
