@@ -494,7 +494,7 @@ def test_automatic_choice_of_the_fused_kernel_by_rows():
 
 # ---------------------------------------------------------------------------
 # On an NVIDIA GPU: the fused decode GEMVs (gpu_src/cuda/gemv_mma.h, FUSE) on the cuda_mma
-# layout, at every mode (tests/common.py's ALL_MODES, ALL_DTYPES).
+# layout, at every mode it holds (tests/common.py's GPU_NATIVE_MODES as ALL_MODES, ALL_DTYPES).
 
 def _fused_kernel():
     try:

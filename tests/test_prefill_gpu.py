@@ -18,7 +18,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import dispatch
 from jaxquant.ffi import configs
-from tests.common import MODES, assert_matmul_close, cuda_library, deq64, rand
+from tests.common import GPU_NATIVE_MODES, assert_matmul_close, cuda_library, deq64, rand
 from tests.test_decode_gpu import _packed
 
 pytestmark = [pytest.mark.gpu,
@@ -32,7 +32,7 @@ def _gemm_used(f, *args):
     return "jaxquant_qmm_gemm" in jax.jit(f).lower(*args).as_text()
 
 
-@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("mode,bits", GPU_NATIVE_MODES)
 def test_qmm_every_mode_and_dtype(mode, bits):
     # N = 37: two tiles and a canonical tail of 5 rows; K = 192: 3 chunks, fewer than
     # the K-split warps of a narrow block; M = 17 .. 200: partial row blocks
@@ -47,7 +47,7 @@ def test_qmm_every_mode_and_dtype(mode, bits):
     assert _gemm_used(lambda x, q: jq.qmm(x, q, backend="ffi"), x, packed)
 
 
-@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("mode,bits", GPU_NATIVE_MODES)
 def test_qmm_every_mode_aligned_scales(mode, bits):
     # N = 136 (8 full tiles and a canonical tail of 8: two blocks of the Hopper kernel,
     # the second mostly past N), K = 256: every tile's scales 4-byte aligned, which the
@@ -206,7 +206,7 @@ def test_bad_group_sizes_are_refused():
                                             jnp.ones((3,), jnp.int32)))
 
 
-@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("mode,bits", GPU_NATIVE_MODES)
 def test_dequantize_on_the_layout(mode, bits):
     # N = 37 (a canonical tail), K = 192: the values the GEMM multiplies, in x's dtype:
     # the codes times the scale (plus bias) rounded once to that dtype; the scale
