@@ -67,6 +67,7 @@ def test_table_on_cpu_with_the_peer(monkeypatch):
     assert any("torch int4 peer skipped: " in l and "CUDA" in l for l in lines)
 
 
+@pytest.mark.full  # ~12 s of CPU; test_bench.py's a8 rows cover the bench's a8 path
 def test_prefill_a8_rows(monkeypatch):
     """--prefill-a8: a prefill-only row per mode and 8-bit type, its logits against the
     float run's (the MoE config: experts stay 4-bit, the dense matrices go 8-bit)."""

@@ -121,8 +121,9 @@ def test_leading_axis_indexing(kernel_default):
 # Values and ops
 
 
-@pytest.mark.parametrize("mode,kw", [("affine", dict(bits=4, group_size=64)), ("mxfp4", {}),
-                                     ("nvfp4", {})])
+@pytest.mark.parametrize("mode,kw", [("affine", dict(bits=4, group_size=64)),
+                                     pytest.param("mxfp4", {}, marks=pytest.mark.full),
+                                     pytest.param("nvfp4", {}, marks=pytest.mark.full)])
 @pytest.mark.parametrize("backend", ["reference", "ffi"])
 def test_dequantize_and_every_op(kernel_default, mode, kw, backend):
     if backend not in jq.available_backends():

@@ -33,6 +33,7 @@ def _run(target, *args):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # ~45 s of CPU: CI's full matrix, after it installs the toolchain
 @pytest.mark.skipif(ncc.find_clang() is None or not ncc.hip_headers_present(),
                     reason="no clang++ with the HIP headers: run tools/toolchain/install_hip_toolchain.sh "
                            "(clang-19, lld-19, libamdhip64-dev)")

@@ -46,6 +46,7 @@ def run(args, timeout=120):
     return _PYTHON[0].run(args, timeout=timeout)
 
 
+@pytest.mark.full  # ~13 s of CPU: every mode's round trip; CI's full matrix
 def test_report_prints_backends_and_one_error_row_per_mode():
     p = run(["-c", REPORT_ONE_ROW_PER_MODE])
     assert p.returncode == 0, p.stderr

@@ -117,6 +117,7 @@ JQ_KERNEL("bad", bad<float>)
     assert _clang_syntax(src, strict=False).returncode == 0  # the CPU shim cannot tell
 
 
+@pytest.mark.full  # compiles every instantiation (~12 s); CI's full matrix
 def test_every_kernel_is_instantiated(metal):
     names = set(metal.kernels())
     for fmt in ("affine4", "mxfp4", "fp4"):

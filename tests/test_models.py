@@ -83,9 +83,11 @@ def test_experts_by_layer_changes_nothing(mode):
     np.testing.assert_allclose(da, db, rtol=1e-5, atol=1e-5)
 
 
-# bfloat16 (ten seconds of CPU) in CI's full matrix (tests/conftest.py); float32 takes the
-# same paths in the README's run
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
+# CI's full matrix (tests/conftest.py): ten to fifteen seconds of CPU per dtype; the
+# README's run covers gather_matmul in test_gather_matmul.py and the float-expert decode
+# in test_decode_matches_full_forward
+@pytest.mark.full
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_float_experts_decode_logits_unchanged_by_gather_matmul(dtype, monkeypatch):
     """gpt-oss with float (unquantized) experts decodes through jq.gather_matmul (no XLA
     gather of the chosen experts' weights): the decode logits of the gather + einsum it
@@ -184,8 +186,9 @@ def test_nvfp4_parts_with_their_own_global_scales_stay_separate():
     assert set(models.fuse_params(separate)["layers"]) == set(separate["layers"])
 
 
-@pytest.mark.parametrize("family,mode", [("llama", "affine4"), ("gpt_oss", "mxfp4"),
-                                         ("gpt_oss", None)])
+@pytest.mark.parametrize("family,mode", [("llama", "affine4"),
+                                         pytest.param("gpt_oss", "mxfp4", marks=pytest.mark.full),
+                                         pytest.param("gpt_oss", None, marks=pytest.mark.full)])
 def test_per_layer_buffers_equal_the_stacked_layers(family, mode):
     """Per-layer buffers (a Python loop over layers) and stacked layers (lax.scan):
     the same values from init_params and quantize_params in either form, and the
@@ -217,8 +220,9 @@ def test_per_layer_buffers_equal_the_stacked_layers(family, mode):
         models.prefill(cfg, dict(split, layers=split["layers"][:1]), prompt, 16)
 
 
-@pytest.mark.parametrize("family,mode", [("llama", "affine4"), ("gpt_oss", "mxfp4"),
-                                         ("llama", None)])
+@pytest.mark.parametrize("family,mode", [("llama", "affine4"),
+                                         pytest.param("gpt_oss", "mxfp4", marks=pytest.mark.full),
+                                         pytest.param("llama", None, marks=pytest.mark.full)])
 def test_a8_params_prefill(family, mode):
     """models.a8_params (docs/a8.md): the dense matrices become RowQuantizedArrays (the
     experts, router and embedding stay), stacked and per-layer alike, layer by layer

@@ -84,7 +84,7 @@ def _one_layer_bytes(params):
     return _bytes(params["layers"]) // LAYERS
 
 
-@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("per_layer", [False, pytest.param(True, marks=pytest.mark.full)])
 def test_quantize_params_holds_the_output_and_one_layer(per_layer, monkeypatch):
     cfg, params = _separate_params()
     want = models.quantize_params(params, "affine4", per_layer=per_layer)

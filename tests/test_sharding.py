@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.conftest import FULL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One work unit under pytest-xdist's `--dist loadgroup` (CI): the module fixture's
 # subprocess (about 80 s of a core) then runs once, not once per worker.
@@ -31,6 +33,8 @@ def cases(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.exists():
             env = dict(os.environ, JAX_PLATFORMS="cpu")
+            if not FULL:  # the sharded models' cases (~40 s of a core): the full matrix
+                env["JAXQUANT_SHARDING_CASES"] = "ops"
             proc = subprocess.run([sys.executable, "-m", "tests.sharding_cases"], cwd=ROOT,
                                   env=env, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stderr[-4000:]
@@ -121,6 +125,9 @@ def test_kernels_kept_per_shard(cases):
     _check(cases["qmm_col_ffi"], tol=1e-6, collectives={})
 
 
+# The sharded models (tests/sharding_cases.py's model_cases, on the layouts the GPUs use):
+# CI's full matrix, whose subprocess computes them (JAXQUANT_TEST_FULL=1)
+@pytest.mark.full
 def test_model_tp_ep(cases):
     """The gpt-oss-style decoder (MXFP4 experts) on a 2 x 4 (tp x ep) mesh: the same
     logits as on one device, prefill and decode, and no all-gather of packed weights
@@ -138,6 +145,7 @@ def test_model_tp_ep(cases):
     assert case["experts_by_layer"] is False
 
 
+@pytest.mark.full
 def test_model_ep_keeps_fused_matrices(cases):
     case = cases["model_gpt_oss_ep"]
     assert {"wqkv", "bqkv", "e_gate_up", "e_gate_up_bias"} <= set(case["keys"])
@@ -146,6 +154,7 @@ def test_model_ep_keeps_fused_matrices(cases):
     assert case["experts_by_layer"] is False
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("name", ["ep_bf16_1x4", "ep_mxfp4_2x2", "ep_mxfp4_2x2_cuda_mma"])
 def test_expert_parallel_moves_activations_only(cases, name):
     """models.prefill / decode with mesh= (parallel.expert_parallel_moe): the tokens
@@ -162,6 +171,7 @@ def test_expert_parallel_moves_activations_only(cases, name):
     assert case["init_err"] == 0.0 and case["init_same_tree"], case
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("layout", ["canonical", "cuda_mma"])
 def test_tensor_parallel_dense_one_all_reduce_per_block(cases, layout):
     """A dense model's decode step on tp=2, per-layer buffers, affine4, in the canonical
@@ -182,6 +192,7 @@ def test_tensor_parallel_dense_one_all_reduce_per_block(cases, layout):
     assert case["init_err"] <= 1e-6, case
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("name", ["load_bf16", "load_affine4", "load_mlx"])
 def test_checkpoint_load_on_a_mesh(cases, name):
     """checkpoint.load(..., mesh=) (each device's slices read from the file, quantized
