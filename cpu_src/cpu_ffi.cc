@@ -33,13 +33,27 @@ namespace cpu {
 #if !defined(JQ_HAVE_AVX2_VARIANT)
 const Kernels* kernels_avx2() { return nullptr; }
 #endif
+#if !defined(JQ_HAVE_AVX512_VARIANT)
+const Kernels* kernels_avx512() { return nullptr; }
+#endif
 
+// The best ISA this CPU has (cpuid, and the OS saving the vector state: libgcc's
+// __builtin_cpu_supports checks both); JAXQUANT_FFI_CPU_ISA=avx2 or baseline caps
+// it (the tests run every ISA's kernels on one machine).
 static const Kernels* select_kernels() {
   static const Kernels* k = [] {
     const char* force = getenv("JAXQUANT_FFI_CPU_ISA");
-    if (force && strcmp(force, "baseline") == 0) return kernels_base();
+    const bool cap_base = force && strcmp(force, "baseline") == 0;
+    const bool cap_avx2 = force && strcmp(force, "avx2") == 0;
+    if (cap_base) return kernels_base();
 #if defined(__x86_64__)
     __builtin_cpu_init();
+    if (!cap_avx2 && kernels_avx512() && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi") &&
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return kernels_avx512();
     if (kernels_avx2() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
       return kernels_avx2();

@@ -1,6 +1,7 @@
-// CPU kernels of the ffi backend. kernels_impl.inc is compiled twice: with
-// AVX2+FMA+F16C (kernels_avx2.cc, chosen at run time when the CPU has them)
-// and for the baseline ISA (kernels_base.cc).
+// CPU kernels of the ffi backend. kernels_impl.inc is compiled once per ISA:
+// AVX-512 F/BW/VL/DQ/VBMI (kernels_avx512.cc: the GEMV in 16 lanes), AVX2+FMA+F16C
+// (kernels_avx2.cc) and the baseline ISA (kernels_base.cc); cpu_ffi.cc picks the
+// best one the CPU has at run time (JAXQUANT_FFI_CPU_ISA forces a lower one).
 #pragma once
 
 #include <stdint.h>
@@ -21,10 +22,13 @@ struct Kernels {
 };
 
 inline int64_t qmv_scratch_floats(const QmvProblem& p) {
-  return p.M * p.K + p.M * p.groups + 64;
+  // x in float32, its group sums, x in the 16-lane decode's order, one row's
+  // group multipliers and biases
+  return 2 * p.M * p.K + p.M * p.groups + 2 * p.groups + 64;
 }
 
-const Kernels* kernels_avx2();  // nullptr where not compiled in
+const Kernels* kernels_avx512();  // nullptr where not compiled in
+const Kernels* kernels_avx2();    // nullptr where not compiled in
 const Kernels* kernels_base();
 
 }  // namespace cpu
