@@ -1,13 +1,12 @@
 // XLA FFI handlers of the ffi backend on the CPU platform.
 //
 // Each handler validates its call (include/jq/ffi_common.h) and returns
-// ffi::Error on a bad one; then it splits the work over a small thread pool
-// (JAXQUANT_FFI_THREADS, default: the machine's hardware threads) and runs
-// the kernels of the best ISA this CPU has (cpu_src/kernels_impl.inc).
+// ffi::Error on a bad one; then it splits the work over XLA's intra-op thread
+// pool (ParallelFor below; JAXQUANT_FFI_THREADS caps it) and runs the kernels of
+// the best ISA this CPU has (cpu_src/kernels_impl.inc).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -79,30 +78,50 @@ struct FlushDenormals {
 };
 
 // ---------------------------------------------------------------------------
-// A small thread pool: one job at a time (a second concurrent caller runs
-// its job inline), chunks handed out through an atomic counter.
+// Threads: XLA's intra-op thread pool (the FFI's ThreadPool context), so a call
+// shares the cores with XLA's own work instead of a second pool competing for
+// them. A call uses up to min(the pool's threads, the cap) threads: its own
+// and tasks scheduled on the pool; where XLA gives no pool, its own thread only.
+// The cap: JAXQUANT_FFI_THREADS (read once), or jq_cpu_set_threads; default all.
 
-class Pool {
+static std::atomic<int> g_thread_cap{0};  // 0: not set by jq_cpu_set_threads
+
+static int thread_cap() {
+  static const int from_env = [] {
+    const char* env = getenv("JAXQUANT_FFI_THREADS");
+    const int n = env ? atoi(env) : 0;
+    return n > 0 ? std::min(n, 256) : 0;
+  }();
+  const int set = g_thread_cap.load(std::memory_order_relaxed);
+  if (set > 0) return set;
+  if (from_env > 0) return from_env;
+  return std::max(1, (int)std::thread::hardware_concurrency());
+}
+
+// Runs fn over [0, n) in chunks of `grain` on the caller's thread and up to
+// threads - 1 tasks of XLA's pool, chunks handed out through an atomic counter.
+// The caller waits only for the chunks some thread took (a task still queued when
+// every chunk is taken finds none and returns), so a call made from a pool thread
+// cannot wait on tasks queued behind it. False where fn threw on any thread (an
+// allocation failure): the remaining chunks are skipped, and the call returns once
+// every taken chunk has ended, so the handler can turn it into an ffi::Error. An
+// exception never leaves a pool thread.
+class ParallelFor {
  public:
-  static Pool& get() {
-    static std::mutex mu;
-    static Pool* pool = nullptr;
-    std::lock_guard<std::mutex> lock(mu);
-    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool();  // new after fork
-    return *pool;
+  using Fn = std::function<void(int64_t, int64_t)>;
+
+  static int threads(ffi::ThreadPool& pool) {
+    const int64_t pool_threads = pool.num_threads();  // 0: no pool
+    return (int)std::max<int64_t>(1, std::min<int64_t>(thread_cap(), pool_threads));
   }
 
-  int threads() const { return (int)workers_.size() + 1; }
-
-  // Runs fn over [0, n) in chunks of `grain`. False where fn threw on any thread
-  // (an allocation failure): the remaining chunks are skipped and the call returns
-  // once every thread has stopped, so the handler can turn it into an ffi::Error.
-  // An exception must never leave a worker thread (std::terminate).
-  bool parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn,
-                    bool flush_denormals = true) {
+  static bool run(ffi::ThreadPool& pool, int64_t n, int64_t grain, const Fn& fn,
+                  bool flush_denormals = true) {
     if (n <= 0) return true;
     grain = std::max<int64_t>(grain, 1);
-    if (workers_.empty() || n <= grain || !run_mu_.try_lock()) {
+    const int64_t chunks = (n + grain - 1) / grain;
+    const int64_t helpers = std::min<int64_t>(threads(pool), chunks) - 1;
+    if (helpers <= 0) {
       FlushDenormals fd(flush_denormals);
       try {
         fn(0, n);
@@ -111,77 +130,50 @@ class Pool {
       }
       return true;
     }
+    auto st = std::make_shared<State>();
+    st->fn = &fn;
+    st->n = n;
+    st->grain = grain;
+    st->chunks = chunks;
+    st->flush = flush_denormals;
+    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([st] { work(*st); });
+    work(*st);
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      flush_ = flush_denormals;
-      fn_ = &fn;
-      n_ = n;
-      grain_ = grain;
-      next_.store(0);
-      failed_.store(false);
-      pending_ = (int)workers_.size();
-      ++generation_;
+      std::unique_lock<std::mutex> lock(st->mu);
+      st->cv.wait(lock, [&] { return st->done.load() == st->chunks; });
     }
-    cv_.notify_all();
-    work();
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      done_.wait(lock, [&] { return pending_ == 0; });
-      fn_ = nullptr;
-    }
-    const bool ok = !failed_.load();
-    run_mu_.unlock();
-    return ok;
+    return !st->failed.load();
   }
 
  private:
-  Pool() : pid_(getpid()) {
-    int n = (int)std::thread::hardware_concurrency();
-    if (const char* env = getenv("JAXQUANT_FFI_THREADS")) n = atoi(env);
-    n = std::max(1, std::min(n, 256));
-    for (int i = 0; i + 1 < n; ++i) workers_.emplace_back([this] { loop(); });
-    for (auto& t : workers_) t.detach();  // lives as long as the process
-  }
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};  // chunks taken (times grain), chunks ended
+    std::atomic<bool> failed{false};
+    std::mutex mu;
+    std::condition_variable cv;
+    const Fn* fn = nullptr;  // valid while a chunk is left: the caller waits for them
+    int64_t n = 0, grain = 1, chunks = 0;
+    bool flush = true;
+  };
 
-  void work() {
-    FlushDenormals fd(flush_);
+  static void work(State& st) {
+    FlushDenormals fd(st.flush);
     for (;;) {
-      const int64_t i0 = next_.fetch_add(grain_);
-      if (i0 >= n_ || failed_.load(std::memory_order_relaxed)) break;
-      try {
-        (*fn_)(i0, std::min(n_, i0 + grain_));
-      } catch (...) {
-        failed_.store(true);
+      const int64_t i0 = st.next.fetch_add(st.grain);
+      if (i0 >= st.n) break;
+      if (!st.failed.load(std::memory_order_relaxed)) {
+        try {
+          (*st.fn)(i0, std::min(st.n, i0 + st.grain));
+        } catch (...) {
+          st.failed.store(true);
+        }
+      }
+      if (st.done.fetch_add(1) + 1 == st.chunks) {
+        std::lock_guard<std::mutex> lock(st.mu);
+        st.cv.notify_all();
       }
     }
   }
-
-  void loop() {
-    int64_t seen = 0;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-      }
-      work();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--pending_ == 0) done_.notify_all();
-      }
-    }
-  }
-
-  pid_t pid_;
-  std::vector<std::thread> workers_;
-  std::mutex run_mu_, mu_;
-  std::condition_variable cv_, done_;
-  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
-  std::atomic<int64_t> next_{0};
-  std::atomic<bool> failed_{false};
-  int64_t n_ = 0, grain_ = 1, generation_ = 0;
-  int pending_ = 0;
-  bool flush_ = true;
 };
 
 // ---------------------------------------------------------------------------
@@ -203,18 +195,18 @@ static std::unique_ptr<float[]> scratch_floats(int64_t n) {
 }
 
 struct CpuPlatform {
-  static ffi::Error dequantize(const DequantProblem& p) {
+  static ffi::Error dequantize(const DequantProblem& p, ffi::ThreadPool pool) {
     const Kernels* k = select_kernels();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
     const bool mx = kFormats[p.fmt].scale == kScaleE8M0;
-    if (!Pool::get().parallel_for(
-            p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); },
+    if (!ParallelFor::run(
+            pool, p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); },
             /*flush_denormals=*/!mx))
       return out_of_memory("dequantize");
     return ffi::Error::Success();
   }
 
-  static ffi::Error qmv(const QmvProblem& p) {
+  static ffi::Error qmv(const QmvProblem& p, ffi::ThreadPool pool) {
     if (p.K == 0) {
       for (int64_t i = 0; i < p.S * p.M * p.N; ++i) store_float(p.y, i, p.x_dt, 0.0f);
       // (invalid experts still give NaN rows)
@@ -226,15 +218,17 @@ struct CpuPlatform {
       return ffi::Error::Success();
     }
     const Kernels* k = select_kernels();
-    Pool& pool = Pool::get();
     // Work items: (slot, block of rows). Blocks are a multiple of 8 rows and
-    // small enough to give every thread a few items.
-    const int64_t want = std::max<int64_t>(1, 4 * pool.threads() / std::max<int64_t>(p.S, 1));
+    // small enough to give every thread a few items. Each output row is computed
+    // by one kernel call whatever the split, so the result is the same bits for
+    // any number of threads.
+    const int threads = ParallelFor::threads(pool);
+    const int64_t want = std::max<int64_t>(1, 4 * threads / std::max<int64_t>(p.S, 1));
     int64_t nb = (p.N + want - 1) / want;
     nb = std::max<int64_t>(16, std::min<int64_t>(512, (nb + 7) / 8 * 8));
     const int64_t blocks = (p.N + nb - 1) / nb;
     const int64_t scratch_n = qmv_scratch_floats(p);
-    const bool ok = pool.parallel_for(p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
+    const bool ok = ParallelFor::run(pool, p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
       const std::unique_ptr<float[]> scratch = scratch_floats(scratch_n);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t s = i / blocks, b = i % blocks;
@@ -244,10 +238,10 @@ struct CpuPlatform {
     return ok ? ffi::Error::Success() : out_of_memory("qmv");
   }
 
-  static ffi::Error norm(const NormProblem& p) {
+  static ffi::Error norm(const NormProblem& p, ffi::ThreadPool pool) {
     const Kernels* k = select_kernels();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(p.d, 1));
-    const bool ok = Pool::get().parallel_for(p.rows, grain, [&](int64_t r0, int64_t r1) {
+    const bool ok = ParallelFor::run(pool, p.rows, grain, [&](int64_t r0, int64_t r1) {
       const std::unique_ptr<float[]> scratch = scratch_floats(3 * p.d);
       k->norm(p, r0, r1, scratch.get());
     });
@@ -255,7 +249,7 @@ struct CpuPlatform {
   }
 };
 
-using CpuHandlers = Handlers<CpuPlatform>;
+using CpuHandlers = Handlers<CpuPlatform, ffi::ThreadPool>;
 
 }  // namespace cpu
 }  // namespace jq
@@ -272,8 +266,15 @@ __attribute__((visibility("default"))) const char* jq_cpu_isa() {
   return jq::cpu::select_kernels()->isa;
 }
 
-__attribute__((visibility("default"))) int jq_cpu_threads() {
-  return jq::cpu::Pool::get().threads();
+// The most threads a call uses (XLA's pool may have fewer).
+__attribute__((visibility("default"))) int jq_cpu_threads() { return jq::cpu::thread_cap(); }
+
+// Caps the threads of the calls that start from now on (n >= 1; 0: back to
+// JAXQUANT_FFI_THREADS or all); returns the previous cap.
+__attribute__((visibility("default"))) int jq_cpu_set_threads(int n) {
+  const int before = jq::cpu::thread_cap();
+  jq::cpu::g_thread_cap.store(std::max(0, std::min(n, 256)));
+  return before;
 }
 
 // Format `fmt`: {element, bits_mask, group_mask, scale kind, has_biases, has_global_scale}.

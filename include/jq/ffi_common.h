@@ -350,7 +350,7 @@ inline ffi::Error make_norm(int32_t kind, const ffi::AnyBuffer& x, const ffi::An
 //
 // Handlers<Platform, Ctx...>: `Ctx` are the contexts the platform's handlers
 // take from XLA before their operands (GPU: ffi::PlatformStream<stream>; CPU:
-// none), passed on to the platform's runner. Platform has, for each target it
+// ffi::ThreadPool, XLA's intra-op pool), passed on to the platform's runner. Platform has, for each target it
 // serves, a static `ffi::Error <target>(const <Problem>& p, <context values>...)`
 // that runs a validated, non-empty problem:
 //   dequantize(DequantProblem)  qmv(QmvProblem)  norm(NormProblem: the three norms)
