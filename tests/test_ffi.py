@@ -523,6 +523,124 @@ def test_qmv_decodes_every_code(mode, bits):
         np.testing.assert_array_equal(y, got[:, :m].T, err_msg=mode)
 
 
+# The 16-lane GEMV (AVX-512 with VBMI; where the CPU has it, the default ISA here) on
+# what its decode and scale handling special-case: an odd number of units, groups of
+# 16 inside a 4-bit unit and across an 8-bit one, 1 to 5 rows of x (every tile
+# height), E8M0 rows that take the 8-lane path; and every ISA through a subprocess.
+WIDE_CASES = [("affine", 4, 16), ("affine", 4, 32), ("affine", 4, 128), ("affine", 8, 16),
+              ("affine", 8, 64), ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("fp4", 4, 16),
+              ("fp4", 4, 64), ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32),
+              ("mxfp6_e2m3", 6, 32)]
+
+
+def set_cpu_threads(n):
+    """Caps the CPU library's threads from the next call on; returns the previous cap."""
+    return CPU_LIB.handle.jq_cpu_set_threads(n)
+
+
+@pytest.mark.parametrize("mode,bits,group", WIDE_CASES)
+def test_qmv_group_and_tile_shapes(mode, bits, group):
+    k = 7 * 32 if group <= 32 else 3 * 128
+    qw = quantize_for(mode, bits, rand(31, (37, k), scale=2.0), group_size=group)
+    w64 = deq64(qw)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = rand(32, (5, k), dtype)
+        rows = [np.asarray(ffi(jq.qmm, x[i:i + 1], qw), np.float32)[0] for i in range(5)]
+        for m in range(1, 6):
+            y = ffi(jq.qmm, x[:m], qw)
+            assert_matmul_close(y, x[:m], w64, dtype)
+            for i in range(m):  # one row's bits do not depend on M
+                np.testing.assert_array_equal(np.asarray(y, np.float32)[i], rows[i],
+                                              err_msg=f"{mode} m={m} row {i}")
+
+
+def test_qmv_e8m0_rows_of_scale_0_and_255():
+    """Rows holding scale code 0 (2**-127, split in two factors) or 255 (NaN) take the
+    8-lane path; the rows beside them stay on the 16-lane one."""
+    qw = quantize_for("mxfp4", 4, rand(33, (6, 256)))
+    scales = np.asarray(qw.scales).copy()
+    scales[1, 2], scales[3, 0], scales[4, 5], scales[4, 6] = 0, 255, 0, 140
+    qw = jq.QuantizedArray(qw.data, jnp.asarray(scales), mode="mxfp4", bits=4, group_size=32,
+                           dtype=jnp.float32)
+    x = rand(34, (2, 256))
+    y = np.asarray(ffi(jq.qmm, x, qw))
+    w64 = deq64(qw)
+    assert np.all(np.isnan(y[:, 3])) and not np.any(np.isnan(np.delete(y, 3, 1)))
+    assert_matmul_close(np.delete(y, 3, 1), x, np.delete(w64, 3, 0), jnp.float32)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 257])
+def test_qmv_threads_same_bits(n):
+    """The split over threads (XLA's pool) gives the same bits as one thread: N below,
+    at and above the threads, odd N, several slots (gather_qmm), M = 1 and 3."""
+    cases = [("mxfp4", 4, None), ("affine", 4, 32), ("mxfp8_e4m3", 8, None),
+             ("mxfp6_e3m2", 6, None)]
+    before = set_cpu_threads(1)
+    try:
+        for mode, bits, group in cases:
+            qw = quantize_for(mode, bits, rand(35, (3, n, 96)), group_size=group)
+            x = rand(36, (3, 96))
+            idx = jnp.asarray([[0, 2], [1, 1], [2, 0]], jnp.int32)
+            call = lambda: [np.asarray(a) for a in (ffi(jq.qmm, x, qw[1]), ffi(jq.qmm, x[:1], qw[2]),
+                                                    ffi(jq.gather_qmm, x, qw, idx))]
+            set_cpu_threads(1)
+            one = call()
+            for t in (2, 3, 8):
+                set_cpu_threads(t)
+                for a, b in zip(call(), one):
+                    np.testing.assert_array_equal(a, b, err_msg=f"{mode} n={n} threads={t}")
+            assert_matmul_close(one[0], x, deq64(qw)[1], jnp.float32)
+    finally:
+        set_cpu_threads(0)
+    assert CPU_LIB.handle.jq_cpu_threads() == before
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+ISA_NAMES = {"avx512": b"avx512f+bw+vl+dq+vbmi", "avx2": b"avx2+fma+f16c", "baseline": b"baseline"}
+ISA_FLAGS = {"avx512": ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx2", "fma",
+                        "f16c"], "avx2": ["avx2", "fma", "f16c"], "baseline": []}
+
+
+def test_cpu_isa_is_the_best_or_the_capped_one():
+    """The library runs the best ISA the CPU has, or the one JAXQUANT_FFI_CPU_ISA caps it to."""
+    import ctypes
+    h = CPU_LIB.handle
+    h.jq_cpu_isa.restype = ctypes.c_char_p
+    flags = set(_cpu_flags())
+    if not flags or not sys.platform.startswith("linux") or jax.devices()[0].platform != "cpu":
+        pytest.skip("needs /proc/cpuinfo (Linux x86-64)")
+    cap = os.environ.get("JAXQUANT_FFI_CPU_ISA")
+    order = ["avx512", "avx2", "baseline"]
+    order = order[order.index(cap):] if cap in order else order
+    want = next(isa for isa in order if set(ISA_FLAGS[isa]) <= flags)
+    if os.uname().machine != "x86_64":
+        want = "baseline"
+    assert h.jq_cpu_isa() == ISA_NAMES[want]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_lower_isas_decode_every_code(isa):
+    """The tests of the GEMV's decode, shapes and threads again with the kernels of a
+    lower ISA (JAXQUANT_FFI_CPU_ISA in a subprocess: the choice is made once a process)."""
+    if os.uname().machine != "x86_64" or not set(ISA_FLAGS[isa]) <= set(_cpu_flags()):
+        pytest.skip(f"this CPU has no {isa}")
+    env = dict(os.environ, JAXQUANT_FFI_CPU_ISA=isa, JAX_PLATFORMS="cpu")
+    sel = ("qmv_decodes_every_code or qmv_group_and_tile_shapes or qmv_e8m0_rows or "
+           "qmv_threads_same_bits or cpu_isa_is_the_best")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                        __file__, "-k", sel], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert " passed" in p.stdout and "skipped" not in p.stdout.splitlines()[-1], p.stdout[-500:]
+
+
 def test_float64_falls_back_to_reference():
     with enable_x64():
         qw = quantize_for("affine", 4, rand(11, (16, 64)))
