@@ -23,8 +23,8 @@ struct Kernels {
 
 inline int64_t qmv_scratch_floats(const QmvProblem& p) {
   // x in float32, its group sums, x in the 16-lane decode's order, one row's
-  // group multipliers and biases
-  return 2 * p.M * p.K + p.M * p.groups + 2 * p.groups + 64;
+  // group multipliers and biases (each with room for whole vectors past the groups)
+  return 2 * p.M * p.K + p.M * p.groups + (p.K + 32) + (p.groups + 32) + 64;
 }
 
 const Kernels* kernels_avx512();  // nullptr where not compiled in
