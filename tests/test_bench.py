@@ -1,13 +1,15 @@
 """The benchmark CLI (`python -m jaxquant bench`), in process on the CPU with tiny
 shapes: every scenario prints its table, help lists the scenarios and explains the
 options, command-line mistakes are one line on stderr (no traceback), interpret-mode
-rows are labelled, %copy is left out on the CPU."""
+rows are labelled; on the CPU, qmm's %copy is against a copy of each row's bytes and
+the other scenarios leave it out."""
 
 import re
 import sys
 
 import pytest
 
+import jaxquant.ffi as jf
 from jaxquant import bench
 from jaxquant.bench import harness
 from jaxquant.bench import moe as bench_moe
@@ -90,11 +92,17 @@ def test_qmm_table_progress_and_interpret_label(capsys):
     lines, err = _run(["qmm", "--shapes", "2,64,32", "--modes", "affine4", "--interpret",
                        *FAST], capsys)
     header, rows = _table(lines)
-    assert "%copy" not in header and "GB/s" not in header    # a CPU copy measures caches
-    assert "GFLOP/s" in header
-    assert not [l for l in lines if "copy bandwidth" in l]
+    # on a CPU each row against a host copy of the same bytes, on as many threads
+    assert "%copy" in header and "GB/s" in header and "GFLOP/s" in header
+    assert [l for l in lines if "a host copy of the same bytes" in l]
     impls = {r[2]: r for r in rows}
-    assert {"dense", "jnp reference", "pallas (interpret)"} <= set(impls)
+    assert {"dense", "dense einsum", "numpy float32", "jnp reference",
+            "pallas (interpret)"} <= set(impls)
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    for r in rows:
+        assert r[cols.index("%copy")].endswith("%") and float(r[cols.index("GB/s")]) >= 0
+    assert rows[0][0] == f"2, 64, 32 ({harness.cpu_threads()} thread" + \
+        ("s)" if harness.cpu_threads() > 1 else ")")
     assert "pallas" not in impls                       # never an unlabelled interpret row
     for r in rows:
         assert float(r[3]) > 0
@@ -106,7 +114,7 @@ def test_qmm_table_progress_and_interpret_label(capsys):
     assert "jq.qmm auto, canonical" in impls and float(default[-1]) < 1e-2
     summary = [l for l in lines if "jq.quantize default" in l and "the best" in l]
     assert len(summary) == 1, summary
-    m = re.fullmatch(r"# 2, 64, 32 affine4: jq\.quantize default ([\d.]+) µs = ([\d.]+)x the best "
+    m = re.fullmatch(r"# 2, 64, 32 \(\d+ threads?\) affine4: jq\.quantize default ([\d.]+) µs = ([\d.]+)x the best "
                      r"\((.+), ([\d.]+) µs\)", summary[0])
     assert m is not None, summary
     assert m[1] == default[3] and m[3] in impls and impls[m[3]][1] == "affine4"
@@ -186,11 +194,16 @@ def test_json_out_writes_each_row_as_data_and_merges(tmp_path, capsys, skip_copy
          capsys)
     first = json.loads(path.read_text())["entries"]
     keys = [e["key"] for e in first]
-    # dense, the jnp reference, ffi, and jq.qmm's automatic choice on the canonical
-    # weight and on jq.quantize's default (canonical on a CPU: no prepacked row)
-    assert keys == sorted(keys) and len(keys) == 5, keys
-    ffi = next(e for e in first if e["key"].endswith("impl=ffi"))
-    assert ffi["key"] == "qmm: M, K, N=1, 64, 128 / mode=affine4 / impl=ffi"
+    # dense (x @ w.T, XLA's einsum, numpy), the jnp reference, ffi (its ISA named), and
+    # jq.qmm's automatic choice on the canonical weight and on jq.quantize's default
+    # (canonical on a CPU: no prepacked row); the case names the threads
+    assert keys == sorted(keys) and len(keys) == 7, keys
+    ffi = next(e for e in first if "impl=ffi" in e["key"])
+    t = harness.cpu_threads()
+    case = f"M, K, N=1, 64, 128 ({t} thread{'s' * (t > 1)})"
+    assert ffi["key"] == f"qmm: {case} / mode=affine4 / impl=ffi ({jf.cpu_kernels_isa()})"
+    assert 0 < ffi["values"]["%copy"] if isinstance(ffi["values"]["%copy"], float) else \
+        ffi["values"]["%copy"].endswith("%")
     assert isinstance(ffi["values"]["µs"], float) and ffi["values"]["µs"] > 0
     assert ffi["command"] == ("python -m jaxquant bench qmm --shapes 1,64,128 --modes affine4 "
                               + " ".join(FAST))
@@ -200,5 +213,5 @@ def test_json_out_writes_each_row_as_data_and_merges(tmp_path, capsys, skip_copy
     _run(["qmm", "--shapes", "2,64,128", "--modes", "affine4", "--json-out", str(path), *FAST],
          capsys)
     second = {e["key"]: e for e in json.loads(path.read_text())["entries"]}
-    assert len(second) == 10 and set(keys) <= set(second)
-    assert "qmm: M, K, N=2, 64, 128 / mode=affine4 / impl=ffi" in second
+    assert len(second) == 14 and set(keys) <= set(second)
+    assert ffi["key"].replace("N=1,", "N=2,") in second

@@ -9,8 +9,11 @@ of (sample time / inner / n_products).
 
 Bandwidth. A device-to-device copy (read + write of a large buffer) is timed
 in the same run; "%copy" is (bytes the product must move) / time over the
-copy's (bytes read + written) / time. On a CPU such a copy measures caches
-rather than memory, so the tables leave GB/s and %copy out there (GFLOP/s instead).
+copy's (bytes read + written) / time. On a CPU a copy of a fixed size measures
+whichever cache holds it, so the scenarios that show GB/s and %copy there (qmm)
+time a copy of the same bytes as each row's timed call (cpu_copy_bandwidth: the
+same cache or memory, the same threads); the others leave those columns out on
+a CPU (GFLOP/s instead).
 """
 
 from __future__ import annotations
@@ -86,6 +89,47 @@ def copy_bandwidth(nbytes=None, iters=None):
     return 2 * nbytes / sec
 
 
+def cpu_threads() -> int:
+    """Threads a CPU run uses: the cores this process may run on (`taskset -c 0` for
+    one), which is also the size of XLA's intra-op pool the ffi kernels use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+CPU_COPY_MAX_BYTES = 512 << 20  # a larger call is compared with a copy of this many
+
+
+def cpu_copy_bandwidth(nbytes, threads=None, iters=5, _cache={}):
+    """Bytes/s (read + written) of a host copy of `nbytes` (at most CPU_COPY_MAX_BYTES:
+    past the last-level cache either way) split over `threads` threads (numpy copies
+    release the GIL); median of `iters`. Cached per (size, threads) for one run."""
+    import concurrent.futures
+
+    import numpy as np
+
+    threads = threads or cpu_threads()
+    nbytes = max(4096, min(int(nbytes), CPU_COPY_MAX_BYTES)) // 4096 * 4096
+    key = (nbytes, threads)
+    if key not in _cache:
+        src = np.ones(nbytes // 4, np.float32)
+        dst = np.empty_like(src)
+        bounds = np.linspace(0, src.size, threads + 1).astype(int)
+        parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            def copy():
+                list(ex.map(lambda p: np.copyto(*p), parts))
+            copy()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                copy()
+                times.append(time.perf_counter() - t0)
+        _cache[key] = 2 * nbytes / statistics.median(times)
+    return _cache[key]
+
+
 def dense_matmul_flops(n=None, iters=None):
     """FLOP/s of one dense bf16 n x n x n product (XLA's dot: cuBLAS on a GPU), calls
     back to back: the tensor-core rate a prefill is held against in the same process.
@@ -106,9 +150,32 @@ def dense_matmul_flops(n=None, iters=None):
     return 2.0 * n**3 / sec
 
 
-def start(out, interpret) -> float:
+def last_level_cache_bytes() -> int | None:
+    """The CPU's last-level cache in bytes (glibc's sysconf, else Linux sysfs), or None."""
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError, AttributeError):
+            size = 0
+        if size and size > 0:
+            return size
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        sizes = []
+        for name in os.listdir(base):
+            with open(os.path.join(base, name, "size")) as f:
+                text = f.read().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        return max(sizes) if sizes else None
+    except (OSError, ValueError):
+        return None
+
+
+def start(out, interpret, cpu_copy_per_row=False) -> float:
     """Times the copy bandwidth and prints the lines every run starts with: the device,
-    jax version, copy bandwidth and which backends cannot run here. Returns bytes/s."""
+    jax version, copy bandwidth and which backends cannot run here. Returns bytes/s.
+    cpu_copy_per_row: the scenario gives each CPU row a copy of its own bytes."""
     import jax
 
     from jaxquant import dispatch
@@ -116,7 +183,14 @@ def start(out, interpret) -> float:
     bw = copy_bandwidth()
     dev = jax.devices()[0]
     out(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}")
-    if on_cpu():
+    if on_cpu() and cpu_copy_per_row:
+        llc = last_level_cache_bytes()
+        out(f"# CPU, {cpu_threads()} thread(s) (XLA's pool and the ffi kernels; `taskset -c 0` "
+            "for one): GB/s and %copy against a host copy of the same bytes as the row's "
+            f"timed call, on as many threads (at most {CPU_COPY_MAX_BYTES >> 20} MiB); "
+            f"last-level cache {llc >> 20 if llc else '?'} MiB: a call whose bytes fit it "
+            "runs from the cache, and so does its copy")
+    elif on_cpu():
         out("# CPU: no GB/s or %copy columns (a copy or a product this size runs from the "
             "caches, so bytes/s say nothing about memory); GFLOP/s instead of TFLOP/s")
     else:
@@ -147,12 +221,15 @@ class Row:
     flops: float = 0.0
     err: float | None = None
     note: str = ""
+    bw: float | None = None   # this row's copy bandwidth (CPU: a copy of the same bytes)
 
 
 def run_case(rows, fn, args, *, n_products, nbytes, case, x, family, mode, impl, iters,
-             target_ms, bw, flops=0.0, check: Callable | None = None, out=print):
-    """Time fn(*args) and append its Row (err from check(first output), where given);
-    a failure is reported in one line and the run goes on."""
+             target_ms, bw, flops=0.0, check: Callable | None = None, out=print,
+             row_bw: float | None = None):
+    """Time fn(*args) and append its Row (err from check(first output), where given;
+    row_bw: the row's own copy bandwidth); a failure is reported in one line and the
+    run goes on."""
     import jax
 
     progress(f"{case} {mode} {impl}")
@@ -164,9 +241,10 @@ def run_case(rows, fn, args, *, n_products, nbytes, case, x, family, mode, impl,
     except Exception as e:  # noqa: BLE001 - report and go on
         msg = str(e).splitlines()[0][:200] if str(e) else ""
         out(f"# {impl} failed at {case} {mode}: {type(e).__name__}: {msg}")
-        rows.append(Row(case, x, family, mode, impl, None, nbytes, flops, note="failed"))
+        rows.append(Row(case, x, family, mode, impl, None, nbytes, flops, note="failed",
+                        bw=row_bw))
         return None
-    row = Row(case, x, family, mode, impl, sec * 1e6, nbytes, flops, err)
+    row = Row(case, x, family, mode, impl, sec * 1e6, nbytes, flops, err, bw=row_bw)
     rows.append(row)
     return row
 
@@ -176,9 +254,10 @@ def print_table(rows, bw, out, *, base: str | None, ref: str, case_title: str, f
     (where given) and over the same mode's `ref` impl, GB/s and %copy (not on the CPU),
     TFLOP/s (GFLOP/s on the CPU), error."""
     cpu = on_cpu()
+    with_copy = not cpu or any(r.bw for r in rows)
     cols = [case_title, "mode", "impl", "µs"] + ([f"vs {base}"] if base else [])
     cols += [f"vs {ref}"]
-    cols += [] if cpu else ["GB/s", "%copy"]
+    cols += ["GB/s", "%copy"] if with_copy else []
     cols += [("GFLOP/s" if cpu else "TFLOP/s")] if flops else []
     cols += ["rel.err"]
     out("")
@@ -196,7 +275,9 @@ def print_table(rows, bw, out, *, base: str | None, ref: str, case_title: str, f
         vs_base = [f"{base_row.us / r.us:.2f}x" if base_row is not None else ""] if base else []
         gbs = r.nbytes / (r.us * 1e-6) / 1e9
         cells = [r.case, r.mode, r.impl, f"{r.us:.1f}", *vs_base, vs_ref]
-        cells += [] if cpu else [f"{gbs:.0f}", f"{100 * gbs * 1e9 / bw:.0f}%"]
+        if with_copy:
+            cells += [f"{gbs:.2f}" if cpu else f"{gbs:.0f}",
+                      f"{100 * gbs * 1e9 / (r.bw or bw):.0f}%"]
         flop_s = r.flops / (r.us * 1e-6)
         cells += [f"{flop_s / 1e9:.1f}" if cpu else f"{flop_s / 1e12:.2f}"] if flops else []
         cells += ["" if r.err is None else f"{r.err:.1e}"]

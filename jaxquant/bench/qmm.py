@@ -3,7 +3,11 @@ platform) vs the jnp reference (jax.jit of x @ dequantize_reference(qw).T) vs
 the dense x @ w.T in the activation dtype, in one process, on the same inputs.
 
 Every timed call does one product per weight copy (all distinct); "%copy" counts
-the bytes the product must move: weight + scales (+ biases) + x + y.
+the bytes the product must move: weight + scales (+ biases) + x + y. On a CPU
+the case names the threads (those this process may run on: `taskset -c 0` for
+one), the ffi row names the ISA of its kernels, XLA's einsum and numpy's float32
+GEMV join the dense rows, and each row's %copy is against a host copy of the
+same bytes on as many threads (harness.cpu_copy_bandwidth).
 The implementations timed are `PEERS` (on the canonical layout, the one their
 kernels read): adding one is one small function. Then the op a user calls,
 `jq.qmm` with the automatic choice, on the canonical layout, on `jq.prepack`'s
@@ -49,6 +53,14 @@ def _dense(m, opts):
     return [("dense", lambda x, w: x @ w.T)]
 
 
+def _dense_einsum(m, opts):
+    """On a CPU, XLA's other float GEMV: `x @ w.T` takes a slow path there (docs/backends.md)."""
+    import jax.numpy as jnp
+    if not harness.on_cpu():
+        return []
+    return [("dense einsum", lambda x, w: jnp.einsum("mk,nk->mn", x, w))]
+
+
 def _reference(m, opts):
     from jaxquant.quantize import dequantize_reference
     return [("jnp reference", lambda x, qw: x @ dequantize_reference(qw, x.dtype).T)]
@@ -71,7 +83,10 @@ def _ffi(m, opts):
     import jaxquant as jq
     if "ffi" not in jq.available_backends():
         return []
-    return [("ffi", functools.partial(jq.qmm, backend="ffi"))]
+    from jaxquant import ffi
+    # on a CPU the label names the kernels' ISA (JAXQUANT_FFI_CPU_ISA caps it)
+    label = f"ffi ({ffi.cpu_kernels_isa()})" if harness.on_cpu() else "ffi"
+    return [(label, functools.partial(jq.qmm, backend="ffi"))]
 
 
 def _metal(m, opts):
@@ -81,7 +96,8 @@ def _metal(m, opts):
     return [("metal", functools.partial(jq.qmm, backend="metal"))]
 
 
-PEERS = [Peer("dense", False, _dense), Peer("reference", True, _reference),
+PEERS = [Peer("dense", False, _dense), Peer("dense einsum", False, _dense_einsum),
+         Peer("reference", True, _reference),
          Peer("pallas", True, _pallas), Peer("ffi", True, _ffi), Peer("metal", True, _metal)]
 
 
@@ -100,13 +116,16 @@ def run(args, out=print):
     import jaxquant as jq
     from jaxquant.quantize import dequantize_reference
 
-    bw = harness.start(out, args.interpret)
+    bw = harness.start(out, args.interpret, cpu_copy_per_row=True)
     opts = Options(args.interpret, tuple(args.variant))
     dt = jnp.dtype(args.dtype)
     rows = []
     key = jax.random.PRNGKey(0)
+    cpu = harness.on_cpu()
+    threads = harness.cpu_threads() if cpu else 0
     for (m, k, n) in args.shapes:
-        case = f"{m}, {k}, {n}"
+        # on a CPU the case names the threads: one run per thread count (taskset)
+        case = f"{m}, {k}, {n}" + (f" ({threads} thread{'s' * (threads > 1)})" if cpu else "")
         key, kx, kw = jax.random.split(key, 3)
         x = jax.random.normal(kx, (m, k), dt)
         ws = [jax.random.normal(jax.random.fold_in(kw, i), (n, k), dt) * 0.05
@@ -121,10 +140,22 @@ def run(args, out=print):
         def many(f):
             return jax.jit(lambda x, ws: tuple(f(x, w) for w in ws))
 
+        def copy_bw(nbytes):  # CPU: a copy of one timed call's bytes
+            return harness.cpu_copy_bandwidth(args.copies * nbytes, threads) if cpu else None
+
+        dense_bytes = n * k * dt.itemsize + io
         for peer in (p for p in PEERS if not p.quantized):
             for label, f in peer.make(m, opts):
-                time(many(f), (x, ws), nbytes=n * k * dt.itemsize + io, mode="-",
-                     impl=label)
+                time(many(f), (x, ws), nbytes=dense_bytes, mode="-", impl=label,
+                     row_bw=copy_bw(dense_bytes))
+        if cpu:  # numpy's float32 GEMV (its BLAS) on the same weights, for scale
+            import numpy as np
+            xn = np.asarray(x, np.float32)
+            wn = [np.asarray(w, np.float32) for w in ws]
+            nb = n * k * 4 + (m * k + m * n) * 4
+            time(lambda: [xn @ w.T for w in wn], (), nbytes=nb, mode="-",
+                 impl="numpy float32", row_bw=copy_bw(nb))
+            del wn
         for mode in args.modes:
             qws = [jq.quantize(w, **harness.MODES[mode], layout="canonical") for w in ws]
             jax.block_until_ready(qws)
@@ -136,17 +167,18 @@ def run(args, out=print):
                 y = ys[0].astype(jnp.float32)
                 return float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))
 
+            qbytes = qws[0].nbytes + io
             for peer in (p for p in PEERS if p.quantized):
                 for label, f in peer.make(m, opts):
-                    time(many(f), (x, qws), nbytes=qws[0].nbytes + io, mode=mode, impl=label,
-                         check=None if want is None else check)
+                    time(many(f), (x, qws), nbytes=qbytes, mode=mode, impl=label,
+                         check=None if want is None else check, row_bw=copy_bw(qbytes))
             for label, weights in _op_weights(ws, qws, mode):
-                time(many(jq.qmm), (x, weights), nbytes=qws[0].nbytes + io, mode=mode,
-                     impl=label, check=None if want is None else check)
+                time(many(jq.qmm), (x, weights), nbytes=qbytes, mode=mode,
+                     impl=label, check=None if want is None else check, row_bw=copy_bw(qbytes))
             del qws
         del ws
-        harness.print_table(block, bw, out, base="dense", ref="jnp reference",
-                            case_title="M, K, N")
+        harness.print_table(block, bw, out, base="dense einsum" if cpu else "dense",
+                            ref="jnp reference", case_title="M, K, N")
         for mode in args.modes:
             out(default_vs_best(block, mode))
         rows += block

@@ -52,7 +52,8 @@ from jaxquant.layouts import cuda_mma  # noqa: F401 - the layout exists (unpacks
 from jaxquant.ffi.kernels import (FORMAT_IDS, add_rms_norm_call, dequantize_call,
                                gated_rms_norm_call, qmv_call, rms_norm_call)
 
-__all__ = ["FORMAT_IDS", "KERNELS", "add_rms_norm_call", "configs", "dequantize_call",
+__all__ = ["FORMAT_IDS", "KERNELS", "add_rms_norm_call", "configs", "cpu_kernels_isa",
+           "dequantize_call",
            "gated_rms_norm_call", "libraries", "loaded_platforms", "qmv_call", "rms_norm_call",
            "unavailable_reason"]
 
@@ -87,6 +88,20 @@ def libraries() -> dict[str, loader.Library]:
 
 def loaded_platforms() -> list[str]:
     return [p for p, lib in _LIBS.items() if lib.handle is not None]
+
+
+def cpu_kernels_isa() -> str | None:
+    """The ISA whose kernels the CPU library runs ("avx512f+bw+vl+dq+vbmi", "avx2+fma+f16c",
+    "baseline"; chosen once per process, JAXQUANT_FFI_CPU_ISA caps it), or None where
+    the CPU library is not loaded."""
+    import ctypes
+
+    lib = libraries().get("cpu")
+    if lib is None or lib.handle is None:
+        return None
+    fn = lib.handle.jq_cpu_isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 def unavailable_reason(platform: str | None = None) -> str | None:
