@@ -151,14 +151,17 @@ def dense_matmul_flops(n=None, iters=None):
 
 
 def last_level_cache_bytes() -> int | None:
-    """The CPU's last-level cache in bytes (glibc's sysconf, else Linux sysfs), or None."""
-    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+    """The CPU's last-level cache in bytes (glibc's `getconf`, else Linux sysfs), or None."""
+    import subprocess
+
+    for name in ("LEVEL3_CACHE_SIZE", "LEVEL2_CACHE_SIZE"):
         try:
-            size = os.sysconf(name)
-        except (ValueError, OSError, AttributeError):
-            size = 0
-        if size and size > 0:
-            return size
+            text = subprocess.run(["getconf", name], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+            if text.isdigit() and int(text) > 0:
+                return int(text)
+        except (OSError, subprocess.SubprocessError):
+            break
     base = "/sys/devices/system/cpu/cpu0/cache"
     try:
         sizes = []

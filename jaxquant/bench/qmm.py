@@ -96,7 +96,7 @@ def _metal(m, opts):
     return [("metal", functools.partial(jq.qmm, backend="metal"))]
 
 
-PEERS = [Peer("dense", False, _dense), Peer("dense einsum", False, _dense_einsum),
+PEERS = [Peer("dense", False, _dense), Peer("einsum", False, _dense_einsum),
          Peer("reference", True, _reference),
          Peer("pallas", True, _pallas), Peer("ffi", True, _ffi), Peer("metal", True, _metal)]
 
@@ -144,11 +144,11 @@ def run(args, out=print):
             return harness.cpu_copy_bandwidth(args.copies * nbytes, threads) if cpu else None
 
         dense_bytes = n * k * dt.itemsize + io
-        for peer in (p for p in PEERS if not p.quantized):
+        for peer in (p for p in PEERS if not p.quantized and p.name in args.peers):
             for label, f in peer.make(m, opts):
                 time(many(f), (x, ws), nbytes=dense_bytes, mode="-", impl=label,
                      row_bw=copy_bw(dense_bytes))
-        if cpu:  # numpy's float32 GEMV (its BLAS) on the same weights, for scale
+        if cpu and "numpy" in args.peers:  # numpy's float32 GEMV (its BLAS), for scale
             import numpy as np
             xn = np.asarray(x, np.float32)
             wn = [np.asarray(w, np.float32) for w in ws]
@@ -168,11 +168,11 @@ def run(args, out=print):
                 return float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))
 
             qbytes = qws[0].nbytes + io
-            for peer in (p for p in PEERS if p.quantized):
+            for peer in (p for p in PEERS if p.quantized and p.name in args.peers):
                 for label, f in peer.make(m, opts):
                     time(many(f), (x, qws), nbytes=qbytes, mode=mode, impl=label,
                          check=None if want is None else check, row_bw=copy_bw(qbytes))
-            for label, weights in _op_weights(ws, qws, mode):
+            for label, weights in (_op_weights(ws, qws, mode) if "auto" in args.peers else ()):
                 time(many(jq.qmm), (x, weights), nbytes=qbytes, mode=mode,
                      impl=label, check=None if want is None else check, row_bw=copy_bw(qbytes))
             del qws
@@ -240,6 +240,11 @@ def add_arguments(parser, cpu: bool):
                         default=DEFAULT_MODES,
                         help="quantization formats, comma-separated, from "
                              f"{', '.join(harness.MODES)} (default: {','.join(DEFAULT_MODES)})")
+    every = tuple(p.name for p in PEERS) + ("numpy", "auto")
+    parser.add_argument("--peers", type=harness.names(every, "peer"), default=every,
+                        help="implementations to time, comma-separated: dense (x @ w.T), einsum "
+                             "(CPU), reference, pallas, ffi, metal, numpy (CPU), auto (jq.qmm's "
+                             "own choice on each layout) (default: all)")
     parser.add_argument("--variant", action="append", type=_variant, default=[],
                         help="also time the Pallas kernel with this block config, e.g. "
                              "'gemv:block_n=32,k_words=32,num_warps=4' (repeatable)")
