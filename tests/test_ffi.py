@@ -530,7 +530,7 @@ def test_qmv_decodes_every_code(mode, bits):
 WIDE_CASES = [("affine", 4, 16), ("affine", 4, 32), ("affine", 4, 128), ("affine", 8, 16),
               ("affine", 8, 64), ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("fp4", 4, 16),
               ("fp4", 4, 64), ("mxfp8_e4m3", 8, 32), ("mxfp8_e5m2", 8, 32),
-              ("mxfp6_e2m3", 6, 32)]
+              ("mxfp6_e2m3", 6, 32), ("iq4nl", 4, 32)]
 
 
 def set_cpu_threads(n):
@@ -573,6 +573,8 @@ def test_qmv_e8m0_rows_of_scale_0_and_255():
 def test_qmv_threads_same_bits(n):
     """The split over threads (XLA's pool) gives the same bits as one thread: N below,
     at and above the threads, odd N, several slots (gather_qmm), M = 1 and 3."""
+    if len(os.sched_getaffinity(0)) < 2:  # XLA's pool has a thread per core it may use
+        pytest.skip("one core here: no split to compare")
     cases = [("mxfp4", 4, None), ("affine", 4, 32), ("mxfp8_e4m3", 8, None),
              ("mxfp6_e3m2", 6, None)]
     before = set_cpu_threads(1)
