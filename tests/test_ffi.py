@@ -627,8 +627,9 @@ def test_cpu_isa_is_the_best_or_the_capped_one():
     assert h.jq_cpu_isa() == ISA_NAMES[want]
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
-def test_lower_isas_decode_every_code(isa):
+@pytest.mark.parametrize("isa", [pytest.param("avx2", marks=pytest.mark.full),
+                                 pytest.param("baseline", marks=pytest.mark.full)])
+def test_lower_isas_decode_every_code(isa):  # ~40 s of CPU each: CI's full matrix
     """The tests of the GEMV's decode, shapes and threads again with the kernels of a
     lower ISA (JAXQUANT_FFI_CPU_ISA in a subprocess: the choice is made once a process)."""
     if os.uname().machine != "x86_64" or not set(ISA_FLAGS[isa]) <= set(_cpu_flags()):
