@@ -19,7 +19,7 @@ CUDA_VISIBLE_DEVICES=0 timeout "$LIMIT" $PY -m tests.multiprocess_cases 0 2 "$po
 CUDA_VISIBLE_DEVICES=1 timeout "$LIMIT" $PY -m tests.multiprocess_cases 1 2 "$port" gpu \
     > "$OUT/mp_1.json" 2> "$OUT/mp_1.err"
 wait
-tail -3 "$OUT/mp_0.err" "$OUT/mp_1.err"
+tail -n 3 "$OUT/mp_0.err" "$OUT/mp_1.err"
 $PY - "$OUT" <<'PY' | tee "$OUT/two_process.txt"
 import json, sys
 load = lambda n: json.loads(open(f"{sys.argv[1]}/{n}.json").read().strip().splitlines()[-1])
