@@ -55,17 +55,6 @@ class _Peak:
         self.sample()
 
 
-def _bytes(tree, shared=()):
-    """Bytes of tree's arrays (each once) that are not among shared's."""
-    seen = {id(a) for a in jax.tree_util.tree_leaves(shared)}
-    total = 0
-    for a in jax.tree_util.tree_leaves(tree):
-        if isinstance(a, jax.Array) and id(a) not in seen:
-            seen.add(id(a))
-            total += a.nbytes
-    return total
-
-
 def _cfg():
     return models.Config(family="llama", vocab_size=64, hidden_size=128, num_layers=LAYERS,
                          num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256)
@@ -81,14 +70,14 @@ def _separate_params():
 
 
 def _one_layer_bytes(params):
-    return _bytes(params["layers"]) // LAYERS
+    return models.device_bytes(params["layers"]) // LAYERS
 
 
 @pytest.mark.parametrize("per_layer", [False, pytest.param(True, marks=pytest.mark.full)])
 def test_quantize_params_holds_the_output_and_one_layer(per_layer, monkeypatch):
     cfg, params = _separate_params()
     want = models.quantize_params(params, "affine4", per_layer=per_layer)
-    out_bytes = _bytes(want, params)    # the embedding and the norms are params' own
+    out_bytes = models.device_bytes(want, params)    # the embedding and the norms are params' own
     del want
     base = _live_bytes()
     layer = _one_layer_bytes(params)
@@ -111,7 +100,7 @@ def test_quantize_params_holds_the_output_and_one_layer(per_layer, monkeypatch):
     # the input, the output, one layer's slices and its fused / quantized parts (3 layers'
     # float bytes bound those); a stack fused or quantized whole would add LAYERS layers
     assert peak.peak - base <= out_bytes + 3 * layer, (peak.peak - base, out_bytes, layer)
-    assert _live_bytes() - base == _bytes(got, params) == out_bytes   # nothing else left
+    assert _live_bytes() - base == models.device_bytes(got, params) == out_bytes   # nothing else left
     np.testing.assert_array_equal(                            # and the same values
         models.forward(cfg, got, jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None],
                        models.init_cache(cfg, 1, 4))[0],
@@ -176,7 +165,7 @@ def test_checkpoint_load_holds_the_output_and_one_layer(per_layer, tmp_path, mon
     layer = _write_checkpoint(tmp_path / "ckpt", _cfg())
     _, want = checkpoint.load(tmp_path / "ckpt", "affine4", dtype="float32",
                               per_layer=per_layer)
-    out_bytes = _bytes(want)
+    out_bytes = models.device_bytes(want)
     del want
     base = _live_bytes()
     peak = _Peak()
@@ -197,7 +186,7 @@ def test_checkpoint_load_holds_the_output_and_one_layer(per_layer, tmp_path, mon
                                  per_layer=per_layer)
         jax.block_until_ready(got)
     assert peak.peak - base <= out_bytes + 3 * layer, (peak.peak - base, out_bytes, layer)
-    assert _live_bytes() - base == _bytes(got) == out_bytes
+    assert _live_bytes() - base == models.device_bytes(got) == out_bytes
     del got
     fail, calls[:] = True, []
     with pytest.raises(MemoryError) as e:       # in layer 1 (5 matrices a layer, fused)

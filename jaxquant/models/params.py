@@ -420,3 +420,16 @@ def weight_bytes(params) -> int:
     """Bytes of all parameters (packed data, scales, biases of quantized ones)."""
     return sum(int(np.prod(np.shape(a))) * jnp.dtype(a.dtype).itemsize
                for a in jax.tree_util.tree_leaves(params))
+
+
+def device_bytes(tree, shared=()) -> int:
+    """Bytes of the distinct device arrays of `tree` (an array two leaves share counted
+    once) that are not among `shared`'s: what a result holds beyond its input (e.g.
+    quantize_params' output, the norms and embedding it passes through left out)."""
+    seen = {id(a) for a in jax.tree_util.tree_leaves(shared)}
+    total = 0
+    for a in jax.tree_util.tree_leaves(tree):
+        if isinstance(a, jax.Array) and id(a) not in seen:
+            seen.add(id(a))
+            total += a.nbytes
+    return total

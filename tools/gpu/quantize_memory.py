@@ -52,15 +52,6 @@ def main(argv=None):
         s = dev.memory_stats() or {}
         return s.get("bytes_in_use", 0), s.get("peak_bytes_in_use", 0), s.get("bytes_limit", 0)
 
-    def nbytes(tree, shared=()):
-        seen = {id(a) for a in jax.tree_util.tree_leaves(shared)}
-        total = 0
-        for a in jax.tree_util.tree_leaves(tree):
-            if isinstance(a, jax.Array) and id(a) not in seen:
-                seen.add(id(a))
-                total += a.nbytes
-        return total
-
     print("device", dev.device_kind, "jax", jax.__version__, "date",
           time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     cfg = models.Config(**demo.PRESETS[args.config])
@@ -71,7 +62,7 @@ def main(argv=None):
     print("config", args.config, "mode", args.mode, "layers",
           "stacked" if args.stacked else "per-layer")
     print("limit_gib", gib(limit))
-    print("input_gib", gib(nbytes(params)))
+    print("input_gib", gib(models.device_bytes(params)))
     print("before_gib", gib(before), "(peak so far", gib(peak0) + ")")
     try:
         out = models.quantize_params(params, args.mode, per_layer=not args.stacked)
@@ -81,11 +72,11 @@ def main(argv=None):
         used, peak, _ = stats()
         print("error", type(e).__name__, first)
         print("peak_gib", gib(peak))
-        print("after_error_gib", gib(used), "input_gib", gib(nbytes(params)),
-              "held_beyond_input_gib", gib(used - nbytes(params)))
+        print("after_error_gib", gib(used), "input_gib", gib(models.device_bytes(params)),
+              "held_beyond_input_gib", gib(used - models.device_bytes(params)))
         return 1
     used, peak, _ = stats()
-    inp, outb = nbytes(params), nbytes(out, params)
+    inp, outb = models.device_bytes(params), models.device_bytes(out, params)
     print("peak_gib", gib(peak))
     print("after_gib", gib(used))
     print("output_gib", gib(outb))
