@@ -227,7 +227,7 @@ struct CpuPlatform {
     int64_t nb = (p.N + want - 1) / want;
     nb = std::max<int64_t>(16, std::min<int64_t>(512, (nb + 7) / 8 * 8));
     const int64_t blocks = (p.N + nb - 1) / nb;
-    const int64_t scratch_n = qmv_scratch_floats(p);
+    const int64_t scratch_n = k->qmv_scratch(p);
     const bool ok = ParallelFor::run(pool, p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
       const std::unique_ptr<float[]> scratch = scratch_floats(scratch_n);
       for (int64_t i = i0; i < i1; ++i) {

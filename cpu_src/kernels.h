@@ -15,17 +15,13 @@ struct Kernels {
   const char* isa;
   // Dequantize rows [r0, r1) of p (rows = all dims but K).
   void (*dequant)(const DequantProblem& p, int64_t r0, int64_t r1);
-  // y[s, :, n0:n1] of a fused dequantize-GEMV; `scratch` holds qmv_scratch_floats(p).
+  // y[s, :, n0:n1] of a fused dequantize-GEMV; `scratch` holds qmv_scratch(p) floats.
   void (*qmv)(const QmvProblem& p, int64_t s, int64_t n0, int64_t n1, float* scratch);
   // Norm rows [r0, r1); `scratch` holds 3 * p.d floats.
   void (*norm)(const NormProblem& p, int64_t r0, int64_t r1, float* scratch);
+  // Floats of scratch one qmv call (one chunk of rows) needs.
+  int64_t (*qmv_scratch)(const QmvProblem& p);
 };
-
-inline int64_t qmv_scratch_floats(const QmvProblem& p) {
-  // x in float32, its group sums, x in the 16-lane decode's order, one row's
-  // group multipliers and biases (each with room for whole vectors past the groups)
-  return 2 * p.M * p.K + p.M * p.groups + (p.K + 32) + (p.groups + 32) + 64;
-}
 
 const Kernels* kernels_avx512();  // nullptr where not compiled in
 const Kernels* kernels_avx2();    // nullptr where not compiled in

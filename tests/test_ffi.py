@@ -448,10 +448,10 @@ call = jax.jit(lambda x, qw: jq.qmm(x, qw, backend="ffi"))
 def ready(k):
     x, qw = jnp.ones((16, k), jnp.bfloat16), jax.device_put(qw_of(k))
     return x, qw, call.lower(x, qw).compile(), jax.block_until_ready((x, qw))
-tiny, small = ready(1 << 12), ready(1 << 20)
+tiny, small = ready(1 << 12), ready(1 << 19)
 np.asarray(tiny[2](*tiny[:2]))
 before = statm(1)
-np.asarray(small[2](*small[:2]))      # 64 MiB of scratch per thread while it runs
+np.asarray(small[2](*small[:2]))      # 32 MiB of scratch per thread (AVX-512: 64) while it runs
 print("KEPT", statm(1) - before)
 xb, qb, big, _ = ready(1 << 23)
 limit = statm(0) + (1 << 28)   # no room for a thread's 512 MiB of scratch
@@ -467,10 +467,10 @@ print("AGAIN", float(np.asarray(small[2](*small[:2])).sum()))
 
 
 def test_qmv_scratch_out_of_memory_is_an_error():
-    """Scratch (M * K floats per thread) past the address-space limit: a clean error
-    from the call, on whichever thread the allocation failed (not std::bad_alloc's
-    abort on a worker), the process still usable afterwards; and no scratch kept once
-    a call that could allocate it returns."""
+    """Scratch (M * K floats per thread, twice that in the AVX-512 GEMV of 4-bit codes)
+    past the address-space limit: a clean error from the call, on whichever thread the
+    allocation failed (not std::bad_alloc's abort on a worker), the process still usable
+    afterwards; and no scratch kept once a call that could allocate it returns."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAXQUANT_FFI_THREADS="2")
     p = subprocess.run([sys.executable, "-c", _OOM_CODE], env=env, capture_output=True, text=True,
                        timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
