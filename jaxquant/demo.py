@@ -46,6 +46,11 @@ PRESETS = {
     "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
                       num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
                       rms_eps=1e-5, rope_theta=500000.0),
+    # meta-llama/Llama-3.2-1B's dimensions (config.json), random weights: a model larger
+    # than a CPU's caches (bench model on a CPU)
+    "llama3.2-1b": dict(family="llama", vocab_size=128256, hidden_size=2048, num_layers=16,
+                        num_heads=32, num_kv_heads=8, head_dim=64, intermediate_size=8192,
+                        rms_eps=1e-5, rope_theta=500000.0, tie_embeddings=True),
     # meta-llama/Meta-Llama-3-70B's dimensions (config.json), random weights: bf16 does not
     # fit one GPU; `bench model --init sharded` draws it quantized and placed (issue 30)
     "llama3-70b": dict(family="llama", vocab_size=128256, hidden_size=8192, num_layers=80,

@@ -45,14 +45,18 @@ def _tables(lines):
 def test_table_on_cpu_with_the_peer(monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.setattr(harness, "copy_bandwidth", lambda *a, **k: pytest.fail("timed on CPU"))
+    copied = []   # the CPU's bound: a host copy of each row's step bytes
+    monkeypatch.setattr(harness, "cpu_copy_bandwidth",
+                        lambda nbytes, *a, **k: copied.append(nbytes) or 1e10)
     lines = []
     assert bench.main(["model", "--configs", "tiny-dense", "--modes", "bf16,affine4",
                        "--batch", "1,2", "--prefill", "8", "--peer", "torch",
                        "--peer-batch", "1,2", *TINY], out=lines.append) == 0
     header, rows = _tables(lines)[-1]
-    assert header == ["config", "impl", "mode", "batch", "decode tok/s", "prefill tok/s",
-                      "weights read/step", "Δlogits"]          # no bound columns on a CPU
-    assert any("% of bound and bound tok/s left out" in l for l in lines)
+    assert header == ["config", "impl", "mode", "batch", "decode tok/s", "% of bound",
+                      "bound tok/s", "vs float", "prefill tok/s", "prefill vs float",
+                      "weights read/step", "Δlogits"]
+    assert any(l.startswith("# CPU: bound = a host copy") for l in lines)
     got = {(r["config"], r["impl"], r["mode"], r["batch"]): r for r in rows}
     want = {("tiny-dense", "jaxquant", m, b) for m in ("bf16", "affine4") for b in ("1", "2")}
     want |= {("tiny-dense", bench_model.PEER_IMPL, "bf16", b) for b in ("1", "2")}
@@ -64,6 +68,18 @@ def test_table_on_cpu_with_the_peer(monkeypatch):
     assert 0 < float(got["tiny-dense", "jaxquant", "affine4", "1"]["Δlogits"][:-1]) < 60
     assert float(got["tiny-dense", bench_model.PEER_IMPL, "bf16", "2"]["Δlogits"][:-1]) < 3
     assert got["tiny-dense", "jaxquant", "bf16", "1"]["Δlogits"] == ""
+    # the bound: each row's step bytes at the copy rate of that many bytes
+    for key, r in got.items():
+        assert r["bound tok/s"] != "" and r["% of bound"].endswith("%"), key
+    assert copied and min(copied) > 0
+    # what quantizing buys: each quantized row against bf16's of its batch, the peer not
+    for b in ("1", "2"):
+        q, f = got["tiny-dense", "jaxquant", "affine4", b], got["tiny-dense", "jaxquant", "bf16", b]
+        want = float(q["decode tok/s"]) / float(f["decode tok/s"])
+        assert float(q["vs float"][:-1]) == pytest.approx(want, rel=0.05), b
+        assert f["vs float"] == "" and got["tiny-dense", bench_model.PEER_IMPL, "bf16", b][
+            "vs float"] == ""
+    assert got["tiny-dense", "jaxquant", "affine4", "1"]["prefill vs float"].endswith("x")
     assert any("torch int4 peer skipped: " in l and "CUDA" in l for l in lines)
 
 
@@ -115,12 +131,13 @@ def test_prefill_share_of_the_gemm_column():
             {"config": "c", "impl": "jaxquant", "mode": "bf16", "batch": 8, "decode_tps": 70.0,
              "step_bytes": 1e9}]
     lines = []
-    bench_model.print_rows(rows, 2e12, lines.append, False, [], gemm_flops=8e14)
+    bench_model.print_rows(rows, 2e12, lines.append, [], gemm_flops=8e14)
     header, got = _tables(lines)[-1]
-    assert header[5:9] == ["% of bound", "bound tok/s", "prefill tok/s", "prefill % of GEMM"]
+    assert header[5:10] == ["% of bound", "bound tok/s", "vs float", "prefill tok/s",
+                            "prefill % of GEMM"]
     assert [r["prefill % of GEMM"] for r in got] == ["50%", ""]
     lines.clear()
-    bench_model.print_rows(rows, 2e12, lines.append, False, [])  # no GEMM timed: no column
+    bench_model.print_rows(rows, 2e12, lines.append, [])  # no GEMM timed: no column
     assert "prefill % of GEMM" not in _tables(lines)[-1][0]
 
 

@@ -501,13 +501,13 @@ def _cell(row, key, fmt):
     return fmt.format(row[key]) if row.get(key) is not None else ""
 
 
-def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
-    """The table; gemm_flops (FLOP/s of a dense bf16 GEMM in this process, or None) adds
+def print_rows(rows, bw, out, meshes, gemm_flops=None):
+    """The table (bw: the copy's bytes/s, or a function of the bytes read); gemm_flops (FLOP/s of a dense bf16 GEMM in this process, or None) adds
     each prefill's weight-product FLOP/s as a share of it."""
-    cols = ["config", "impl", "mode", "batch", "decode tok/s"]
-    cols += [] if cpu else ["% of bound", "bound tok/s"]
+    cols = ["config", "impl", "mode", "batch", "decode tok/s", "% of bound", "bound tok/s",
+            "vs float"]
     cols += ["prefill tok/s"] + (["prefill % of GEMM"] if gemm_flops else [])
-    cols += ["weights read/step", "Δlogits"]
+    cols += ["prefill vs float", "weights read/step", "Δlogits"]
     cols += ["vs 1 device", "vs best 1 device", "prefill vs best 1 device"] if meshes else []
     out("")
     out("| " + " | ".join(cols) + " |")
@@ -515,6 +515,16 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
     single = {(r["config"], r["mode"], r["batch"]): r.get("decode_tps") for r in rows
               if r["impl"] == "jaxquant"}
     one_device = [r for r in rows if r["impl"] in ("jaxquant", DEFAULT_LAYOUT_IMPL)]
+    # the float mode's one-device run of the config and batch: what quantizing buys
+    floats = {(r["config"], r["batch"]): r for r in rows
+              if r["impl"] == "jaxquant" and r["mode"] in FLOAT_MODES and "failed" not in r}
+
+    def vs_float(r, key):
+        f = floats.get((r["config"], r["batch"]))
+        if f is None or f is r or not r.get(key) or not f.get(key) or \
+                r["impl"] == PEER_IMPL:
+            return ""
+        return f"{r[key] / f[key]:.2f}x"
 
     def best(r, key):
         """The best one-device `key` of r's config and batch (any mode: a float mesh row
@@ -529,18 +539,19 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
             continue
         # on a mesh, the bound of the weights the busiest device reads (its blocks)
         read = r.get("device_step_bytes", r.get("step_bytes"))
-        bound = r["batch"] * bw / read if bw and read else None
+        rate = bw(read) if callable(bw) and read else bw
+        bound = r["batch"] * rate / read if rate and read else None
         cells = [r["config"], r["impl"], r["mode"], str(r["batch"]),
                  _cell(r, "decode_tps", "{:.1f}")]
-        if not cpu:
-            none = bound is None or "decode_tps" not in r
-            cells += ["" if none else f"{100 * r['decode_tps'] / bound:.0f}%",
-                      "" if none else f"{bound:.0f}"]
+        none = bound is None or "decode_tps" not in r
+        cells += ["" if none else f"{100 * r['decode_tps'] / bound:.0f}%",
+                  "" if none else f"{bound:.0f}", vs_float(r, "decode_tps")]
         cells.append(_cell(r, "prefill_tps", "{:.0f}"))
         if gemm_flops:
             cells.append(f"{100 * r['prefill_flops'] / gemm_flops:.0f}%"
                          if "prefill_flops" in r else "")
-        cells += [_fmt_bytes(r["step_bytes"]) if "step_bytes" in r else "",
+        cells += [vs_float(r, "prefill_tps"),
+                  _fmt_bytes(r["step_bytes"]) if "step_bytes" in r else "",
                   _cell(r, "dlogits", "{:.2%}")]
         if meshes:
             one = single.get((r["config"], r["mode"], r["batch"]))
@@ -553,12 +564,11 @@ def print_rows(rows, bw, out, cpu, meshes, gemm_flops=None):
         out("| " + " | ".join(cells) + " |")
 
 
-def print_variants(variants, rows, bw, out, cpu):
+def print_variants(variants, rows, bw, out):
     base = {(r["config"], r["mode"], r["batch"]): r.get("decode_tps") for r in rows
             if r["impl"] == "jaxquant"}
-    cols = ["config", "mode", "batch", "XLA_FLAGS", "decode tok/s"]
-    cols += [] if cpu else ["% of bound"]
-    cols += ["vs this process"]
+    cols = ["config", "mode", "batch", "XLA_FLAGS", "decode tok/s", "% of bound",
+            "vs this process"]
     out("")
     out(f"# decode by XLA_FLAGS variant (subprocesses; this process: "
         f"{os.environ.get('XLA_FLAGS') or 'none'})")
@@ -571,8 +581,8 @@ def print_variants(variants, rows, bw, out, cpu):
                                   + [""] * (len(cols) - 5)) + " |")
             continue
         cells.append(f"{r['decode_tps']:.1f}")
-        if not cpu:
-            cells.append(f"{100 * r['decode_tps'] * r['step_bytes'] / (r['batch'] * bw):.0f}%")
+        rate = bw(r["step_bytes"]) if callable(bw) else bw
+        cells.append(f"{100 * r['decode_tps'] * r['step_bytes'] / (r['batch'] * rate):.0f}%")
         one = base.get((r["config"], r["mode"], r["batch"]))
         cells.append(f"{r['decode_tps'] / one:.2f}x" if one else "")
         out("| " + " | ".join(cells) + " |")
@@ -722,12 +732,19 @@ def run(args, out=print):
     variants = [r for flags in args.xla_flags for r in variant_rows(args, flags, out)]
     bw = None
     if cpu:
-        out("# CPU: % of bound and bound tok/s left out (a copy here measures caches, not "
-            "memory)")
-        out(f"# CPU: tiny configs ({', '.join(args.configs)}: seconds, not a real model's "
-            f"size) and " + ("no torch peer (--peer torch adds it)" if args.peer != "torch"
-                             else "the torch peer on the CPU") +
-            "; a GPU runs llama3-8b and gpt-oss-20b dims against the weight-read bound")
+        # a copy of each row's step bytes on every thread: a step larger than the
+        # last-level cache is held against memory, a smaller one against the cache
+        bw = harness.cpu_copy_bandwidth
+        llc = harness.last_level_cache_bytes()
+        out(f"# CPU: bound = a host copy of the row's weight bytes per step (at most "
+            f"{harness.CPU_COPY_MAX_BYTES >> 20} MiB) on {harness.cpu_threads()} threads, "
+            f"read+write; last-level cache {_fmt_bytes(llc) if llc else 'unknown'} (a step "
+            f"that fits it is held against the cache)")
+        if set(args.configs) <= set(CPU_CONFIGS):
+            out(f"# CPU: tiny configs ({', '.join(args.configs)}: seconds, not a real "
+                f"model's size; --configs llama3.2-1b is larger than most caches) and " +
+                ("no torch peer (--peer torch adds it)" if args.peer != "torch"
+                 else "the torch peer on the CPU"))
     else:
         bw = harness.copy_bandwidth()
         out(f"# copy bandwidth (read+write, back to back): {bw / 1e9:.0f} GB/s; bound = that "
@@ -748,10 +765,10 @@ def run(args, out=print):
     if args.json:
         for r in rows:
             out("#json " + json.dumps(r))
-    print_rows(rows, bw, out, cpu, args.mesh, gemm_flops)
+    print_rows(rows, bw, out, args.mesh, gemm_flops)
     if variants:
-        print_variants(variants, rows, bw, out, cpu)
-    return [], bw
+        print_variants(variants, rows, bw, out)
+    return [], None if callable(bw) else bw
 
 
 SCENARIO = {"help": "whole models (llama3-8b, gpt-oss-20b dims): decode and prefill tok/s, %% "
