@@ -18,7 +18,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import models
-from jaxquant.models import checkpoint
+from jaxquant.models import checkpoint, layers
 from jaxquant.models.config import MOE_FAMILIES
 from jaxquant.models.decoder import moe_mlp
 from jaxquant.quantized_array import QuantizedArray
@@ -43,6 +43,54 @@ def tiny(family, **kw):
 
 # ---------------------------------------------------------------------------
 # The decoder.
+
+
+def _prefill_both_ways(cfg, params, prompt, monkeypatch, impl):
+    """prefill's logits and cache with the prompt attention the reference op's and `impl`'s
+    (layers.PROMPT_ATTENTION for this platform)."""
+    # a new function each run: jit's cache does not know PROMPT_ATTENTION
+    run = lambda: jax.jit(lambda p, t: models.prefill(cfg, p, t, 24))(params, prompt)
+    calls, fused = [], jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, **k: calls.append(k["implementation"]) or fused(*a, **k))
+    monkeypatch.setattr(layers, "PROMPT_ATTENTION", {})
+    want = run()
+    assert calls == []
+    monkeypatch.setattr(layers, "PROMPT_ATTENTION", {jax.default_backend(): impl})
+    got = run()
+    assert calls and set(calls) == {impl}, calls   # the layers' prompt attention
+    return want, got
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_prompt_attention_equals_the_cache_reading_op(family, monkeypatch):
+    """prefill's causal attention over the prompt alone (jax.nn.dot_product_attention, the
+    fused kernel's definition; "xla" here, cuDNN on GPUs: tests/test_prefill_gpu.py) gives
+    the logits, cache and next token of decode_attention over the cache."""
+    cfg = tiny(family, dtype="bfloat16")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4")
+    prompt = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
+    (want, cache_w, tok_w), (got, cache_g, tok_g) = _prefill_both_ways(
+        cfg, params, prompt, monkeypatch, "xla")
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * scale)
+    for a, b in zip(cache_g, cache_w):   # [L, B, S, Hkv, hd]: the first layer's the same
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_allclose(a, b, atol=0.05 * np.abs(b).max())
+    assert (np.asarray(tok_g) == np.asarray(tok_w)).mean() >= 0.5
+
+
+def test_prompt_attention_applies_where_its_definition_holds(monkeypatch):
+    monkeypatch.setattr(layers, "PROMPT_ATTENTION", {jax.default_backend(): "xla"})
+    q = jnp.zeros((1, 4, 4, 16), jnp.bfloat16)
+    assert layers.prompt_attention_applies(tiny("llama", dtype="bfloat16"), {}, q) == "xla"
+    assert layers.prompt_attention_applies(tiny("llama"), {}, q.astype(jnp.float32)) is None
+    assert layers.prompt_attention_applies(tiny("llama"), {}, q[:, :1]) is None  # one token
+    assert layers.prompt_attention_applies(tiny("gpt_oss"), {"sinks": 0}, q) is None
+    assert layers.prompt_attention_applies(tiny("llama", layer_windows=(3, 0)), {}, q) is None
+    monkeypatch.setattr(layers, "PROMPT_ATTENTION", {})
+    assert layers.prompt_attention_applies(tiny("llama"), {}, q) is None
 
 
 @pytest.mark.parametrize("family,mode", [("llama", "affine4"), ("gpt_oss", "mxfp4")])

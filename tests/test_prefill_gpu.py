@@ -232,3 +232,28 @@ def test_auto_past_the_gemm_dequantizes_then_cublas():
     assert_matmul_close(jax.jit(jq.qmm)(x, packed), x, deq64(qw), jnp.bfloat16)
     # an explicit backend="ffi" gets the GEMM at any M
     assert _gemm_used(lambda x, q: jq.qmm(x, q, backend="ffi"), x, packed)
+
+
+def test_prompt_attention_takes_cudnn_and_equals_the_op(monkeypatch):
+    """models.prefill's prompt attention on the GPU: cuDNN's fused kernel
+    (layers.PROMPT_ATTENTION), against decode_attention over the cache."""
+    from jaxquant import models
+    from jaxquant.models import layers
+
+    assert layers.PROMPT_ATTENTION.get("gpu") == "cudnn"
+    cfg = models.Config(family="llama", vocab_size=64, hidden_size=256, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256,
+                        dtype="bfloat16")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4")
+    prompt = jax.random.randint(jax.random.key(1), (2, 200), 0, cfg.vocab_size)
+    got = {}
+    for name, table in (("op", {}), ("cudnn", {"gpu": "cudnn"})):
+        monkeypatch.setattr(layers, "PROMPT_ATTENTION", table)
+        run = jax.jit(lambda p, t: models.prefill(cfg, p, t, 256))
+        got[name] = (run(params, prompt), run.lower(params, prompt).as_text())
+    assert "cudnn" not in got["op"][1].lower() and "cudnn" in got["cudnn"][1].lower()
+    (want, cache_w, _), (have, cache_h, _) = got["op"][0], got["cudnn"][0]
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(have), np.asarray(want), atol=0.05 * scale)
+    np.testing.assert_array_equal(np.asarray(cache_h[0][0], np.float32),
+                                  np.asarray(cache_w[0][0], np.float32))

@@ -31,11 +31,14 @@ def moe_mlp(cfg: Config, p, x, mesh=None):
     return experts_mlp(cfg, p, x, idx, weights, cfg.num_experts).astype(x.dtype)
 
 
-def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table, mesh=None):
+def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table, mesh=None,
+          from_start=False):
     """One pre-norm block. h [B, T, D] is the residual stream; cache (k, v) of all
-    layers, this one's updated in place; mesh: moe_mlp's. Returns (h, cache)."""
+    layers, this one's updated in place; mesh: moe_mlp's; from_start: attention's.
+    Returns (h, cache)."""
     b, t, d = h.shape
-    a, cache = attention(cfg, p, h, positions, cache, layer_index, window, rope_table)
+    a, cache = attention(cfg, p, h, positions, cache, layer_index, window, rope_table,
+                         from_start)
     x, h = jq.add_rms_norm(a, h, p["mlp_norm"], eps=cfg.rms_eps)
     if cfg.moe:
         m = moe_mlp(cfg, p, x.reshape(b * t, d), mesh).reshape(b, t, d)
@@ -84,7 +87,8 @@ def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer, mesh=None) -
                                     for leaf in jax.tree_util.tree_leaves(w))
 
 
-def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None, mesh=None):
+def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None, mesh=None,
+            from_start=False):
     """tokens [B, T] at positions [B, T] -> (logits [B, T, V] float32, cache).
 
     The layer loop follows the parameters' form: per-layer buffers (a tuple of
@@ -104,7 +108,12 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     (parallel.shard_params / parallel.init_params), or None. With a mesh, the MoE
     blocks run expert parallel in a shard_map (parallel.expert_parallel_moe:
     every device its own experts, one all-reduce of the [T, D] partial sums);
-    everything else is partitioned by jit from the weights' shardings either way."""
+    everything else is partitioned by jit from the weights' shardings either way.
+
+    from_start: the caller promises positions[b] = arange(T) and an empty cache (a
+    prompt from its first token: prefill passes it), so attention may run as causal
+    attention over the T tokens alone (layers.prompt_attention_applies: a fused kernel
+    on GPUs)."""
     inv_freq, factor = cfg.rope_inv_freq()
     rope_table = (jnp.asarray(inv_freq, jnp.float32), factor)
     h = embed(params, tokens).astype(jnp.dtype(cfg.dtype))
@@ -114,7 +123,8 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
         if len(layers) != cfg.num_layers:
             raise ValueError(f"params has {len(layers)} layers; the config {cfg.num_layers}")
         for i, (p, window) in enumerate(zip(layers, cfg.windows().tolist())):
-            h, cache = layer(cfg, p, h, positions, cache, i, window, rope_table, mesh)
+            h, cache = layer(cfg, p, h, positions, cache, i, window, rope_table, mesh,
+                             from_start)
     else:
         stacks = {}
         if resolve_experts_by_layer(cfg, layers, experts_by_layer, mesh):
@@ -126,7 +136,8 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
             h, cache = carry
             p, window, i = xs
             p = dict(p, **{k: ExpertsOfLayer(v, i, cfg.num_experts) for k, v in stacks.items()})
-            return layer(cfg, p, h, positions, cache, i, window, rope_table, mesh), None
+            return layer(cfg, p, h, positions, cache, i, window, rope_table, mesh,
+                         from_start), None
 
         (h, cache), _ = lax.scan(step, (h, cache), (layers, jnp.asarray(cfg.windows()),
                                                     jnp.arange(cfg.num_layers)))
@@ -144,7 +155,7 @@ def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None, me
                          f"holds prompt and generated tokens)")
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     logits, cache = forward(cfg, params, prompt, positions, init_cache(cfg, b, max_len),
-                            experts_by_layer, mesh)
+                            experts_by_layer, mesh, from_start=True)
     return logits, cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
 

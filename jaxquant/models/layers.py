@@ -152,10 +152,34 @@ def qkv_projection(cfg: Config, p, h):
     return q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
 
 
-def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_table):
+# The prompt's attention where a fused (flash) kernel serves it: jax.nn.dot_product_attention's
+# implementation per platform. On an H100 XLA's own attention of a 2048-token Llama-3-70B
+# prompt (float32 scores, transposes, softmax reductions) was about a third of the
+# prefill (docs/models.md, "Prefill attention"); the CPU keeps the reference.
+PROMPT_ATTENTION = {"gpu": "cudnn"}
+
+
+def prompt_attention_applies(cfg: Config, p, q) -> str | None:
+    """The dot_product_attention implementation for a prompt's causal attention, or None
+    (the cache-reading op serves it): a float16/bfloat16 model without attention sinks
+    or windows, more than one query, on a platform with an entry in PROMPT_ATTENTION."""
+    impl = PROMPT_ATTENTION.get(jax.default_backend())
+    if impl is None or q.shape[1] < 2 or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return None
+    if "sinks" in p or cfg.windows().any():
+        return None
+    return impl
+
+
+def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_table,
+              from_start: bool = False):
     """Self-attention of the residual stream h [B, T, D] at positions [B, T]. cache:
     (k, v), each [L, B, S, Hkv, hd] for all layers, updated in place at
-    (layer_index, positions). Returns (out [B, T, D], cache)."""
+    (layer_index, positions). Returns (out [B, T, D], cache).
+
+    from_start: positions are arange(T) in every row and the cache holds nothing before
+    them (models.prefill), so the attention is causal over these T tokens alone: a fused
+    kernel takes it where prompt_attention_applies."""
     b, t, _ = h.shape
     hq, hd = cfg.num_heads, cfg.head_dim
     q, k, v = qkv_projection(cfg, p, h)
@@ -168,9 +192,14 @@ def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_tab
     cache_k, cache_v = (lax.dynamic_update_slice(c, new.astype(c.dtype)[None],
                                                  (layer_index, 0, start, 0, 0))
                         for c, new in zip(cache, (k, v)))
-    # the op reads layer `layer_index` of the stacked caches in place (no slice copy)
-    o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"), window=window,
-                            layer=layer_index)
+    impl = prompt_attention_applies(cfg, p, q) if from_start else None
+    if impl is not None:
+        o = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
+                                         is_causal=True, implementation=impl)
+    else:
+        # the op reads layer `layer_index` of the stacked caches in place (no slice copy)
+        o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"),
+                                window=window, layer=layer_index)
     return linear(o.reshape(b, t, hq * hd), p["wo"], p.get("bo")), (cache_k, cache_v)
 
 
