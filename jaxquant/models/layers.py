@@ -155,7 +155,7 @@ def qkv_projection(cfg: Config, p, h):
 # The prompt's attention where a fused (flash) kernel serves it: jax.nn.dot_product_attention's
 # implementation per platform. On an H100 XLA's own attention of a 2048-token Llama-3-70B
 # prompt (float32 scores, transposes, softmax reductions) was about a third of the
-# prefill (docs/models.md, "Prefill attention"); the CPU keeps the reference.
+# prefill (docs/models.md, "Fast by default"); the CPU keeps the reference.
 PROMPT_ATTENTION = {"gpu": "cudnn"}
 
 

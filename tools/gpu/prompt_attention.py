@@ -1,7 +1,7 @@
 """The prompt's attention in models.prefill: the fused kernel (cuDNN through
 jax.nn.dot_product_attention, layers.PROMPT_ATTENTION) against the cache-reading op
-(jq.decode_attention), alternating in one process on a GPU (docs/models.md, "Prefill
-attention"):
+(jq.decode_attention), alternating in one process on a GPU (docs/models.md, "Fast by
+default"):
 
   python tools/gpu/prompt_attention.py [llama3-8b] [layers] [bf16,affine4] [512,2048]
 
