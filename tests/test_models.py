@@ -89,6 +89,10 @@ def test_prompt_attention_applies_where_its_definition_holds(monkeypatch):
     assert layers.prompt_attention_applies(tiny("llama"), {}, q[:, :1]) is None  # one token
     assert layers.prompt_attention_applies(tiny("gpt_oss"), {"sinks": 0}, q) is None
     assert layers.prompt_attention_applies(tiny("llama", layer_windows=(3, 0)), {}, q) is None
+    wo = jnp.zeros((64, 64), jnp.bfloat16)
+    assert layers.prompt_attention_applies(tiny("llama", dtype="bfloat16"), {"wo": wo}, q) == "xla"
+    monkeypatch.setattr(layers, "on_several_devices", lambda a: True)   # a mesh's weights
+    assert layers.prompt_attention_applies(tiny("llama", dtype="bfloat16"), {"wo": wo}, q) is None
     monkeypatch.setattr(layers, "PROMPT_ATTENTION", {})
     assert layers.prompt_attention_applies(tiny("llama"), {}, q) is None
 

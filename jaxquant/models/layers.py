@@ -162,11 +162,15 @@ PROMPT_ATTENTION = {"gpu": "cudnn"}
 def prompt_attention_applies(cfg: Config, p, q) -> str | None:
     """The dot_product_attention implementation for a prompt's causal attention, or None
     (the cache-reading op serves it): a float16/bfloat16 model without attention sinks
-    or windows, more than one query, on a platform with an entry in PROMPT_ATTENTION."""
+    or windows, more than one query, on a platform with an entry in PROMPT_ATTENTION,
+    on one device (cuDNN's partitioning refuses q, k and v split differently, as
+    tensor parallel splits kv heads fewer than its devices; measured on one GPU)."""
     impl = PROMPT_ATTENTION.get(jax.default_backend())
     if impl is None or q.shape[1] < 2 or q.dtype not in (jnp.bfloat16, jnp.float16):
         return None
     if "sinks" in p or cfg.windows().any():
+        return None
+    if any(on_several_devices(leaf) for leaf in jax.tree_util.tree_leaves(p.get("wo"))):
         return None
     return impl
 
