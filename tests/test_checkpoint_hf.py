@@ -9,6 +9,8 @@ and decodes the same greedy tokens as the float model whose weights are the
 reference dequantizer's output.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -52,18 +54,23 @@ def _quantize_linears(t, pack):
     return out, ref
 
 
-def _gptq_pack(prefix, w):
+def _gptq_pack(prefix, w, act_order=True):
+    """auto-gptq's own packing: act-order groups (desc_act), or contiguous ones."""
     torch = pytest.importorskip("torch")
     qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
     n, k = w.shape
-    # act-order sorts K by the Hessian of the layer's input: one order for the matrices
-    # that share an input (q/k/v, gate/up), so they fuse
-    shared = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace(
-        "up_proj", "gate_proj")
-    g, rng = 32, np.random.default_rng(sum(map(ord, shared)))
-    g_idx = torch.from_numpy(rng.permutation(np.arange(k) // g).astype(np.int32))
+    g = 32
+    if act_order:
+        # act-order sorts K by the Hessian of the layer's input: one order for the
+        # matrices that share an input (q/k/v, gate/up), so they fuse
+        shared = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace(
+            "up_proj", "gate_proj")
+        rng = np.random.default_rng(sum(map(ord, shared)))
+        g_idx = torch.from_numpy(rng.permutation(np.arange(k) // g).astype(np.int32))
+    else:
+        g_idx = torch.arange(k, dtype=torch.int32) // g
     wt = torch.from_numpy(w)
-    blocks = [wt[:, g_idx == j] for j in range(k // g)]       # act-order groups
+    blocks = [wt[:, g_idx == j] for j in range(k // g)]       # the groups' columns
     lo = torch.stack([b.min(1).values.clamp(max=0) for b in blocks], 1)
     hi = torch.stack([b.max(1).values.clamp(min=0) for b in blocks], 1)
     scales = ((hi - lo) / 15).half().float()
@@ -78,15 +85,17 @@ def _gptq_pack(prefix, w):
                                                                  "g_idx")}, deq
 
 
-def _random_gptq_pack(prefix, w):
-    """No package: random act-order GPTQ words (every field value, zero fields of 15
-    included), dequantized by gptqmodel's transcribed reading (tests/test_io_hf.py)."""
+def _random_gptq_pack(prefix, w, act_order=True):
+    """No package: random GPTQ words (every field value, zero fields of 15 included), in
+    act-order groups or contiguous ones, dequantized by gptqmodel's transcribed reading
+    (tests/test_io_hf.py)."""
     n, k = w.shape
     rng = np.random.default_rng(sum(map(ord, prefix)))
     qweight = rng.integers(0, 2 ** 32, (k // 8, n), dtype=np.uint32).view(np.int32)
     qzeros = rng.integers(0, 2 ** 32, (k // 32, n // 8), dtype=np.uint32).view(np.int32)
     scales = (rng.random((k // 32, n)) * 0.02 + 1e-3).astype(np.float16)
-    g_idx = rng.permutation(np.arange(k) // 32).astype(np.int32)
+    g_idx = np.arange(k) // 32
+    g_idx = (rng.permutation(g_idx) if act_order else g_idx).astype(np.int32)
     deq = _gptqmodel_dequant(qweight, qzeros, scales, g_idx, 4, v1=True)
     return ({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros,
              f"{prefix}.scales": scales, f"{prefix}.g_idx": g_idx},
@@ -211,26 +220,13 @@ def test_bf16_model_keeps_float16_gptq_scales(tmp_path):
 # and Mixtral's (block_sparse_moe.experts.{e}.{w1,w3,w2}).
 
 
-def _contiguous_gptq_pack(prefix, w):
-    """Random GPTQ words with contiguous groups (no act-order), dequantized by
-    gptqmodel's transcribed reading (tests/test_io_hf.py)."""
-    n, k = w.shape
-    rng = np.random.default_rng(sum(map(ord, prefix)))
-    qweight = rng.integers(0, 2 ** 32, (k // 8, n), dtype=np.uint32).view(np.int32)
-    qzeros = rng.integers(0, 2 ** 32, (k // 32, n // 8), dtype=np.uint32).view(np.int32)
-    scales = (rng.random((k // 32, n)) * 0.02 + 1e-3).astype(np.float16)
-    g_idx = (np.arange(k) // 32).astype(np.int32)
-    deq = _gptqmodel_dequant(qweight, qzeros, scales, g_idx, 4, v1=True)
-    return ({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros,
-             f"{prefix}.scales": scales, f"{prefix}.g_idx": g_idx},
-            deq.astype(np.float16).astype(np.float32))
-
-
 MOE_QUANT = {
     "gptq-random-words": ({"quant_method": "gptq", "bits": 4, "group_size": 32,
-                           "desc_act": False, "sym": False}, _contiguous_gptq_pack),
+                           "desc_act": False, "sym": False},
+                          functools.partial(_random_gptq_pack, act_order=False)),
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
-              "sym": False, "checkpoint_format": "gptq"}, _gptq_pack),
+              "sym": False, "checkpoint_format": "gptq"},
+             functools.partial(_gptq_pack, act_order=False)),
     "awq": QUANT_CONFIGS["awq"],
     "pack-quantized": QUANT_CONFIGS["pack-quantized"],
     "nvfp4-pack-quantized": QUANT_CONFIGS["nvfp4-pack-quantized"],
@@ -273,8 +269,6 @@ def test_quantized_moe_checkpoint_decodes_like_its_float_model(tmp_path, layout,
     per layer, their values the package's dequantization, and the model decodes the
     greedy tokens of the float model built from those values."""
     quant_config, pack = MOE_QUANT[kind]
-    if kind == "gptq":
-        pack = _gptq_pack_contiguous
     block, names, _ = MOE_LAYOUTS[layout]
     config, t = _moe_float(13, layout)
     out, ref = dict(t), {}
@@ -317,28 +311,6 @@ def test_quantized_moe_checkpoint_decodes_like_its_float_model(tmp_path, layout,
     e_gate_up = (layers[0] if isinstance(layers, tuple) else layers)["e_gate_up"]
     assert isinstance(e_gate_up, QuantizedArray)
     np.testing.assert_array_equal(_tokens(cfg, fused)[0], want_tokens)
-
-
-def _gptq_pack_contiguous(prefix, w):
-    """auto-gptq's own packing with contiguous groups (desc_act False)."""
-    torch = pytest.importorskip("torch")
-    qlinear = _reference_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
-    n, k = w.shape
-    g = 32
-    g_idx = torch.arange(k, dtype=torch.int32) // g
-    wt = torch.from_numpy(w)
-    lo = wt.reshape(n, k // g, g).amin(-1).clamp(max=0)
-    hi = wt.reshape(n, k // g, g).amax(-1).clamp(min=0)
-    scales = ((hi - lo) / 15).half().float()
-    zeros = torch.round(-lo / scales).clamp(1, 15)
-    layer = qlinear.QuantLinear(4, g, k, n, False)
-    codes = torch.clamp(torch.round(wt / scales[:, g_idx.long()]) + zeros[:, g_idx.long()], 0, 15)
-    lin = torch.nn.Linear(k, n, bias=False).half()
-    lin.weight.data = ((codes - zeros[:, g_idx.long()]) * scales[:, g_idx.long()]).half()
-    layer.pack(lin, scales, zeros, g_idx)
-    deq = layer(torch.eye(k, dtype=torch.float16)).T.float().numpy()
-    return {f"{prefix}.{p}": getattr(layer, p).numpy() for p in ("qweight", "qzeros", "scales",
-                                                                 "g_idx")}, deq
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
