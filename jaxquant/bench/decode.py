@@ -59,15 +59,26 @@ def quantize_mode(mode, w, layout="canonical"):
 DEFAULT_IMPL = "auto (jq.quantize default)"
 
 
-def print_default_vs_best(results, key, out, *head):
+def print_default_vs_best(results, runs, key, out, *head, rounds=3):
     """A line comparing the DEFAULT_IMPL result under `key` (a results key
-    prefix) with the fastest quantized implementation there."""
+    prefix) with the fastest quantized implementation there. Where another is
+    fastest, the two are timed again in turns (`runs` holds each one's timing
+    arguments) and their least times compared: timed once each, a minute
+    apart, the same kernel on the same layout differed by up to 10% on an H100."""
     timed = {k[-1]: us for k, us in results.items() if k[:-1] == key}
     if DEFAULT_IMPL not in timed:
         return
     best = min(timed, key=timed.get)
+    best_us, default_us = timed[best], timed[DEFAULT_IMPL]
+    if best != DEFAULT_IMPL:
+        turns = {best: [], DEFAULT_IMPL: []}
+        for _ in range(rounds):
+            for impl in turns:
+                turns[impl].append(time_jax(*runs[key + (impl,)]) * 1e6)
+        best_us, default_us = min(turns[best]), min(turns[DEFAULT_IMPL])
     print_row(out, *head, "default vs best",
-              f"{timed[best] / timed[DEFAULT_IMPL]:.2f}x (best: {best}, {timed[best]:.1f} us)")
+              f"{best_us / default_us:.2f}x (best: {best}, {best_us:.1f} us; "
+              f"default {default_us:.1f} us)")
 
 
 def print_row(out, *cols):
@@ -83,7 +94,7 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
     from jaxquant.quantize import dequantize_reference
 
     print_row(out, "qmm: M, K, N", "mode", "impl", "us", "%copy", "vs M=1", "rel.err")
-    results = {}
+    results, runs = {}, {}
     for k, n in SHAPES:
         ws = [(0.05 * jax.random.normal(jax.random.key(100 * k + i), (n, k), jnp.float32)
                ).astype(jnp.bfloat16) for i in range(copies)]
@@ -108,8 +119,9 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
                 impls += [("auto (canonical)", qws, None), (DEFAULT_IMPL, default, None)]
                 for impl, q, backend in impls:
                     f = lambda x, q, b=backend: jq.qmm(x, q, backend=b)
+                    products = many_products(f)
                     try:
-                        us = time_jax(many_products(f), (x, q), copies) * 1e6
+                        us = time_jax(products, (x, q), copies) * 1e6
                     except Exception as e:  # noqa: BLE001
                         print_row(out, f"{m}, {k}, {n}", mode, impl, f"failed: {e}"[:160])
                         continue
@@ -117,11 +129,12 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
                     yr = x.astype(jnp.float32) @ dequantize_reference(qws[0], jnp.float32).T
                     err = float(jnp.linalg.norm(y - yr) / jnp.linalg.norm(yr))
                     results[(m, k, n, mode, impl)] = us
+                    runs[(m, k, n, mode, impl)] = (products, (x, q), copies)
                     base = results.get((1, k, n, mode, impl))
                     print_row(out, f"{m}, {k}, {n}", mode, impl, f"{us:.1f}",
                           f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
                           f"{us / base:.2f}x" if base and m > 1 else "", f"{err:.1e}")
-                print_default_vs_best(results, (m, k, n, mode), out, f"{m}, {k}, {n}", mode,
+                print_default_vs_best(results, runs, (m, k, n, mode), out, f"{m}, {k}, {n}", mode,
                                       f"({default[0].layout})")
             del qws, packed, default
         del ws
@@ -183,7 +196,7 @@ def bench_torch_peers(bw, out, copies=8):
 
 def bench_moe(bw, out, copies=8):
     print_row(out, "moe: layer", "T", "impl", "us", "distinct experts", "%copy (distinct)")
-    res = {}
+    res, runs = {}, {}
     for name, (e, topk, k, n) in MOE_LAYERS.items():
         w = (0.05 * jax.random.normal(jax.random.key(e), (e, n, k), jnp.float32)).astype(
             jnp.bfloat16)
@@ -210,9 +223,10 @@ def bench_moe(bw, out, copies=8):
                     print_row(out, name, t, impl, f"failed: {ex}"[:160])
                     continue
                 res[(name, t, impl)] = us
+                runs[(name, t, impl)] = (f, (x, q, jnp.asarray(idx)), copies)
                 print_row(out, name, t, impl, f"{us:.1f}", f"{distinct:.1f}",
                       f"{100 * distinct * per_expert / (us * 1e-6) / bw:.0f}%")
-            print_default_vs_best(res, (name, t), out, name, t)
+            print_default_vs_best(res, runs, (name, t), out, name, t)
         del qw, packed, default
     return res
 
