@@ -238,6 +238,45 @@ struct CpuPlatform {
     return ok ? ffi::Error::Success() : out_of_memory("qmv");
   }
 
+  // The blocked GEMM: x packed once (float32, transposed; split over K), then work
+  // items of (slot, block of gemm_rows weight rows), each decoding its panel once for
+  // all rows of x. An output element's float ops do not depend on the split.
+  static ffi::Error gemm(const QmvProblem& p, ffi::ThreadPool pool) {
+    if (p.K == 0) return qmv(p, pool);  // zeros, NaN rows for invalid experts
+    const Kernels* k = select_kernels();
+    const int64_t mp = (p.M + k->gemm_lanes - 1) / k->gemm_lanes * k->gemm_lanes;
+    const int64_t slot_floats = p.K * mp;
+    std::unique_ptr<float[]> xt;
+    try {
+      xt = scratch_floats(p.Sx * slot_floats);
+    } catch (...) {
+      return out_of_memory("gemm");
+    }
+    const int64_t kchunk = 256;
+    const int64_t kchunks = (p.K + kchunk - 1) / kchunk;
+    float* xtp = xt.get();
+    if (!ParallelFor::run(pool, p.Sx * kchunks, 1, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t sx = i / kchunks, c = i % kchunks;
+            k->gemm_pack_x(p, sx, c * kchunk, std::min(p.K, (c + 1) * kchunk),
+                           xtp + sx * slot_floats);
+          }
+        }))
+      return out_of_memory("gemm");
+    const int64_t nb = k->gemm_rows;
+    const int64_t blocks = (p.N + nb - 1) / nb;
+    const int64_t scratch_n = k->gemm_scratch(p);
+    const bool ok = ParallelFor::run(pool, p.S * blocks, 1, [&](int64_t i0, int64_t i1) {
+      const std::unique_ptr<float[]> scratch = scratch_floats(scratch_n);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t s = i / blocks, b = i % blocks;
+        k->gemm(p, s, b * nb, std::min(p.N, (b + 1) * nb), xtp + (s / p.x_div) * slot_floats,
+                scratch.get());
+      }
+    });
+    return ok ? ffi::Error::Success() : out_of_memory("gemm");
+  }
+
   static ffi::Error norm(const NormProblem& p, ffi::ThreadPool pool) {
     const Kernels* k = select_kernels();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(p.d, 1));
@@ -254,8 +293,11 @@ using CpuHandlers = Handlers<CpuPlatform, ffi::ThreadPool>;
 }  // namespace cpu
 }  // namespace jq
 
+// The CPU library's targets: every platform's, and the blocked GEMM.
+#define JQ_CPU_TARGETS(X, ...) JQ_FFI_TARGETS(X, __VA_ARGS__) X(gemm, __VA_ARGS__)
+
 // jq_cpu_<target> for every target, jq_abi_version, jq_ffi_targets, jq_format_name.
-JQ_FFI_DEFINE_LIBRARY(jq_cpu_, jq::cpu::CpuHandlers, JQ_FFI_TARGETS)
+JQ_FFI_DEFINE_LIBRARY(jq_cpu_, jq::cpu::CpuHandlers, JQ_CPU_TARGETS)
 
 // ---------------------------------------------------------------------------
 // Plain C entry points of the CPU library only, for the tests.

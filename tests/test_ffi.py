@@ -140,7 +140,8 @@ def test_library_describes_itself():
     jq_ffi_targets), in the order of codec.h's format list; a library that numbers
     the formats differently from another loaded one is refused, naming both."""
     assert CPU_LIB.format_ids == kernels.FORMAT_IDS == {m: i for i, m in enumerate(formats.FORMATS)}
-    assert CPU_LIB.targets == ("dequantize", "qmv", "rms_norm", "add_rms_norm", "gated_rms_norm")
+    assert CPU_LIB.targets == ("dequantize", "qmv", "rms_norm", "add_rms_norm", "gated_rms_norm",
+                               "gemm")
     import ctypes
     renumbered = {m: len(kernels.FORMAT_IDS) - 1 - i for m, i in kernels.FORMAT_IDS.items()}
     lib = loader.Library("cpu", CPU_LIB.path, ctypes.CDLL(str(CPU_LIB.path)),
@@ -360,9 +361,10 @@ def test_qmm_large_m_and_transpose(mode, bits, transpose):
     for d in xs:
         assert y[d].dtype == jnp.dtype(d)
         assert_matmul_close(y[d], xs[d], deq64(qws[d]), jnp.dtype(d), transpose)
-        # this path is ffi dequantize + the reference's dot: bit for bit the reference,
-        # where XLA rounds the reference's affine q * scale + bias once as the kernel does
-        if mode != "affine" or xla_rounds_affine_once():
+        # x @ W is ffi dequantize + the reference's dot: bit for bit the reference, where
+        # XLA rounds the reference's affine q * scale + bias once as the kernel does
+        # (x @ W.T is the blocked GEMM: test_gemm_mode_sweep)
+        if not transpose and (mode != "affine" or xla_rounds_affine_once()):
             np.testing.assert_array_equal(np.asarray(y[d], np.float32), np.asarray(r[d], np.float32))
 
 
@@ -597,6 +599,120 @@ def test_qmv_threads_same_bits(n):
     assert CPU_LIB.handle.jq_cpu_threads() == before
 
 
+# ---------------------------------------------------------------------------
+# The blocked GEMM (qmm with more rows of x than the GEMV takes; target jaxquant_gemm)
+
+GEMM_M = (configs.FFI_GEMV_MAX_M["cpu"] + 1, 70)  # past the GEMV; a strip and a tail
+
+
+def _gemm_qw(mode, bits, n=70, k=192, group=None, seed=60):
+    # N = 70: a 64-row block and a tail of 6 (not a micro-tile of 6 rows either);
+    # K = 192: a 128-wide panel and a tail of 64
+    dt = jnp.bfloat16 if mode in ("affine", "fp4") else jnp.float32
+    return quantize_for(mode, bits, rand(seed, (n, k), dt, scale=3.0), group_size=group)
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_gemm_mode_sweep(mode, bits):
+    """Every mode x dtype against the oracle at M past the GEMV (jq.qmm's automatic
+    choice on the CPU), with M, N and K tails; a row's bits do not depend on M."""
+    qw = _gemm_qw(mode, bits)
+    xs = {jnp.dtype(dt).name: rand(61, (max(GEMM_M), qw.shape[1]), dt) for dt in DTYPES}
+    run = jax.jit(lambda qw, xs: {d: [jq.qmm(x[:m], qw) for m in GEMM_M] for d, x in xs.items()})
+    assert "jaxquant_gemm" in run.lower(qw, xs).as_text()
+    out = run(qw, xs)
+    w64 = deq64(qw)
+    for d, ys in out.items():
+        for m, y in zip(GEMM_M, ys):
+            assert y.dtype == jnp.dtype(d) and y.shape == (m, qw.shape[0])
+            assert_matmul_close(y, xs[d][:m], w64, jnp.dtype(d))
+        small, large = (np.asarray(y, np.float32) for y in ys)
+        np.testing.assert_array_equal(large[:GEMM_M[0]], small, err_msg=f"{mode} {d}")
+
+
+def test_gemm_auto_choice_and_no_dequantized_weight():
+    """Automatic choice on the CPU: the GEMV up to FFI_GEMV_MAX_M rows, the GEMM past it
+    (neither materializes the weight: no dequantize, no float [N, K] in the program);
+    x @ W (transpose=False) keeps the ffi dequantize + XLA's dot."""
+    qw = _gemm_qw("mxfp4", 4, n=64, k=128)
+    lower = lambda m, **kw: jax.jit(lambda x: jq.qmm(x, qw, **kw)).lower(
+        rand(62, (m, 128))).as_text()
+    text = lower(configs.FFI_GEMV_MAX_M["cpu"])
+    assert "jaxquant_qmv" in text and "jaxquant_gemm" not in text
+    text = lower(configs.FFI_GEMV_MAX_M["cpu"] + 1)
+    assert "jaxquant_gemm" in text and "jaxquant_dequantize" not in text
+    assert "tensor<64x128xf32>" not in text
+    qwn = quantize_for("mxfp4", 4, rand(63, (128, 64)))
+    text = jax.jit(lambda x: jq.qmm(x, qwn, transpose=False, backend="ffi")).lower(
+        rand(64, (40, 128))).as_text()
+    assert "jaxquant_dequantize" in text and "jaxquant_gemm" not in text
+
+
+def test_gemm_edge_values():
+    """NaN blocks (E8M0 255), E8M0 scale 0 (2**-127: a float32 subnormal weight, flushed
+    as XLA's CPU code flushes it), Inf and NaN in x on affine weights, nvfp4 without a
+    global scale, batched weights, expert ids out of range (NaN rows)."""
+    m = GEMM_M[0]
+    qw = _gemm_qw("mxfp4", 4, n=20, k=128)
+    scales = np.asarray(qw.scales).copy()
+    scales[3, 1], scales[5, 0] = 255, 0
+    qw = jq.QuantizedArray(qw.data, jnp.asarray(scales), mode="mxfp4", bits=4, group_size=32,
+                           dtype=jnp.float32)
+    x = rand(65, (m, 128))
+    y = np.asarray(ffi(jq.qmm, x, qw))
+    assert np.all(np.isnan(y[:, 3])) and not np.any(np.isnan(np.delete(y, 3, axis=1)))
+    assert_matmul_close(np.delete(y, 3, 1), x, np.delete(deq64(qw), 3, 0), jnp.float32)
+
+    qa = _gemm_qw("affine", 4, n=20, k=128)
+    xa = np.asarray(rand(66, (m, 128)), np.float32).copy()
+    xa[2, 5], xa[4, 7], xa[6, 9] = np.inf, -np.inf, np.nan
+    ya = np.asarray(ffi(jq.qmm, jnp.asarray(xa), qa))
+    with np.errstate(invalid="ignore"):  # the definition: +-Inf, or NaN (Inf - Inf)
+        want = np.asarray(xa, np.float64) @ deq64(qa).T
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isnan(ya), np.isnan(want))
+    np.testing.assert_array_equal(ya[~finite & ~np.isnan(want)], want[~finite & ~np.isnan(want)])
+    assert_matmul_close(np.where(finite, ya, 0)[[0, 1, 3, 5]], xa[[0, 1, 3, 5]],
+                        deq64(qa), jnp.float32)
+
+    qn = quantize_for("nvfp4", 4, rand(67, (20, 128)))
+    qn = jq.QuantizedArray(qn.data, qn.scales, mode="nvfp4", bits=4, group_size=16,
+                           dtype=jnp.float32)  # no global scale
+    assert_matmul_close(ffi(jq.qmm, x, qn), x, deq64(qn), jnp.float32)
+
+    qb = quantize_for("affine", 8, rand(68, (3, 20, 128)))
+    xb = rand(69, (3, m, 128))
+    yb = ffi(jq.qmm, xb, qb)
+    assert_matmul_close(yb, xb, deq64(qb), jnp.float32)
+
+    idx = jnp.asarray([2, -1, 3, 0], jnp.int32)
+    yg = np.asarray(jax.jit(lambda x, q, i: kernels.gemm_call(x, q, i))(xb[:1], qb, idx))
+    w64 = deq64(qb)
+    for s, e in enumerate(np.asarray(idx)):
+        if 0 <= e < 3:
+            assert_matmul_close(yg[s], xb[0], w64[e], jnp.float32)
+        else:
+            assert np.all(np.isnan(yg[s]))
+
+
+def test_gemm_threads_same_bits():
+    """The GEMM's split over threads (XLA's pool) gives the one-thread bits."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core here: no split to compare")
+    qw = _gemm_qw("affine", 4, n=200, k=256)
+    x = rand(70, (40, 256), jnp.bfloat16)
+    before = set_cpu_threads(1)
+    try:
+        one = np.asarray(ffi(jq.qmm, x, qw), np.float32)
+        for t in (2, 3):
+            set_cpu_threads(t)
+            np.testing.assert_array_equal(np.asarray(ffi(jq.qmm, x, qw), np.float32), one)
+    finally:
+        set_cpu_threads(0)
+    assert CPU_LIB.handle.jq_cpu_threads() == before
+    assert_matmul_close(one, x, deq64(qw), jnp.bfloat16)
+
+
 def _cpu_flags():
     try:
         with open("/proc/cpuinfo") as f:
@@ -636,7 +752,7 @@ def test_lower_isas_decode_every_code(isa):  # ~40 s of CPU each: CI's full matr
         pytest.skip(f"this CPU has no {isa}")
     env = dict(os.environ, JAXQUANT_FFI_CPU_ISA=isa, JAX_PLATFORMS="cpu")
     sel = ("qmv_decodes_every_code or qmv_group_and_tile_shapes or qmv_e8m0_rows or "
-           "qmv_threads_same_bits or cpu_isa_is_the_best")
+           "qmv_threads_same_bits or cpu_isa_is_the_best or gemm_")
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                         __file__, "-k", sel], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -822,8 +938,9 @@ def test_kernel_choice_table():
     for platform, max_m in configs.FFI_GEMV_MAX_M.items():
         assert configs.auto_qmm(sa((max_m, 128)), qw, transpose=True, precision=None,
                                 platform=platform)
-        assert not configs.auto_qmm(sa((max_m + 1, 128)), qw, transpose=True, precision=None,
-                                    platform=platform)
+        gemm = configs.FFI_GEMM_MAX_M.get(platform, 0) > max_m  # the CPU's blocked GEMM
+        assert configs.auto_qmm(sa((max_m + 1, 128)), qw, transpose=True, precision=None,
+                                platform=platform) == gemm
         assert not configs.auto_qmm(sa((1, 64)), qw, transpose=False, precision=None,
                                     platform=platform)
         assert configs.auto_dequantize(qw, dtype=jnp.float32, platform=platform) == (
@@ -862,8 +979,9 @@ for mode, bits in [("affine", 4), ("affine", 6), ("mxfp4", 4), ("mxfp8_e5m2", 8)
                    ("iq4nl", 4)]:
     qw = jq.quantize(jax.random.normal(jax.random.key(0), (24, 128)), mode=mode,
                      bits=bits if mode == "affine" else None)
-    x = jax.random.normal(jax.random.key(1), (2, 128), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (20, 128), jnp.bfloat16)  # 2 rows: GEMV; 20: GEMM
     out[f"{mode}-{bits}-"] = [np.asarray(jax.jit(lambda q: jq.dequantize(q, jnp.bfloat16, backend="ffi"))(qw), np.float32),
+                             np.asarray(jax.jit(lambda x: jq.qmm(x[:2], qw, backend="ffi"))(x), np.float32),
                              np.asarray(jax.jit(lambda x: jq.qmm(x, qw, backend="ffi"))(x), np.float32)]
 x = jax.random.normal(jax.random.key(2), (3, 200), jnp.float16)
 out["rms-0-"] = [np.asarray(jax.jit(lambda x: jq.rms_norm(x, backend="ffi"))(x), np.float32)]
@@ -895,7 +1013,8 @@ np.savez(OUT, **{k + str(i): a for k, v in out.items() for i, a in enumerate(v)}
                     np.testing.assert_array_equal(base[key], np.asarray(
                         ref(jq.dequantize, qw, dtype=jnp.bfloat16), np.float32))
             else:
-                x = jax.random.normal(jax.random.key(1), (2, 128), jnp.bfloat16)
+                x = jax.random.normal(jax.random.key(1), (20, 128), jnp.bfloat16)
+                x = x[:2] if i == 1 else x
                 assert_matmul_close(base[key], x, deq64(qw), jnp.bfloat16)
 
 
@@ -1003,21 +1122,21 @@ QMV_BAD = {
 }
 
 
+@pytest.mark.parametrize("target", ["jaxquant_qmv", "jaxquant_gemm"])  # one validation
 @pytest.mark.parametrize("case", sorted(QMV_BAD))
-def test_qmv_handler_rejects(case):
-    change, msg = QMV_BAD[case]
+def test_qmv_handler_rejects(case, target):
+    change, msg = dict(QMV_BAD[case][0]), QMV_BAD[case][1]
     a = _qmv_ok()
     attrs = change.pop("attrs", _fmt())
     a.update(change)
     with pytest.raises(jax.errors.JaxRuntimeError, match=msg):
-        _call("jaxquant_qmv", a["out"], a["x"], a["d"], a["s"], a["b"], a["gs"], a["idx"],
-              **attrs)
+        _call(target, a["out"], a["x"], a["d"], a["s"], a["b"], a["gs"], a["idx"], **attrs)
 
 
-def test_qmv_handler_ok_call():
+@pytest.mark.parametrize("target", ["jaxquant_qmv", "jaxquant_gemm"])
+def test_qmv_handler_ok_call(target):
     a = _qmv_ok()
-    y = _call("jaxquant_qmv", a["out"], a["x"], a["d"], a["s"], a["b"], a["gs"], a["idx"],
-              **_fmt())
+    y = _call(target, a["out"], a["x"], a["d"], a["s"], a["b"], a["gs"], a["idx"], **_fmt())
     np.testing.assert_array_equal(y, np.zeros((1, 2, 8), np.float32))
 
 

@@ -354,6 +354,7 @@ inline ffi::Error make_norm(int32_t kind, const ffi::AnyBuffer& x, const ffi::An
 // serves, a static `ffi::Error <target>(const <Problem>& p, <context values>...)`
 // that runs a validated, non-empty problem:
 //   dequantize(DequantProblem)  qmv(QmvProblem)  norm(NormProblem: the three norms)
+//   gemm(QmvProblem: the CPU library's own target)
 //
 // Adding an FFI target `foo` (one step per layer):
 //   1. here: a validator make_foo(...) -> FooProblem (jq/problems.h), a body
@@ -437,6 +438,20 @@ struct Handlers {
     return Platform::qmv(p, ctx...);
   }
   static auto bind_qmv() { return format_attrs(ffi_rets<1>(ffi_args<6>(bind()))); }
+
+  // jaxquant_gemm (CPU library only): qmv's operands and result, run as the blocked
+  // dequantize-GEMM (many rows of x per weight matrix).
+  static ffi::Error gemm(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf data, Buf scales,
+                         Buf biases, Buf gs, Buf indices, Out y, int64_t fmt, int64_t bits,
+                         int64_t group_size) {
+    QmvProblem p;
+    if (auto e = make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &p);
+        e.failure())
+      return e;
+    if (p.S == 0 || p.M == 0 || p.N == 0) return ffi::Error::Success();
+    return Platform::gemm(p, ctx...);
+  }
+  static auto bind_gemm() { return bind_qmv(); }
 
   // jaxquant_rms_norm: x, weight|[0] -> y
   static ffi::Error rms_norm(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf w, Out y,

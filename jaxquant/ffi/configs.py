@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 FFI_GEMV_MAX_M = {"cpu": 16, "cuda": 16, "rocm": 16}
+FFI_GEMM_MAX_M = {"cpu": 1 << 30}
 
 NORM_MIN_ELEMENTS = 1 << 16
 
@@ -103,8 +104,17 @@ def gemv_rows(x, qw, *, transpose, platform) -> int | None:
     return m if transpose and 0 < m <= FFI_GEMV_MAX_M[platform] else None
 
 
+def gemm_rows(x, qw, *, transpose, platform) -> int | None:
+    """The rows of x per weight matrix when qmm runs as the CPU library's blocked GEMM
+    (more than the GEMV takes, at most FFI_GEMM_MAX_M), else None."""
+    m = math.prod(x.shape[qw.ndim - 2:-1])
+    most = FFI_GEMM_MAX_M.get(platform, 0)
+    return m if transpose and FFI_GEMV_MAX_M[platform] < m <= most else None
+
+
 def auto_qmm(x, qw, *, transpose, platform, **params) -> bool:
-    return gemv_rows(x, qw, transpose=transpose, platform=platform) is not None
+    return (gemv_rows(x, qw, transpose=transpose, platform=platform) is not None
+            or gemm_rows(x, qw, transpose=transpose, platform=platform) is not None)
 
 
 def auto_gather_qmm(x, qw, indices, *, transpose, platform, **params) -> bool:

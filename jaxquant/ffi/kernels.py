@@ -60,17 +60,28 @@ def dequantize_call(qw: QuantizedArray, dtype, *, platform=None):
         *qw_operands(qw), **format_attrs(qw))
 
 
+def _slots_call(target, x3, qw3: QuantizedArray, indices, num_slots):
+    e, n, _ = qw3.shape
+    s = (indices.shape[0] if indices is not None else e) if num_slots is None else num_slots
+    out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
+    idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+        x3, *qw_operands(qw3), idx, **format_attrs(qw3))
+
+
 def qmv_call(x3, qw3: QuantizedArray, indices=None, num_slots=None):
     """The fused dequantize-GEMV over slots: x3 [Sx, M, K], qw3 [E, N, K],
     indices int32 [S] (slot s uses expert indices[s]; out of [0, E): NaN row) or
     None (S = E, slot s uses expert s). Slot s reads x3[s // (S // Sx)].
     Returns [S, M, N] in x3's dtype."""
-    e, n, _ = qw3.shape
-    s = (indices.shape[0] if indices is not None else e) if num_slots is None else num_slots
-    out = jax.ShapeDtypeStruct((s, x3.shape[1], n), x3.dtype)
-    idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
-    return jax.ffi.ffi_call("jaxquant_qmv", out, vmap_method="sequential")(
-        x3, *qw_operands(qw3), idx, **format_attrs(qw3))
+    return _slots_call("jaxquant_qmv", x3, qw3, indices, num_slots)
+
+
+def gemm_call(x3, qw3: QuantizedArray, indices=None, num_slots=None):
+    """qmv_call's product as the CPU library's blocked dequantize-GEMM (target
+    jaxquant_gemm, CPU only): each block of weight rows decoded once into float32
+    and reused over all M rows of x (cpu_src/kernels_impl.inc, gemm)."""
+    return _slots_call("jaxquant_gemm", x3, qw3, indices, num_slots)
 
 
 def rms_norm_call(x, weight, eps, weight_offset, *, platform=None):
@@ -140,14 +151,18 @@ def supports_norm(*arrays, platform, **params):
 
 
 def qmm(x, qw, *, transpose, precision, platform):
-    """The fused GEMV for at most configs.FFI_GEMV_MAX_M[platform] rows of x per weight
-    matrix (x @ W.T); otherwise the reference with the ffi dequantize."""
+    """x @ W.T: the fused GEMV for at most configs.FFI_GEMV_MAX_M[platform] rows of x per
+    weight matrix, the CPU's blocked GEMM for more (configs.gemm_rows); otherwise the
+    reference with the ffi dequantize."""
     m = configs.gemv_rows(x, qw, transpose=transpose, platform=platform)
+    call = qmv_call
+    if m is None:
+        m, call = configs.gemm_rows(x, qw, transpose=transpose, platform=platform), gemm_call
     if m is None:
         return qmm_reference(x, qw, transpose=transpose, precision=precision,
                              dequantize=dequantize_call)
     nb = qw.ndim - 2
-    y = qmv_call(x.reshape(math.prod(qw.shape[:nb]), m, x.shape[-1]), qw.flatten_leading(nb))
+    y = call(x.reshape(math.prod(qw.shape[:nb]), m, x.shape[-1]), qw.flatten_leading(nb))
     return y.reshape(*x.shape[:-1], qw.shape[-2])
 
 
