@@ -179,6 +179,28 @@ def test_float_experts_decode_logits_unchanged_by_gather_matmul(dtype, monkeypat
         np.testing.assert_allclose(g, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's compiled prefill")
+def test_cpu_prefill_runs_the_gemm_without_dequantized_weights():
+    """The compiled prefill (jit, lax.scan over the layers) on the CPU: every quantized
+    projection of the prompt's rows is the ffi's blocked GEMM, and no dequantized weight
+    ([N, K] float, or the stack's [L, N, K]) is built (no dequantize, no convert of a
+    weight's shape)."""
+    import re
+
+    from jaxquant.ffi import configs
+    cfg = tiny("llama", dtype="bfloat16", vocab_size=96)  # no weight shares the embedding's
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "mxfp4")
+    prompt = jnp.zeros((1, configs.FFI_GEMV_MAX_M["cpu"] + 8), jnp.int32)
+    hlo = jax.jit(lambda p, t: models.prefill(cfg, p, t, 32)).lower(params, prompt).compile(
+        ).as_text()
+    assert "jaxquant_gemm" in hlo and "jaxquant_dequantize" not in hlo
+    d, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {(2 * i, d), (d, i), ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, d),
+              (d, cfg.num_heads * hd)}
+    for n, k in shapes:
+        assert not re.search(rf"(?:f32|bf16)\[(?:{cfg.num_layers},)?{n},{k}\]", hlo), (n, k)
+
+
 def test_float_experts_decode_reads_experts_in_place_on_gpus():
     """The gpt-oss decode step lowered for CUDA (on this CPU machine) with float experts:
     the expert products are the gather_matmul Triton kernel and no XLA gather produces

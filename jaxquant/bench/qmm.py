@@ -66,6 +66,13 @@ def _reference(m, opts):
     return [("jnp reference", lambda x, qw: x @ dequantize_reference(qw, x.dtype).T)]
 
 
+def _op_reference(m, opts):
+    """The op's own reference (dequantize, then XLA's contraction in its fast form): what
+    automatic choice weighs a kernel against."""
+    import jaxquant as jq
+    return [("jq reference", functools.partial(jq.qmm, backend="reference"))]
+
+
 def _pallas(m, opts):
     from jaxquant.pallas.qmm import qmm as pallas_qmm
     label = harness.pallas_label(opts.interpret)
@@ -98,6 +105,7 @@ def _metal(m, opts):
 
 PEERS = [Peer("dense", False, _dense), Peer("einsum", False, _dense_einsum),
          Peer("reference", True, _reference),
+         Peer("op_reference", True, _op_reference),
          Peer("pallas", True, _pallas), Peer("ffi", True, _ffi), Peer("metal", True, _metal)]
 
 
@@ -243,7 +251,8 @@ def add_arguments(parser, cpu: bool):
     every = tuple(p.name for p in PEERS) + ("numpy", "auto")
     parser.add_argument("--peers", type=harness.names(every, "peer"), default=every,
                         help="implementations to time, comma-separated: dense (x @ w.T), einsum "
-                             "(CPU), reference, pallas, ffi, metal, numpy (CPU), auto (jq.qmm's "
+                             "(CPU), reference (x @ dequantized w.T), op_reference (jq.qmm's reference "
+                             "backend), pallas, ffi, metal, numpy (CPU), auto (jq.qmm's "
                              "own choice on each layout) (default: all)")
     parser.add_argument("--variant", action="append", type=_variant, default=[],
                         help="also time the Pallas kernel with this block config, e.g. "
