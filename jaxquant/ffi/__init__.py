@@ -13,6 +13,8 @@ which returns an error instead of touching bad memory; how to add one:
 include/jq/ffi_common.h):
   jaxquant_dequantize      data, scales, biases|[0], global_scale|[0] -> [..., N, K]
   jaxquant_qmv             x [Sx,M,K], data, scales, biases, global_scale, indices|[0] -> [S,M,N]
+  jaxquant_gemm            (CPU library only) jaxquant_qmv's operands and result, as the
+                           blocked dequantize-GEMM for many rows of x
   jaxquant_rms_norm        x, weight|[0] -> y
   jaxquant_add_rms_norm    x, residual, weight|[0] -> y, h
   jaxquant_gated_rms_norm  x, gate, weight|[0] -> y
@@ -32,6 +34,11 @@ Numerics (docs/ops.md):
   product as the reference. One output element's float ops depend only on K
   and the format, so gather_qmm(x, qw, idx)[t, j] == qmm(x[t], qw[idx[t, j]])
   bit for bit on this backend.
+- qmm with transpose=True and more rows on the CPU (configs.gemm_rows) runs the
+  blocked GEMM: the weight values in float32 exactly as the dequantize gives them
+  (never rounded to x's dtype), one FMA per term, float32 accumulation over K in
+  order, the output rounded to x's dtype; a row's bits do not depend on M or the
+  threads.
 - qmm otherwise (transpose=False, more rows), ragged_qmm and gather_qmm with
   transpose=False: the op's reference with the ffi dequantize into x's dtype
   (so the reference's own XLA contraction, and its precision setting).

@@ -10,6 +10,12 @@ benchmarks/ (benchmarks/README.md), named by key below.
   fused dequantize-GEMV (target jaxquant_qmv; jaxquant/ffi/kernels.py: qmm); past it qmm is the ffi
   dequantize + XLA's dot, which wins once the weight's decode is amortized over
   enough rows.
+- FFI_GEMM_MAX_M: on the CPU, the most rows of x per weight matrix that qmm (x @ W.T) runs
+  as the CPU library's blocked dequantize-GEMM (target jaxquant_gemm; past
+  FFI_GEMV_MAX_M). Measured in the model (cpu-xeon-2core/model.json: prefill of 128
+  tokens, Llama-3.2-1B dims) the GEMM replaces the reference's dequantize, which XLA
+  runs as one slow fusion per weight inside the layer scan (1.47 s of 1.75 s); the op
+  alone is in cpu-xeon-2core/qmm.json (`qmm: M, K, N=<M>, 2048, 8192`).
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
   runs qmm on a `cuda_mma` weight as the mma.sync tensor-core GEMM
   (gpu_src/cuda/qmm_gemm.h; above MMA_GEMV_MAX_M); past it the layout's dequantize
@@ -37,9 +43,9 @@ benchmarks/ (benchmarks/README.md), named by key below.
   expert split over blocks: 8 is faster up to 128 rows, 16 above
   (`ragged_qmm.gather_dedupe.*`; 2 and 4 within a few % of 8, 1 up to 4x slower).
 - auto_*: where automatic choice takes the ffi kernel (an explicit
-  backend="ffi" gets every case the kernel supports). qmm: the fused GEMV only
-  (above FFI_GEMV_MAX_M rows the ffi dequantize + XLA's dot is slower than the
-  reference, which XLA fuses). gather_qmm with x @ W.T: the fused GEMV per slot,
+  backend="ffi" gets every case the kernel supports). qmm: the fused GEMV, and on
+  the CPU the blocked GEMM up to FFI_GEMM_MAX_M rows (elsewhere, above FFI_GEMV_MAX_M
+  rows, the ffi dequantize + XLA's dot is slower than the reference, which XLA fuses). gather_qmm with x @ W.T: the fused GEMV per slot,
   faster than the reference on the CPU and the GPU. CPU only: dequantize (faster
   for every format), norms from NORM_MIN_ELEMENTS elements (smaller rows are a few
   µs either way and XLA fuses them with their neighbours). Never: ragged_qmm
