@@ -85,6 +85,8 @@ def _load_all():
         loader.register(lib)
         if lib.handle is not None and not FORMAT_IDS:
             FORMAT_IDS.update(lib.format_ids)
+        if lib.handle is not None:
+            kernels.TARGETS[platform] = lib.targets
         _LIBS[platform] = lib
 
 

@@ -28,6 +28,10 @@ from jaxquant.quantized_array import CANONICAL, QuantizedArray
 # the order of include/jq/codec.h's format list); filled in when the package loads
 # them (jaxquant/ffi/__init__.py). Empty when no library loaded.
 FORMAT_IDS: dict[str, int] = {}
+# platform -> the FFI targets its loaded library serves (jq_ffi_targets), filled in
+# likewise: a library built before a target existed lacks it (the op then takes the
+# path it took before, instead of failing on a missing handler).
+TARGETS: dict[str, tuple[str, ...]] = {}
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -156,7 +160,7 @@ def qmm(x, qw, *, transpose, precision, platform):
     reference with the ffi dequantize."""
     m = configs.gemv_rows(x, qw, transpose=transpose, platform=platform)
     call = qmv_call
-    if m is None:
+    if m is None and "gemm" in TARGETS.get(platform, ()):
         m, call = configs.gemm_rows(x, qw, transpose=transpose, platform=platform), gemm_call
     if m is None:
         return qmm_reference(x, qw, transpose=transpose, precision=precision,
