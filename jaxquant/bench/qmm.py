@@ -14,6 +14,10 @@ kernels read): adding one is one small function. Then the op a user calls,
 layout for the device (where it is not the canonical one), and on what
 `jq.quantize` returns by default; a line per mode compares the last with the
 fastest quantized row (docs/layouts.md: the default must be the fast path).
+On a CPU, `--peer llamacpp` adds llama.cpp's CPU GEMV (ggml_mul_mat, from the
+llama-cpp-python package) per shape, on 1 and all threads, on weights of the same
+bits where a ggml block format holds a jaxquant one (llamacpp_peer.py,
+docs/measuring.md).
 """
 
 from __future__ import annotations
@@ -124,12 +128,18 @@ def run(args, out=print):
     import jaxquant as jq
     from jaxquant.quantize import dequantize_reference
 
+    cpu = harness.on_cpu()
+    if args.peer == "llamacpp":
+        from jaxquant.bench import llamacpp_peer
+        why = ("it is llama.cpp's CPU kernels, compared with jaxquant's on the CPU: run "
+               "with JAX_PLATFORMS=cpu") if not cpu else llamacpp_peer.unavailable()
+        if why:
+            raise SystemExit(f"python -m jaxquant bench qmm: --peer llamacpp: {why}")
     bw = harness.start(out, args.interpret, cpu_copy_per_row=True)
     opts = Options(args.interpret, tuple(args.variant))
     dt = jnp.dtype(args.dtype)
     rows = []
     key = jax.random.PRNGKey(0)
-    cpu = harness.on_cpu()
     threads = harness.cpu_threads() if cpu else 0
     for (m, k, n) in args.shapes:
         # on a CPU the case names the threads: one run per thread count (taskset)
@@ -190,7 +200,26 @@ def run(args, out=print):
         for mode in args.modes:
             out(default_vs_best(block, mode))
         rows += block
+        if args.peer == "llamacpp":
+            rows += _llamacpp(args, m, k, n, out)
     return rows, bw
+
+
+def _llamacpp(args, m, k, n, out):
+    """The llama.cpp peer's table at one shape (jaxquant/bench/llamacpp_peer.py)."""
+    from jaxquant.bench import llamacpp_peer
+
+    modes = [md for md in args.modes if md in llamacpp_peer.PAIRS]
+    if not modes or k % llamacpp_peer.QK:
+        out(f"# llama.cpp peer: nothing to compare at K={k} among --modes "
+            f"{','.join(args.modes)} (it pairs {', '.join(llamacpp_peer.PAIRS)}; K a "
+            f"multiple of {llamacpp_peer.QK})")
+        return []
+    rows = llamacpp_peer.compare(m, k, n, modes, copies=args.copies, iters=args.iters,
+                                 target_ms=args.target_ms, out=out)
+    llamacpp_peer.print_table(rows, out)
+    out(llamacpp_peer.NOTE)
+    return rows
 
 
 DEFAULT_IMPL = "jq.qmm auto, jq.quantize default"
@@ -254,6 +283,12 @@ def add_arguments(parser, cpu: bool):
                              "(CPU), reference (x @ dequantized w.T), op_reference (jq.qmm's reference "
                              "backend), pallas, ffi, metal, numpy (CPU), auto (jq.qmm's "
                              "own choice on each layout) (default: all)")
+    parser.add_argument("--peer", choices=("llamacpp", "none"), default="none",
+                        help="also compare jq.qmm with llama.cpp's CPU GEMV (ggml_mul_mat, "
+                             "from the llama-cpp-python package) per shape, on 1 and all "
+                             "threads: affine4 g32 with Q4_1 (same bits) and Q4_0, affine8 "
+                             "g32 with Q8_0, mxfp4 with MXFP4 and iq4nl with IQ4_NL (same "
+                             "bits) (CPU only; default: none)")
     parser.add_argument("--variant", action="append", type=_variant, default=[],
                         help="also time the Pallas kernel with this block config, e.g. "
                              "'gemv:block_n=32,k_words=32,num_warps=4' (repeatable)")
