@@ -36,27 +36,46 @@ def _weights(n, k, seed):
     return jnp.asarray(w.astype(np.float16))
 
 
-# Independent decoders of the ggml blocks the peer builds by ggml's quantizer (ggml's
-# dequantize_row_q4_0 / _q8_0): byte j of a 4-bit block holds element j (low nibble) and
-# element j + 16 (high nibble).
-def _decode_like(name, blocks):
-    n, nb = blocks.shape
-    d = blocks["d"].astype(np.float64)[..., None]
+# An independent decoder of the ggml blocks (ggml-common.h's block structs, ggml-quants.c's
+# dequantize_row_*), written here from those definitions: byte j of a block's 4-bit
+# payload holds element j (low nibble) and element j + 16 (high nibble).
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def decode64(name, raw):
+    n = raw.shape[0]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "IQ4_NL": 18, "MXFP4": 17}[name]
+    b = raw.reshape(n, -1, size)
+
+    def f16(i):
+        return np.ascontiguousarray(b[..., i:i + 2]).view("<f2").astype(np.float64)
+
     if name == "Q8_0":
-        return (blocks["qs"].astype(np.float64) * d).reshape(n, nb * 32)
-    qs = blocks["qs"]
-    codes = np.concatenate([qs & 15, qs >> 4], -1).astype(np.float64)
-    return ((codes - 8) * d).reshape(n, nb * 32)
+        return (b[..., 2:].view(np.int8) * f16(0)).reshape(n, -1)
+    qs = b[..., size - 16:]
+    codes = np.concatenate([qs & 15, qs >> 4], -1)
+    if name == "Q4_0":
+        v = (codes.astype(np.float64) - 8) * f16(0)
+    elif name == "Q4_1":
+        v = codes * f16(0) + f16(2)
+    elif name == "IQ4_NL":
+        v = np.asarray(oracle.CODEBOOKS["iq4nl"], np.float64)[codes] * f16(0)
+    else:
+        e = b[..., 0:1].astype(np.int64)
+        v = np.where(e == 255, np.nan, E2M1[codes] * np.ldexp(1.0, e - 127))
+    return v.reshape(n, -1)
 
 
 @pytest.mark.parametrize("name", SAME_BITS)
-def test_same_bits_blocks_decode_to_the_oracle_values(name):
+def test_same_bits_blocks_hold_the_oracle_values(name):
     mode, bits = MODE_OF[name]
     qw = quantize_for(mode, bits, _weights(24, 256, 3), group_size=32)
     blocks = lp.blocks_from_jaxquant(lp.BLOCKS[name], qw)
-    assert blocks.shape == (24, 8)
-    assert blocks.dtype.itemsize == {"Q4_1": 20, "MXFP4": 17, "IQ4_NL": 18}[name]
-    np.testing.assert_array_equal(lp.decode(lp.BLOCKS[name], blocks), deq64(qw))
+    assert blocks.dtype == np.uint8
+    assert blocks.shape == (24, 8 * {"Q4_1": 20, "MXFP4": 17, "IQ4_NL": 18}[name])
+    np.testing.assert_array_equal(decode64(name, blocks), deq64(qw))
+    np.testing.assert_array_equal(lp.dequantize64(lp.BLOCKS[name], blocks, 256),
+                                  deq64(qw).astype(np.float32))
 
 
 def test_mxfp4_scale_codes_0_and_255():
@@ -66,9 +85,8 @@ def test_mxfp4_scale_codes_0_and_255():
     scales = np.asarray(qw.scales).copy()
     scales[0, 0], scales[1, 1] = 0, 255
     qw = qw.replace(scales=jnp.asarray(scales))
-    got = lp.decode(lp.BLOCKS["MXFP4"], lp.blocks_from_jaxquant(lp.BLOCKS["MXFP4"], qw))
-    want = oracle.dequantize("mxfp4", 4, 32, np.asarray(qw.data), scales)
-    np.testing.assert_array_equal(got, want)
+    got = decode64("MXFP4", lp.blocks_from_jaxquant(lp.BLOCKS["MXFP4"], qw))
+    np.testing.assert_array_equal(got, deq64(qw))
     assert np.isnan(got[1, 32:64]).all() and np.isfinite(got[0]).all()
 
 
@@ -77,16 +95,19 @@ def test_bad_inputs_are_refused():
     q4 = quantize_for("affine", 4, w, group_size=32)
     with pytest.raises(ValueError, match="Q4_0 is not built from jaxquant"):
         lp.blocks_from_jaxquant(lp.BLOCKS["Q4_0"], q4)
-    with pytest.raises(ValueError, match="group 64"):
+    with pytest.raises(ValueError, match="group_size=32"):
         lp.blocks_from_jaxquant(lp.BLOCKS["Q4_1"], quantize_for("affine", 4, w, group_size=64))
-    with pytest.raises(ValueError, match="bits 8"):
+    with pytest.raises(ValueError, match="bits=4"):
         lp.blocks_from_jaxquant(lp.BLOCKS["Q4_1"], quantize_for("affine", 8, w, group_size=32))
-    with pytest.raises(ValueError, match="holds affine weights, not mxfp4"):
+    with pytest.raises(ValueError, match="mxfp4"):
         lp.blocks_from_jaxquant(lp.BLOCKS["Q4_1"], quantize_for("mxfp4", 4, w))
+    with pytest.raises(ValueError, match="2-D"):
+        lp.blocks_from_jaxquant(lp.BLOCKS["MXFP4"],
+                                quantize_for("mxfp4", 4, w.reshape(2, 4, 64)))
     # bfloat16 scales that float16 does not hold: not the same bits as a Q4_1 block
     big = quantize_for("affine", 4, jnp.asarray(np.asarray(w, np.float32) * 1e6,
                                                 jnp.bfloat16), group_size=32)
-    with pytest.raises(ValueError, match="not float16 numbers"):
+    with pytest.raises(ValueError, match="float16"):
         lp.blocks_from_jaxquant(lp.BLOCKS["Q4_1"], big)
 
 
@@ -113,7 +134,7 @@ def _ggml_blocks(name, w, seed):
         blocks = lp.blocks_from_jaxquant(b, qw)
         return blocks, deq64(qw)
     blocks = lp.quantize(b, np.asarray(w, np.float32))
-    return blocks, _decode_like(name, blocks)
+    return blocks, decode64(name, blocks)
 
 
 def _x_on_q8_grid(m, k, seed):
@@ -168,11 +189,11 @@ def test_ggml_product_is_the_float64_product(name, plain):
 @needs_ggml
 def test_ggml_refuses_bad_weights():
     b = lp.BLOCKS["Q4_1"]
-    good = np.zeros((32, 4), b.dtype)
-    with pytest.raises(ValueError, match="blocks of one shape"):
-        lp.Product(b, [good, np.zeros((32, 5), b.dtype)], 1)
-    with pytest.raises(ValueError, match="blocks of one shape"):
-        lp.Product(b, [np.zeros((32, 4), lp.BLOCKS["Q4_0"].dtype)], 1)
+    good = np.zeros((32, 4 * 20), np.uint8)
+    for bad in ([good, np.zeros((32, 5 * 20), np.uint8)], [np.zeros((32, 4 * 18), np.uint8)],
+                [good.view(np.int8)], [np.zeros((32, 0), np.uint8)]):
+        with pytest.raises(ValueError, match="Q4_1 blocks"):
+            lp.Product(b, bad, 1)
     with lp.Product(b, [good], 2) as p:
         with pytest.raises(ValueError, match=r"x must be \[2, 128\]"):
             p.set_x(np.zeros((1, 128), np.float32))

@@ -143,6 +143,24 @@ def test_iq4_dequantize_like_gguf(name, shape):
     assert_same_numbers(values(got), gq.dequantize(raw, T[name]))
     by_number = jq.io.from_gguf_tensor(raw.reshape(-1), T[name].value, shape)
     assert_same_numbers(values(by_number), values(got))
+    if name == "IQ4_NL":   # the inverse, bit for bit
+        np.testing.assert_array_equal(jq.io.to_gguf_tensor(got, name), raw)
+
+
+def test_iq4_nl_export_of_quantized_weights():
+    """jq.quantize's iq4nl of float16 weights (float16 scales) is IQ4_NL's blocks, and of
+    float32 weights too where every scale is a float16 number; others are refused."""
+    w = weights((4, 96))
+    for dt in (jnp.float16, jnp.float32):
+        qw = jq.quantize(jnp.asarray(w, dt), mode="iq4nl", layout="canonical")
+        if dt == jnp.float32 and not np.array_equal(
+                np.asarray(qw.scales).astype(np.float16).astype(np.float32), qw.scales):
+            with pytest.raises(ValueError, match="float16"):
+                jq.io.to_gguf_tensor(qw, "IQ4_NL")
+            continue
+        raw = jq.io.to_gguf_tensor(qw, "IQ4_NL")
+        assert raw.shape == (4, 3 * 18) and raw.dtype == np.uint8
+        assert_same_numbers(gq.dequantize(raw, T.IQ4_NL), values(qw))
 
 
 def _iq4_block_fields(name, raw):
@@ -269,6 +287,8 @@ def test_float_tensors_load_as_float(name, dtype):
      ValueError, "bits=8"),
     (lambda r: jq.io.to_gguf_tensor(jq.io.from_gguf_tensor(r, "Q4_0", (1, 256)), "Q4_K"),
      ValueError, "Q4_K"),
+    (lambda r: jq.io.to_gguf_tensor(jq.io.from_gguf_tensor(r, "Q4_0", (1, 256)), "IQ4_NL"),
+     ValueError, "iq4nl"),
 ])
 def test_bad_inputs(call, exc, match):
     raw = gq.quantize(weights((1, 256)), T.Q4_0)

@@ -32,9 +32,9 @@ Block formats and how each is built from jaxquant's weights (`BLOCKS`):
   half-bit), not the same bits: they are quantized by ggml's own
   `ggml_quantize_chunk` from the same float weights.
 
-In every 4-bit block, byte j holds element j in its low nibble and element j + 16
-in its high one (jaxquant's canonical layout packs elements 2j and 2j + 1).
-`decode` turns blocks back into float64 weights without ggml, for the checks.
+The blocks are GGUF's bytes, written by `jq.io.to_gguf_tensor` (the exporter, whose
+tests hold it to the gguf package's dequantizers) and read back for the checks by
+`jq.io.from_gguf_tensor`.
 """
 
 from __future__ import annotations
@@ -47,45 +47,37 @@ import os
 
 import numpy as np
 
+from jaxquant.io.gguf import GGML_TYPES
+
 INSTALL = "pip install llama-cpp-python (or this project's extra: pip install -e '.[peer-cpu]')"
 
-# ggml's type ids (ggml.h, enum ggml_type).
-GGML_F32 = 0
+GGML_F32 = GGML_TYPES["F32"][0]
 GGML_MAX_N_THREADS = 512    # ggml.h: the size of ggml_threadpool_params.cpumask
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """One ggml block format: its type id, numpy record and how it relates to jaxquant."""
+    """One ggml block format and the jaxquant format it is compared with."""
     name: str
-    type_id: int
-    dtype: np.dtype
-    mode: str              # the jaxquant format it is compared with
+    mode: str              # the jaxquant mode of its pair
     same_bits: bool        # built from jaxquant's codes and scales (else ggml quantizes)
 
+    @property
+    def type_id(self) -> int:
+        return GGML_TYPES[self.name][0]
 
-_F16 = "<f2"
-BLOCKS = {
-    "Q4_0": Block("Q4_0", 2, np.dtype([("d", _F16), ("qs", "u1", 16)]), "affine4", False),
-    "Q4_1": Block("Q4_1", 3, np.dtype([("d", _F16), ("m", _F16), ("qs", "u1", 16)]),
-                  "affine4", True),
-    "Q8_0": Block("Q8_0", 8, np.dtype([("d", _F16), ("qs", "i1", 32)]), "affine8", False),
-    "IQ4_NL": Block("IQ4_NL", 20, np.dtype([("d", _F16), ("qs", "u1", 16)]), "iq4nl", True),
-    "MXFP4": Block("MXFP4", 39, np.dtype([("e", "u1"), ("qs", "u1", 16)]), "mxfp4", True),
-}
+    @property
+    def block_bytes(self) -> int:
+        return GGML_TYPES[self.name][2]
+
+
+BLOCKS = {"Q4_0": Block("Q4_0", "affine4", False), "Q4_1": Block("Q4_1", "affine4", True),
+          "Q8_0": Block("Q8_0", "affine8", False), "IQ4_NL": Block("IQ4_NL", "iq4nl", True),
+          "MXFP4": Block("MXFP4", "mxfp4", True)}
 # jaxquant mode -> the ggml blocks it is compared with (same bits first).
 PAIRS = {"affine4": ("Q4_1", "Q4_0"), "affine8": ("Q8_0",), "mxfp4": ("MXFP4",),
          "iq4nl": ("IQ4_NL",)}
 QK = 32   # elements per block in every format above
-
-# E2M1 code -> value (sign in bit 3), and llama.cpp's kvalues_iq4nl.
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                  np.float64)
-
-
-# ---------------------------------------------------------------------------
-# Blocks from jaxquant's weights, and back to floats.
 
 
 def jaxquant_mode_args(mode: str) -> dict:
@@ -96,77 +88,28 @@ def jaxquant_mode_args(mode: str) -> dict:
             "mxfp4": dict(mode="mxfp4"), "iq4nl": dict(mode="iq4nl")}[mode]
 
 
-def _nibbles_to_blocks(codes: np.ndarray) -> np.ndarray:
-    """codes [N, K] uint8 (0..15) -> qs [N, K/32, 16]: byte j = code j | code j+16 << 4."""
-    n, k = codes.shape
-    c = codes.reshape(n, k // QK, 2, QK // 2)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).astype(np.uint8)
-
-
-def _canonical_codes(qw) -> np.ndarray:
-    """The 4-bit codes [N, K] of a canonical-layout QuantizedArray (element 2j in the low
-    nibble of byte j)."""
-    data = np.asarray(qw.data)
-    b = data.view(np.uint8).reshape(data.shape[0], -1)
-    return np.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
-
-
-def _exact_f16(a, what):
-    """a as float16, refusing a value float16 does not hold (the block would not be the
-    same bits)."""
-    a = np.asarray(a)
-    h = a.astype(np.float16)
-    if not np.array_equal(h.astype(np.float32), a.astype(np.float32), equal_nan=True):
-        raise ValueError(f"{what} are not float16 numbers: quantize float16 weights for "
-                         "ggml's float16 block scales to be the same bits")
-    return h
-
-
 def blocks_from_jaxquant(block: Block, qw) -> np.ndarray:
-    """The ggml blocks [N, K/32] holding a 2-D canonical QuantizedArray's bits exactly
-    (Q4_1 from affine 4-bit group 32, MXFP4 from mxfp4, IQ4_NL from iq4nl)."""
+    """The ggml blocks (GGUF bytes, uint8 [N, K/32 * block bytes]) holding a 2-D
+    QuantizedArray's bits exactly: Q4_1 from affine 4-bit group 32 with float16 scales
+    and biases, MXFP4 from mxfp4, IQ4_NL from iq4nl with float16 scales."""
+    import jaxquant as jq
+
     if not block.same_bits:
         raise ValueError(f"{block.name} is not built from jaxquant's bits (ggml quantizes it)")
-    if qw.layout != "canonical" or len(qw.shape) != 2 or qw.group_size != QK or qw.bits != 4:
-        raise ValueError(f"{block.name} needs a 2-D canonical 4-bit group-32 weight; got "
-                         f"shape {qw.shape}, layout {qw.layout!r}, bits {qw.bits}, group "
-                         f"{qw.group_size}")
-    want_mode = {"Q4_1": "affine", "MXFP4": "mxfp4", "IQ4_NL": "iq4nl"}[block.name]
-    if qw.mode != want_mode:
-        raise ValueError(f"{block.name} holds {want_mode} weights, not {qw.mode}")
-    n, k = qw.shape
-    out = np.empty((n, k // QK), block.dtype)
-    out["qs"] = _nibbles_to_blocks(_canonical_codes(qw))
-    if block.name == "MXFP4":
-        out["e"] = np.asarray(qw.scales).view(np.uint8)
-    else:
-        out["d"] = _exact_f16(qw.scales, "the scales")
-    if block.name == "Q4_1":
-        out["m"] = _exact_f16(qw.biases, "the biases")
-    return out
+    if len(qw.shape) != 2:
+        raise ValueError(f"the peer's weights are 2-D [N, K]; got shape {qw.shape}")
+    return jq.io.to_gguf_tensor(qw, block.name)
 
 
-def decode(block: Block, blocks: np.ndarray) -> np.ndarray:
-    """ggml blocks [N, K/32] -> float64 weights [N, K], as ggml's dequantize_row_* defines
-    them (computed here in float64, without ggml)."""
-    n, nb = blocks.shape
-    if block.name == "Q8_0":
-        q = blocks["qs"].astype(np.float64)
-        return (q * blocks["d"].astype(np.float64)[..., None]).reshape(n, nb * QK)
-    qs = blocks["qs"]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)          # [N, nb, 32]
-    if block.name == "Q4_0":
-        v = (codes.astype(np.float64) - 8) * blocks["d"].astype(np.float64)[..., None]
-    elif block.name == "Q4_1":
-        v = (codes * blocks["d"].astype(np.float64)[..., None]
-             + blocks["m"].astype(np.float64)[..., None])
-    elif block.name == "IQ4_NL":
-        v = _IQ4NL[codes] * blocks["d"].astype(np.float64)[..., None]
-    else:  # MXFP4: E8M0 code e is 2^(e-127), 255 is NaN
-        e = blocks["e"].astype(np.int64)
-        scale = np.where(e == 255, np.nan, np.ldexp(1.0, e - 127))
-        v = _E2M1[codes] * scale[..., None]
-    return v.reshape(n, nb * QK)
+def dequantize64(block: Block, blocks: np.ndarray, k: int) -> np.ndarray:
+    """float64 [N, K] of ggml blocks, as GGUF defines them (jq.io's importer)."""
+    import jax.numpy as jnp
+
+    import jaxquant as jq
+    from jaxquant.quantize import dequantize_reference
+
+    qw = jq.io.from_gguf_tensor(blocks, block.name, (blocks.shape[0], k), dtype=jnp.float32)
+    return np.asarray(dequantize_reference(qw, jnp.float32), np.float64)
 
 
 # ---------------------------------------------------------------------------
@@ -290,13 +233,14 @@ def _ggml():
 
 
 def quantize(block: Block, w: np.ndarray) -> np.ndarray:
-    """ggml's own quantization of float weights w [N, K] into `block`s [N, K/32]."""
+    """ggml's own quantization of float weights w [N, K] into `block`s (GGUF bytes, uint8
+    [N, K/32 * block bytes])."""
     g = _ggml()
     w = np.ascontiguousarray(w, np.float32)
     n, k = w.shape
     if k % QK:
         raise ValueError(f"K={k} must be a multiple of {QK} for ggml's blocks")
-    out = np.empty((n, k // QK), block.dtype)
+    out = np.empty((n, k // QK * block.block_bytes), np.uint8)
     size = g.ggml_quantize_chunk(block.type_id, w.ctypes.data, out.ctypes.data, 0, n, k, None)
     if size != out.nbytes:
         raise RuntimeError(f"ggml_quantize_chunk wrote {size} bytes, expected {out.nbytes}")
@@ -321,11 +265,14 @@ class Product:
     def __init__(self, block: Block, weights, m: int, plain: bool = False):
         g = self.g = _ggml()
         self.block, self.m = block, m
-        n, nb = weights[0].shape
-        self.n, self.k = n, nb * QK
+        n, row = weights[0].shape
+        self.n, self.k = n, row // block.block_bytes * QK
         for w in weights:
-            if w.dtype != block.dtype or w.shape != (n, nb):
-                raise ValueError(f"weights must be {block.name} blocks of one shape {(n, nb)}")
+            if (w.dtype != np.uint8 or w.shape != (n, row) or row % block.block_bytes
+                    or not row):
+                raise ValueError(f"weights must be {block.name} blocks (uint8 [N, K/32 * "
+                                 f"{block.block_bytes}]) of one shape; got {w.dtype} "
+                                 f"{list(w.shape)} after {list(weights[0].shape)}")
         self.backend = g.ggml_backend_cpu_init()
         if not self.backend:
             raise RuntimeError("ggml_backend_cpu_init failed")
@@ -491,12 +438,72 @@ def _relerr(y, want) -> float:
     return float(np.linalg.norm(y - want) / np.linalg.norm(want))
 
 
+@dataclasses.dataclass
+class _Timed:
+    """One implementation of a comparison: `call()` runs one timed call (all copies),
+    `start(threads)` / `stop()` bracket its samples, `check()` its rel. error."""
+    impl: str
+    nbytes: int
+    call: object
+    check: object
+    start: object = lambda threads: None
+    stop: object = lambda: None
+
+
+def _interleaved(timed, threads, *, copies, iters, target_ms, case, mode, x, family, out):
+    """Rows of `timed` at one case: each sample times every implementation once, in turn
+    (on a machine shared with other work, load that comes and goes falls on all of them
+    alike), `inner` calls back to back per sample; time = median over `iters` samples /
+    inner / copies. A failure is one line and a row marked failed."""
+    import statistics
+    import time
+
+    from jaxquant.bench import harness
+
+    live, rows = [], []
+    for t in timed:
+        harness.progress(f"{case} {mode} {t.impl}")
+        bw = harness.cpu_copy_bandwidth(copies * t.nbytes, threads)
+        row = harness.Row(case, x, family, mode, t.impl, None, t.nbytes, bw=bw)
+        rows.append(row)
+        try:
+            t.start(threads)
+            try:
+                t.call()                               # warm up, then check and estimate
+                row.err = t.check()
+                t0 = time.perf_counter()
+                t.call()
+                est = (time.perf_counter() - t0) * 1e6 / copies
+            finally:
+                t.stop()
+        except Exception as e:  # noqa: BLE001 - report and go on
+            msg = str(e).splitlines()[0][:200] if str(e) else ""
+            out(f"# {t.impl} failed at {case} {mode}: {type(e).__name__}: {msg}")
+            row.note = "failed"
+            continue
+        live.append((t, row, harness.inner_calls(est, copies, target_ms), []))
+    for _ in range(iters):
+        for t, row, inner, samples in live:
+            t.start(threads)
+            try:
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    t.call()
+                samples.append((time.perf_counter() - t0) / inner / copies)
+            finally:
+                t.stop()
+    for t, row, inner, samples in live:
+        row.us = statistics.median(samples) * 1e6
+    return rows
+
+
 def compare(m, k, n, modes, *, copies, iters, target_ms, plain=True, out=print):
     """Rows (harness.Row) of jaxquant's `jq.qmm` and llama.cpp's ggml_mul_mat at one shape,
     per jaxquant mode of PAIRS in `modes` and per thread count (1 and every core this
-    process may use), timed back to back in this process on the same x (float32) and
-    the same float16 weights (`copies` distinct ones per timed call, as `bench qmm`).
-    plain: also time ggml's plain CPU buffer where llama.cpp would pick another."""
+    process may use), timed interleaved in this process (`_interleaved`) on the same x
+    (float32) and the same float16 weights (`copies` distinct ones per timed call, as
+    `bench qmm`). plain: also time ggml's plain CPU buffer where llama.cpp would pick
+    another."""
     import jax
     import jax.numpy as jnp
 
@@ -530,48 +537,53 @@ def compare(m, k, n, modes, *, copies, iters, target_ms, plain=True, out=print):
         jax.block_until_ready(qws)
         want_jq = x64 @ np.asarray(dequantize_reference(qws[0], jnp.float32), np.float64).T
         f = jax.jit(lambda x, ws: tuple(jq.qmm(x, w) for w in ws))
-        jq_impl = (f"{JAXQUANT_IMPL} ({'ffi ' + isa if isa else 'no ffi library'}, "
-                   f"{qws[0].layout})")
-        peers = []
-        for name in PAIRS[mode]:
-            b = BLOCKS[name]
-            want = x64 @ decode(b, blocks[name][0]).T
-            chosen = Product(b, blocks[name], m)
-            peers.append((b, chosen, want))
-            if plain and chosen.buffer != "CPU":
-                peers.append((b, Product(b, blocks[name], m, plain=True), want))
-        del blocks
+        previous = []
+
+        def jq_start(threads):
+            previous.append(_set_jaxquant_threads(threads))
+
+        def jq_stop():
+            before = previous.pop()
+            if before is not None:
+                _set_jaxquant_threads(before)
+
+        timed = [_Timed(f"{JAXQUANT_IMPL} ({'ffi ' + isa if isa else 'no ffi library'}, "
+                        f"{qws[0].layout})", qws[0].nbytes + io,
+                        call=lambda: jax.block_until_ready(f(x, qws)),
+                        check=lambda: _relerr(f(x, qws)[0], want_jq),
+                        start=jq_start, stop=jq_stop)]
+        products = []
         try:
-            for p in (p for _, p, _ in peers):
-                p.set_x(np.asarray(x))
-            for t in counts:
-                case = f"{m}, {k}, {n} ({t} thread{'s' * (t > 1)})"
-                time = dict(n_products=copies, case=case, x=m, family=f"K={k}, N={n}",
-                            mode=label, iters=iters, target_ms=target_ms, out=out)
-                nbytes = qws[0].nbytes + io
-                bw = harness.cpu_copy_bandwidth(copies * nbytes, t)
-                before = _set_jaxquant_threads(t)
-                try:
-                    harness.run_case(rows, f, (x, qws), nbytes=nbytes, impl=jq_impl, bw=bw,
-                                     row_bw=bw, check=lambda ys: _relerr(ys[0], want_jq),
-                                     **time)
-                finally:
-                    if before is not None:
-                        _set_jaxquant_threads(before)
-                for b, p, want in peers:
-                    nbytes = p.weight_bytes + io
-                    bw = harness.cpu_copy_bandwidth(copies * nbytes, t)
+            for name in PAIRS[mode]:
+                b = BLOCKS[name]
+                want = x64 @ dequantize64(b, blocks[name][0], k).T
+                for p in [Product(b, blocks[name], m)] + (
+                        [Product(b, blocks[name], m, plain=True)] if plain else []):
+                    if p.buffer == "CPU" and len(products) and products[-1].block is b \
+                            and products[-1].buffer == "CPU":
+                        p.close()          # llama.cpp's pick is the plain buffer already
+                        continue
+                    products.append(p)
+                    p.set_x(np.asarray(x))
+                    for skipped in p.skipped:
+                        out(f"# llama.cpp {b.name} at M = {m}: not in the "
+                            f"{p.g.ggml_backend_buft_name(skipped).decode()} buffer, whose "
+                            "tile kernels fault here (TILE_BUFFERS in "
+                            "jaxquant/bench/llamacpp_peer.py)")
                     kind = "same bits" if b.same_bits else "like"
-                    p.set_threads(t)
-                    try:
-                        harness.run_case(rows, p.run, (), nbytes=nbytes, bw=bw, row_bw=bw,
-                                         impl=f"llama.cpp {b.name}, {kind} ({p.buffer} buffer)",
-                                         check=lambda _, p=p, want=want:
-                                             _relerr(p.outputs()[0], want), **time)
-                    finally:
-                        p.release_threads()
+                    timed.append(_Timed(
+                        f"llama.cpp {b.name}, {kind} ({p.buffer} buffer)",
+                        p.weight_bytes + io, call=p.run,
+                        check=lambda p=p, want=want: _relerr(p.outputs()[0], want),
+                        start=p.set_threads, stop=p.release_threads))
+            del blocks
+            for t in counts:
+                rows += _interleaved(timed, t, copies=copies, iters=iters,
+                                     target_ms=target_ms, mode=label, x=m,
+                                     case=f"{m}, {k}, {n} ({t} thread{'s' * (t > 1)})",
+                                     family=f"K={k}, N={n}", out=out)
         finally:
-            for _, p, _ in peers:
+            for p in products:
                 p.close()
         del qws
     return rows

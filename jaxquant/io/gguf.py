@@ -63,9 +63,9 @@ Block layouts (ggml-common.h; element j of a 32-block, 0-based):
   the nibble i%2 of scales_l[i//2] with bits 2i..2i+1 of scales_h on top; its 32
   codes are qs[16i:16i+16] as Q4_0's.
 
-`to_gguf_tensor(qw, ggml_type)` is the inverse for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-and MXFP4 (an array the importer made, or any whose scales and biases have that
-type's form; else ValueError). K-quants have none: a float32 scale d*sc does not
+`to_gguf_tensor(qw, ggml_type)` is the inverse for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+IQ4_NL and MXFP4 (an array the importer made, or any whose scales and biases have
+that type's form; else ValueError). K-quants have none: a float32 scale d*sc does not
 say which (fp16 d, 6-bit sc) pair it came from.
 """
 
@@ -432,15 +432,23 @@ def _as_f16_bytes(x: np.ndarray, what: str) -> np.ndarray:
 
 def to_gguf_tensor(qw: QuantizedArray, ggml_type) -> np.ndarray:
     """QuantizedArray [..., N, K] -> the GGUF block bytes uint8 [..., N, bytes per row]
-    of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or MXFP4; ValueError unless qw has that type's
-    form (affine g32 of its bits, fp16 scales, and bias -2**(bits-1)*scale for
-    Q4_0/Q5_0/Q8_0, fp16 biases for Q4_1/Q5_1)."""
+    of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL or MXFP4; ValueError unless qw has that
+    type's form (affine g32 of its bits, fp16 scales, and bias -2**(bits-1)*scale for
+    Q4_0/Q5_0/Q8_0, fp16 biases for Q4_1/Q5_1; iq4nl with fp16 scales for IQ4_NL)."""
     name = type_name(ggml_type)
     if name == "MXFP4":
         return to_ggml_mxfp4(qw)
+    if name == "IQ4_NL":
+        qw = check_qw(qw, ("iq4nl",), "to_gguf_tensor")
+        scales = np.asarray(qw.scales)
+        codes = unpack_codes(np.asarray(qw.data), 4).reshape(*scales.shape, 32)
+        d = (np.ascontiguousarray(scales[..., None]).view(np.uint8)
+             if scales.dtype == np.float16 else _as_f16_bytes(scales, "qw.scales"))
+        out = np.concatenate([d, codes[..., :16] | (codes[..., 16:] << 4)], axis=-1)
+        return out.reshape(*scales.shape[:-1], -1)
     if name not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-        raise ValueError(f"to_gguf_tensor writes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or MXFP4; got "
-                         f"ggml_type={name!r}")
+        raise ValueError(f"to_gguf_tensor writes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL or "
+                         f"MXFP4; got ggml_type={name!r}")
     qw = check_qw(qw, ("affine",), "to_gguf_tensor")
     bits = _AFFINE_BITS[name]
     if (qw.bits, qw.group_size) != (bits, 32):
