@@ -18,10 +18,6 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
-
 #include "jq/codec.h"
 #include "jq/ffi_common.h"
 #include "kernels.h"
@@ -35,10 +31,14 @@ const Kernels* kernels_avx2() { return nullptr; }
 #if !defined(JQ_HAVE_AVX512_VARIANT)
 const Kernels* kernels_avx512() { return nullptr; }
 #endif
+#if !defined(JQ_HAVE_NEON_VARIANT)
+const Kernels* kernels_neon() { return nullptr; }
+#endif
 
-// The best ISA this CPU has (cpuid, and the OS saving the vector state: libgcc's
-// __builtin_cpu_supports checks both); JAXQUANT_FFI_CPU_ISA=avx2 or baseline caps
-// it (the tests run every ISA's kernels on one machine).
+// The best ISA this CPU has (x86-64: cpuid, and the OS saving the vector state:
+// libgcc's __builtin_cpu_supports checks both; arm64: NEON, which every arm64 CPU
+// has); JAXQUANT_FFI_CPU_ISA=avx2 or baseline caps it (the tests run every ISA's
+// kernels on one machine).
 static const Kernels* select_kernels() {
   static const Kernels* k = [] {
     const char* force = getenv("JAXQUANT_FFI_CPU_ISA");
@@ -57,25 +57,11 @@ static const Kernels* select_kernels() {
         __builtin_cpu_supports("f16c"))
       return kernels_avx2();
 #endif
+    if (kernels_neon()) return kernels_neon();
     return kernels_base();
   }();
   return k;
 }
-
-// While a kernel runs: flush float32 subnormals like XLA's CPU code does (flush),
-// or keep them (the MX dequantize, whose reference builds subnormal results
-// exactly from bits: every E8M0-scaled element is a float32 number).
-struct FlushDenormals {
-#if defined(__x86_64__)
-  unsigned saved;
-  explicit FlushDenormals(bool flush) : saved(_mm_getcsr()) {
-    _mm_setcsr(flush ? (saved | 0x8040u) : (saved & ~0x8040u));  // FTZ | DAZ
-  }
-  ~FlushDenormals() { _mm_setcsr(saved); }
-#else
-  explicit FlushDenormals(bool) {}
-#endif
-};
 
 // ---------------------------------------------------------------------------
 // Threads: XLA's intra-op thread pool (the FFI's ThreadPool context), so a call
@@ -198,10 +184,9 @@ struct CpuPlatform {
   static ffi::Error dequantize(const DequantProblem& p, ffi::ThreadPool pool) {
     const Kernels* k = select_kernels();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
-    const bool mx = kFormats[p.fmt].scale == kScaleE8M0;
     if (!ParallelFor::run(
             pool, p.rows, grain, [&](int64_t r0, int64_t r1) { k->dequant(p, r0, r1); },
-            /*flush_denormals=*/!mx))
+            dequant_flushes_denormals(p)))
       return out_of_memory("dequantize");
     return ffi::Error::Success();
   }

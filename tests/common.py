@@ -28,6 +28,20 @@ EPS = {jnp.dtype(jnp.float32): 2.0**-24, jnp.dtype(jnp.float16): 2.0**-11,
        jnp.dtype(jnp.bfloat16): 2.0**-8}
 
 
+# The x86-64 CPU flags each ISA's CPU kernels need (cpu_src/cpu_ffi.cc, select_kernels).
+CPU_ISA_FLAGS = {"avx512": ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx2",
+                            "fma", "f16c"], "avx2": ["avx2", "fma", "f16c"], "baseline": []}
+
+
+def cpu_flags() -> list[str]:
+    """This CPU's flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
 def gpus():
     """The CUDA/ROCm devices JAX sees."""
     try:

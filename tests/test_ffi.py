@@ -28,8 +28,9 @@ import jaxquant.ffi as jf
 from jaxquant import dispatch, formats
 from jaxquant.ffi import configs, kernels, loader
 from tests import oracle
-from tests.common import (DTYPES, EPS, GPU_NATIVE_MODES, MODES, act64, assert_matmul_close, deq64,
-                          quantize_for, rand, rms64, xla_rounds_affine_once)
+from tests.common import (CPU_ISA_FLAGS, DTYPES, EPS, GPU_NATIVE_MODES, MODES, act64,
+                          assert_matmul_close, cpu_flags, deq64, quantize_for, rand, rms64,
+                          xla_rounds_affine_once)
 
 CPU_LIB = jf.libraries()["cpu"]
 
@@ -713,17 +714,8 @@ def test_gemm_threads_same_bits():
     assert_matmul_close(one, x, deq64(qw), jnp.bfloat16)
 
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-
-
-ISA_NAMES = {"avx512": b"avx512f+bw+vl+dq+vbmi", "avx2": b"avx2+fma+f16c", "baseline": b"baseline"}
-ISA_FLAGS = {"avx512": ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx2", "fma",
-                        "f16c"], "avx2": ["avx2", "fma", "f16c"], "baseline": []}
+ISA_NAMES = {"avx512": b"avx512f+bw+vl+dq+vbmi", "avx2": b"avx2+fma+f16c", "neon": b"neon",
+             "baseline": b"baseline"}
 
 
 def test_cpu_isa_is_the_best_or_the_capped_one():
@@ -731,14 +723,16 @@ def test_cpu_isa_is_the_best_or_the_capped_one():
     import ctypes
     h = CPU_LIB.handle
     h.jq_cpu_isa.restype = ctypes.c_char_p
-    flags = set(_cpu_flags())
+    flags = set(cpu_flags())
     if not flags or not sys.platform.startswith("linux") or jax.devices()[0].platform != "cpu":
-        pytest.skip("needs /proc/cpuinfo (Linux x86-64)")
+        pytest.skip("needs /proc/cpuinfo (Linux)")
     cap = os.environ.get("JAXQUANT_FFI_CPU_ISA")
     order = ["avx512", "avx2", "baseline"]
     order = order[order.index(cap):] if cap in order else order
-    want = next(isa for isa in order if set(ISA_FLAGS[isa]) <= flags)
-    if os.uname().machine != "x86_64":
+    want = next(isa for isa in order if set(CPU_ISA_FLAGS[isa]) <= flags)
+    if os.uname().machine in ("aarch64", "arm64"):  # NEON: every arm64 CPU has it
+        want = "baseline" if cap == "baseline" else "neon"
+    elif os.uname().machine != "x86_64":
         want = "baseline"
     assert h.jq_cpu_isa() == ISA_NAMES[want]
 
@@ -748,7 +742,7 @@ def test_cpu_isa_is_the_best_or_the_capped_one():
 def test_lower_isas_decode_every_code(isa):  # ~40 s of CPU each: CI's full matrix
     """The tests of the GEMV's decode, shapes and threads again with the kernels of a
     lower ISA (JAXQUANT_FFI_CPU_ISA in a subprocess: the choice is made once a process)."""
-    if os.uname().machine != "x86_64" or not set(ISA_FLAGS[isa]) <= set(_cpu_flags()):
+    if os.uname().machine != "x86_64" or not set(CPU_ISA_FLAGS[isa]) <= set(cpu_flags()):
         pytest.skip(f"this CPU has no {isa}")
     env = dict(os.environ, JAXQUANT_FFI_CPU_ISA=isa, JAX_PLATFORMS="cpu")
     sel = ("qmv_decodes_every_code or qmv_group_and_tile_shapes or qmv_e8m0_rows or "
