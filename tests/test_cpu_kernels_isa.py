@@ -1,17 +1,21 @@
 """The CPU kernels of every ISA give the same bits (cpu_src/kernels_impl.inc's claim:
 one output element's float op sequence does not depend on the ISA), the arm64 ones
 included although no arm64 machine is at hand: tests/native/cpu_kernels_driver.cc runs
-every entry of the kernel table (dequantize, the fused dequantize-GEMV qmv, the three
-norms) on the cases below, built natively (x86-64: baseline, AVX2, AVX-512) and with
+every entry of the kernel table (dequantize, the fused dequantize-GEMV qmv, the blocked
+GEMM, the three norms) on the cases below, built natively (x86-64: baseline, AVX2, AVX-512) and with
 the aarch64 cross compiler, statically, run under qemu-user (NEON and the generic
 baseline). Every output is compared with the x86-64 baseline's bit for bit, NaN equal
 to NaN (IEEE 754 leaves a NaN result's sign and payload open, and the ISAs' decoders
 differ there: the F16C/NEON E4M3 decode returns +NaN for -NaN's code).
 
-One exception, measured and named: the AVX-512 GEMV of 4- and 8-bit codes (qmv_tile_wide,
-docs/backends.md) sums a unit's products in another order, so its qmv outputs are
-checked against the float64 oracle's bound instead (and in the edge cases, NaN / Inf
-where the baseline has them).
+Two exceptions, measured and named:
+- the AVX-512 GEMV of 4- and 8-bit codes (qmv_tile_wide, docs/backends.md) sums a
+  unit's products in another order: its qmv outputs are checked against the float64
+  oracle's bound instead (and in the edge cases, NaN wherever a NaN must propagate);
+- the GEMM takes one FMA a term where the ISA has one (AVX2, AVX-512, NEON) and a
+  multiply and an add in the generic baseline code: the FMA builds give the AVX2
+  build's bits, the baseline builds (x86-64 and arm64) the x86-64 baseline's, and both
+  are checked against the oracle.
 
 The cases: every (format, bits, group size) the table allows, x / scale / output dtypes
 rotating through float32, float16 and bfloat16, N and the norm width off every vector
@@ -129,8 +133,9 @@ def _scales(rng, mode, shape, dt, edge):
     """Scales of `mode` (uint8 codes for E8M0 / E4M3, else values in dt) and their dtype id."""
     kind = formats.FORMATS[mode].scale
     n = int(np.prod(shape))
-    if kind == "e8m0":
-        s = (127 + rng.integers(-6, 7, n)).astype(np.uint8)
+    if kind == "e8m0":  # elements times 2**-4 .. 1 of the element's largest
+        top = int(np.ceil(np.log2(oracle.max_finite(formats.FORMATS[mode].element))))
+        s = (127 - top + rng.integers(-4, 1, n)).astype(np.uint8)
         if edge:
             s[rng.choice(n, 8, replace=False)] = [0, 1, 254, 255, 0, 1, 254, 120]
         return s.reshape(shape), U8
@@ -215,6 +220,20 @@ def make_cases(seed=20261128):
                         xdt, scale_dt, block],
                 arrays=[x, data, scales, biases, gs, idx],
                 out=[(S * M * N, xdt)]))
+            # gemm: past the GEMV's rows, M and N off every strip and panel (70: a
+            # 64-row block and 6), the same weights and slots
+            Mg, Ng = 21, 70
+            gdata = _data(rng, mode, bits, (E, Ng, words), edge)
+            gscales, _ = _scales(rng, mode, (E, Ng, groups), sdt, edge)
+            gbiases = _biases(rng, mode, (E, Ng, groups), sdt, edge)
+            gx = _x(rng, (Sx, Mg, K), odt, edge)
+            cases.append(dict(
+                kind=3, mode=mode, bits=bits, group=group, edge=edge, x=gx, data=gdata,
+                scales=gscales, biases=gbiases, gs=gs, idx=idx, x_dt=odt, scale_dt=scale_dt,
+                params=[FORMAT_IDS[mode], bits, group, S, Mg, Ng, K, E, Sx, x_div, words,
+                        groups, odt, scale_dt, 0],
+                arrays=[gx, gdata, gscales, gbiases, gs, idx],
+                out=[(S * Mg * Ng, odt)]))
             # dequantize: 2 matrices of 5 rows (nvfp4: a global scale per matrix)
             n = 5
             d2 = _data(rng, mode, bits, (2, n, words), edge)
@@ -296,20 +315,32 @@ def _isnan(bits, dt):
     return np.isnan(bits.view(NP_VALUE[dt]).astype(np.float32))
 
 
-def assert_same_bits(got, want, cases, what, skip_wide_qmv=False):
-    """got == want bit for bit, NaN == NaN, for every case's every output."""
+def reference(isa: str, c) -> str | None:
+    """The x86-64 build whose bits `isa` gives in case c (None: the oracle's bound only)."""
+    if c["kind"] == 3 and isa in ("avx2", "avx512", "neon"):
+        return "avx2"  # one FMA a term
+    if c["kind"] == 1 and isa == "avx512" and wide_qmv(c):
+        return None
+    return "baseline"
+
+
+def assert_same_bits(got, refs, cases, isa, what):
+    """got == the reference build's outputs bit for bit, NaN == NaN, in every case
+    whose reference (above) is among `refs` ({x86 isa: outputs})."""
     bad = []
-    for c, g_arrs, w_arrs in zip(cases, got, want):
-        if skip_wide_qmv and c["kind"] == 1 and wide_qmv(c):
+    for i, (c, g_arrs) in enumerate(zip(cases, got)):
+        ref = reference(isa, c)
+        if ref is None or ref not in refs:
             continue
+        w_arrs = refs[ref][i]
         for (count, dt), g, w in zip(c["out"], g_arrs, w_arrs):
             nan_g, nan_w = _isnan(g, dt), _isnan(w, dt)
             diff = (g != w) & ~(nan_g & nan_w)
             if diff.any():
-                i = int(np.flatnonzero(diff)[0])
+                j = int(np.flatnonzero(diff)[0])
                 bad.append(f"{c['mode']} kind={c['kind']} edge={c['edge']} params={c['params']}: "
-                           f"{int(diff.sum())} of {count} differ, first at {i}: "
-                           f"{g[i]:#x} vs {w[i]:#x}")
+                           f"{int(diff.sum())} of {count} differ, first at {j}: "
+                           f"{g[j]:#x} vs {w[j]:#x}")
     assert not bad, f"{what}:\n" + "\n".join(bad[:20])
 
 
@@ -324,11 +355,13 @@ def _values(bits, dt):
     return bits.view(NP_VALUE[dt]).astype(np.float64)
 
 
-def check_qmv_against_oracle(cases, outs, what):
-    """qmv outputs within the float64 oracle's bound (assert_matmul_close) in the plain
-    cases (finite inputs), and all NaN in the rows of invalid expert ids."""
+def check_against_oracle(cases, outs, what, kinds=(1, 3)):
+    """qmv / gemm outputs within the float64 oracle's bound (assert_matmul_close) in the
+    plain cases (finite inputs), where the sum's magnitude is within half the output
+    dtype's range (float16 outputs of E5M2 weights overflow: the bits of those are the
+    reference build's), and all NaN in the rows of invalid expert ids."""
     for c, arrs in zip(cases, outs):
-        if c["kind"] != 1 or c["edge"]:
+        if c["kind"] not in kinds or c["edge"]:
             continue
         S, M, N, E, x_div = (c["params"][i] for i in (3, 4, 5, 7, 9))
         y = _values(arrs[0], c["x_dt"]).reshape(S, M, N)
@@ -339,19 +372,28 @@ def check_qmv_against_oracle(cases, outs, what):
             if not 0 <= e < E:
                 assert np.isnan(y[s]).all(), (what, c["mode"], s)
                 continue
-            assert_matmul_close(y[s], c["x"][s // x_div], w64[e], NP_VALUE[c["x_dt"]])
+            x = np.asarray(c["x"][s // x_div], np.float64)
+            mag = np.abs(x) @ np.abs(w64[e]).T
+            for m in range(M):
+                keep = mag[m] < _max(c["x_dt"]) / 2
+                assert keep.mean() > 0.5, (what, c["mode"], s, m)  # the check checks
+                assert_matmul_close(y[s][m:m + 1, keep], x[m:m + 1], w64[e][keep],
+                                    NP_VALUE[c["x_dt"]])
 
 
-def check_edge_classes(cases, got, want, what):
-    """Where the sums are ordered differently (AVX-512's qmv): the same NaN positions
-    and the same infinities as `want` in the edge cases."""
-    for c, g, w in zip(cases, got, want):
+def check_edge_nans(cases, got, what):
+    """Where the sums are ordered differently (AVX-512's qmv), in the edge cases: NaN in
+    every output of an x row holding NaN and of an invalid expert id (what does not
+    depend on the order; which of +-Inf and NaN an overflow gives does)."""
+    for c, g in zip(cases, got):
         if c["kind"] != 1 or not c["edge"] or not wide_qmv(c):
             continue
-        gv, wv = _values(g[0], c["x_dt"]), _values(w[0], c["x_dt"])
-        np.testing.assert_array_equal(np.isnan(gv), np.isnan(wv), err_msg=f"{what} {c['mode']}")
-        inf = np.isinf(wv)
-        np.testing.assert_array_equal(gv[inf], wv[inf], err_msg=f"{what} {c['mode']}")
+        S, M, N, E, x_div = (c["params"][i] for i in (3, 4, 5, 7, 9))
+        y = _values(g[0], c["x_dt"]).reshape(S, M, N)
+        for s in range(S):
+            nan_x = np.isnan(np.asarray(c["x"][s // x_div], np.float32)).any(axis=-1)
+            rows = np.ones(M, bool) if not 0 <= int(c["idx"][s]) < E else nan_x
+            assert np.isnan(y[s][rows]).all(), (what, c["mode"], s)
 
 
 # ---------------------------------------------------------------------------
@@ -385,23 +427,27 @@ def x86_outputs(cases_file):
 
 
 def test_x86_isas_agree(cases_file, x86_outputs):
-    """AVX2 == baseline everywhere; AVX-512 == baseline but for its 16-lane GEMV, which is
-    within the oracle's bound; the baseline's GEMV itself within the oracle's bound."""
+    """AVX2 == baseline but for the GEMM's FMA; AVX-512 == AVX2 in the GEMM and ==
+    baseline elsewhere but for its 16-lane GEMV; what differs is within the oracle's
+    bound, and so are the baseline's GEMV and GEMM."""
     cases = cases_file[0]
     base = x86_outputs["baseline"]
-    check_qmv_against_oracle(cases, base, "baseline")
-    if "avx2" not in x86_outputs and "avx512" not in x86_outputs:
-        pytest.skip("this CPU has neither AVX2 nor AVX-512: one x86 ISA only")
-    if "avx2" in x86_outputs:
-        assert_same_bits(x86_outputs["avx2"], base, cases, "avx2 vs baseline")
+    check_against_oracle(cases, base, "baseline")
+    if "avx2" not in x86_outputs:
+        pytest.skip("this CPU has no AVX2: the x86-64 baseline only")
+    for isa in ("avx2", "avx512"):
+        if isa in x86_outputs:
+            got = x86_outputs[isa]
+            assert_same_bits(got, x86_outputs, cases, isa, f"{isa} vs its reference")
+            check_against_oracle(cases, got, isa)
     if "avx512" in x86_outputs:
-        got = x86_outputs["avx512"]
-        assert_same_bits(got, base, cases, "avx512 vs baseline", skip_wide_qmv=True)
-        check_qmv_against_oracle(cases, got, "avx512")
-        check_edge_classes(cases, got, base, "avx512")
-        # the exception is real: some 16-lane GEMV output differs from the baseline's
-        assert any(c["kind"] == 1 and wide_qmv(c) and not np.array_equal(g[0], b[0])
-                   for c, g, b in zip(cases, got, base))
+        check_edge_nans(cases, x86_outputs["avx512"], "avx512")
+    # the exceptions are real: outputs that differ from the baseline's
+    for isa, kind in (("avx2", 3), ("avx512", 1)):
+        if isa in x86_outputs:
+            assert any(c["kind"] == kind and reference(isa, c) != "baseline" and
+                       not np.array_equal(g[0], b[0])
+                       for c, g, b in zip(cases, x86_outputs[isa], base)), (isa, kind)
 
 
 AARCH64_COMPILERS = [
@@ -428,13 +474,14 @@ def test_arm64_kernels_match_x86(compiler, cases_file, x86_outputs):
         cxx = [CROSS]
     cases, path, d = cases_file
     exe = build(cxx, "aarch64", d / f"aarch64-{compiler}", static=True)
-    base = x86_outputs["baseline"]
     for isa in ("neon", "baseline"):
         out = d / f"aarch64-{compiler}-{isa}.out"
         msg = run_driver([QEMU, str(exe)], isa, path, out)
         assert msg.startswith(f"{isa}: {len(cases)} cases"), msg
-        assert_same_bits(read_outputs(cases, out), base, cases,
-                         f"aarch64 ({compiler}) {isa} vs x86-64 baseline")
+        got = read_outputs(cases, out)
+        assert_same_bits(got, x86_outputs, cases, isa, f"aarch64 ({compiler}) {isa} vs x86-64")
+        if "avx2" not in x86_outputs:  # no FMA build here to give the GEMM's bits
+            check_against_oracle(cases, got, f"aarch64 {isa}", kinds=(3,))
 
 
 def test_driver_refuses_an_isa_not_built(cases_file, x86_outputs, tmp_path):

@@ -9,12 +9,13 @@
 // build. The caller checks that the CPU has the ISA (the driver does not ask).
 //
 // Case file (little-endian, written by the test): "JQKCASE1", int64 count, then per
-// case int64 kind (0 dequantize, 1 qmv, 2 norm), int64 params[24], int64 narrays and
+// case int64 kind (0 dequantize, 1 qmv, 2 norm, 3 gemm), int64 params[24], int64 narrays and
 // per array int64 nbytes and its bytes (0 bytes: a null pointer). The output file holds
-// each case's outputs in order: dequantize `out`, qmv `y`, norm `y` then (add_rms_norm)
-// `h`. Each call runs in the float environment the library's handlers set
-// (FlushDenormals, kernels.h), and qmv is called per block of `block` rows as the
-// handler does (an output row does not depend on the split).
+// each case's outputs in order: dequantize `out`, qmv and gemm `y`, norm `y` then
+// (add_rms_norm) `h`. Each call runs in the float environment the library's handlers
+// set (FlushDenormals, kernels.h); qmv is called per block of `block` rows as the
+// handler does (an output row does not depend on the split), gemm per x packed in
+// chunks of K and per block of the table's gemm_rows, as cpu_ffi.cc does.
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -90,18 +91,23 @@ std::vector<char> run_dequant(const Kernels& k, const int64_t* q, const std::vec
   return out;
 }
 
-std::vector<char> run_qmv(const Kernels& k, const int64_t* q, const std::vector<Array>& a) {
+QmvProblem qmv_problem(const int64_t* q, const std::vector<Array>& a) {
   QmvProblem p{};
   p.fmt = (int32_t)q[0], p.bits = (int32_t)q[1], p.group = (int32_t)q[2];
   p.S = q[3], p.M = q[4], p.N = q[5], p.K = q[6], p.E = q[7], p.Sx = q[8], p.x_div = q[9];
   p.words = q[10], p.groups = q[11], p.x_dt = (int32_t)q[12], p.scale_dt = (int32_t)q[13];
-  const int64_t block = q[14];
   p.x = a[0].ptr();
   p.data = static_cast<const uint32_t*>(a[1].ptr());
   p.scales = a[2].ptr();
   p.biases = a[3].ptr();
   p.global_scale = static_cast<const float*>(a[4].ptr());
   p.indices = static_cast<const int32_t*>(a[5].ptr());
+  return p;
+}
+
+std::vector<char> run_qmv(const Kernels& k, const int64_t* q, const std::vector<Array>& a) {
+  QmvProblem p = qmv_problem(q, a);
+  const int64_t block = q[14];
   std::vector<char> y((size_t)(p.S * p.M * p.N * dt_size(p.x_dt)));
   p.y = y.data();
   std::vector<float> scratch((size_t)k.qmv_scratch(p));
@@ -109,6 +115,25 @@ std::vector<char> run_qmv(const Kernels& k, const int64_t* q, const std::vector<
   for (int64_t s = 0; s < p.S; ++s)
     for (int64_t n0 = 0; n0 < p.N; n0 += block)
       k.qmv(p, s, n0, n0 + block < p.N ? n0 + block : p.N, scratch.data());
+  return y;
+}
+
+std::vector<char> run_gemm(const Kernels& k, const int64_t* q, const std::vector<Array>& a) {
+  QmvProblem p = qmv_problem(q, a);
+  std::vector<char> y((size_t)(p.S * p.M * p.N * dt_size(p.x_dt)));
+  p.y = y.data();
+  const int64_t mp = (p.M + k.gemm_lanes - 1) / k.gemm_lanes * k.gemm_lanes;
+  const int64_t slot = p.K * mp, kchunk = 96;  // chunks off the panel's width
+  std::vector<float> xt((size_t)(p.Sx * slot));
+  std::vector<float> scratch((size_t)k.gemm_scratch(p));
+  FlushDenormals fd(true);
+  for (int64_t sx = 0; sx < p.Sx; ++sx)
+    for (int64_t k0 = 0; k0 < p.K; k0 += kchunk)
+      k.gemm_pack_x(p, sx, k0, k0 + kchunk < p.K ? k0 + kchunk : p.K, xt.data() + sx * slot);
+  for (int64_t s = 0; s < p.S; ++s)
+    for (int64_t n0 = 0; n0 < p.N; n0 += k.gemm_rows)
+      k.gemm(p, s, n0, n0 + k.gemm_rows < p.N ? n0 + k.gemm_rows : p.N,
+             xt.data() + (s / p.x_div) * slot, scratch.data());
   return y;
 }
 
@@ -182,8 +207,9 @@ int main(int argc, char** argv) {
     std::vector<char> y = kind == 0   ? run_dequant(*k, q, arrays)
                           : kind == 1 ? run_qmv(*k, q, arrays)
                           : kind == 2 ? run_norm(*k, q, arrays)
+                          : kind == 3 ? run_gemm(*k, q, arrays)
                                       : std::vector<char>();
-    if (kind < 0 || kind > 2) {
+    if (kind < 0 || kind > 3) {
       fprintf(stderr, "case %lld: unknown kind %lld\n", (long long)c, (long long)kind);
       return 2;
     }
