@@ -101,8 +101,8 @@ def loaded_platforms() -> list[str]:
 
 def cpu_kernels_isa() -> str | None:
     """The ISA whose kernels the CPU library runs ("avx512f+bw+vl+dq+vbmi", "avx2+fma+f16c",
-    "baseline"; chosen once per process, JAXQUANT_FFI_CPU_ISA caps it), or None where
-    the CPU library is not loaded."""
+    "neon" on arm64, "baseline"; chosen once per process, JAXQUANT_FFI_CPU_ISA caps it), or
+    None where the CPU library is not loaded."""
     import ctypes
 
     lib = libraries().get("cpu")
