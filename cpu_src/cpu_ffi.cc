@@ -229,8 +229,7 @@ struct CpuPlatform {
   static ffi::Error gemm(const QmvProblem& p, ffi::ThreadPool pool) {
     if (p.K == 0) return qmv(p, pool);  // zeros, NaN rows for invalid experts
     const Kernels* k = select_kernels();
-    const int64_t mp = (p.M + k->gemm_lanes - 1) / k->gemm_lanes * k->gemm_lanes;
-    const int64_t slot_floats = p.K * mp;
+    const int64_t slot_floats = k->gemm_x_floats(p);
     std::unique_ptr<float[]> xt;
     try {
       xt = scratch_floats(p.Sx * slot_floats);

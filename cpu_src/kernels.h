@@ -31,12 +31,12 @@ struct Kernels {
   // weight rows, from x packed by gemm_pack_x; `scratch` holds gemm_scratch(p) floats.
   void (*gemm)(const QmvProblem& p, int64_t s, int64_t n0, int64_t n1, const float* xt,
                float* scratch);
-  // x[sx] for k in [k0, k1) into xt, float32, in the GEMM's packed order (Mp: M rounded
-  // up to gemm_lanes, rows past M zero); xt holds K * Mp floats per x slot.
+  // x[sx] for k in [k0, k1) into xt (gemm_x_floats per x slot), in the GEMM's packed
+  // order.
   void (*gemm_pack_x)(const QmvProblem& p, int64_t sx, int64_t k0, int64_t k1, float* xt);
   int64_t (*gemm_scratch)(const QmvProblem& p);
   int64_t gemm_rows;   // weight rows of one GEMM work item (its decoded panel)
-  int64_t gemm_lanes;  // Mp's multiple
+  int64_t (*gemm_x_floats)(const QmvProblem& p);  // packed x's floats per x slot
 };
 
 const Kernels* kernels_avx512();  // nullptr where not compiled in

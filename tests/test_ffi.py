@@ -659,22 +659,24 @@ def test_gemm_edge_values():
     scales[3, 1], scales[5, 0] = 255, 0
     qw = jq.QuantizedArray(qw.data, jnp.asarray(scales), mode="mxfp4", bits=4, group_size=32,
                            dtype=jnp.float32)
-    x = rand(65, (m, 128))
-    y = np.asarray(ffi(jq.qmm, x, qw))
-    assert np.all(np.isnan(y[:, 3])) and not np.any(np.isnan(np.delete(y, 3, axis=1)))
-    assert_matmul_close(np.delete(y, 3, 1), x, np.delete(deq64(qw), 3, 0), jnp.float32)
+    for dt in (jnp.float32, jnp.bfloat16):  # (bfloat16 x: the AMX tiles where the CPU has them)
+        x = rand(65, (m, 128), dt)
+        y = np.asarray(ffi(jq.qmm, x, qw), np.float32)
+        assert np.all(np.isnan(y[:, 3])) and not np.any(np.isnan(np.delete(y, 3, axis=1)))
+        assert_matmul_close(np.delete(y, 3, 1), x, np.delete(deq64(qw), 3, 0), dt)
 
     qa = _gemm_qw("affine", 4, n=20, k=128)
-    xa = np.asarray(rand(66, (m, 128)), np.float32).copy()
-    xa[2, 5], xa[4, 7], xa[6, 9] = np.inf, -np.inf, np.nan
-    ya = np.asarray(ffi(jq.qmm, jnp.asarray(xa), qa))
-    with np.errstate(invalid="ignore"):  # the definition: +-Inf, or NaN (Inf - Inf)
-        want = np.asarray(xa, np.float64) @ deq64(qa).T
-    finite = np.isfinite(want)
-    np.testing.assert_array_equal(np.isnan(ya), np.isnan(want))
-    np.testing.assert_array_equal(ya[~finite & ~np.isnan(want)], want[~finite & ~np.isnan(want)])
-    assert_matmul_close(np.where(finite, ya, 0)[[0, 1, 3, 5]], xa[[0, 1, 3, 5]],
-                        deq64(qa), jnp.float32)
+    for dt in (jnp.float32, jnp.bfloat16):
+        xa = np.asarray(rand(66, (m, 128), dt), np.float32).copy()
+        xa[2, 5], xa[4, 7], xa[6, 9] = np.inf, -np.inf, np.nan
+        ya = np.asarray(ffi(jq.qmm, jnp.asarray(xa, dt), qa), np.float32)
+        with np.errstate(invalid="ignore"):  # the definition: +-Inf, or NaN (Inf - Inf)
+            want = np.asarray(xa, np.float64) @ deq64(qa).T
+        finite, nan = np.isfinite(want), np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(ya), nan)
+        np.testing.assert_array_equal(ya[~finite & ~nan], want[~finite & ~nan])
+        assert_matmul_close(ya[[0, 1, 3, 5]], xa[[0, 1, 3, 5]], deq64(qa), dt)
+    x = rand(65, (m, 128))
 
     qn = quantize_for("nvfp4", 4, rand(67, (20, 128)))
     qn = jq.QuantizedArray(qn.data, qn.scales, mode="nvfp4", bits=4, group_size=16,
