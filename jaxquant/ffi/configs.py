@@ -12,10 +12,12 @@ benchmarks/ (benchmarks/README.md), named by key below.
   enough rows.
 - FFI_GEMM_MAX_M: on the CPU, the most rows of x per weight matrix that qmm (x @ W.T) runs
   as the CPU library's blocked dequantize-GEMM (target jaxquant_gemm; past
-  FFI_GEMV_MAX_M). Measured in the model (cpu-xeon-2core/model.json: prefill of 128
+  FFI_GEMV_MAX_M): every M. In the model (cpu-xeon-2core/model.json: prefill of 128
   tokens, Llama-3.2-1B dims) the GEMM replaces the reference's dequantize, which XLA
-  runs as one slow fusion per weight inside the layer scan (1.47 s of 1.75 s); the op
-  alone is in cpu-xeon-2core/qmm.json (`qmm: M, K, N=<M>, 2048, 8192`).
+  ran as one slow fusion per weight inside the layer scan (1.47 s of 1.75 s); the op
+  alone (cpu-xeon-2core/qmm.json, `qmm: M, K, N=<M>, 2048, 8192`, bfloat16 x) is
+  0.91-2.95x the reference from M = 64 to 512, the largest measured (under 1.0x in two
+  of twelve cases, within the shared machine's spread).
 - MMA_GEMM_MAX_M: the most rows of x per weight matrix for which automatic choice
   runs qmm on a `cuda_mma` weight as the mma.sync tensor-core GEMM
   (gpu_src/cuda/qmm_gemm.h; above MMA_GEMV_MAX_M); past it the layout's dequantize
