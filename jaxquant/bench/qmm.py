@@ -278,11 +278,14 @@ def add_arguments(parser, cpu: bool):
                         help="quantization formats, comma-separated, from "
                              f"{', '.join(harness.MODES)} (default: {','.join(DEFAULT_MODES)})")
     every = tuple(p.name for p in PEERS) + ("numpy", "auto")
-    parser.add_argument("--peers", type=harness.names(every, "peer"), default=every,
+    # op_reference only when named: the jnp reference row already times the reference's
+    # dequantize, and a default row more is every run's time
+    default = tuple(p for p in every if p != "op_reference")
+    parser.add_argument("--peers", type=harness.names(every, "peer"), default=default,
                         help="implementations to time, comma-separated: dense (x @ w.T), einsum "
                              "(CPU), reference (x @ dequantized w.T), op_reference (jq.qmm's reference "
                              "backend), pallas, ffi, metal, numpy (CPU), auto (jq.qmm's "
-                             "own choice on each layout) (default: all)")
+                             "own choice on each layout) (default: all but op_reference)")
     parser.add_argument("--peer", choices=("llamacpp", "none"), default="none",
                         help="also compare jq.qmm with llama.cpp's CPU GEMV (ggml_mul_mat, "
                              "from the llama-cpp-python package) per shape, on 1 and all "
