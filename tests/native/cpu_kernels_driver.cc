@@ -122,8 +122,7 @@ std::vector<char> run_gemm(const Kernels& k, const int64_t* q, const std::vector
   QmvProblem p = qmv_problem(q, a);
   std::vector<char> y((size_t)(p.S * p.M * p.N * dt_size(p.x_dt)));
   p.y = y.data();
-  const int64_t mp = (p.M + k.gemm_lanes - 1) / k.gemm_lanes * k.gemm_lanes;
-  const int64_t slot = p.K * mp, kchunk = 96;  // chunks off the panel's width
+  const int64_t slot = k.gemm_x_floats(p), kchunk = 96;  // chunks off the panel's width
   std::vector<float> xt((size_t)(p.Sx * slot));
   std::vector<float> scratch((size_t)k.gemm_scratch(p));
   FlushDenormals fd(true);
