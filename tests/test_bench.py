@@ -215,3 +215,21 @@ def test_json_out_writes_each_row_as_data_and_merges(tmp_path, capsys, skip_copy
     second = {e["key"]: e for e in json.loads(path.read_text())["entries"]}
     assert len(second) == 14 and set(keys) <= set(second)
     assert ffi["key"].replace("N=1,", "N=2,") in second
+
+
+def test_json_keys_keep_model_names_that_hold_a_decimal():
+    """A row's key is its label columns; "llama3.2-1b" holds a decimal but is a name, so
+    the model table's rows keep their config, impl, mode and batch in the key (each row
+    its own entry), and the measured columns start at "decode tok/s"."""
+    rec = harness.TableRecorder(lambda line: None)
+    rec("| config | impl | mode | batch | decode tok/s | % of bound | vs float |")
+    rec("|---|---|---|---:|---:|---:|---:|")
+    rec("| llama3.2-1b | jaxquant | bf16 | 1 | 1.5 | 12% |  |")
+    rec("| llama3.2-1b | jaxquant | affine4 | 1 | 6.0 | 22% | 4.11x |")
+    rec("| gpt-oss-20b | jaxquant | mxfp4 | 8 | 2924.0 | 61% |  |")
+    got = rec.records("model")
+    assert [r["key"] for r in got] == [
+        "model: config=llama3.2-1b / impl=jaxquant / mode=bf16 / batch=1",
+        "model: config=llama3.2-1b / impl=jaxquant / mode=affine4 / batch=1",
+        "model: config=gpt-oss-20b / impl=jaxquant / mode=mxfp4 / batch=8"]
+    assert got[1]["values"] == {"decode tok/s": 6.0, "% of bound": "22%", "vs float": "4.11x"}

@@ -420,6 +420,13 @@ def pallas_label(interpret: bool) -> str | None:
 # Results as data (--json-out; benchmarks/README.md describes the files).
 
 _MEASURED = re.compile(r"\d\.\d|%|\dx\b")
+# A name such as "llama3.2-1b" or "gpt-oss-20b" (a letter first, no spaces) is a label
+# even where it holds a decimal: the model table's config column.
+_NAME = re.compile(r"[A-Za-z][\w.\-]*")
+
+
+def _measured(cell: str) -> bool:
+    return bool(_MEASURED.search(cell)) and not _NAME.fullmatch(cell)
 
 
 class TableRecorder:
@@ -450,7 +457,7 @@ class TableRecorder:
         out = []
         for header, rows in self.tables:
             n_key = next((i for i in range(len(header))
-                          if any(i < len(r) and _MEASURED.search(r[i]) for r in rows)), len(header))
+                          if any(i < len(r) and _measured(r[i]) for r in rows)), len(header))
             for r in rows:
                 if not any(r[n_key:]):
                     continue
