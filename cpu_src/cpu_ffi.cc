@@ -25,16 +25,6 @@
 namespace jq {
 namespace cpu {
 
-#if !defined(JQ_HAVE_AVX2_VARIANT)
-const Kernels* kernels_avx2() { return nullptr; }
-#endif
-#if !defined(JQ_HAVE_AVX512_VARIANT)
-const Kernels* kernels_avx512() { return nullptr; }
-#endif
-#if !defined(JQ_HAVE_NEON_VARIANT)
-const Kernels* kernels_neon() { return nullptr; }
-#endif
-
 // The best ISA this CPU has (x86-64: cpuid, and the OS saving the vector state:
 // libgcc's __builtin_cpu_supports checks both; arm64: NEON, which every arm64 CPU
 // has); JAXQUANT_FFI_CPU_ISA=avx2 or baseline caps it (the tests run every ISA's

@@ -26,20 +26,6 @@
 
 #include "kernels.h"
 
-namespace jq {
-namespace cpu {
-#if !defined(JQ_HAVE_AVX2_VARIANT)
-const Kernels* kernels_avx2() { return nullptr; }
-#endif
-#if !defined(JQ_HAVE_AVX512_VARIANT)
-const Kernels* kernels_avx512() { return nullptr; }
-#endif
-#if !defined(JQ_HAVE_NEON_VARIANT)
-const Kernels* kernels_neon() { return nullptr; }
-#endif
-}  // namespace cpu
-}  // namespace jq
-
 using namespace jq;
 using jq::cpu::dequant_flushes_denormals;
 using jq::cpu::FlushDenormals;
