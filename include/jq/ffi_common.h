@@ -426,16 +426,25 @@ struct Handlers {
   }
   static auto bind_dequantize() { return format_attrs(ffi_rets<1>(ffi_args<4>(bind()))); }
 
-  // jaxquant_qmv: x [Sx,M,K], data, scales, biases, global_scale, indices|[0] -> [S,M,N]
-  static ffi::Error qmv(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf data, Buf scales,
-                        Buf biases, Buf gs, Buf indices, Out y, int64_t fmt, int64_t bits,
-                        int64_t group_size) {
+  // qmv's operands validated into a problem; `run` takes it where it is not empty
+  // (the GEMV, or the CPU library's blocked GEMM: one validation for both targets).
+  template <class Run>
+  static ffi::Error run_qmv(Run run, Buf x, Buf data, Buf scales, Buf biases, Buf gs,
+                            Buf indices, Out y, int64_t fmt, int64_t bits, int64_t group_size) {
     QmvProblem p;
     if (auto e = make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &p);
         e.failure())
       return e;
     if (p.S == 0 || p.M == 0 || p.N == 0) return ffi::Error::Success();
-    return Platform::qmv(p, ctx...);
+    return run(p);
+  }
+
+  // jaxquant_qmv: x [Sx,M,K], data, scales, biases, global_scale, indices|[0] -> [S,M,N]
+  static ffi::Error qmv(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf data, Buf scales,
+                        Buf biases, Buf gs, Buf indices, Out y, int64_t fmt, int64_t bits,
+                        int64_t group_size) {
+    return run_qmv([&](const QmvProblem& p) { return Platform::qmv(p, ctx...); }, x, data,
+                   scales, biases, gs, indices, y, fmt, bits, group_size);
   }
   static auto bind_qmv() { return format_attrs(ffi_rets<1>(ffi_args<6>(bind()))); }
 
@@ -444,12 +453,8 @@ struct Handlers {
   static ffi::Error gemm(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buf x, Buf data, Buf scales,
                          Buf biases, Buf gs, Buf indices, Out y, int64_t fmt, int64_t bits,
                          int64_t group_size) {
-    QmvProblem p;
-    if (auto e = make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &p);
-        e.failure())
-      return e;
-    if (p.S == 0 || p.M == 0 || p.N == 0) return ffi::Error::Success();
-    return Platform::gemm(p, ctx...);
+    return run_qmv([&](const QmvProblem& p) { return Platform::gemm(p, ctx...); }, x, data,
+                   scales, biases, gs, indices, y, fmt, bits, group_size);
   }
   static auto bind_gemm() { return bind_qmv(); }
 
