@@ -233,3 +233,41 @@ def test_json_keys_keep_model_names_that_hold_a_decimal():
         "model: config=llama3.2-1b / impl=jaxquant / mode=affine4 / batch=1",
         "model: config=gpt-oss-20b / impl=jaxquant / mode=mxfp4 / batch=8"]
     assert got[1]["values"] == {"decode tok/s": 6.0, "% of bound": "22%", "vs float": "4.11x"}
+
+
+def test_bench_decode_tables_are_recorded():
+    """`bench decode --json-out` keeps its rows: they print as markdown tables (the
+    recorder reads nothing else), and the op-level default against the fastest variant is
+    a table of its own, the default's time over the best's, re-timed in turns where
+    another variant was faster."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxquant.bench import decode
+
+    rec = harness.TableRecorder(lambda line: None)
+    decode.print_header(rec, "qmm: M, K, N", "mode", "impl", "us", "%copy")
+    decode.print_row(rec, "1, 4096, 14336", "affine4", "ffi mma (prepacked)", "16.7", "68%")
+    decode.print_row(rec, "1, 4096, 14336", "affine4", decode.DEFAULT_IMPL, "16.9", "67%")
+    key = (1, 4096, 14336, "affine4")
+    f = jax.jit(lambda x: x + 1)
+    results = {key + ("ffi mma (prepacked)",): 16.7, key + (decode.DEFAULT_IMPL,): 16.9}
+    runs = {k: (f, (jnp.ones(4),), 1) for k in results}
+    slower = decode.default_vs_best(results, runs, key, "1, 4096, 14336", "affine4",
+                                    "cuda_mma", rounds=1)
+    fastest = decode.default_vs_best({key + (decode.DEFAULT_IMPL,): 20.0,
+                                      key + ("pallas (canonical)",): 40.0}, {}, key,
+                                     "1, 4096, 14336", "affine4", "cuda_mma")
+    assert fastest[3:] == ("1.00x", decode.DEFAULT_IMPL, "20.0", "20.0")
+    assert decode.default_vs_best({}, {}, key) is None
+    decode.print_header(rec, "qmm default vs best: M, K, N", "mode", "default layout",
+                        "default / best", "best", "best us", "default us")
+    decode.print_row(rec, *slower)
+    got = rec.records("decode")
+    assert [r["key"] for r in got] == [
+        "decode: qmm: M, K, N=1, 4096, 14336 / mode=affine4 / impl=ffi mma (prepacked)",
+        f"decode: qmm: M, K, N=1, 4096, 14336 / mode=affine4 / impl={decode.DEFAULT_IMPL}",
+        "decode: qmm default vs best: M, K, N=1, 4096, 14336 / mode=affine4 / "
+        "default layout=cuda_mma"]
+    assert got[2]["values"]["best"] == "ffi mma (prepacked)"
+    assert set(got[2]["values"]) == {"default / best", "best", "best us", "default us"}

@@ -59,15 +59,15 @@ def quantize_mode(mode, w, layout="canonical"):
 DEFAULT_IMPL = "auto (jq.quantize default)"
 
 
-def print_default_vs_best(results, runs, key, out, *head, rounds=3):
-    """A line comparing the DEFAULT_IMPL result under `key` (a results key
-    prefix) with the fastest quantized implementation there. Where another is
+def default_vs_best(results, runs, key, *head, rounds=3):
+    """The row comparing the DEFAULT_IMPL result under `key` (a results key prefix)
+    with the fastest quantized implementation there, or None. Where another is
     fastest, the two are timed again in turns (`runs` holds each one's timing
     arguments) and their least times compared: timed once each, a minute
     apart, the same kernel on the same layout differed by up to 10% on an H100."""
     timed = {k[-1]: us for k, us in results.items() if k[:-1] == key}
     if DEFAULT_IMPL not in timed:
-        return
+        return None
     best = min(timed, key=timed.get)
     best_us, default_us = timed[best], timed[DEFAULT_IMPL]
     if best != DEFAULT_IMPL:
@@ -76,13 +76,19 @@ def print_default_vs_best(results, runs, key, out, *head, rounds=3):
             for impl in turns:
                 turns[impl].append(time_jax(*runs[key + (impl,)]) * 1e6)
         best_us, default_us = min(turns[best]), min(turns[DEFAULT_IMPL])
-    print_row(out, *head, "default vs best",
-              f"{best_us / default_us:.2f}x (best: {best}, {best_us:.1f} us; "
-              f"default {default_us:.1f} us)")
+    return (*head, f"{default_us / best_us:.2f}x", best, f"{best_us:.1f}", f"{default_us:.1f}")
+
+
+def print_header(out, *cols):
+    """A table's header (a blank line before it ends the table above: --json-out
+    records each table's rows, jaxquant/bench/harness.py TableRecorder)."""
+    out("")
+    print_row(out, *cols)
+    out("|" + "---|" * len(cols))
 
 
 def print_row(out, *cols):
-    out(" | ".join(str(c) for c in cols))
+    out("| " + " | ".join(str(c) for c in cols) + " |")
 
 
 def many_products(f):
@@ -93,8 +99,8 @@ def many_products(f):
 def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
     from jaxquant.quantize import dequantize_reference
 
-    print_row(out, "qmm: M, K, N", "mode", "impl", "us", "%copy", "vs M=1", "rel.err")
-    results, runs = {}, {}
+    print_header(out, "qmm: M, K, N", "mode", "impl", "us", "%copy", "vs M=1", "rel.err")
+    results, runs, versus = {}, {}, []
     for k, n in SHAPES:
         ws = [(0.05 * jax.random.normal(jax.random.key(100 * k + i), (n, k), jnp.float32)
                ).astype(jnp.bfloat16) for i in range(copies)]
@@ -134,10 +140,17 @@ def bench_qmm(bw, out, modes, copies=8, ms=(1, 8, 16)):
                     print_row(out, f"{m}, {k}, {n}", mode, impl, f"{us:.1f}",
                           f"{100 * nbytes / (us * 1e-6) / bw:.0f}%",
                           f"{us / base:.2f}x" if base and m > 1 else "", f"{err:.1e}")
-                print_default_vs_best(results, runs, (m, k, n, mode), out, f"{m}, {k}, {n}", mode,
-                                      f"({default[0].layout})")
+                row = default_vs_best(results, runs, (m, k, n, mode), f"{m}, {k}, {n}", mode,
+                                      default[0].layout)
+                if row is not None:
+                    versus.append(row)
             del qws, packed, default
         del ws
+    # the op-level default (jq.qmm on jq.quantize's output) against the fastest variant
+    print_header(out, "qmm default vs best: M, K, N", "mode", "default layout",
+                 "default / best", "best", "best us", "default us")
+    for row in versus:
+        print_row(out, *row)
     return results
 
 
@@ -163,11 +176,11 @@ def bench_torch_peers(bw, out, copies=8):
 
         from jaxquant.bench import torch_peer
     except Exception as e:  # noqa: BLE001
-        print_row(out, "torch peers: torch not importable:", e)
+        out(f"torch peers: torch not importable: {e}")
         return {}
     res = {}
     dev = "cuda"
-    print_row(out, "torch peers: M, K, N", "impl", "us", "%copy")
+    print_header(out, "torch peers: M, K, N", "impl", "us", "%copy")
     for k, n in SHAPES:
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -195,8 +208,8 @@ def bench_torch_peers(bw, out, copies=8):
 
 
 def bench_moe(bw, out, copies=8):
-    print_row(out, "moe: layer", "T", "impl", "us", "distinct experts", "%copy (distinct)")
-    res, runs = {}, {}
+    print_header(out, "moe: layer", "T", "impl", "us", "distinct experts", "%copy (distinct)")
+    res, runs, versus = {}, {}, []
     for name, (e, topk, k, n) in MOE_LAYERS.items():
         w = (0.05 * jax.random.normal(jax.random.key(e), (e, n, k), jnp.float32)).astype(
             jnp.bfloat16)
@@ -226,8 +239,14 @@ def bench_moe(bw, out, copies=8):
                 runs[(name, t, impl)] = (f, (x, q, jnp.asarray(idx)), copies)
                 print_row(out, name, t, impl, f"{us:.1f}", f"{distinct:.1f}",
                       f"{100 * distinct * per_expert / (us * 1e-6) / bw:.0f}%")
-            print_default_vs_best(res, runs, (name, t), out, name, t)
+            row = default_vs_best(res, runs, (name, t), name, t, default.layout)
+            if row is not None:
+                versus.append(row)
         del qw, packed, default
+    print_header(out, "moe default vs best: layer", "T", "default layout", "default / best",
+                 "best", "best us", "default us")
+    for row in versus:
+        print_row(out, *row)
     return res
 
 
@@ -235,7 +254,7 @@ FUSED_SHAPES = {"rms_norm_qmm": (4096, 6144), "qmm_swiglu": (4096, 2 * 14336)}  
 
 
 def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
-    print_row(out, "fused: op, M, K, N", "mode", "impl", "us", "%copy", "unfused / fused")
+    print_header(out, "fused: op, M, K, N", "mode", "impl", "us", "%copy", "unfused / fused")
     res = {}
     for op, (k, n) in FUSED_SHAPES.items():
         ws = [(0.05 * jax.random.normal(jax.random.key(7 * i + 1), (n, k), jnp.float32)
@@ -278,7 +297,7 @@ def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
 
 
 def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
-    print_row(out, "decode step (8 layers, M=1, synced per step): weights", "loop", "us/step",
+    print_header(out, "decode step (8 layers, M=1, synced per step): weights", "loop", "us/step",
           "vs bf16 dense")
     key = jax.random.key(99)
     ks = jax.random.split(key, 3)
