@@ -309,3 +309,106 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_dequant_mma, dequant_mma_impl,
                               jq::format_attrs(jq::ffi_rets<1>(jq::ffi_args<4>(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<hipStream_t>>()))),
                               JQ_CAPTURABLE);
+
+// jaxquant_l2_prefetch: x, then the buffers to prefetch -> a copy of x; attributes
+// starts, stops (int64, one byte range per buffer). Brings those bytes into L2 and
+// returns: the decode step issues it where the GPU waits on latency rather than on
+// memory (RoPE, the cache write, attention), for the weights the next products read.
+// The copy of x (small: one token's activations) is what orders the call in the step:
+// whatever consumes it runs after. A prefetch is only a hint and changes no value.
+constexpr int kMaxPrefetchRanges = 16;
+#if defined(JQ_PLATFORM_CUDA)
+namespace {
+struct PrefetchRanges {
+  const char* base[kMaxPrefetchRanges];
+  int64_t start[kMaxPrefetchRanges];
+  int64_t pieces_before[kMaxPrefetchRanges + 1];  // prefix sums of each range's pieces
+  int n;
+  const uint4* x;
+  uint4* y;
+  int64_t x_vecs;
+};
+
+__global__ void l2_prefetch_kernel(PrefetchRanges r, int64_t piece_bytes, int lines) {
+  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = tid; i < r.x_vecs; i += nthreads) r.y[i] = r.x[i];
+  const int64_t total = r.pieces_before[r.n];
+  for (int64_t piece = tid; piece < total; piece += nthreads) {
+    int b = 0;
+    while (piece >= r.pieces_before[b + 1]) ++b;
+    const char* p = r.base[b] + r.start[b] + (piece - r.pieces_before[b]) * piece_bytes;
+#if __CUDA_ARCH__ >= 900
+    if (!lines) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"((uint32_t)piece_bytes)
+                   : "memory");
+      continue;
+    }
+#endif
+    for (int64_t o = 0; o < piece_bytes; o += 128) asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p + o));
+  }
+}
+}  // namespace
+#endif
+
+static ffi::Error l2_prefetch_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs rest,
+                                   ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> starts,
+                                   ffi::Span<const int64_t> stops) {
+  if (y->size_bytes() != x.size_bytes() || x.size_bytes() % 16 != 0)
+    return jq::invalid("l2_prefetch: y must be x's size, a multiple of 16 bytes");
+  if (starts.size() != rest.size() || stops.size() != rest.size() ||
+      rest.size() > kMaxPrefetchRanges)
+    return jq::invalid("l2_prefetch: one (start, stop) per buffer, at most 16 buffers; got " +
+                       std::to_string(rest.size()) + " buffers");
+#if defined(JQ_PLATFORM_CUDA)
+  // $JAXQUANT_PREFETCH="BYTES,LINES,BLOCKS" for sweeps: piece size, line prefetches
+  // instead of bulk ones, the most blocks
+  int64_t piece_bytes = 4096, max_blocks = 528;
+  int lines = 0;
+  if (const char* env = getenv("JAXQUANT_PREFETCH")) {
+    long long pb = 0, mb = 0;
+    int ln = 0;
+    if (sscanf(env, "%lld,%d,%lld", &pb, &ln, &mb) == 3 && pb >= 128 && pb % 128 == 0 && mb > 0) {
+      piece_bytes = pb; lines = ln; max_blocks = mb;
+    }
+  }
+  PrefetchRanges r{};
+  r.n = (int)rest.size();
+  r.pieces_before[0] = 0;
+  for (int i = 0; i < r.n; ++i) {
+    auto buf = rest.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return buf.error();
+    const int64_t bytes = (int64_t)buf->size_bytes();
+    // whole pieces inside the buffer, from a 16-byte aligned start: a bulk prefetch
+    // reads exactly its size, so it never touches past the buffer
+    const int64_t a = (std::max<int64_t>(starts[i], 0) + 15) / 16 * 16;
+    const int64_t b = std::min<int64_t>(stops[i], bytes);
+    r.base[i] = static_cast<const char*>(buf->untyped_data());
+    r.start[i] = a;
+    const int64_t pieces = b > a ? (b - a) / piece_bytes : 0;
+    r.pieces_before[i + 1] = r.pieces_before[i] + pieces;
+  }
+  r.x = static_cast<const uint4*>(x.untyped_data());
+  r.y = static_cast<uint4*>(y->untyped_data());
+  r.x_vecs = (int64_t)x.size_bytes() / 16;
+  const int64_t work = std::max<int64_t>(r.pieces_before[r.n], r.x_vecs);
+  if (work == 0) return ffi::Error::Success();
+  const int threads = 32;
+  const int64_t blocks = std::min<int64_t>((work + threads - 1) / threads, max_blocks);
+  l2_prefetch_kernel<<<(unsigned)blocks, threads, 0, stream>>>(r, piece_bytes, lines);
+  JQ_LAUNCH_CHECK(cudaGetLastError(), "the L2 prefetch");
+  return ffi::Error::Success();
+#else
+  (void)stream;
+  return ffi::Error::Unimplemented("jaxquant ffi: l2_prefetch is CUDA only");
+#endif
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_l2_prefetch, l2_prefetch_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("starts")
+                                  .Attr<ffi::Span<const int64_t>>("stops"),
+                              JQ_CAPTURABLE);
