@@ -43,7 +43,6 @@ TARGET = "jaxquant_qmv_mma"
 GEMM_TARGET = "jaxquant_qmm_gemm"
 DEQUANT_TARGET = "jaxquant_dequant_mma"
 FUSED_TARGET = "jaxquant_gemv_mma_fused"
-L2_PREFETCH_TARGET = "jaxquant_l2_prefetch"
 # The fused GEMV (gemv_mma.h): its kinds, activations, and the most bytes of x the
 # norm's block stages in shared memory (M x (K x bytes + 16); kMaxNormXSharedBytes).
 FUSE_NORM, FUSE_SWIGLU = 1, 2
@@ -269,18 +268,6 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
     return jnp.where(past[:, None], jnp.zeros((), y.dtype), y[:, 0, :])
 
 
-def l2_prefetch_call(x, ranges):
-    """A copy of x (its size a multiple of 16 bytes), made by a kernel that also asks L2
-    to fetch `ranges`, (array, start byte, stop byte) triples (at most 16): the copy
-    orders the call before whatever consumes it. Whole 32 KiB pieces from a 16-byte
-    aligned start; a prefetch never reads past its array."""
-    arrays = [a for a, _, _ in ranges]
-    starts = np.array([int(a) for _, a, _ in ranges], np.int64)
-    stops = np.array([int(b) for _, _, b in ranges], np.int64)
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ffi.ffi_call(L2_PREFETCH_TARGET, out)(x, *arrays, starts=starts, stops=stops)
-
-
 def register(lib) -> None:
     """Register the CUDA library's kernels on the layout (their own handler symbols,
     jq_gpu_qmv_mma, jq_gpu_gemv_mma_fused, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
@@ -317,10 +304,6 @@ def register(lib) -> None:
           # many rows: below the GEMM, which an explicit backend="ffi" gets
           ("qmm", cublas_qmm_impl, gemm_qmm_applies, PRIORITY - 1, cublas_qmm_auto))),
     )
-    if hasattr(lib.handle, "jq_gpu_l2_prefetch"):
-        jax.ffi.register_ffi_target(L2_PREFETCH_TARGET,
-                                    jax.ffi.pycapsule(lib.handle.jq_gpu_l2_prefetch),
-                                    platform="CUDA")
     for symbol, target, kernels in optional:
         if not hasattr(lib.handle, symbol):
             continue
