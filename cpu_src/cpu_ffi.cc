@@ -171,6 +171,8 @@ static std::unique_ptr<float[]> scratch_floats(int64_t n) {
 }
 
 struct CpuPlatform {
+  static constexpr bool kCapturable = false;  // XLA's CPU runtime has no command buffers
+
   static ffi::Error dequantize(const DequantProblem& p, ffi::ThreadPool pool) {
     const Kernels* k = select_kernels();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));

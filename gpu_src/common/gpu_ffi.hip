@@ -63,6 +63,12 @@ QmvConfig qmv_config(const QmvProblem& p) {
 // How the GPU runs a validated, non-empty problem (the handlers around these:
 // include/jq/ffi_common.h, Handlers): a launch on XLA's stream.
 struct GpuPlatform {
+  // Each handler validates shapes and launches on XLA's stream: no sync, no allocation,
+  // no host read of device data, so XLA may record it into its command buffer. Called
+  // on every run instead, an FFI call cost 12-20 us of host time in a jitted function
+  // on an H100 (docs/decode.md, "Host time per call").
+  static constexpr bool kCapturable = true;
+
   static ffi::Error dequantize(const DequantProblem& p, hipStream_t stream) {
     JQ_LAUNCH_CHECK(launch_dequant(p, stream), "the dequantize kernel");
     return ffi::Error::Success();

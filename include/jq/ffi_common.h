@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include <string>
+#include <initializer_list>
 #include <utility>
 
 #include "jq/codec.h"
@@ -409,6 +410,10 @@ auto norm_attrs(B&& b) {
 
 template <class Platform, class... Ctx>
 struct Handlers {
+  // Whether XLA may record these handlers into its command buffers (the CUDA / HIP
+  // graph it replays for a jitted function) instead of calling them on every run: the
+  // platform says (Platform::kCapturable; JQ_FFI_HANDLER_SYMBOL).
+  static constexpr bool kCapturable = Platform::kCapturable;
   using Buf = ffi::AnyBuffer;
   using Out = ffi::Result<ffi::AnyBuffer>;
   static auto bind() { return BindWith<Ctx...>::bind(); }
@@ -517,8 +522,12 @@ struct Handlers {
 //                         the ffi package's FORMAT_IDS
 // HANDLERS is a Handlers<...> type name without commas (a `using` alias).
 #define JQ_ABI_VERSION 2
-#define JQ_FFI_HANDLER_SYMBOL(target, PREFIX, HANDLERS) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##target, HANDLERS::target, HANDLERS::bind_##target());
+#define JQ_FFI_HANDLER_SYMBOL(target, PREFIX, HANDLERS)                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                           \
+      PREFIX##target, HANDLERS::target, HANDLERS::bind_##target(),                         \
+      HANDLERS::kCapturable                                                                \
+          ? std::initializer_list<::xla::ffi::Traits>{::xla::ffi::Traits::kCmdBufferCompatible} \
+          : std::initializer_list<::xla::ffi::Traits>{});
 #define JQ_FFI_TARGET_NAME(target, ...) #target ","
 #define JQ_FFI_DEFINE_LIBRARY(PREFIX, HANDLERS, TARGET_LIST)                                \
   TARGET_LIST(JQ_FFI_HANDLER_SYMBOL, PREFIX, HANDLERS)                                      \
