@@ -163,7 +163,8 @@ def test_prefill_qmm_table_has_the_a8_rows(capsys, skip_copy_timing):
     each timed and near the 4-bit weight's product (x rounded to 8 bits)."""
     lines, _ = _run(["prefill", "--only", "qmm", "--shapes", "8,64,96", "--modes", "mxfp4",
                      "--iters", "1"], capsys)
-    rows = [[c.strip() for c in l.split("|")] for l in lines if l.startswith("8, 64, 96 |")]
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in lines
+            if l.startswith("| 8, 64, 96 |")]
     a8 = {r[2]: r for r in rows if r[2].startswith("qmm_a8")}
     assert set(a8) == {f"qmm_a8 {t} (opt-in; weight rows from mxfp4)"
                        for t in ("int8", "float8_e4m3fn")}

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
-from jaxquant.bench.decode import many_products, print_row, quantize_mode, start, time_jax, time_torch
+from jaxquant.bench.decode import (many_products, print_header, print_row, quantize_mode, start,
+                                   time_jax, time_torch)
 from jaxquant.ffi import configs
 from jaxquant.ops.a8 import CODE_TYPES
 
@@ -47,7 +48,7 @@ def _rel_err(y, want):
 def bench_qmm(bw, out, modes, copies, shapes=QMM_SHAPES):
     from jaxquant.quantize import dequantize_reference
 
-    print_row(out, "qmm: M, K, N", "mode", "impl", "us", "TFLOP/s", "vs bf16 dense", "rel.err")
+    print_header(out, "qmm: M, K, N", "mode", "impl", "us", "TFLOP/s", "vs bf16 dense", "rel.err")
     res = {}
     weights = {}
     for m, k, n in shapes:
@@ -129,7 +130,7 @@ def bench_ragged(bw, out, modes, copies):
     from jaxquant.quantize import dequantize_reference
 
     e, k, n = RAGGED_LAYER
-    print_row(out, "ragged_qmm: E, K, N", "T", "mode", "impl", "us", "TFLOP/s",
+    print_header(out, "ragged_qmm: E, K, N", "T", "mode", "impl", "us", "TFLOP/s",
           "vs dense equal FLOPs", "x copy time (used experts)", "rel.err")
     w = (0.05 * jax.random.normal(jax.random.key(7), (e, n, k), jnp.float32)).astype(jnp.bfloat16)
     wt = jnp.swapaxes(w, 1, 2)  # [E, K, N] for ragged_dot
