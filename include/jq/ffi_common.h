@@ -9,8 +9,8 @@
 
 #include <stdint.h>
 
-#include <string>
 #include <initializer_list>
+#include <string>
 #include <utility>
 
 #include "jq/codec.h"

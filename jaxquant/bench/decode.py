@@ -298,7 +298,7 @@ def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
 
 def bench_step(bw, out, modes=("affine4", "mxfp4"), layers=8, d=4096, f=14336):
     print_header(out, "decode step (8 layers, M=1, synced per step): weights", "loop", "us/step",
-          "vs bf16 dense")
+                 "vs bf16 dense")
     key = jax.random.key(99)
     ks = jax.random.split(key, 3)
     dense = {nm: (0.02 * jax.random.normal(kk, (layers,) + shp, jnp.float32)).astype(jnp.bfloat16)

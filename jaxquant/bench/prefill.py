@@ -131,7 +131,7 @@ def bench_ragged(bw, out, modes, copies):
 
     e, k, n = RAGGED_LAYER
     print_header(out, "ragged_qmm: E, K, N", "T", "mode", "impl", "us", "TFLOP/s",
-          "vs dense equal FLOPs", "x copy time (used experts)", "rel.err")
+                 "vs dense equal FLOPs", "x copy time (used experts)", "rel.err")
     w = (0.05 * jax.random.normal(jax.random.key(7), (e, n, k), jnp.float32)).astype(jnp.bfloat16)
     wt = jnp.swapaxes(w, 1, 2)  # [E, K, N] for ragged_dot
     w_dense = [jnp.swapaxes(w[i], 0, 1) for i in range(copies)]  # equal-FLOPs peer [K, N]
