@@ -351,6 +351,11 @@ struct Timed {
   std::function<void(int)> launch;  // the call on weight copy i
   int copies;
   std::vector<float> us;
+  int next = 0;  // the copy the next call takes: the rotation runs on across samples
+  void call() {
+    launch(next);
+    next = (next + 1) % copies;
+  }
 };
 
 static float median(std::vector<float> v) {
@@ -368,12 +373,12 @@ static void time_all(std::vector<Timed>& ts, const TimingOptions& o, cudaStream_
   CK(cudaEventCreate(&stop));
   std::vector<int> calls(ts.size(), o.calls);
   for (size_t t = 0; t < ts.size(); ++t) {
-    for (int i = 0; i < o.warmup * ts[t].copies; ++i) ts[t].launch(i % ts[t].copies);
+    for (int i = 0; i < o.warmup * ts[t].copies; ++i) ts[t].call();
     CK(cudaStreamSynchronize(stream));
     CK(cudaGetLastError());
     if (calls[t] <= 0) {  // enough calls for about 2 ms per sample, at least one per copy
       CK(cudaEventRecord(start, stream));
-      for (int i = 0; i < ts[t].copies; ++i) ts[t].launch(i);
+      for (int i = 0; i < ts[t].copies; ++i) ts[t].call();
       CK(cudaEventRecord(stop, stream));
       CK(cudaEventSynchronize(stop));
       float ms;
@@ -385,7 +390,7 @@ static void time_all(std::vector<Timed>& ts, const TimingOptions& o, cudaStream_
   for (int s = 0; s < o.samples; ++s) {
     for (size_t t = 0; t < ts.size(); ++t) {
       CK(cudaEventRecord(start, stream));
-      for (int i = 0; i < calls[t]; ++i) ts[t].launch(i % ts[t].copies);
+      for (int i = 0; i < calls[t]; ++i) ts[t].call();
       CK(cudaEventRecord(stop, stream));
       CK(cudaEventSynchronize(stop));
       CK(cudaGetLastError());
@@ -402,8 +407,10 @@ static void report(const char* shape, std::vector<Timed>& ts, double flops) {
   const double ref_us = median(ts[0].us);  // ts[0] is cuBLAS's bf16 GEMM
   for (auto& t : ts) {
     const double us = median(t.us);
-    printf("%-28s %-26s %10.2f us %8.1f TFLOP/s %7.3fx cuBLAS bf16\n", shape, t.name.c_str(),
-           us, flops / (us * 1e-6) / 1e12, ref_us / us);
+    const auto mm = std::minmax_element(t.us.begin(), t.us.end());
+    printf("%-28s %-26s %10.2f us %8.1f TFLOP/s %7.3fx cuBLAS bf16   (samples %.2f..%.2f us)\n",
+           shape, t.name.c_str(), us, flops / (us * 1e-6) / 1e12, ref_us / us, *mm.first,
+           *mm.second);
   }
   fflush(stdout);
 }
