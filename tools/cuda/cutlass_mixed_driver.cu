@@ -16,7 +16,7 @@
 //
 // Options (--key=value): --mode=dense|grouped|all  --m=64,512,4096  --k=4096  --n=14336
 //   --experts=32 --tokens=4096 --gk=2880 --gn=5760  --configs=all|NAME,NAME
-//   --samples=9 --calls=0 (0: enough calls for ~2 ms per sample) --warmup=3  --list
+//   --samples=9 --calls=0 (0: enough calls for ~5 ms per sample) --warmup=3  --list
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
@@ -123,7 +123,10 @@ using LayoutAtomW =
 using LayoutWReordered =
     decltype(cute::tile_to_shape(LayoutAtomW{}, Layout<Shape<int, int, int>, StrideW>{}));
 
-template <int TM, int TN, int CM, class KernelSchedule, class EpilogueSchedule>
+// Scheduler: void is the persistent data-parallel tile scheduler (one tile per CTA turn);
+// cutlass::gemm::StreamKScheduler also splits K where tiles are fewer than SMs.
+template <int TM, int TN, int CM, class KernelSchedule, class EpilogueSchedule,
+          class Scheduler = void>
 struct DenseConfig {
   using TileShape = Shape<Int<TM>, Int<TN>, Int<kTileK>>;
   using ClusterShape = Shape<Int<CM>, _1, _1>;
@@ -138,8 +141,8 @@ struct DenseConfig {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop,
+                                                       Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -376,7 +379,7 @@ static void time_all(std::vector<Timed>& ts, const TimingOptions& o, cudaStream_
     for (int i = 0; i < o.warmup * ts[t].copies; ++i) ts[t].call();
     CK(cudaStreamSynchronize(stream));
     CK(cudaGetLastError());
-    if (calls[t] <= 0) {  // enough calls for about 2 ms per sample, at least one per copy
+    if (calls[t] <= 0) {  // enough calls for about 5 ms per sample, at least one per copy
       CK(cudaEventRecord(start, stream));
       for (int i = 0; i < ts[t].copies; ++i) ts[t].call();
       CK(cudaEventRecord(stop, stream));
@@ -384,7 +387,7 @@ static void time_all(std::vector<Timed>& ts, const TimingOptions& o, cudaStream_
       float ms;
       CK(cudaEventElapsedTime(&ms, start, stop));
       const double per_call_ms = std::max(1e-3, double(ms) / ts[t].copies);
-      calls[t] = std::max(ts[t].copies, int(std::ceil(2.0 / per_call_ms)));
+      calls[t] = std::max(ts[t].copies, int(std::ceil(5.0 / per_call_ms)));
     }
   }
   for (int s = 0; s < o.samples; ++s) {
@@ -413,6 +416,21 @@ static void report(const char* shape, std::vector<Timed>& ts, double flops) {
            *mm.second);
   }
   fflush(stdout);
+}
+
+// After timing, one more call checked as before: the timed calls ran on state that the
+// first check did not see (a stream-K kernel's flags, a scheduler's workspace).
+static bool recheck(const char* shape, const char* name, const std::function<void()>& launch,
+                    void* y, const void* y_ref, size_t n, cudaStream_t stream,
+                    unsigned* scratch) {
+  CK(cudaMemset(y, 0xff, 2 * n));
+  launch();
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaGetLastError());
+  const Check c = compare(y, y_ref, n, scratch);
+  printf("%-28s %-26s recheck after timing: max rel err %.3g %s\n", shape, name, c.rel,
+         c.ok ? "ok" : "FAIL");
+  return c.ok;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -492,8 +510,10 @@ struct CutlassDense : DenseRunner {
 // (weight rows x rows of x) by 64 k, no cluster, the cooperative warp-specialized kernel
 // (two consumer warpgroups on one tile). The others: 64 rows of x per tile (a 64-row
 // product pads nothing), the ping-pong kernel (the two consumer warpgroups on alternate
-// tiles, so one's epilogue overlaps the other's mainloop), and a 2x1 cluster (two weight
-// tiles share one x tile through TMA multicast, halving x's L2 traffic).
+// tiles, so one's epilogue overlaps the other's mainloop), a 2x1 cluster (two weight
+// tiles share one x tile through TMA multicast, halving x's L2 traffic), and for few
+// rows of x, where 14336 / 128 = 112 tiles leave 20 of 132 SMs idle: 64x64 ping-pong
+// tiles (224) and stream-K (the K loop split to fill every SM).
 using DenseCoop128x128 = DenseConfig<128, 128, 1, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                      cutlass::epilogue::TmaWarpSpecializedCooperative>;
 #ifndef JQ_CUTLASS_ONE_CONFIG
@@ -504,6 +524,11 @@ using DensePingpong64x128 = DenseConfig<64, 128, 1, cutlass::gemm::KernelTmaWarp
 using DenseCoop128x128C2 =
     DenseConfig<128, 128, 2, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                 cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using DensePingpong64x64 = DenseConfig<64, 64, 1, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                       cutlass::epilogue::TmaWarpSpecialized>;
+using DenseCoop128x64StreamK =
+    DenseConfig<128, 64, 1, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                cutlass::epilogue::TmaWarpSpecializedCooperative, cutlass::gemm::StreamKScheduler>;
 #endif
 
 static std::vector<std::unique_ptr<DenseRunner>> dense_runners() {
@@ -513,6 +538,8 @@ static std::vector<std::unique_ptr<DenseRunner>> dense_runners() {
   r.emplace_back(new CutlassDense<DenseCoop128x64>("cutlass_coop_128x64"));
   r.emplace_back(new CutlassDense<DensePingpong64x128>("cutlass_pingpong_64x128"));
   r.emplace_back(new CutlassDense<DenseCoop128x128C2>("cutlass_coop_128x128_c2x1"));
+  r.emplace_back(new CutlassDense<DensePingpong64x64>("cutlass_pingpong_64x64"));
+  r.emplace_back(new CutlassDense<DenseCoop128x64StreamK>("cutlass_coop_128x64_streamk"));
 #endif
   return r;
 }
@@ -692,6 +719,12 @@ static int run_dense(const Options& o, cublasHandle_t h, cudaStream_t stream, in
     CUBLAS_CK(cublasSetStream(h, stream));
     time_all(ts, o.timing, stream);
     report(shape, ts, 2.0 * m * double(n) * k);
+    for (auto& r : runners) {  // a kernel whose state carries over between calls shows here
+      if (std::none_of(ts.begin(), ts.end(), [&](const Timed& t) { return t.name == r->name(); }))
+        continue;
+      failures += !recheck(shape, r->name(), [&] { r->launch(0, stream); }, y, y_ref,
+                           size_t(m) * n, stream, scratch);
+    }
   }
   for (void* p : w.w_bf16) CK(cudaFree(p));
   for (size_t c = 0; c < w.codes.size(); ++c) {
@@ -964,6 +997,14 @@ static int run_grouped(const Options& o, cublasHandle_t h, cudaStream_t stream, 
   CUBLAS_CK(cublasSetStream(h, stream));
   time_all(ts, o.timing, stream);
   report(shape, ts, 2.0 * t * double(n) * k);
+  grouped_reference(y_ref);  // the dense peer's calls overwrote it
+  CK(cudaDeviceSynchronize());
+  for (auto& r : runners) {
+    if (std::none_of(ts.begin(), ts.end(), [&](const Timed& tt) { return tt.name == r->name(); }))
+      continue;
+    failures += !recheck(shape, r->name(), [&] { r->launch(0, stream); }, y, y_ref,
+                         size_t(t) * n, stream, scratch);
+  }
   for (void* p : owned) CK(cudaFree(p));
   for (void* p : dense_w) CK(cudaFree(p));
   CK(cudaFree(q.codes_plain));
