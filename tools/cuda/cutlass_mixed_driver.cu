@@ -91,10 +91,11 @@ using namespace cute;
 // the scale is the scale and the zero is the bias, both bf16. Where it can round
 // differently: jaxquant rounds w once (one bf16 FMA, docs/prefill.md "Numerics"); `mul.bf16`
 // / `add.bf16` without `.rn` may be contracted by ptxas into that FMA or rounded twice
-// (product, then sum), which differs from the single rounding by at most one bf16 ulp of w.
+// (product, then sum), which moves w by up to half a bf16 ulp of code * scale: more than
+// w's own ulp where the bias cancels much of the product (the check below allows for it).
 // What differs in layout, prepared once before timing: the scales and zeros are [K/64, N]
 // (N fastest, what the collective's TMA reads) where affine4 stores [N, K/64], and the
-// codes are permuted within each 16-row, 64-k tile (below).
+// codes are permuted within each 16-row, 16-k block (below).
 // ---------------------------------------------------------------------------------------
 using Bf16 = cutlass::bfloat16_t;
 using Code = cutlass::uint4b_t;
@@ -107,16 +108,16 @@ constexpr int kAlignW = 32;  // 16 bytes of 4-bit codes
 constexpr int kAlignY = 8;
 
 using LayoutXt = cutlass::layout::ColumnMajor;  // x^T as CUTLASS's B: x row-major [M, K]
-using LayoutW = cutlass::layout::ColumnMajor;   // W [N, K] row-major as a column-major B...
-using LayoutWt = cutlass::layout::RowMajor;     // ...and, swapped, as a row-major A
+using LayoutW = cutlass::layout::ColumnMajor;   // W [N, K] row-major as a column-major B
 using LayoutYt = cutlass::layout::ColumnMajor;  // y^T column-major: y row-major [M, N]
 using StrideX = cutlass::detail::TagToStrideA_t<cutlass::layout::RowMajor>;
 using StrideW = cutlass::detail::TagToStrideB_t<LayoutW>;
 
-// The offline reorder (example 55's `shuffle`): each thread's 16 codes of a 64x16 wgmma A
-// fragment contiguous (one 8-byte shared-memory load instead of 8-bit ones), in the order
-// [0,2,4,6,1,3,5,7] within each 8, which the uint4 -> bf16 conversion extracts two at a
-// time with one LOP3 and one bf16x2 subtract (LayoutAwareConvertImpl<uint4b_t, bfloat16_t>).
+// The offline reorder (example 55's `shuffle`): in each 16-row, 16-k block (a warp's
+// slice of one wgmma's A) the 8 codes a thread holds (rows r and r + 8, k 2t, 2t + 1,
+// 2t + 8, 2t + 9) contiguous, one 32-bit shared-memory load instead of byte loads, in the
+// order [0,2,4,6,1,3,5,7], from which the uint4 -> bf16 conversion takes two at a time
+// with one LOP3 and one bf16x2 subtract (LayoutAwareConvertImpl<uint4b_t, bfloat16_t>).
 using ValueShuffle = Layout<Shape<_2, _4>, Stride<_4, _1>>;
 using LayoutAtomW =
     decltype(cutlass::compute_memory_reordering_atom<Bf16, Layout<Shape<_1, _1>>, ValueShuffle>());
@@ -747,11 +748,12 @@ static int run_dense(const Options& o, cublasHandle_t h, cudaStream_t stream, in
 // The grouped product (example 69's pointer-array kernel): expert e multiplies its rows of
 // x [T, K] (rows offset_e .. offset_e + m_e, split evenly) by its weight [N, K].
 //
-// K need not be a multiple of the tile's K or of 128: what CUTLASS requires is a group
-// that is K or a multiple of the tile's K (64: affine4's 64 is), 16-byte aligned rows for
-// TMA (K a multiple of 8 bf16 for x and of 32 codes for W) and scale rows of N a multiple
-// of 8; K past the last full tile is read by TMA as zeros. gpt-oss-20b's K = 2880 = 45 x 64
-// is 45 whole tiles and groups, so it runs as it is, no padding.
+// K need not be a multiple of 128. What CUTLASS checks (can_implement) is a group equal to
+// K or a multiple of the tile's K, which is 64 for bf16 (128 bytes, the TMA box), and
+// 16-byte-aligned rows for TMA: K a multiple of 8 for x and of 32 for the codes, N a
+// multiple of 8 for the scale and zero rows. affine4's groups of 64 make K a multiple of
+// 64 anyway; gpt-oss-20b's K = 2880 = 45 x 64 is 45 whole k-tiles and groups, so it runs
+// as it is, with no padding.
 // ---------------------------------------------------------------------------------------
 struct GroupedRunner {
   virtual ~GroupedRunner() = default;
