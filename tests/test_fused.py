@@ -689,11 +689,9 @@ def _swiglu_oracle(x, w64, dt, bias=None):
 @pytest.mark.gpu
 @needs_gpu
 def test_qmm_swiglu_affine4_eight_warps():
-    # K = 4096 (64 chunks in 8 partial sums): the affine 4-bit SwiGLU variant runs 8
-    # warps (swiglu_warps) where the plain GEMV's wide grids run 4 holding two partials
-    # each; the halves are the same sums in the same order, so the fused output is the
-    # unfused one up to the activation's rounding (as in test_qmm_swiglu_kernel),
-    # and both are within the GEMV's bound of the float64 oracle
+    # K = 4096 (64 chunks): warps_for gives 4, the affine 4-bit SwiGLU variant takes 8
+    # (swiglu_warps): its halves are summed in another float32 order than the unfused
+    # GEMV's; both within the GEMV's bound of the float64 oracle
     i, k = 48, 4096
     qw, packed = _packed("affine", 4, (2 * i, k), key=21, scale=0.5)
     w64 = deq64(qw)
@@ -705,8 +703,6 @@ def test_qmm_swiglu_affine4_eight_warps():
             want, bound = _swiglu_oracle(x, w64, dt)
             assert np.all(np.abs(f64(y) - want) <= bound), (dt, m)
             assert np.all(np.abs(f64(z) - want) <= bound), (dt, m)
-            eps = EPS[jnp.dtype(dt)]
-            np.testing.assert_allclose(f64(y), f64(z), rtol=max(4 * eps, 2.0**-20), atol=2.0**-24)
 
 
 @pytest.mark.gpu

@@ -8,10 +8,8 @@
 // padded to 8 or 16 columns), float32 accumulation. M = 1 costs what M = 8
 // does; the weight bytes, read once, are the whole cost.
 //
-// A block owns one 16-row tile (or two); K's 64-k chunks are split into partial
-// sums, partial p over chunks p, p + splits, ... (splits a function of K), held by
-// the block's warps one or two each, and the partials meet in shared memory in
-// order: the warps per block are a launch choice that leaves the bits alone. In the layout
+// One warp owns one 16-row tile and every W-th chunk of 64 k of it (W warps
+// per block split K; their partial sums meet in shared memory). In the layout
 // a lane's part of a chunk (32 codes: rows g and g+8, 16 k) is one `bits`-word
 // unit at (chunk * 32 + lane) * bits, copied to shared memory with 16-byte
 // cp.async (4 and 8 bits) kStages - 1 chunks ahead of its use, so the bytes in
@@ -45,7 +43,9 @@
 //     indices (jq.gather_qmm_swiglu) each slot's expert and its bias row; an
 //     invalid id gives a NaN row, as gather_qmm's.
 // A tile's float ops are those of the plain GEMV, so the fused outputs match the
-// unfused ops' to the rounding of the norm's statistics and of the activation.
+// unfused ops' to the rounding of the norm's statistics and of the activation; the
+// SwiGLU variant at affine 4-bit may split K over more warps (swiglu_warps), which
+// sums each half in another float32 order.
 //
 // gather_qmm: slot s uses expert indices[s] (on the device). With `dedupe`,
 // the slots that pick the same expert are one segment of up to 8*NT rows
@@ -91,9 +91,6 @@ struct Problem {
   int x_stride;      // > 0: the block stages its rows of x in shared memory, this many
                      // bytes apart (K * x bytes + 16, against bank conflicts); 0: from L1/L2
   int x_rows;        // rows of x staged (x_stride > 0)
-  int splits = 0;    // K's split: partial sums per tile (splits_for), each over every
-                     // splits-th chunk; a block's warps hold one or two of them; 0: one
-                     // per warp
   // the fused variants (FUSE != kFuseNone): norm weight [K] (kFuseNorm) or bias
   // (kFuseSwiglu: [N], or [E, N] with aux_stride = N, a row per expert), nullptr for
   // none; the norm's eps and weight offset; the SwiGLU's activation
@@ -679,21 +676,16 @@ __device__ __forceinline__ uint32_t smem_raw(const uint8_t* base, int i, int32_t
 // The block's dynamic shared memory, sized for its warps and tiles (a block of 4
 // warps takes what it uses, not kMaxWarps' worth: more blocks fit on an SM):
 // [x rows][weight stages: warps x S x TB x 32 lanes x BITS words][scale stages].
-// The partial sums (TB x splits x 16 x 16 floats) reuse the stages once every copy
-// has landed: a warp's weight stages of a tile are S x 128 x BITS >= 1 KB, one
-// partial's worth; a warp that holds two partials may need the scale stages too.
+// The warps' partial sums (TB x warps x 16 x 16 floats) reuse the weight stages
+// once every copy has landed: a warp's stages of a tile are S x 128 x BITS >= 1 KB.
 struct SharedLayout {
   int stage_off, scale_off, bytes;
   template <class C, int P, int S, int TB = 1>
-  __host__ __device__ static SharedLayout of(int x_rows, int x_stride, int warps,
-                                             int splits = 0) {
+  __host__ __device__ static SharedLayout of(int x_rows, int x_stride, int warps) {
     SharedLayout l;
     l.stage_off = x_stride > 0 ? x_rows * x_stride : 0;  // x_stride is a multiple of 16
     l.scale_off = l.stage_off + warps * S * TB * 32 * C::kBits * 4;
     l.bytes = l.scale_off + warps * S * TB * 2 * ScaleStage<P>::bytes;
-    const int partials_end =
-        l.stage_off + TB * (splits > warps ? splits : warps) * kTileRows * 16 * 4;
-    l.bytes = l.bytes > partials_end ? l.bytes : partials_end;
     return l;
   }
 };
@@ -701,12 +693,9 @@ static_assert(Stages<2>::value * 32 * 2 * 4 >= kTileRows * 16 * 4,
               "a warp's weight stages hold its partial sums");
 
 // The warp's share of the block's tiles tile0 + j * tstep, j < ntile <= TB (tstep 1:
-// consecutive tiles; the SwiGLU's gate and up tiles are I / 16 apart): its chunks
-// warp, warp + W, ... (W warps), alternately into acc0 and acc1 where the block holds
-// twice as many partial sums as warps (pr.splits = 2W), else all into acc0; so
-// partial sum p is over chunks p, p + splits, ... in order, however many warps the
-// block has. acc[j][nt][i] is in the C fragment layout. TAIL: the partial last tile
-// (TB = 1), read from its canonical rows.
+// consecutive tiles; the SwiGLU's gate and up tiles are I / 16 apart):
+// acc[j][nt][i] (C fragment layout) over its chunks warp, warp + W, ... TAIL: the
+// partial last tile (TB = 1), read from its canonical rows.
 // stage_x() (block-wide: it ends in __syncthreads) fills x_smem; with EARLY the
 // first S - 1 chunks' copies are issued before it, so that DRAM works while x
 // comes in from L2. The block's tiles share each x load (M > 8: x is read from
@@ -718,8 +707,7 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
                                                  const int64_t* xrow_s,
                                                  uint32_t* stage_smem, uint8_t* scale_smem,
                                                  const char* x_smem, StageX&& stage_x,
-                                                 float (&acc0)[TB][NT][4],
-                                                 float (&acc1)[TB][NT][4]) {
+                                                 float (&acc)[TB][NT][4]) {
   constexpr int BITS = C::kBits;
   constexpr int ESZ = XDT == kF32 ? 4 : 2;
   using Scales = ChunkScales<C, P, TAIL, SDT>;
@@ -745,7 +733,6 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
   const int chunks = (int)pr.chunks;
   // the warp's chunks: warp + i * warps, i < mine
   const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
-  const bool two = pr.splits > warps;  // two partial sums per warp: odd i into acc1
 
   if constexpr (TAIL || !EARLY) stage_x();
   if constexpr (TAIL) {
@@ -756,8 +743,7 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
       tail_unit<BITS>(cur[0].w, p.words, cur[0].valid_rows, c, lane, w[0]);
       Scales sc[1];
       sc[0].load(p, cur[0], c, gshift, g);
-      if (two && (i & 1)) compute_chunk<C, XDT, NT, P, TAIL, SDT, 1>(cur[0], c, w, sc, gsv, acc1);
-      else compute_chunk<C, XDT, NT, P, TAIL, SDT, 1>(cur[0], c, w, sc, gsv, acc0);
+      compute_chunk<C, XDT, NT, P, TAIL, SDT, 1>(cur[0], c, w, sc, gsv, acc);
     }
   } else {
     // this lane's stage slots: [stage][tile][BITS words], private to the lane
@@ -832,17 +818,14 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
     }
     if constexpr (EARLY) stage_x();
     // ASYNC: the scales come through the pipeline; else (unaligned) from global
-    // memory one chunk ahead. TWO: chunk i's sums go to acc0 or acc1 by i's parity,
-    // with the loop stepping two chunks (a register array indexed at run time would
-    // live in local memory). Four loops, so that none carries another's code.
-    auto loop = [&](auto async_tag, auto two_tag) {
+    // memory one chunk ahead. Two loops, so that neither carries the other's code.
+    auto loop = [&](auto async_tag) {
       constexpr bool ASYNC = decltype(async_tag)::value;
-      constexpr bool TWO = decltype(two_tag)::value;
       Scales sc[TB];
       if (!ASYNC && mine > 0)
 #pragma unroll
         for (int j = 0; j < TB; ++j) sc[j].load(p, cur[j], warp, gshift, g);
-      auto chunk = [&](int i, float (&acc)[TB][NT][4]) {
+      for (int i = 0; i < mine; ++i) {
         const int c = warp + i * warps;
         issue(i + S - 1, ASYNC);
         cp_async_commit();
@@ -868,23 +851,10 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
         if constexpr (!ASYNC)
 #pragma unroll
           for (int j = 0; j < TB; ++j) sc[j] = sc_next[j];
-      };
-      if constexpr (TWO) {
-        for (int i = 0; i < mine; i += 2) {
-          chunk(i, acc0);
-          if (i + 1 < mine) chunk(i + 1, acc1);
-        }
-      } else {
-        for (int i = 0; i < mine; ++i) chunk(i, acc0);
       }
     };
-    if (async_scales) {
-      if (two) loop(std::true_type{}, std::true_type{});
-      else loop(std::true_type{}, std::false_type{});
-    } else {
-      if (two) loop(std::false_type{}, std::true_type{});
-      else loop(std::false_type{}, std::false_type{});
-    }
+    if (async_scales) loop(std::true_type{});
+    else loop(std::false_type{});
     cp_async_wait<0>();
   }
 }
@@ -1238,17 +1208,13 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   const int mcount = mcount_s;
   if (mcount == 0) return;  // another block computes this slot
 
-  // the warp's partial sums: acc[0], and acc[1] where splits = 2 x warps
-  const int splits = pr.splits > warps ? pr.splits : warps;
-  float acc[2][TB][NT][4];
+  float acc[TB][NT][4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
+  for (int j = 0; j < TB; ++j)
 #pragma unroll
-    for (int j = 0; j < TB; ++j)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[h][j][nt][i] = 0.0f;
+      for (int i = 0; i < 4; ++i) acc[j][nt][i] = 0.0f;
 
   // the segment's rows of x, once per block (every warp reads all of K)
   const char* x_smem = pr.x_stride > 0 ? reinterpret_cast<const char*>(smem_dyn) : nullptr;
@@ -1279,46 +1245,38 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
     if (!tail) {
       accumulate_tiles<C, XDT, NT, P, false, SDT, S, EARLY, TB>(pr, e, tile0, tstep, ntile,
                                                                 mcount, xrow_s, stage_smem,
-                                                                scale_smem, x_smem, stage_x,
-                                                                acc[0], acc[1]);
+                                                                scale_smem, x_smem, stage_x, acc);
     } else if constexpr (!SWIGLU) {
-      float(&tail0)[1][NT][4] = *reinterpret_cast<float(*)[1][NT][4]>(&acc[0][0]);
-      float(&tail1)[1][NT][4] = *reinterpret_cast<float(*)[1][NT][4]>(&acc[1][0]);
-      accumulate_tiles<C, XDT, NT, P, true, SDT, S, EARLY, 1>(pr, e, tile0, 1, 1, mcount, xrow_s,
-                                                              stage_smem, scale_smem, x_smem,
-                                                              stage_x, tail0, tail1);
+      float (&acc1)[1][NT][4] = *reinterpret_cast<float(*)[1][NT][4]>(&acc[0]);
+      accumulate_tiles<C, XDT, NT, P, true, SDT, S, EARLY, 1>(
+          pr, e, tile0, 1, 1, mcount, xrow_s, stage_smem, scale_smem, x_smem, stage_x, acc1);
     }
   }
 
   // the next GEMV's blocks may start on the SM slots this grid leaves free (they wait
   // for its end in grid_dependency_wait; letting them start at the top measured slower)
   grid_dependents_may_launch();
-  // --- the partial sums meet in shared memory (over the stages), summed in order
+  // --- the warps' partial sums meet in shared memory (over the stages) ------
   __syncthreads();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (h == 1 && splits == warps) break;
+  for (int j = 0; j < TB; ++j)
 #pragma unroll
-    for (int j = 0; j < TB; ++j)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          red[j * splits + warp + h * warps][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] =
-              acc[h][j][nt][i];
-  }
+      for (int i = 0; i < 4; ++i)
+        red[j * warps + warp][g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = acc[j][nt][i];
   __syncthreads();
   if constexpr (SWIGLU) {
-    // gate row n (tile0) and up row n + I (tile0 + I / 16), each summed over its
-    // partials in the plain GEMV's order; output n of I
+    // gate row n (tile0) and up row n + I (tile0 + I / 16), summed over the warps in
+    // the plain GEMV's order; output n of I
     const int64_t half = p.N / 2;
     for (int idx = threadIdx.x; idx < kTileRows * mcount; idx += blockDim.x) {
       const int r = idx % kTileRows, m = idx / kTileRows;
       const int64_t n = tile0 * kTileRows + r;
       float gate = 0.0f, up = 0.0f;
-      for (int wi = 0; wi < splits; ++wi) {
+      for (int wi = 0; wi < warps; ++wi) {
         gate += red[wi][r][m];
-        up += red[splits + wi][r][m];
+        up += red[warps + wi][r][m];
       }
       store_out(p.y, yrow_s[m] * half + n, p.x_dt,
                 valid ? swiglu_out(pr, gate, up, e, n, half) : quiet_nan());
@@ -1330,7 +1288,7 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
       const int64_t n = (tile0 + j) * kTileRows + r;
       if (n >= p.N) continue;
       float v = 0.0f;
-      for (int wi = 0; wi < splits; ++wi) v += red[j * splits + wi][r][m];
+      for (int wi = 0; wi < warps; ++wi) v += red[j * warps + wi][r][m];
       store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
     }
   }
@@ -1383,19 +1341,10 @@ inline bool programmatic_launch() {
   return on;
 }
 
-// K's split into partial sums (Problem::splits): a function of K only, so that one
-// output element's float ops do not depend on M, the slot, N or the block's warps
-// (gather_qmm == qmm, and a concatenation's rows == each part's, bit for bit).
-inline int splits_for(int64_t chunks) {
-  if (chunks >= 16) return 8;
-  return chunks >= 4 ? 2 : 1;
-}
-
-// Warps per block where the grid is wide: 4 below 128 chunks (8 measured slower at
-// K = 4096 there: each warp's pipeline fill and the reduction are paid over half the
-// chunks). A warp then holds two of the 8 partial sums.
-// $JAXQUANT_MMA_WARPS (1, 2, 4 or 8) overrides the warps for benchmark sweeps;
-// the splits follow it where it is not splits_for's or half of it.
+// Warps per block (split K): a function of K only, so that one output
+// element's float ops do not depend on M, the slot or N (gather_qmm == qmm
+// bit for bit on this kernel too).
+// $JAXQUANT_MMA_WARPS (1, 2, 4 or 8) overrides it for benchmark sweeps.
 inline int forced_warps() {
   static const int forced = env_choice("JAXQUANT_MMA_WARPS", {1, 2, 4, 8});
   return forced;
@@ -1405,17 +1354,6 @@ inline int warps_for(int64_t chunks) {
   if (chunks >= 128) return 8;
   if (chunks >= 16) return 4;
   return chunks >= 4 ? 2 : 1;
-}
-
-// Warps per block, given the grid's blocks: where it leaves fewer than 4 blocks per
-// SM (the 4096 -> 4096 and 2880 -> 5120 products of Llama-3-8B and gpt-oss-20b at
-// M = 1), one warp per partial sum: the kernel's time is each warp's serial
-// instruction stream (ncu, H100, 4096 -> 4096 affine4 M = 1 at 4 warps: 256 blocks,
-// 1.9 warps per scheduler, no warp eligible 65% of cycles, 23% of DRAM bandwidth),
-// and twice the warps halve it. `wide` is the wide grid's warps.
-inline int block_warps(int splits, int wide, int64_t blocks) {
-  if (forced_warps()) return wide;
-  return blocks < 4 * (int64_t)sm_count() ? splits : wide;
 }
 
 // The SwiGLU variant's warps. Its block owns a gate and an up tile; at 4-bit affine
@@ -1431,13 +1369,6 @@ inline int swiglu_warps(int64_t chunks) {
   const int w = warps_for(chunks);
   constexpr bool affine4 = C::kFmt == kAffine && C::kBits == 4;
   return affine4 && w == 4 && !forced_warps() ? 8 : w;
-}
-
-// The splits a launch of `warps` wide-grid warps takes: splits_for's where the warps
-// hold one or two partial sums each (always, unless a sweep forces the warps).
-inline int launch_splits(int64_t chunks, int warps) {
-  const int s = splits_for(chunks);
-  return s == warps || s == 2 * warps ? s : warps;
 }
 
 // Full tiles per block. A block's tiles share each x load, affine's sum(x) MMA and the
@@ -1500,10 +1431,10 @@ constexpr bool kBuiltForX = true;
 #endif
 
 template <class C, int XDT, int NT, int P, int SDT, int TB, int FUSE = kFuseNone>
-static hipError_t launch_tb(const Problem& prx, int wide_warps, hipStream_t stream) {
+static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
   constexpr int S = Stages<C::kBits>::value;
   auto kernel = qmv_mma_kernel<C, XDT, NT, P, SDT, S, true, S - 1, TB, FUSE>;
-  // kMaxWarps warps' stages hold kMaxWarps partial sums (SharedLayout)
+  const SharedLayout lay = SharedLayout::of<C, P, S, TB>(prx.x_rows, prx.x_stride, warps);
   constexpr int kMost = max_x_shared_bytes<FUSE>() +
                         kMaxWarps * S * TB * (32 * C::kBits * 4 + 2 * ScaleStage<P>::bytes);
   static std::atomic<uint64_t> raised{0};
@@ -1511,9 +1442,6 @@ static hipError_t launch_tb(const Problem& prx, int wide_warps, hipStream_t stre
   const int64_t blocks = FUSE == kFuseSwiglu
                              ? prx.full_tiles / 2
                              : (prx.full_tiles + TB - 1) / TB + (prx.tiles - prx.full_tiles);
-  const int warps = block_warps(prx.splits, wide_warps, blocks * prx.q.S);
-  const SharedLayout lay =
-      SharedLayout::of<C, P, S, TB>(prx.x_rows, prx.x_stride, warps, prx.splits);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)blocks, (unsigned)prx.q.S, 1);
   cfg.blockDim = dim3((unsigned)(32 * warps));
@@ -1535,7 +1463,6 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   const int warps = FUSE == kFuseSwiglu ? swiglu_warps<C>(pr.chunks) : warps_for(pr.chunks);
   const int esz = XDT == kF32 ? 4 : 2;
   Problem prx = pr;
-  prx.splits = launch_splits(pr.chunks, warps);
   prx.x_rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
   prx.x_stride = (int)(pr.q.K * esz + 16);
   // The plain GEMV stages x in shared memory for one row; more rows come through L1,
