@@ -1,0 +1,41 @@
+"""The decode GEMV through JAX, back to back: one jitted call runs 64 distinct M = 1
+products (8 weights x 8 rows of x, so XLA merges none), as a step's products follow
+each other (with programmatic dependent launch between them), timed over 10 calls;
+the median and best of 5 samples, µs per product. For an A/B of two builds of the
+CUDA library, run it once per build in turns (JAXQUANT_FFI_LIB_DIR) in one session:
+ratios between processes hold to a few per cent here, where a model's tok/s moves by
+up to 10%. Numbers: benchmarks/h100/decode.json `gemv.jax.splits_ab.*`; docs/decode.md.
+
+  JAXQUANT_FFI_LIB_DIR=build/lib python tools/gpu/gemv_jax_ab.py TAG [MODES] [K,N;K,N]
+"""
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+
+tag = sys.argv[1]
+modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["affine4", "mxfp4"]
+shapes = ([tuple(int(v) for v in s.split(",")) for s in sys.argv[3].split(";")]
+          if len(sys.argv) > 3 else [(4096, 4096), (2880, 5120), (4096, 6144), (4096, 14336)])
+for mode in modes:
+    kw = (dict(mode="affine", bits=int(mode[6:]), group_size=64) if mode.startswith("affine")
+          else dict(mode=mode))
+    for k, n in shapes:
+        ws = [jq.quantize(jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16), **kw)
+              for i in range(8)]
+        xs = [jax.random.normal(jax.random.key(100 + r), (1, k), jnp.bfloat16) for r in range(8)]
+        f = jax.jit(lambda xs, ws: [jq.qmm(x, w) for x in xs for w in ws])
+        jax.block_until_ready(f(xs, ws))
+        samples = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(10):
+                out = f(xs, ws)
+            jax.block_until_ready(out)
+            samples.append((time.perf_counter() - t) / 640 * 1e6)
+        print(f"| {tag} | {mode} | {k} -> {n} | {np.median(samples):.2f} us | best {min(samples):.2f} |",
+              flush=True)
