@@ -46,16 +46,10 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "cutlass/util/mixed_dtype_utils.hpp"
 
+#include "cuda_check.h"  // CK
+
 using namespace cute;
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      printf("error %s at line %d\n", cudaGetErrorString(e_), __LINE__);               \
-      exit(1);                                                                         \
-    }                                                                                  \
-  } while (0)
 #define CUBLAS_CK(x)                                                                   \
   do {                                                                                 \
     cublasStatus_t s_ = (x);                                                           \

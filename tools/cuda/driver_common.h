@@ -1,7 +1,7 @@
 // What the kernel-level CUDA drivers share (tune_mma_driver.hip, ab_mma_driver.hip):
-// error checks, random device buffers, a shape's weight copies, the 1 GiB device copy
-// that their % of copy bandwidth is measured against, in the same process. Not part of
-// the library.
+// error checks (cuda_check.h), random device buffers, a shape's weight copies, the 1 GiB
+// device copy that their % of copy bandwidth is measured against, in the same process.
+// Not part of the library.
 #pragma once
 
 #include <stdio.h>
@@ -12,16 +12,8 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"  // CK
 #include "gemv_mma.h"  // jq::QmvProblem, the format and dtype ids, the GEMV's tiling
-
-#define CK(x)                                                                           \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      printf("error %s at line %d\n", cudaGetErrorString(e_), __LINE__);                \
-      exit(1);                                                                          \
-    }                                                                                   \
-  } while (0)
 
 // `bytes` of random words (each & mask) on the device.
 static void* dev_random(size_t bytes, std::mt19937& rng, uint32_t mask) {

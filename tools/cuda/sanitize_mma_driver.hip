@@ -23,19 +23,11 @@
 #include <random>
 #include <vector>
 
+#include "cuda_check.h"  // CK
 #include "qmm_gemm.h"
 
 using namespace jq;
 using namespace jq::gpu::mma;
-
-#define CK(x)                                                                  \
-  do {                                                                         \
-    cudaError_t e_ = (x);                                                      \
-    if (e_ != cudaSuccess) {                                                   \
-      printf("error %s at line %d\n", cudaGetErrorString(e_), __LINE__);       \
-      exit(1);                                                                 \
-    }                                                                          \
-  } while (0)
 
 template <class T>
 static T* dev_random(size_t n, std::mt19937& rng, uint32_t mask) {
