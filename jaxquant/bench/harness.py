@@ -53,8 +53,9 @@ def progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def timeit(fn, args, n_products, iters, inner):
-    """Median seconds per product of fn(*args) (see the module docstring)."""
+def timed_samples(fn, args, iters, inner):
+    """`iters` samples of seconds per call of fn(*args), each over `inner` calls back to
+    back, after one call (compilation)."""
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -65,7 +66,12 @@ def timeit(fn, args, n_products, iters, inner):
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times) / n_products
+    return times
+
+
+def timeit(fn, args, n_products, iters, inner):
+    """Median seconds per product of fn(*args) (see the module docstring)."""
+    return statistics.median(timed_samples(fn, args, iters, inner)) / n_products
 
 
 def inner_calls(est_us, n_products, target_ms, most=200):

@@ -9,13 +9,13 @@ up to 10%. Numbers: benchmarks/h100/decode.json `gemv.jax.splits_ab.*`; docs/dec
   JAXQUANT_FFI_LIB_DIR=build/lib python tools/gpu/gemv_jax_ab.py TAG [MODES] [K,N;K,N]
 """
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from jaxquant.bench import harness
 
 tag = sys.argv[1]
 modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["affine4", "mxfp4"]
@@ -29,13 +29,7 @@ for mode in modes:
               for i in range(8)]
         xs = [jax.random.normal(jax.random.key(100 + r), (1, k), jnp.bfloat16) for r in range(8)]
         f = jax.jit(lambda xs, ws: [jq.qmm(x, w) for x in xs for w in ws])
-        jax.block_until_ready(f(xs, ws))
-        samples = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(10):
-                out = f(xs, ws)
-            jax.block_until_ready(out)
-            samples.append((time.perf_counter() - t) / 640 * 1e6)
+        per_call = harness.timed_samples(f, (xs, ws), iters=5, inner=10)
+        samples = [t / (len(xs) * len(ws)) * 1e6 for t in per_call]
         print(f"| {tag} | {mode} | {k} -> {n} | {np.median(samples):.2f} us | best {min(samples):.2f} |",
               flush=True)
