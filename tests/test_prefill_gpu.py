@@ -97,6 +97,30 @@ def test_qmm_rows_per_block_follow_the_grid(mode, bits):
         np.testing.assert_array_equal(np.asarray(y_m), np.asarray(y[:m]))
 
 
+@pytest.mark.parametrize("mode,bits", [("affine", 4), ("mxfp4", 4), ("nvfp4", 4),
+                                       ("mxfp8_e4m3", 8)])
+def test_qmm_k_split_over_a_cluster(mode, bits):
+    if os.environ.get("JAXQUANT_GEMM_KERNEL") == "mma":
+        pytest.skip("about the wgmma kernel's K split; $JAXQUANT_GEMM_KERNEL=mma forces "
+                    "the mma.sync kernel")
+    # M <= 64 rows on a grid of at most one block per SM: each output tile's K is split
+    # over a two-block cluster (gpu_src/cuda/qmm_gemm.h, wgmma_ksplit). K = 4160: 65
+    # chunks, 33 and 32; N = 16 * 80 + 8: 11 blocks, the last with a canonical tail and
+    # warps past N (every tile's scales 4-byte aligned, as the wgmma kernel needs).
+    # Block 0 adds block 1's accumulators in one fixed order: a second run has the same
+    # bits.
+    k, n = 4160, 16 * 80 + 8
+    qw, packed = _packed(mode, bits, (n, k), key=bits + 80)
+    w64 = deq64(qw)
+    for dt in X16:
+        for m in (17, 40, 64):
+            x = rand(m + 81, (m, k), dt)
+            y = jq.qmm(x, packed, backend="ffi")
+            assert_matmul_close(y, x, w64, jnp.dtype(dt))
+            np.testing.assert_array_equal(np.asarray(y),
+                                          np.asarray(jq.qmm(x, packed, backend="ffi")))
+
+
 def _ragged64(x, w64, sizes):
     """float64 oracle: row t uses the expert of its group; rows past the groups 0."""
     t = x.shape[0]

@@ -46,6 +46,8 @@ struct GemmProblem {
   int row_tiles;       // R: 16-row tiles per block, 2, 4 or 8 (the mma.sync kernel)
   int block_m;         // rows of x per block: kBlockM (mma.sync), 64, 128 or 256 (wgmma)
   bool wgmma;          // the Hopper kernel (qmm_wgmma.h), else the mma.sync one
+  int ksplit;          // wgmma: blocks per output tile (a thread-block cluster along z),
+                       // each over its share of the K chunks; 1 or 2
   const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
 };
 
@@ -504,6 +506,23 @@ inline int wgmma_rows_per_block(int64_t tiles, int64_t matrices, int64_t rows) {
   return 3 * waves(128) < 4 * waves(256) ? 128 : 256;
 }
 
+// Blocks per output tile of the wgmma GEMM (qmm_wgmma.h: a two-block cluster along z,
+// each block over half of K, block 0 adding block 1's accumulators through
+// distributed shared memory in one fixed order). At 64 rows of x per block a block's
+// time is its warps' serial chain per chunk (decode, barrier, wgmma wait: about
+// 1300 cycles a chunk at 4096 -> 14336, M = 64 on an H100), and 112 blocks leave one
+// block of 8 warps per SM: two blocks per tile halve each chain and put two blocks on
+// an SM. Taken for qmm (not ragged) at 64 rows per block where the grid is at most
+// one block per SM and each half keeps 8 chunks or more. $JAXQUANT_WGMMA_KSPLIT (1 or
+// 2) overrides it for sweeps.
+inline int wgmma_ksplit(const GemmProblem& P) {
+  if (!P.wgmma || P.group_sizes != nullptr || P.block_m != 64) return 1;
+  static const int forced = env_choice("JAXQUANT_WGMMA_KSPLIT", {1, 2});
+  if (forced) return forced;
+  const int64_t blocks = (P.tiles + kWgBlockTiles - 1) / kWgBlockTiles * P.row_blocks;
+  return blocks <= sm_count() && P.chunks >= 16 ? 2 : 1;
+}
+
 // The GEMM's plan, for P with q, tiles, full_tiles, chunks and group_sizes set: the
 // kernel (wgmma where usable, else mma.sync), its rows of x per block and grid rows.
 // wgmma blocks take 256 rows of x from 256 rows per matrix (or per expert, on average),
@@ -532,6 +551,7 @@ inline void plan_gemm(GemmProblem& P) {
   const int64_t per = (q.M + P.block_m - 1) / P.block_m;
   P.row_blocks = ragged ? per + q.E : q.S * per;
   P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
+  P.ksplit = wgmma_ksplit(P);
 }
 
 inline hipError_t launch_gemm(const GemmProblem& P, hipStream_t stream) {

@@ -35,6 +35,7 @@
 #include "qmm_gemm.h"
 
 #if defined(JQ_PLATFORM_CUDA)
+#include <cooperative_groups.h>
 #include <cuda.h>
 
 namespace jq {
@@ -202,8 +203,10 @@ struct WgParams {
   CUtensorMap x_map;
 };
 
-template <class C, int XDT, int P, int SDT, int BN>
-__global__ void __launch_bounds__(kWgWarps * 32, 1)
+// KS: blocks per output tile (GemmProblem::ksplit), a cluster along z; block z takes
+// chunks [z * ceil(chunks / KS), ...), and two blocks fit an SM (launch bounds).
+template <class C, int XDT, int P, int SDT, int BN, int KS = 1>
+__global__ void __launch_bounds__(kWgWarps * 32, KS)
     qmm_wgmma_kernel(const __grid_constant__ WgParams prm) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BITS = C::kBits;
@@ -238,7 +241,10 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
   int gshift = 0;  // group sizes are powers of two
   while ((1 << gshift) < p.group) ++gshift;
   const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
-  const int chunks = (int)pr.chunks;
+  // the block's chunks c0 .. c0 + chunks - 1 (stages and barrier phases count from c0)
+  const int per = (int)((pr.chunks + KS - 1) / KS);
+  const int c0 = KS > 1 ? (int)blockIdx.z * per : 0;
+  const int chunks = KS > 1 ? max(0, min(per, (int)pr.chunks - c0)) : (int)pr.chunks;
   const uint32_t wslot = (uint32_t)Lay::x_bytes + (warp * 32 + lane) * BITS * 4;
   // the warp's scales go through the stages too (plan_gemm takes this kernel only when
   // every tile's scales are 4-byte aligned): a global load one chunk ahead would stall
@@ -247,10 +253,12 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
   const int64_t row0 = blk.e * p.N + (full ? tile : 0) * kTileRows;
   const char* s_tile = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
   const char* b_tile = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : s_tile;
-  auto issue = [&](int c) {
-    const uint32_t st = smem_s + (c % S) * Lay::stage_bytes;
+  // the block's chunk i is the matrix's chunk c0 + i
+  auto issue = [&](int i) {
+    const int c = c0 + i;
+    const uint32_t st = smem_s + (i % S) * Lay::stage_bytes;
     if (threadIdx.x == 0) {
-      const uint32_t bar = full_s + 8 * (c % S);
+      const uint32_t bar = full_s + 8 * (i % S);
       mbar_expect_tx(bar, Lay::x_bytes);
       tma_load_2d(st, &prm.x_map, c * kChunkK, (int)blk.x0, bar);
     }
@@ -272,13 +280,14 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
   // chunk c with A-register set `a`: the copies of chunk c + S - 2 issued into
   // the stage of chunk c - 2 (its wgmmas are done: each warp waited for them before
   // this barrier), chunk c decoded while chunk c - 1's wgmmas run, then its own.
-  auto step = [&](int c, uint32_t(&a)[4][4]) {
-    cp_async_wait<S - 3>();  // this lane's weight unit of chunk c has landed
-    mbar_wait(full_s + 8 * (c % S), (c / S) & 1);  // and x
-    __syncthreads();  // every warp is done with chunk c - 2's stage: refill it
-    if (c + S - 2 < chunks) issue(c + S - 2);
+  auto step = [&](int i, uint32_t(&a)[4][4]) {
+    const int c = c0 + i;
+    cp_async_wait<S - 3>();  // this lane's weight unit of chunk i has landed
+    mbar_wait(full_s + 8 * (i % S), (i / S) & 1);  // and x
+    __syncthreads();  // every warp is done with chunk i - 2's stage: refill it
+    if (i + S - 2 < chunks) issue(i + S - 2);
     cp_async_commit();
-    const uint8_t* st = smem + (c % S) * Lay::stage_bytes;
+    const uint8_t* st = smem + (i % S) * Lay::stage_bytes;
     uint32_t w[BITS];
     if (full) {
       load_unit<BITS, false>(reinterpret_cast<const uint32_t*>(st + wslot), w);
@@ -298,7 +307,7 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
 #pragma unroll
         for (int j = 0; j < 4; ++j) a[s][j] = 0u;
     }
-    const uint32_t xs = smem_s + (c % S) * Lay::stage_bytes;
+    const uint32_t xs = smem_s + (i % S) * Lay::stage_bytes;
     wg_fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma<XDT>(acc, a[s], wg_desc(xs + 32 * s));
@@ -306,13 +315,39 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
     wg_wait<1>();
   };
   uint32_t a0[4][4], a1[4][4];
-  for (int c = 0; c < chunks; c += 2) {
-    step(c, a0);
-    if (c + 1 < chunks) step(c + 1, a1);
+  for (int i = 0; i < chunks; i += 2) {
+    step(i, a0);
+    if (i + 1 < chunks) step(i + 1, a1);
   }
   wg_wait<0>();
   cp_async_wait<0>();
   __syncthreads();
+
+  if constexpr (KS > 1) {
+    static_assert(Lay::stages * Lay::stage_bytes >= R * kWgWarps * 32 * 4,
+                  "the stages hold a block's accumulators");
+    // The cluster's blocks meet through distributed shared memory: block 0 adds the
+    // others' accumulators to its own in rank order (the result does not depend on
+    // scheduling), then writes y. [i][thread] keeps a warp's reads on 32 banks.
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    float* part = reinterpret_cast<float*>(smem);
+    const unsigned rank = cluster.block_rank();
+    if (rank != 0) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) part[i * blockDim.x + threadIdx.x] = acc[i];
+    }
+    cluster.sync();  // every block's accumulators are in its shared memory
+    if (rank == 0) {
+      for (unsigned b = 1; b < KS; ++b) {
+        const float* other = cluster.map_shared_rank(part, b);
+#pragma unroll
+        for (int i = 0; i < R; ++i) acc[i] += other[i * blockDim.x + threadIdx.x];
+      }
+    }
+    cluster.sync();  // the others' shared memory stays until block 0 has read it
+    if (rank != 0) return;
+  }
 
   // --- y through shared memory: [m][128 weight rows] in x's dtype, then rows ------
   uint8_t* out = smem;
@@ -374,16 +409,40 @@ struct WgmmaLaunch {
   }
   template <class C, int XDT, int P, int SDT, int N>
   static hipError_t go(const GemmProblem& pr, hipStream_t stream) {
+    // K split over a cluster only at 64 rows of x per block (wgmma_ksplit)
+    if constexpr (N == 64) {
+      if (pr.ksplit == 2) return go_ks<C, XDT, P, SDT, N, 2>(pr, stream);
+    }
+    return go_ks<C, XDT, P, SDT, N, 1>(pr, stream);
+  }
+  template <class C, int XDT, int P, int SDT, int N, int KS>
+  static hipError_t go_ks(const GemmProblem& pr, hipStream_t stream) {
     using Lay = WgShared<N, C::kBits, P>;
-    auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, N>;
+    auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, N, KS>;
     static std::atomic<uint64_t> raised{0};
     if (!raise_shared_limit(kernel, Lay::bytes, raised)) return hipErrorInvalidValue;
     WgParams prm;
     prm.pr = pr;
     if (!x_tensor_map(pr, N, XDT == kF16, &prm.x_map)) return hipErrorInvalidValue;
-    dim3 grid((unsigned)((pr.tiles + kWgWarps - 1) / kWgWarps), (unsigned)pr.row_blocks);
-    kernel<<<grid, kWgWarps * 32, Lay::bytes, stream>>>(prm);
-    return hipGetLastError();
+    dim3 grid((unsigned)((pr.tiles + kWgWarps - 1) / kWgWarps), (unsigned)pr.row_blocks, KS);
+    if constexpr (KS == 1) {
+      kernel<<<grid, kWgWarps * 32, Lay::bytes, stream>>>(prm);
+      return hipGetLastError();
+    } else {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = grid;
+      cfg.blockDim = dim3(kWgWarps * 32);
+      cfg.dynamicSmemBytes = Lay::bytes;
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = 1;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = KS;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      return cudaLaunchKernelEx(&cfg, kernel, prm);
+    }
   }
 };
 
