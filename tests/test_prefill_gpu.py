@@ -104,21 +104,24 @@ def test_qmm_k_split_over_a_cluster(mode, bits):
         pytest.skip("about the wgmma kernel's K split; $JAXQUANT_GEMM_KERNEL=mma forces "
                     "the mma.sync kernel")
     # M <= 64 rows on a grid of at most one block per SM: each output tile's K is split
-    # over a two-block cluster (gpu_src/cuda/qmm_gemm.h, wgmma_ksplit). K = 4160: 65
-    # chunks, 33 and 32; N = 16 * 80 + 8: 11 blocks, the last with a canonical tail and
+    # over a cluster of blocks (gpu_src/cuda/qmm_gemm.h, wgmma_ksplit). K = 4160: 65
+    # chunks. N = 16 * 80 + 8: 11 blocks, four a tile on a GPU of 44 SMs or more (17,
+    # 17, 17 and 14 chunks); N = 16 * 320 + 8: 41 blocks, two a tile on one of 41 to 163
+    # SMs (an H100's or H200's 132: 33 and 32). The last block has a canonical tail and
     # warps past N (every tile's scales 4-byte aligned, as the wgmma kernel needs).
-    # Block 0 adds block 1's accumulators in one fixed order: a second run has the same
-    # bits.
-    k, n = 4160, 16 * 80 + 8
-    qw, packed = _packed(mode, bits, (n, k), key=bits + 80)
-    w64 = deq64(qw)
-    for dt in X16:
-        for m in (17, 40, 64):
-            x = rand(m + 81, (m, k), dt)
-            y = jq.qmm(x, packed, backend="ffi")
-            assert_matmul_close(y, x, w64, jnp.dtype(dt))
-            np.testing.assert_array_equal(np.asarray(y),
-                                          np.asarray(jq.qmm(x, packed, backend="ffi")))
+    # Block 0 adds the others' accumulators in one fixed order: a second run has the
+    # same bits.
+    k = 4160
+    for n in (16 * 80 + 8, 16 * 320 + 8):
+        qw, packed = _packed(mode, bits, (n, k), key=bits + n)
+        w64 = deq64(qw)
+        for dt in X16:
+            for m in (17, 40, 64):
+                x = rand(m + 81, (m, k), dt)
+                y = jq.qmm(x, packed, backend="ffi")
+                assert_matmul_close(y, x, w64, jnp.dtype(dt))
+                np.testing.assert_array_equal(np.asarray(y),
+                                              np.asarray(jq.qmm(x, packed, backend="ffi")))
 
 
 def _ragged64(x, w64, sizes):

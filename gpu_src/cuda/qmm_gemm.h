@@ -47,7 +47,7 @@ struct GemmProblem {
   int block_m;         // rows of x per block: kBlockM (mma.sync), 64, 128 or 256 (wgmma)
   bool wgmma;          // the Hopper kernel (qmm_wgmma.h), else the mma.sync one
   int ksplit;          // wgmma: blocks per output tile (a thread-block cluster along z),
-                       // each over its share of the K chunks; 1 or 2
+                       // each over its share of the K chunks; 1, 2 or 4
   const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
 };
 
@@ -506,20 +506,23 @@ inline int wgmma_rows_per_block(int64_t tiles, int64_t matrices, int64_t rows) {
   return 3 * waves(128) < 4 * waves(256) ? 128 : 256;
 }
 
-// Blocks per output tile of the wgmma GEMM (qmm_wgmma.h: a two-block cluster along z,
-// each block over half of K, block 0 adding block 1's accumulators through
-// distributed shared memory in one fixed order). At 64 rows of x per block a block's
-// time is its warps' serial chain per chunk (decode, barrier, wgmma wait: about
-// 1300 cycles a chunk at 4096 -> 14336, M = 64 on an H100), and 112 blocks leave one
-// block of 8 warps per SM: two blocks per tile halve each chain and put two blocks on
-// an SM. Taken for qmm (not ragged) at 64 rows per block where the grid is at most
-// one block per SM and each half keeps 8 chunks or more. $JAXQUANT_WGMMA_KSPLIT (1 or
-// 2) overrides it for sweeps.
+// Blocks per output tile of the wgmma GEMM (qmm_wgmma.h: a cluster of 2 or 4 blocks
+// along z, each over its share of K, block 0 adding the others' accumulators through
+// distributed shared memory in rank order). At 64 rows of x per block a block's time
+// is its warps' serial chain per chunk (decode, barrier, wgmma wait: about 1300 cycles
+// a chunk at 4096 -> 14336, M = 64 on an H100), and a grid of at most one block per SM
+// leaves one block of 8 warps an SM: splitting K shortens each block's chain and puts
+// more blocks to work. Taken for qmm (not ragged) at 64 rows per block: 4 blocks a tile
+// where the grid then still has at most one block per SM (a shared-memory footprint
+// that always fits), 2 where the grid has at most one block per SM (two an SM), each
+// block keeping 8 chunks or more. $JAXQUANT_WGMMA_KSPLIT (1, 2 or 4) overrides it for
+// sweeps.
 inline int wgmma_ksplit(const GemmProblem& P) {
   if (!P.wgmma || P.group_sizes != nullptr || P.block_m != 64) return 1;
-  static const int forced = env_choice("JAXQUANT_WGMMA_KSPLIT", {1, 2});
+  static const int forced = env_choice("JAXQUANT_WGMMA_KSPLIT", {1, 2, 4});
   if (forced) return forced;
   const int64_t blocks = (P.tiles + kWgBlockTiles - 1) / kWgBlockTiles * P.row_blocks;
+  if (4 * blocks <= sm_count() && P.chunks >= 32) return 4;
   return blocks <= sm_count() && P.chunks >= 16 ? 2 : 1;
 }
 

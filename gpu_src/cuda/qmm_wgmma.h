@@ -204,9 +204,10 @@ struct WgParams {
 };
 
 // KS: blocks per output tile (GemmProblem::ksplit), a cluster along z; block z takes
-// chunks [z * ceil(chunks / KS), ...), and two blocks fit an SM (launch bounds).
+// chunks [z * ceil(chunks / KS), ...), and two blocks fit an SM's registers (launch
+// bounds; four would leave 64 registers a thread).
 template <class C, int XDT, int P, int SDT, int BN, int KS = 1>
-__global__ void __launch_bounds__(kWgWarps * 32, KS)
+__global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
     qmm_wgmma_kernel(const __grid_constant__ WgParams prm) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BITS = C::kBits;
@@ -412,6 +413,7 @@ struct WgmmaLaunch {
     // K split over a cluster only at 64 rows of x per block (wgmma_ksplit)
     if constexpr (N == 64) {
       if (pr.ksplit == 2) return go_ks<C, XDT, P, SDT, N, 2>(pr, stream);
+      if (pr.ksplit == 4) return go_ks<C, XDT, P, SDT, N, 4>(pr, stream);
     }
     return go_ks<C, XDT, P, SDT, N, 1>(pr, stream);
   }

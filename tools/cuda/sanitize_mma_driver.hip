@@ -354,9 +354,11 @@ int main() {
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 37, 192, 150, &sizes);
       // N = 136, K = 256: every tile's scales 4-byte aligned (the wgmma kernel on sm_90)
       for (int64_t m : {17, 64, 100, 130}) run_gemm_case(c, 2, 136, 256, m, nullptr);
-      // K = 1088 (17 chunks): 64 rows per block and few blocks, so each tile's K is split
-      // over a two-block cluster (wgmma_ksplit), 9 chunks and 8
+      // 64 rows per block and few blocks, so each tile's K is split over a cluster
+      // (wgmma_ksplit): K = 1088 (17 chunks) over two blocks, 9 chunks and 8; K = 2112
+      // (33 chunks) over four, 9, 9, 9 and 6
       for (int64_t m : {40, 64}) run_gemm_case(c, 2, 136, 1088, m, nullptr);
+      for (int64_t m : {40, 64}) run_gemm_case(c, 2, 136, 2112, m, nullptr);
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 136, 256, 150, &sizes);
       run_dequant_case(c, 2, 37, 192);
     }
