@@ -82,7 +82,8 @@ def test_qmm_rows_per_block_follow_the_grid(mode, bits):
     # 128 x 2 blocks) and 128 on a short one (the first 1024 rows of that weight: 8 x 2
     # blocks of 256 would leave most SMs idle; gpu_src/cuda/qmm_gemm.h, wgmma_rows_per_block);
     # and 64 from at most 64 rows; either way the oracle's product, and the same numbers
-    # for the same rows
+    # for the same rows (K = 512 is 8 chunks: too few for the K split at 64 rows, which
+    # changes the order of a row's sums)
     qw, packed = _packed(mode, bits, (16384, 512), key=bits + 60)
     head = jq.prepack(qw[:1024], layout="cuda_mma")
     w64 = deq64(qw)
