@@ -335,6 +335,8 @@ def test_profile_of_a_mesh_takes_the_first_gpu(tmp_path):
     ("sm90_xmma_gemm_bf16", "", "dense mm"),
     ("nvjet_hsh_64x8_64x16", "", "dense mm"),
     ("void qmv_mma_kernel<4, 64>", "", "qmm"),
+    ("jq_gather_matmul_bfloat16__1", "", "dense mm"),   # float experts, the float GEMV
+    ("jq_gather_qmm_bfloat16", "", "qmm"),
     ("rms_norm_kernel", "", "norms"),
     ("flash_fwd_kernel", "", "attention"),
     ("loop_add_fusion", "", "other"),
@@ -461,3 +463,18 @@ def test_forward_kw_reaches_the_child_unchanged():
     child = bench.parser(cpu=True).parse_args(["model", *bench_model._child_argv(args)])
     assert child.forward_kw == {"experts_by_layer": True, "layer_loop": "scan"}
     assert (child.layers, child.prefill, child.peer, child.json) == (1, 0, "none", True)
+
+
+def test_classify_float_expert_products_as_dense_mm():
+    """The float GEMV and float experts (Pallas custom calls named jq_gather_matmul_*)
+    read bf16 weights: dense mm, not jaxquant's quantized products."""
+    hlo = "\n".join([
+        '  %custom-call.5 = bf16[1,5760]{1,0} custom-call(%x, %w, %i), '
+        'custom_call_target="__gpu$xla.gpu.triton", backend_config={name="jq_gather_matmul_bfloat16"}',
+        '  %custom-call.6 = bf16[1,5760]{1,0} custom-call(%x, %w, %i), '
+        'custom_call_target="__gpu$xla.gpu.triton", backend_config={name="jq_gather_qmm_bfloat16"}'])
+    index = profile.hlo_index(hlo)
+    assert profile.classify("jq_gather_matmul_bfloat16", "custom-call.5",
+                            index["custom-call.5"]) == "dense mm"
+    assert profile.classify("jq_gather_qmm_bfloat16", "custom-call.6",
+                            index["custom-call.6"]) == "qmm"

@@ -16,7 +16,8 @@ in classes:
   norms       RMSNorm kernels and ops
   qmm         jaxquant's quantized matmul kernels (custom calls, or the ops'
               reference lowering where no kernel runs)
-  dense mm    cuBLAS / XLA dots (bf16 weights)
+  dense mm    cuBLAS / XLA dots and jaxquant's float-weight products (gather_matmul,
+              ragged_matmul: the float GEMV and float experts): bf16 weights
   moe glue    router, top-k, activation, combine
   collectives all-reduce / all-gather / all-to-all ... (NCCL kernels) of a sharded run
   other       every other fusion (residual adds, embedding, head argmax, ...)
@@ -48,6 +49,8 @@ _CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
 _COLLECTIVES = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|"
                           r"collective-permute|collective-broadcast)(-start|-done)?$")
 _XLA_TARGETS = ("__cublas", "__cudnn", "TopK", "Sharding", "SPMD", "__gpu$xla.gpu.ext")
+# jaxquant's products of float weights (their kernels are named after the op)
+_FLOAT_PRODUCTS = r"gather_matmul|ragged_matmul"
 _ATTENTION_FUNCS = {"attention", "rope"}
 _MOE_FUNCS = {"route", "moe_mlp", "expert_gather", "expert_ragged", "_expert_act",
               "_split_gate_up"}
@@ -137,6 +140,8 @@ def classify(kernel: str, op_name: str, op: HloOp | None) -> str:
             return "attention"
         if "norm" in names:
             return "norms"
+        if re.search(_FLOAT_PRODUCTS, names):
+            return "dense mm"
         if re.search(r"qmv|qmm|jaxquant", names):
             return "qmm"
         if re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas", names):
@@ -152,6 +157,8 @@ def classify(kernel: str, op_name: str, op: HloOp | None) -> str:
         return "copies"
     if fn in _ATTENTION_FUNCS or re.search(r"attention|fmha|flash", names + op.target.lower()):
         return "attention"
+    if re.search(_FLOAT_PRODUCTS, names):
+        return "dense mm"
     if op.opcode == "custom-call" and re.search(r"qmm|qmv|gemv", names + op.target.lower()):
         return "qmm"  # a fused norm + GEMV kernel too: its time is the weight's read
     # a norm's ops are emitted inside Op.bind (the reference lowering): rsqrt tells them
