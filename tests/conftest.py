@@ -126,4 +126,7 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    # slow tests first; a runs_last test after all (in the order the command line
+    # gave, .ci/run's list of what the first run skipped, it could come first)
+    items.sort(key=lambda item: (item.get_closest_marker("runs_last") is not None,
+                                 item.get_closest_marker("slow") is None))  # stable

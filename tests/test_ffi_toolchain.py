@@ -138,6 +138,7 @@ def test_cuda_source_compiles(source, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.full  # needs every source compiled
+@pytest.mark.runs_last  # after test_cuda_source_compiles, whichever order they are named in
 @pytest.mark.xdist_group("cuda_compile")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 def test_ptxas_sees_every_inline_ptx_form():
