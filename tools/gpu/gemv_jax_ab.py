@@ -16,16 +16,16 @@ import numpy as np
 
 import jaxquant as jq
 from jaxquant.bench import harness
+from jaxquant.formats import PRESETS
 
 tag = sys.argv[1]
 modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["affine4", "mxfp4"]
 shapes = ([tuple(int(v) for v in s.split(",")) for s in sys.argv[3].split(";")]
           if len(sys.argv) > 3 else [(4096, 4096), (2880, 5120), (4096, 6144), (4096, 14336)])
 for mode in modes:
-    kw = (dict(mode="affine", bits=int(mode[6:]), group_size=64) if mode.startswith("affine")
-          else dict(mode=mode))
     for k, n in shapes:
-        ws = [jq.quantize(jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16), **kw)
+        ws = [jq.quantize(jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16),
+                          **PRESETS[mode])
               for i in range(8)]
         xs = [jax.random.normal(jax.random.key(100 + r), (1, k), jnp.bfloat16) for r in range(8)]
         f = jax.jit(lambda xs, ws: [jq.qmm(x, w) for x in xs for w in ws])
