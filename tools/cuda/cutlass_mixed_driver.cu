@@ -1068,7 +1068,7 @@ static bool parse(int argc, char** argv, Options* o) {
 
 int main(int argc, char** argv) {
   // Line-buffered even into a pipe: a run stopped by a time limit still shows how far
-  // it got (one at M = 4096 printed nothing in 200 s with the default block buffer).
+  // it got (a pipe's default block buffer holds a slow run's lines until its end).
   setvbuf(stdout, nullptr, _IOLBF, 0);
   Options o;
   if (!parse(argc, argv, &o)) {

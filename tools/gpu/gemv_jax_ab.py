@@ -2,7 +2,7 @@
 products (8 weights x 8 rows of x, so XLA merges none), as a step's products follow
 each other (with programmatic dependent launch between them), timed over 10 calls;
 the median and best of 5 samples, µs per product. For an A/B of two builds of the
-CUDA library, run it once per build in turns (JAXQUANT_FFI_LIB_DIR) in one session:
+CUDA library, run it once per build in turns (JAXQUANT_FFI_LIB_DIR) on one machine:
 ratios between processes hold to a few per cent here, where a model's tok/s moves by
 up to 10%. Numbers: benchmarks/h100/decode.json `gemv.jax.splits_ab.*`; docs/decode.md.
 
