@@ -1,8 +1,8 @@
 """The docs in the repo: every ```python block of README.md and docs/*.md runs as
 written (on the CPU, each block on its own in a fresh Python process, as a reader
 pastes it: forked from tests/forked_python.py after its imports), and no text points
-outside the repo (no ../shared links, no design file outside the repo: the design notes
-are docs/, docs/design.md the contract).
+outside the repo (no links to a folder beside the clone, no design file outside the repo:
+the design notes are docs/, docs/design.md the contract).
 
 Every ```python block must run as written on a CPU in a few seconds: make it
 self-contained (its own imports and small inputs). A block that needs several
@@ -124,8 +124,8 @@ def _text_files():
     return files
 
 
-# the second needle computed, so that this file does not name it itself
-@pytest.mark.parametrize("needle", ["../shared", "design".upper() + ".md"])
+# the needles computed, so that this file does not name them itself
+@pytest.mark.parametrize("needle", ["../" + "shared", "design".upper() + ".md"])
 def test_no_pointers_outside_the_repo(needle):
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in _text_files()
             for i, line in enumerate(p.read_text().splitlines(), 1) if needle in line]
