@@ -348,13 +348,15 @@ def test_gpt_oss_decode_logits_vs_reference_backend():
 @needs_gpu
 @pytest.mark.parametrize("shape", [(5120, 2880), (6144, 4096)], ids=lambda s: f"{s[1]}to{s[0]}")
 def test_decoder_linear_at_decode_takes_the_float_gemv(shape):
-    """models.layers.linear on a float matrix at one row per sequence (decode) runs the
-    Pallas float GEMV (pallas.configs.FLOAT_GEMV_OVER_XLA) and gives the float32 product, bias added."""
+    """models.layers.linear on a float matrix at one row (batch-1 decode) runs the Pallas
+    float GEMV (pallas.configs.FLOAT_GEMV_OVER_XLA) and gives the float32 product, bias added;
+    two rows take XLA's dot."""
     from jaxquant.models import layers
 
     n, k = shape
     w = (0.05 * jax.random.normal(jax.random.key(0), shape, jnp.float32)).astype(jnp.bfloat16)
-    x = jax.random.normal(jax.random.key(1), (2, 1, k), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (1, 1, k), jnp.float32).astype(jnp.bfloat16)
+    assert not layers.float_gemv_applies(jnp.concatenate([x, x]), w)
     bias = jnp.linspace(-1, 1, n, dtype=jnp.float32).astype(jnp.bfloat16)
     f = jax.jit(layers.linear)
     assert layers.float_gemv_applies(x, w)

@@ -854,8 +854,10 @@ def test_float_gemv_is_linears_product_and_its_rule(dtype, monkeypatch):
     assert not layers.float_gemv_applies(x1, jnp.ones((6144, 4096)))       # the CPU: never
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert layers.float_gemv_applies(x1, jnp.ones((6144, 4096)))           # q/k/v
-    assert layers.float_gemv_applies(jnp.ones((8, 1, 2880)), jnp.ones((5120, 2880)))
-    assert not layers.float_gemv_applies(jnp.ones((9, 1, 2880)), jnp.ones((5120, 2880)))
+    assert layers.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((5120, 2880)))
+    # a batch: XLA's dot, which reads the matrix once for every row
+    assert not layers.float_gemv_applies(jnp.ones((2, 1, 2880)), jnp.ones((5120, 2880)))
+    assert not layers.float_gemv_applies(jnp.ones((8, 1, 2880)), jnp.ones((5120, 2880)))
     assert not layers.float_gemv_applies(jnp.ones((1, 14336)), jnp.ones((4096, 14336)))
     assert not layers.float_gemv_applies(jnp.ones((1, 2880)), jnp.ones((32, 2880)))
     assert not layers.float_gemv_applies(jnp.ones((1, 4096)), jnp.ones((2880, 4096)))  # o
