@@ -778,7 +778,6 @@ struct CutlassGrouped : GroupedRunner {
   const char* name_;
   std::vector<std::unique_ptr<Gemm>> gemms;
   std::vector<void*> allocations;  // workspaces and the per-expert argument arrays
-  std::vector<typename ProblemShapeG::UnderlyingProblemShape> shapes;
   explicit CutlassGrouped(const char* name) : name_(name) {}
   ~CutlassGrouped() override {
     for (void* p : allocations) cudaFree(p);
@@ -802,7 +801,7 @@ struct CutlassGrouped : GroupedRunner {
     const int experts = int(rows.size());
     const size_t expert_bytes = size_t(n) * k / 2, expert_scales = size_t(n) * (k / kGroup);
     // Every expert's problem, swapped as in the dense case: (N, m_e, K).
-    shapes.clear();
+    std::vector<typename ProblemShapeG::UnderlyingProblemShape> shapes;
     std::vector<StrideXG> sx;
     std::vector<LayoutWReorderedG> lw;
     std::vector<StrideS> ss;
