@@ -55,6 +55,7 @@
 #pragma once
 
 #include <stdlib.h>
+#include <string.h>
 
 #include <atomic>
 #include <initializer_list>
@@ -468,15 +469,17 @@ struct ChunkScales {
   }
 
   // The chunk's scales (and biases) from a stage that scales_to_shared filled:
-  // [scale, bias][ScaleStage bytes], rows g and g + 8 side by side (one load).
-  __device__ __forceinline__ void load_shared(const uint8_t* st, int g) {
+  // [scale, bias][ScaleStage bytes] (the biases `bias_off` bytes after the scales),
+  // rows g and g + 8 side by side (one load).
+  __device__ __forceinline__ void load_shared(const uint8_t* st, int g,
+                                              int bias_off = ScaleStage<P>::bytes) {
     constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
 #pragma unroll
     for (int pc = 0; pc < P; ++pc)
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         if (k == 1 && C::kFmt != kAffine) break;
-        const uint8_t* pairp = st + k * ScaleStage<P>::bytes + (pc * 16 + 2 * g) * ssz;
+        const uint8_t* pairp = st + k * bias_off + (pc * 16 + 2 * g) * ssz;
         if constexpr (SDT == kF32) {
           const uint2 v = *reinterpret_cast<const uint2*>(pairp);
           r[pc][k][0] = v.x;

@@ -48,6 +48,8 @@ struct GemmProblem {
   bool wgmma;          // the Hopper kernel (qmm_wgmma.h), else the mma.sync one
   int ksplit;          // wgmma: blocks per output tile (a thread-block cluster along z),
                        // each over its share of the K chunks; 1, 2 or 4
+  bool producer;       // wgmma: a producer warp makes the copies (bulk copies: every
+                       // tile's weights and scales 16-byte aligned)
   const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
 };
 
@@ -543,6 +545,16 @@ inline void plan_gemm(GemmProblem& P) {
                          reinterpret_cast<uintptr_t>(q.biases)) & 3) == 0 &&
                        (q.N * q.groups * ssz) % 4 == 0;
   P.wgmma = aligned && wgmma_usable();
+  // the producer warp's TMA copies of weights, scales and biases (qmm_wgmma.h, WS): every
+  // tile full (N a multiple of 16: the tensor maps count whole tiles) and 16-byte bases
+  static const bool producer_off = [] {  // $JAXQUANT_WGMMA_PRODUCER=0: sweeps
+    const char* env = getenv("JAXQUANT_WGMMA_PRODUCER");
+    return env != nullptr && strcmp(env, "0") == 0;
+  }();
+  const bool aligned16 = ((reinterpret_cast<uintptr_t>(q.data) |
+                           reinterpret_cast<uintptr_t>(q.scales) |
+                           reinterpret_cast<uintptr_t>(q.biases)) & 15) == 0 &&
+                         q.N % kTileRows == 0;
   static const int forced_bm = env_choice("JAXQUANT_WGMMA_BN", {64, 128, 256});  // sweeps
   const int64_t rows = ragged ? q.M / (q.E > 0 ? q.E : 1) : q.M;  // per matrix (expert)
   P.block_m = !P.wgmma  ? kBlockM
@@ -555,6 +567,10 @@ inline void plan_gemm(GemmProblem& P) {
   P.row_blocks = ragged ? per + q.E : q.S * per;
   P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
   P.ksplit = wgmma_ksplit(P);
+  // not for ragged_qmm's 64-row blocks: with a few rows an expert the grid is many
+  // short blocks, each filling the producer's pipeline from empty, and measured 6-8%
+  // slower than the warps' own copies (docs/prefill.md)
+  P.producer = P.wgmma && aligned16 && !producer_off && !(ragged && P.block_m == 64);
 }
 
 inline hipError_t launch_gemm(const GemmProblem& P, hipStream_t stream) {

@@ -13,7 +13,9 @@
 // accelerator (TMA) copy the chunk of x into wgmma's 128-byte-swizzled K-major layout
 // (rows past x's end read as zeros; an mbarrier per stage counts its bytes in), each
 // lane copies its weight unit to a slot of its own and a few lanes the warp's scales,
-// with cp.async. Nothing written through the generic proxy is read by wgmma, so no
+// with cp.async; or (WS, at 64 and 128 rows) a ninth warp, the producer, has the TMA
+// copy the block's weights, scales and biases too and the MMA warps copy nothing.
+// Nothing written through the generic proxy is read by wgmma, so no
 // proxy fence sits in the loop (one would wait for every cp.async in flight). The
 // layout's unit orders each k-step's k for the GEMV's 8-byte B loads (lane t holds k
 // 4t .. 4t + 3 where the MMA takes 2t, 2t + 1, 2t + 8, 2t + 9); two shuffles and a
@@ -92,6 +94,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "@!done bra wait_%=;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // A box of the 2-D tensor map (k0, row0) -> shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int k0,
@@ -201,13 +206,22 @@ __device__ __forceinline__ void wgmma(float (&d)[R], const uint32_t (&a)[4], uin
 struct WgParams {
   GemmProblem pr;
   CUtensorMap x_map;
+  // WS: the weights, scales and biases as [tiles of 16 rows, the tile's bytes], boxes of
+  // one chunk x the block's 8 tiles (wgmma_piece_maps)
+  CUtensorMap w_map, s_map, b_map;
 };
 
 // KS: blocks per output tile (GemmProblem::ksplit), a cluster along z; block z takes
 // chunks [z * ceil(chunks / KS), ...), and two blocks fit an SM's registers (launch
 // bounds; four would leave 64 registers a thread).
-template <class C, int XDT, int P, int SDT, int BN, int KS = 1>
-__global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
+// WS: a ninth warp, the producer, makes every copy: per chunk one TMA box of x and one
+// bulk copy per full tile of its weights, scales and biases, all completing on the
+// stage's mbarrier; the eight MMA warps wait on it, decode, multiply and release the
+// stage (a second mbarrier) once their wgmmas have read it. No block-wide barrier sits
+// in the loop and the MMA warps issue no copies (plan_gemm takes it where every tile's
+// pieces are 16-byte aligned). Without WS each warp copies its own tile's pieces.
+template <class C, int XDT, int P, int SDT, int BN, int KS = 1, bool WS = false>
+__global__ void __launch_bounds__(kWgWarps * 32 + (WS ? 32 : 0), KS > 1 ? 2 : 1)
     qmm_wgmma_kernel(const __grid_constant__ WgParams prm) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BITS = C::kBits;
@@ -218,39 +232,76 @@ __global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
   const QmvProblem& p = pr.q;
   extern __shared__ __align__(16) uint8_t smem_dyn[];
   __shared__ RowBlock blk_s;
-  __shared__ __align__(8) uint64_t x_full[kWgMaxStages];  // x of the stage has landed
+  __shared__ __align__(8) uint64_t x_full[kWgMaxStages];  // the stage has landed
+  __shared__ __align__(8) uint64_t x_empty[kWgMaxStages];  // WS: the MMA warps are done with it
   // wgmma's swizzle is of address bits: the stages start 1024-aligned
   const uint32_t dyn_s = (uint32_t)__cvta_generic_to_shared(smem_dyn);
   uint8_t* smem = smem_dyn + ((1024u - (dyn_s & 1023u)) & 1023u);
   const uint32_t smem_s = (uint32_t)__cvta_generic_to_shared(smem);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  // WS: the warp index through a shuffle, so that the compiler knows it is warp-uniform
+  // and keeps the loop's counters and descriptors on the uniform datapath under the
+  // branch that leaves the producer out (otherwise it spills at 96 registers)
+  const int lane = threadIdx.x & 31;
+  const int warp = WS ? __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0) : threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
   const int64_t n0 = (int64_t)blockIdx.x * kWgRows;
 
   const uint32_t full_s = (uint32_t)__cvta_generic_to_shared(x_full);
+  const uint32_t empty_s = (uint32_t)__cvta_generic_to_shared(x_empty);
   if (threadIdx.x == 32) {
-    for (int i = 0; i < S; ++i) mbar_init(full_s + 8 * i, 1);
+    for (int i = 0; i < S; ++i) {
+      mbar_init(full_s + 8 * i, 1);
+      if constexpr (WS) mbar_init(empty_s + 8 * i, kWgWarps);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   RowBlock blk;
   if (!block_rows(pr, &blk_s, n0, kWgRows, blk)) return;
 
   // --- the K loop --------------------------------------------------------------
-  const int64_t tile = (int64_t)blockIdx.x * kWgWarps + warp;
-  const bool has_tile = tile < pr.tiles, full = tile < pr.full_tiles;
-  const TileCursor cur = full ? tile_cursor<false>(p, blk.e, tile, BITS, ssz, lane)
-                              : tile_cursor<true>(p, blk.e, has_tile ? tile : 0, BITS, ssz, lane);
   int gshift = 0;  // group sizes are powers of two
   while ((1 << gshift) < p.group) ++gshift;
-  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
   // the block's chunks c0 .. c0 + chunks - 1 (stages and barrier phases count from c0)
   const int per = (int)((pr.chunks + KS - 1) / KS);
   const int c0 = KS > 1 ? (int)blockIdx.z * per : 0;
   const int chunks = KS > 1 ? max(0, min(per, (int)pr.chunks - c0)) : (int)pr.chunks;
+  constexpr int kScalePieces = C::kFmt == kAffine ? 2 : 1;  // scales (and biases)
+  constexpr uint32_t kScaleBytes = 16 * P * ssz;            // a tile's of one chunk
+  constexpr uint32_t kUnitBytes = 32 * BITS * 4;            // a tile's weights of one chunk
+
+  // WS's stage: [x][weights: 8 tiles][scales: 8 tiles x 16 P ssz][biases: likewise]
+  constexpr int kWsBiasOff = kWgWarps * (int)kScaleBytes;
+  if constexpr (WS) {
+    if (warp == kWgWarps && lane == 0) {  // the producer: four TMA copies a chunk
+      const int trow = (int)((blk.e * p.N) / kTileRows + (int64_t)blockIdx.x * kWgWarps);
+      constexpr uint32_t bytes =
+          Lay::x_bytes + kWgWarps * (kUnitBytes + kScalePieces * kScaleBytes);
+      for (int i = 0; i < chunks; ++i) {
+        const int c = c0 + i, s = i % S;
+        const uint32_t st = smem_s + s * Lay::stage_bytes, bar = full_s + 8 * s;
+        if (i >= S) mbar_wait(empty_s + 8 * s, ((i / S) + 1) & 1);
+        mbar_expect_tx(bar, bytes);
+        tma_load_2d(st, &prm.x_map, c * kChunkK, (int)blk.x0, bar);
+        tma_load_2d(st + Lay::x_bytes, &prm.w_map, c * (32 * BITS), trow, bar);
+        const int sk = ((c << 6) >> gshift) * 16 * ssz;
+        const uint32_t sdst = st + Lay::x_bytes + Lay::w_bytes;
+        tma_load_2d(sdst, &prm.s_map, sk, trow, bar);
+        if constexpr (kScalePieces == 2) tma_load_2d(sdst + kWsBiasOff, &prm.b_map, sk, trow, bar);
+      }
+    }
+  }
+
+  const int64_t tile = (int64_t)blockIdx.x * kWgWarps + warp;
+  const bool has_tile = tile < pr.tiles, full = tile < pr.full_tiles;
+  const TileCursor cur = full ? tile_cursor<false>(p, blk.e, tile, BITS, ssz, lane)
+                              : tile_cursor<true>(p, blk.e, has_tile ? tile : 0, BITS, ssz, lane);
+  const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
   const uint32_t wslot = (uint32_t)Lay::x_bytes + (warp * 32 + lane) * BITS * 4;
   // the warp's scales go through the stages too (plan_gemm takes this kernel only when
   // every tile's scales are 4-byte aligned): a global load one chunk ahead would stall
   // each chunk for a DRAM latency
-  const uint32_t sslot = (uint32_t)(Lay::x_bytes + Lay::w_bytes) + warp * 2 * ScaleStage<P>::bytes;
+  const uint32_t sslot = (uint32_t)(Lay::x_bytes + Lay::w_bytes) +
+                         warp * (WS ? (int)kScaleBytes : 2 * ScaleStage<P>::bytes);
   const int64_t row0 = blk.e * p.N + (full ? tile : 0) * kTileRows;
   const char* s_tile = static_cast<const char*>(p.scales) + row0 * p.groups * ssz;
   const char* b_tile = p.biases ? static_cast<const char*>(p.biases) + row0 * p.groups * ssz : s_tile;
@@ -273,28 +324,34 @@ __global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
   float acc[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+  if constexpr (!WS) {
 #pragma unroll
-  for (int c = 0; c < S - 2; ++c) {
-    if (c < chunks) issue(c);
-    cp_async_commit();
+    for (int c = 0; c < S - 2; ++c) {
+      if (c < chunks) issue(c);
+      cp_async_commit();
+    }
   }
-  // chunk c with A-register set `a`: the copies of chunk c + S - 2 issued into
-  // the stage of chunk c - 2 (its wgmmas are done: each warp waited for them before
-  // this barrier), chunk c decoded while chunk c - 1's wgmmas run, then its own.
+  // chunk c with A-register set `a`. Without WS: the copies of chunk c + S - 2 issued
+  // into the stage of chunk c - 2 (its wgmmas are done: each warp waited for them
+  // before this barrier). Chunk c decoded while chunk c - 1's wgmmas run, then its own.
   auto step = [&](int i, uint32_t(&a)[4][4]) {
     const int c = c0 + i;
-    cp_async_wait<S - 3>();  // this lane's weight unit of chunk i has landed
-    mbar_wait(full_s + 8 * (i % S), (i / S) & 1);  // and x
-    __syncthreads();  // every warp is done with chunk i - 2's stage: refill it
-    if (i + S - 2 < chunks) issue(i + S - 2);
-    cp_async_commit();
+    if constexpr (WS) {
+      mbar_wait(full_s + 8 * (i % S), (i / S) & 1);  // x, weights and scales
+    } else {
+      cp_async_wait<S - 3>();  // this lane's weight unit of chunk i has landed
+      mbar_wait(full_s + 8 * (i % S), (i / S) & 1);  // and x
+      __syncthreads();  // every warp is done with chunk i - 2's stage: refill it
+      if (i + S - 2 < chunks) issue(i + S - 2);
+      cp_async_commit();
+    }
     const uint8_t* st = smem + (i % S) * Lay::stage_bytes;
     uint32_t w[BITS];
     if (full) {
       load_unit<BITS, false>(reinterpret_cast<const uint32_t*>(st + wslot), w);
       mma_order_unit<BITS>(w, lane);
       ChunkScales<C, P, false, SDT> sc;
-      sc.load_shared(st + sslot, g);
+      sc.load_shared(st + sslot, g, WS ? kWsBiasOff : ScaleStage<P>::bytes);
       scaled_a<C, XDT, P, SDT>(w, sc, gsv, a);
     } else if (has_tile) {  // the partial last tile: canonical rows, bounds-checked
       tail_unit<BITS>(cur.w, p.words, cur.valid_rows, c, lane, w);
@@ -314,14 +371,20 @@ __global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
     for (int s = 0; s < 4; ++s) wgmma<XDT>(acc, a[s], wg_desc(xs + 32 * s));
     wg_commit();
     wg_wait<1>();
+    if constexpr (WS) {  // chunk i - 1's wgmmas are done: its stage may be refilled
+      __syncwarp();
+      if (i > 0 && lane == 0) mbar_arrive(empty_s + 8 * ((i - 1) % S));
+    }
   };
   uint32_t a0[4][4], a1[4][4];
-  for (int i = 0; i < chunks; i += 2) {
-    step(i, a0);
-    if (i + 1 < chunks) step(i + 1, a1);
+  if (!WS || warp < kWgWarps) {
+    for (int i = 0; i < chunks; i += 2) {
+      step(i, a0);
+      if (i + 1 < chunks) step(i + 1, a1);
+    }
+    wg_wait<0>();
   }
-  wg_wait<0>();
-  cp_async_wait<0>();
+  if constexpr (!WS) cp_async_wait<0>();
   __syncthreads();
 
   if constexpr (KS > 1) {
@@ -334,16 +397,18 @@ __global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
     cg::cluster_group cluster = cg::this_cluster();
     float* part = reinterpret_cast<float*>(smem);
     const unsigned rank = cluster.block_rank();
-    if (rank != 0) {
+    constexpr int kMmaThreads = kWgWarps * 32;
+    const bool mma_thread = threadIdx.x < kMmaThreads;  // WS: not the producer
+    if (rank != 0 && mma_thread) {
 #pragma unroll
-      for (int i = 0; i < R; ++i) part[i * blockDim.x + threadIdx.x] = acc[i];
+      for (int i = 0; i < R; ++i) part[i * kMmaThreads + threadIdx.x] = acc[i];
     }
     cluster.sync();  // every block's accumulators are in its shared memory
-    if (rank == 0) {
+    if (rank == 0 && mma_thread) {
       for (unsigned b = 1; b < KS; ++b) {
         const float* other = cluster.map_shared_rank(part, b);
 #pragma unroll
-        for (int i = 0; i < R; ++i) acc[i] += other[i * blockDim.x + threadIdx.x];
+        for (int i = 0; i < R; ++i) acc[i] += other[i * kMmaThreads + threadIdx.x];
       }
     }
     cluster.sync();  // the others' shared memory stays until block 0 has read it
@@ -353,7 +418,7 @@ __global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
   // --- y through shared memory: [m][128 weight rows] in x's dtype, then rows ------
   uint8_t* out = smem;
 #pragma unroll
-  for (int i = 0; i < R; i += 2) {
+  for (int i = 0; i < (warp < kWgWarps ? R : 0); i += 2) {
     const int m = 8 * (i >> 2) + 2 * t, row = 16 * warp + g + 8 * ((i >> 1) & 1);
     const uint32_t v = XDT == kF16 ? pack_f16x2(acc[i], acc[i + 1]) : pack_bf16x2(acc[i], acc[i + 1]);
     *reinterpret_cast<uint16_t*>(out + m * kWgOutStride + row * 2) = (uint16_t)(v & 0xffffu);
@@ -382,6 +447,11 @@ __global__ void __launch_bounds__(kWgWarps * 32, KS > 1 ? 2 : 1)
 // x [rows, K] as a TMA tensor map: boxes of 64 k x bn rows, 128-byte swizzle, rows
 // past the end read as zeros (qmm_wgmma.hip).
 bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map);
+// WS: the weights, scales and biases of every expert as [E N / 16 tiles, the tile's
+// bytes], boxes of one chunk's piece (32 BITS words; `scale_bytes` = 16 P ssz) x 8 tiles
+// (qmm_wgmma.hip). plan_gemm takes WS only where N is a multiple of 16.
+bool wgmma_piece_maps(const GemmProblem& pr, int bits, int scale_bytes, CUtensorMap* w,
+                      CUtensorMap* s, CUtensorMap* b);
 
 // The compile check's covering set (gemv_mma.h, kEveryVariant): every codec with 128
 // rows of x per block, and the other block sizes with one of affine 4-bit's scale
@@ -419,21 +489,35 @@ struct WgmmaLaunch {
   }
   template <class C, int XDT, int P, int SDT, int N, int KS>
   static hipError_t go_ks(const GemmProblem& pr, hipStream_t stream) {
+    // not at 256 rows: nine warps leave a thread 168 registers, and 64 x 256 float32
+    // accumulators a warpgroup need more (ptxas then serializes the wgmmas)
+    if constexpr (N != 256)
+      if (pr.producer) return go_ws<C, XDT, P, SDT, N, KS, true>(pr, stream);
+    return go_ws<C, XDT, P, SDT, N, KS, false>(pr, stream);
+  }
+  template <class C, int XDT, int P, int SDT, int N, int KS, bool WS>
+  static hipError_t go_ws(const GemmProblem& pr, hipStream_t stream) {
     using Lay = WgShared<N, C::kBits, P>;
-    auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, N, KS>;
+    auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, N, KS, WS>;
+    constexpr int threads = kWgWarps * 32 + (WS ? 32 : 0);
     static std::atomic<uint64_t> raised{0};
     if (!raise_shared_limit(kernel, Lay::bytes, raised)) return hipErrorInvalidValue;
     WgParams prm;
     prm.pr = pr;
     if (!x_tensor_map(pr, N, XDT == kF16, &prm.x_map)) return hipErrorInvalidValue;
+    if constexpr (WS) {
+      constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+      if (!wgmma_piece_maps(pr, C::kBits, 16 * P * ssz, &prm.w_map, &prm.s_map, &prm.b_map))
+        return hipErrorInvalidValue;
+    }
     dim3 grid((unsigned)((pr.tiles + kWgWarps - 1) / kWgWarps), (unsigned)pr.row_blocks, KS);
     if constexpr (KS == 1) {
-      kernel<<<grid, kWgWarps * 32, Lay::bytes, stream>>>(prm);
+      kernel<<<grid, threads, Lay::bytes, stream>>>(prm);
       return hipGetLastError();
     } else {
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = grid;
-      cfg.blockDim = dim3(kWgWarps * 32);
+      cfg.blockDim = dim3(threads);
       cfg.dynamicSmemBytes = Lay::bytes;
       cfg.stream = stream;
       cudaLaunchAttribute attr[1];

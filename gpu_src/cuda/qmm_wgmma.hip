@@ -53,8 +53,8 @@ bool wgmma_usable() {
   return usable;
 }
 
-bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
-  // the driver's encoder, through the runtime (no link to libcuda)
+// the driver's tensor-map encoder, through the runtime (no link to libcuda)
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q;
@@ -64,6 +64,11 @@ bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
       return (PFN_cuTensorMapEncodeTiled_v12000) nullptr;
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
+  return encode;
+}
+
+bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const QmvProblem& q = pr.q;
   const cuuint64_t dims[2] = {(cuuint64_t)q.K, (cuuint64_t)(q.Sx * q.M)};
@@ -74,6 +79,32 @@ bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
                 const_cast<void*>(q.x), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool wgmma_piece_maps(const GemmProblem& pr, int bits, int scale_bytes, CUtensorMap* w,
+                      CUtensorMap* s, CUtensorMap* b) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const QmvProblem& q = pr.q;
+  const int64_t experts = q.E > 0 ? q.E : 1;
+  const cuuint64_t tiles = (cuuint64_t)(experts * q.N / kTileRows);
+  auto map = [&](CUtensorMap* m, const void* base, CUtensorMapDataType dt, int64_t elem_bytes,
+                 int64_t row_bytes, int box_bytes) {
+    const cuuint64_t dims[2] = {(cuuint64_t)(row_bytes / elem_bytes), tiles};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t box[2] = {(cuuint32_t)(box_bytes / elem_bytes), (cuuint32_t)kWgWarps};
+    const cuuint32_t elem[2] = {1, 1};
+    return encode(m, dt, 2, const_cast<void*>(base), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  const int ssz = q.scale_dt == kU8 ? 1 : (q.scale_dt == kF32 ? 4 : 2);
+  const int64_t scale_row = q.groups * kTileRows * ssz;
+  return map(w, q.data, CU_TENSOR_MAP_DATA_TYPE_UINT32, 4, kTileRows * q.words * 4, 128 * bits) &&
+         map(s, q.scales, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, scale_row, scale_bytes) &&
+         map(b, q.biases ? q.biases : q.scales, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, scale_row,
+             scale_bytes);
 }
 #endif
 

@@ -303,6 +303,7 @@ static void run_dequant_case(const Case& c, int64_t E, int64_t N, int64_t K) {
 
 int main() {
   const std::vector<int32_t> ids = {0, 4, -1, 4, 5, 0, 0, 2, 1, 1, 4, 99, 3, 3, 3, 3, 3, 3, 3, 3, 3};
+  const std::vector<int32_t> wide_sizes = {100, 0, 150, 90, 60};
   const std::vector<std::vector<int32_t>> ragged_sizes = {
       {0, 70, 0, 60, 0}, {0, 0, 150, 0, 0}, {10, 0, 65, 3, 1}, {150, 100, 0, 30, 0},
       {100, -5, 50, 0, 50}};
@@ -360,6 +361,11 @@ int main() {
       for (int64_t m : {40, 64}) run_gemm_case(c, 2, 136, 1088, m, nullptr);
       for (int64_t m : {40, 64}) run_gemm_case(c, 2, 136, 2112, m, nullptr);
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 136, 256, 150, &sizes);
+      // N = 272, a multiple of 16: the producer warp (qmm_wgmma.h, WS) at 64 rows (K split
+      // over a cluster) and 128, the last block's tensor-map boxes past the stack; ragged
+      // at 80 rows an expert (128-row blocks) with an empty group and rows past the groups
+      for (int64_t m : {40, 64, 130}) run_gemm_case(c, 2, 272, 1088, m, nullptr);
+      run_gemm_case(c, 5, 272, 256, 420, &wide_sizes);
       run_dequant_case(c, 2, 37, 192);
     }
   }

@@ -37,6 +37,9 @@ if [ "${JQ_SKIP_TESTS:-0}" != 1 ]; then
     step "GPU tests, the mma.sync GEMM where the wgmma one would run (JAXQUANT_GEMM_KERNEL=mma)"
     JAXQUANT_GEMM_KERNEL=mma timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_prefill_gpu.py \
       -k "qmm or ragged" 2>&1 | tee "$OUT/gpu_tests_mma_gemm.log" | tail -n 5
+    step "GPU tests, the wgmma GEMM's warps making their own copies (JAXQUANT_WGMMA_PRODUCER=0)"
+    JAXQUANT_WGMMA_PRODUCER=0 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_prefill_gpu.py \
+      -k "qmm or ragged" 2>&1 | tee "$OUT/gpu_tests_wgmma_no_producer.log" | tail -n 5
   fi
 fi
 
@@ -47,8 +50,9 @@ if [ "${JQ_SKIP_SANITIZER:-0}" != 1 ]; then
     -Xlinker -rpath="$LIBDIR" -o "$OUT/sanitize_mma_driver" && {
     "$OUT/sanitize_mma_driver" | tail -n 4
     # defaults (the wgmma GEMM on sm_90, 64 or 128 rows of x per block at these sizes),
-    # then two tiles per GEMV block wherever built with the mma.sync GEMM, then 256 rows
-    for setting in ${JQ_SANITIZER_SETTINGS:-JAXQUANT_DEFAULTS=1 "JAXQUANT_MMA_TILES=2 JAXQUANT_GEMM_KERNEL=mma" JAXQUANT_WGMMA_BN=256}; do
+    # then two tiles per GEMV block wherever built with the mma.sync GEMM, then 256 rows,
+    # then the wgmma GEMM without its producer warp
+    for setting in ${JQ_SANITIZER_SETTINGS:-JAXQUANT_DEFAULTS=1 "JAXQUANT_MMA_TILES=2 JAXQUANT_GEMM_KERNEL=mma" JAXQUANT_WGMMA_BN=256 JAXQUANT_WGMMA_PRODUCER=0}; do
       log="$OUT/sanitizer_memcheck_${setting%%=*}.log"
       env $setting timeout ${JQ_SANITIZER_TIMEOUT:-240} compute-sanitizer --tool memcheck \
         --error-exitcode 9 "$OUT/sanitize_mma_driver" > "$log" 2>&1
