@@ -214,12 +214,14 @@ struct WgParams {
 // KS: blocks per output tile (GemmProblem::ksplit), a cluster along z; block z takes
 // chunks [z * ceil(chunks / KS), ...), and two blocks fit an SM's registers (launch
 // bounds; four would leave 64 registers a thread).
-// WS: a ninth warp, the producer, makes every copy: per chunk one TMA box of x and one
-// bulk copy per full tile of its weights, scales and biases, all completing on the
-// stage's mbarrier; the eight MMA warps wait on it, decode, multiply and release the
-// stage (a second mbarrier) once their wgmmas have read it. No block-wide barrier sits
-// in the loop and the MMA warps issue no copies (plan_gemm takes it where every tile's
-// pieces are 16-byte aligned). Without WS each warp copies its own tile's pieces.
+// WS: a ninth warp, the producer, makes every copy: per chunk four TMA boxes (x, and the
+// block's 8 tiles' weights, scales and biases through tensor maps over 16-row tiles),
+// all completing on the stage's mbarrier; the eight MMA warps wait on it, decode,
+// multiply and release the stage (a second mbarrier) once their wgmmas have read it. No
+// block-wide barrier sits in the loop and the MMA warps issue no copies (plan_gemm
+// takes it where N is a multiple of 16 and the buffers 16-byte aligned; one bulk copy
+// per tile and piece instead of the tensor maps measured slower: the copy engine's cost
+// per copy). Without WS each warp copies its own tile's pieces.
 template <class C, int XDT, int P, int SDT, int BN, int KS = 1, bool WS = false>
 __global__ void __launch_bounds__(kWgWarps * 32 + (WS ? 32 : 0), KS > 1 ? 2 : 1)
     qmm_wgmma_kernel(const __grid_constant__ WgParams prm) {
