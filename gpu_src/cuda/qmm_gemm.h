@@ -48,8 +48,8 @@ struct GemmProblem {
   bool wgmma;          // the Hopper kernel (qmm_wgmma.h), else the mma.sync one
   int ksplit;          // wgmma: blocks per output tile (a thread-block cluster along z),
                        // each over its share of the K chunks; 1, 2 or 4
-  bool producer;       // wgmma: a producer warp makes the copies (bulk copies: every
-                       // tile's weights and scales 16-byte aligned)
+  bool producer;       // wgmma: a producer warp makes the copies through TMA tensor
+                       // maps (qmm_wgmma.h, WS; plan_gemm says where)
   const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
 };
 
