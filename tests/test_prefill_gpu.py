@@ -203,20 +203,22 @@ def test_ragged_few_rows_through_the_gemv(dt):
 @pytest.mark.parametrize("mode,bits", GPU_NATIVE_MODES)
 def test_wgmma_producer_warp(mode, bits):
     # N a multiple of 16 (every tile full, 16-byte bases): the wgmma kernel's producer
-    # warp makes the copies (gpu_src/cuda/qmm_wgmma.h, WS; qmm_gemm.h, plan_gemm) at 64
-    # and 128 rows of x per block. N = 272: 17 tiles, blocks of 8, 8 and 1 (the last
-    # block's box reads the next matrix's tiles, or past the stack, where its warps take
-    # zeros); K = 1088: 17 chunks, split over a cluster at 40 and 64 rows. ragged_qmm:
-    # empty groups and rows past the groups. tools/gpu/check_decode.sh runs it again with
-    # $JAXQUANT_WGMMA_PRODUCER=0, each warp making its own copies.
+    # (gpu_src/cuda/qmm_wgmma.h, WS; qmm_gemm.h, plan_gemm) makes the copies: a warp at
+    # 64 and 128 rows of x per block, a warpgroup at 256. N = 272: 17 tiles, blocks of
+    # 8, 8 and 1 (the last block's box reads the next matrix's tiles, or past the stack,
+    # where its warps take zeros); K = 1088: 17 chunks, split over a cluster at 40 and 64
+    # rows. ragged_qmm: empty groups and rows past the groups; [300, 0, 520] has 273 rows
+    # an expert, so 256-row blocks, partial ones at each expert's end.
+    # tools/gpu/check_decode.sh runs it again with $JAXQUANT_WGMMA_PRODUCER=0, each warp
+    # making its own copies.
     qw, packed = _packed(mode, bits, (3, 272, 1088), key=bits + 90)
     w64 = deq64(qw)
     for dt in X16:
         for m in (40, 64, 130):
             x = rand(m + 7, (3, m, 1088), dt)
             assert_matmul_close(jq.qmm(x, packed, backend="ffi"), x, w64, jnp.dtype(dt))
-        for sizes in ([0, 200, 70], [10, 0, 265]):
-            x = rand(sum(sizes), (300, 1088), dt)
+        for sizes in ([0, 200, 70], [10, 0, 265], [300, 0, 520]):
+            x = rand(sum(sizes), (sum(sizes) + 30, 1088), dt)
             y = _ragged_ffi(x, packed, jnp.asarray(sizes, jnp.int32))
             _check_ragged(y, x, w64, sizes, jnp.dtype(dt))
 

@@ -48,8 +48,9 @@ struct GemmProblem {
   bool wgmma;          // the Hopper kernel (qmm_wgmma.h), else the mma.sync one
   int ksplit;          // wgmma: blocks per output tile (a thread-block cluster along z),
                        // each over its share of the K chunks; 1, 2 or 4
-  bool producer;       // wgmma: a producer warp makes the copies through TMA tensor
-                       // maps (qmm_wgmma.h, WS; plan_gemm says where)
+  bool producer;       // wgmma: a producer (a warp, at 256 rows a warpgroup) makes the
+                       // copies through TMA tensor maps (qmm_wgmma.h, WS; plan_gemm
+                       // says where)
   const int32_t* group_sizes;  // ragged: [E]; qmm: nullptr
 };
 
@@ -545,7 +546,7 @@ inline void plan_gemm(GemmProblem& P) {
                          reinterpret_cast<uintptr_t>(q.biases)) & 3) == 0 &&
                        (q.N * q.groups * ssz) % 4 == 0;
   P.wgmma = aligned && wgmma_usable();
-  // the producer warp's TMA copies of weights, scales and biases (qmm_wgmma.h, WS): every
+  // the producer's TMA copies of weights, scales and biases (qmm_wgmma.h, WS): every
   // tile full (N a multiple of 16: the tensor maps count whole tiles) and 16-byte bases
   static const bool producer_off = [] {  // $JAXQUANT_WGMMA_PRODUCER=0: sweeps
     const char* env = getenv("JAXQUANT_WGMMA_PRODUCER");

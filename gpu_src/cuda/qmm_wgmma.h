@@ -13,8 +13,9 @@
 // accelerator (TMA) copy the chunk of x into wgmma's 128-byte-swizzled K-major layout
 // (rows past x's end read as zeros; an mbarrier per stage counts its bytes in), each
 // lane copies its weight unit to a slot of its own and a few lanes the warp's scales,
-// with cp.async; or (WS, at 64 and 128 rows) a ninth warp, the producer, has the TMA
-// copy the block's weights, scales and biases too and the MMA warps copy nothing.
+// with cp.async; or (WS) a producer (a ninth warp, or at 256 rows a third warpgroup)
+// has the TMA copy the block's weights, scales and biases too and the MMA warps copy
+// nothing.
 // Nothing written through the generic proxy is read by wgmma, so no
 // proxy fence sits in the loop (one would wait for every cp.async in flight). The
 // layout's unit orders each k-step's k for the GEMV's 8-byte B loads (lane t holds k
@@ -211,10 +212,21 @@ struct WgParams {
   CUtensorMap w_map, s_map, b_map;
 };
 
+// WS's producer: one warp at 64 and 128 rows of x per block. At 256 a warpgroup (one of
+// its threads copies), so the block is three whole warpgroups and their registers can be
+// split with setmaxnreg: nine warps would cap a thread at 168 registers, where 64 x 256
+// float32 accumulators a warpgroup need more (ptxas serialized the wgmmas), and 232 for
+// each MMA thread with 40 for the producer's fit the SM's 64 K.
+template <int BN, bool WS>
+constexpr int kWgProducerWarps = !WS ? 0 : BN == 256 ? 4 : 1;
+template <int BN, bool WS>
+constexpr int kWgThreads = (kWgWarps + kWgProducerWarps<BN, WS>) * 32;
+constexpr int kWgMmaRegs = 232, kWgProducerRegs = 40;
+
 // KS: blocks per output tile (GemmProblem::ksplit), a cluster along z; block z takes
 // chunks [z * ceil(chunks / KS), ...), and two blocks fit an SM's registers (launch
 // bounds; four would leave 64 registers a thread).
-// WS: a ninth warp, the producer, makes every copy: per chunk four TMA boxes (x, and the
+// WS: the producer (kWgProducerWarps) makes every copy: per chunk four TMA boxes (x, and the
 // block's 8 tiles' weights, scales and biases through tensor maps over 16-row tiles),
 // all completing on the stage's mbarrier; the eight MMA warps wait on it, decode,
 // multiply and release the stage (a second mbarrier) once their wgmmas have read it. No
@@ -223,7 +235,7 @@ struct WgParams {
 // per tile and piece instead of the tensor maps measured slower: the copy engine's cost
 // per copy). Without WS each warp copies its own tile's pieces.
 template <class C, int XDT, int P, int SDT, int BN, int KS = 1, bool WS = false>
-__global__ void __launch_bounds__(kWgWarps * 32 + (WS ? 32 : 0), KS > 1 ? 2 : 1)
+__global__ void __launch_bounds__(kWgThreads<BN, WS>, KS > 1 ? 2 : 1)
     qmm_wgmma_kernel(const __grid_constant__ WgParams prm) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BITS = C::kBits;
@@ -273,24 +285,44 @@ __global__ void __launch_bounds__(kWgWarps * 32 + (WS ? 32 : 0), KS > 1 ? 2 : 1)
 
   // WS's stage: [x][weights: 8 tiles][scales: 8 tiles x 16 P ssz][biases: likewise]
   constexpr int kWsBiasOff = kWgWarps * (int)kScaleBytes;
-  if constexpr (WS) {
-    if (warp == kWgWarps && lane == 0) {  // the producer: four TMA copies a chunk
-      const int trow = (int)((blk.e * p.N) / kTileRows + (int64_t)blockIdx.x * kWgWarps);
-      constexpr uint32_t bytes =
-          Lay::x_bytes + kWgWarps * (kUnitBytes + kScalePieces * kScaleBytes);
-      for (int i = 0; i < chunks; ++i) {
-        const int c = c0 + i, s = i % S;
-        const uint32_t st = smem_s + s * Lay::stage_bytes, bar = full_s + 8 * s;
-        if (i >= S) mbar_wait(empty_s + 8 * s, ((i / S) + 1) & 1);
-        mbar_expect_tx(bar, bytes);
-        tma_load_2d(st, &prm.x_map, c * kChunkK, (int)blk.x0, bar);
-        tma_load_2d(st + Lay::x_bytes, &prm.w_map, c * (32 * BITS), trow, bar);
-        const int sk = ((c << 6) >> gshift) * 16 * ssz;
-        const uint32_t sdst = st + Lay::x_bytes + Lay::w_bytes;
-        tma_load_2d(sdst, &prm.s_map, sk, trow, bar);
-        if constexpr (kScalePieces == 2) tma_load_2d(sdst + kWsBiasOff, &prm.b_map, sk, trow, bar);
-      }
+  // a producer warpgroup gives up registers and leaves once its copies are issued (each
+  // completes on a stage's mbarrier that the MMA warps wait for); the MMA warps then
+  // meet at a named barrier of their own, not at __syncthreads
+  constexpr bool kRegSplit = kWgProducerWarps<BN, WS> == 4;
+  const auto mma_warps_sync = [] {
+    if constexpr (kRegSplit)
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kWgWarps * 32) : "memory");
+    else
+      __syncthreads();
+  };
+  const auto produce = [&] {  // the producer: four TMA copies a chunk, from one thread
+    if (warp != kWgWarps || lane != 0) return;
+    const int trow = (int)((blk.e * p.N) / kTileRows + (int64_t)blockIdx.x * kWgWarps);
+    constexpr uint32_t bytes = Lay::x_bytes + kWgWarps * (kUnitBytes + kScalePieces * kScaleBytes);
+    for (int i = 0; i < chunks; ++i) {
+      const int c = c0 + i, s = i % S;
+      const uint32_t st = smem_s + s * Lay::stage_bytes, bar = full_s + 8 * s;
+      if (i >= S) mbar_wait(empty_s + 8 * s, ((i / S) + 1) & 1);
+      mbar_expect_tx(bar, bytes);
+      tma_load_2d(st, &prm.x_map, c * kChunkK, (int)blk.x0, bar);
+      tma_load_2d(st + Lay::x_bytes, &prm.w_map, c * (32 * BITS), trow, bar);
+      const int sk = ((c << 6) >> gshift) * 16 * ssz;
+      const uint32_t sdst = st + Lay::x_bytes + Lay::w_bytes;
+      tma_load_2d(sdst, &prm.s_map, sk, trow, bar);
+      if constexpr (kScalePieces == 2) tma_load_2d(sdst + kWsBiasOff, &prm.b_map, sk, trow, bar);
     }
+  };
+  if constexpr (kRegSplit) {
+    // ptxas gives a region the registers of the setmaxnreg that dominates it: the
+    // producer's branch ends in its own return, so what follows is the MMA warps' alone
+    if (warp >= kWgWarps) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
+      produce();
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgMmaRegs));
+  } else if constexpr (WS) {
+    produce();
   }
 
   const int64_t tile = (int64_t)blockIdx.x * kWgWarps + warp;
@@ -387,7 +419,7 @@ __global__ void __launch_bounds__(kWgWarps * 32 + (WS ? 32 : 0), KS > 1 ? 2 : 1)
     wg_wait<0>();
   }
   if constexpr (!WS) cp_async_wait<0>();
-  __syncthreads();
+  mma_warps_sync();
 
   if constexpr (KS > 1) {
     static_assert(Lay::stages * Lay::stage_bytes >= R * kWgWarps * 32 * 4,
@@ -426,17 +458,18 @@ __global__ void __launch_bounds__(kWgWarps * 32 + (WS ? 32 : 0), KS > 1 ? 2 : 1)
     *reinterpret_cast<uint16_t*>(out + m * kWgOutStride + row * 2) = (uint16_t)(v & 0xffffu);
     *reinterpret_cast<uint16_t*>(out + (m + 1) * kWgOutStride + row * 2) = (uint16_t)(v >> 16);
   }
-  __syncthreads();
+  mma_warps_sync();
   const int ncols = (int)min((int64_t)kWgRows, p.N - n0);
+  const int out_threads = kRegSplit ? kWgWarps * 32 : (int)blockDim.x;
   uint16_t* y = static_cast<uint16_t*>(p.y);
   if (ncols == kWgRows && (p.N & 7) == 0) {  // 16-byte rows
-    for (int idx = threadIdx.x; idx < blk.rows * (kWgRows / 8); idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < blk.rows * (kWgRows / 8); idx += out_threads) {
       const int m = idx / (kWgRows / 8), v8 = idx % (kWgRows / 8);
       *reinterpret_cast<uint4*>(y + (blk.y0 + m) * p.N + n0 + 8 * v8) =
           *reinterpret_cast<const uint4*>(out + m * kWgOutStride + 16 * v8);
     }
   } else {
-    for (int idx = threadIdx.x; idx < blk.rows * kWgRows; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < blk.rows * kWgRows; idx += out_threads) {
       const int m = idx / kWgRows, col = idx % kWgRows;
       if (col < ncols)
         y[(blk.y0 + m) * p.N + n0 + col] =
@@ -491,17 +524,14 @@ struct WgmmaLaunch {
   }
   template <class C, int XDT, int P, int SDT, int N, int KS>
   static hipError_t go_ks(const GemmProblem& pr, hipStream_t stream) {
-    // not at 256 rows: nine warps leave a thread 168 registers, and 64 x 256 float32
-    // accumulators a warpgroup need more (ptxas then serializes the wgmmas)
-    if constexpr (N != 256)
-      if (pr.producer) return go_ws<C, XDT, P, SDT, N, KS, true>(pr, stream);
+    if (pr.producer) return go_ws<C, XDT, P, SDT, N, KS, true>(pr, stream);
     return go_ws<C, XDT, P, SDT, N, KS, false>(pr, stream);
   }
   template <class C, int XDT, int P, int SDT, int N, int KS, bool WS>
   static hipError_t go_ws(const GemmProblem& pr, hipStream_t stream) {
     using Lay = WgShared<N, C::kBits, P>;
     auto kernel = qmm_wgmma_kernel<C, XDT, P, SDT, N, KS, WS>;
-    constexpr int threads = kWgWarps * 32 + (WS ? 32 : 0);
+    constexpr int threads = kWgThreads<N, WS>;
     static std::atomic<uint64_t> raised{0};
     if (!raise_shared_limit(kernel, Lay::bytes, raised)) return hipErrorInvalidValue;
     WgParams prm;

@@ -363,7 +363,9 @@ int main() {
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 136, 256, 150, &sizes);
       // N = 272, a multiple of 16: the producer warp (qmm_wgmma.h, WS) at 64 rows (K split
       // over a cluster) and 128, the last block's tensor-map boxes past the stack; ragged
-      // at 80 rows an expert (128-row blocks) with an empty group and rows past the groups
+      // at 80 rows an expert (128-row blocks) with an empty group and rows past the groups.
+      // $JAXQUANT_WGMMA_BN=256 (tools/gpu/check_decode.sh) runs them with the producer
+      // warpgroup of 256-row blocks
       for (int64_t m : {40, 64, 130}) run_gemm_case(c, 2, 272, 1088, m, nullptr);
       run_gemm_case(c, 5, 272, 256, 420, &wide_sizes);
       run_dequant_case(c, 2, 37, 192);
