@@ -24,8 +24,12 @@ benchmarks/ (benchmarks/README.md), named by key below.
   kernel, then XLA's dot (cuBLAS), is faster (h100/prefill.json
   `qmm.mma_sync_vs_dequant.*`: the GEMM wins at 64 rows, loses 2x at 512).
   MMA_GEMM_MAX_M_SM90: the same for the wgmma GEMM (gpu_src/cuda/qmm_wgmma.h; compute
-  capability 9.0, scales 4-byte aligned per tile: plan_gemm in qmm_gemm.h), which
-  ties dequantize + cuBLAS at about 1024 rows (`qmm.wgmma_vs_dequant.*`).
+  capability 9.0, scales 4-byte aligned per tile: plan_gemm in qmm_gemm.h). Before
+  its producer warpgroup it tied dequantize + cuBLAS at about 1024 rows (h100
+  `qmm.wgmma_vs_dequant.*`); with it, at 4096 -> 14336 on an H200 (h200/prefill.json
+  `prefill.producer_ab.warpgroup.producer.*`, one process), it took 0.89x / 0.97x the
+  time of dequantize + cuBLAS at 2048 rows (affine4 / mxfp4) and 0.94x / 1.02x at
+  4096. Past 4096, not measured: the dequantize's cost spreads over more rows there.
 - RAGGED_GATHER_MAX_T: ragged_qmm on a `cuda_mma` weight with at most this many
   rows runs as gather_qmm on the decode GEMV (each row a slot; up to
   ragged_gather_dedupe rows of one expert share a read); more rows take the GEMM.
@@ -69,7 +73,7 @@ FFI_GEMM_MAX_M = {"cpu": 1 << 30}
 NORM_MIN_ELEMENTS = 1 << 16
 
 MMA_GEMM_MAX_M = 64
-MMA_GEMM_MAX_M_SM90 = 1024
+MMA_GEMM_MAX_M_SM90 = 4096
 RAGGED_GATHER_MAX_T = 256
 # The most rows of x per weight matrix the tensor-core decode GEMV (gpu_src/cuda/gemv_mma.h,
 # jaxquant/ffi/mma.py) takes: the MMA's N (8 or 16). More rows take the GEMM.
