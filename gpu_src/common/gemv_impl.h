@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(256) qmv_kernel(QmvProblem p, int64_t m_tiles)
   while ((1 << gshift) < p.group) ++gshift;
   const float gsv = p.global_scale ? p.global_scale[0] : 1.0f;
   const int esz = p.x_dt == kF32 ? 4 : 2;
-  const int ssz = p.scale_dt == kF32 ? 4 : (p.scale_dt == kU8 ? 1 : 2);
+  const int ssz = dtype_bytes(p.scale_dt);
 
   for (int64_t s = blockIdx.y; s < p.S; s += gridDim.y) {
     const int64_t e = p.indices ? (int64_t)p.indices[s] : s;

@@ -473,7 +473,7 @@ struct ChunkScales {
   // rows g and g + 8 side by side (one load).
   __device__ __forceinline__ void load_shared(const uint8_t* st, int g,
                                               int bias_off = ScaleStage<P>::bytes) {
-    constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+    constexpr int ssz = dtype_bytes(SDT);
 #pragma unroll
     for (int pc = 0; pc < P; ++pc)
 #pragma unroll
@@ -717,7 +717,7 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
   const QmvProblem& p = pr.q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  constexpr int ssz = dtype_bytes(SDT);
   // tiles past ntile (the block's last group of full tiles may be short) alias
   // tile0: their copies read nothing and their sums are never stored
   TileCursor cur[TB];

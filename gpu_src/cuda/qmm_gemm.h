@@ -244,7 +244,7 @@ __device__ __forceinline__ void gemm_chunk(const uint32_t* w, const Scales& sc,
 template <class C, int XDT, int P, int SDT>
 __global__ void __launch_bounds__(kGemmWarps * 32, 2) qmm_gemm_kernel(GemmProblem pr) {
   constexpr int BITS = C::kBits;
-  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  constexpr int ssz = dtype_bytes(SDT);
   const QmvProblem& p = pr.q;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ RowBlock blk_s;
@@ -370,7 +370,7 @@ constexpr int kDequantChunks = 4;
 template <class C, int XDT, int P, int SDT>
 __global__ void __launch_bounds__(256) dequant_mma_kernel(GemmProblem pr) {
   constexpr int BITS = C::kBits;
-  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  constexpr int ssz = dtype_bytes(SDT);
   const QmvProblem& p = pr.q;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t per_tile = (pr.chunks + kDequantChunks - 1) / kDequantChunks;
@@ -541,7 +541,7 @@ inline void plan_gemm(GemmProblem& P) {
   const QmvProblem& q = P.q;
   const bool ragged = P.group_sizes != nullptr;
   // wgmma copies each tile's scales with 4-byte cp.async: every tile base aligned
-  const int ssz = q.scale_dt == kU8 ? 1 : (q.scale_dt == kF32 ? 4 : 2);
+  const int ssz = dtype_bytes(q.scale_dt);
   const bool aligned = ((reinterpret_cast<uintptr_t>(q.scales) |
                          reinterpret_cast<uintptr_t>(q.biases)) & 3) == 0 &&
                        (q.N * q.groups * ssz) % 4 == 0;

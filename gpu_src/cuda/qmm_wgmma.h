@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kWgThreads<BN, WS>, KS > 1 ? 2 : 1)
     qmm_wgmma_kernel(const __grid_constant__ WgParams prm) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BITS = C::kBits;
-  constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+  constexpr int ssz = dtype_bytes(SDT);
   using Lay = WgShared<BN, BITS, P>;
   constexpr int S = Lay::stages;
   const GemmProblem& pr = prm.pr;
@@ -538,7 +538,7 @@ struct WgmmaLaunch {
     prm.pr = pr;
     if (!x_tensor_map(pr, N, XDT == kF16, &prm.x_map)) return hipErrorInvalidValue;
     if constexpr (WS) {
-      constexpr int ssz = SDT == kU8 ? 1 : (SDT == kF32 ? 4 : 2);
+      constexpr int ssz = dtype_bytes(SDT);
       if (!wgmma_piece_maps(pr, C::kBits, 16 * P * ssz, &prm.w_map, &prm.s_map, &prm.b_map))
         return hipErrorInvalidValue;
     }

@@ -99,7 +99,7 @@ bool wgmma_piece_maps(const GemmProblem& pr, int bits, int scale_bytes, CUtensor
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
-  const int ssz = q.scale_dt == kU8 ? 1 : (q.scale_dt == kF32 ? 4 : 2);
+  const int ssz = dtype_bytes(q.scale_dt);
   const int64_t scale_row = q.groups * kTileRows * ssz;
   return map(w, q.data, CU_TENSOR_MAP_DATA_TYPE_UINT32, 4, kTileRows * q.words * 4, 128 * bits) &&
          map(s, q.scales, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, scale_row, scale_bytes) &&

@@ -444,6 +444,8 @@ JQ_HD float scale_e4m3(uint8_t code) { return decode_element_exact<kE4M3>(code);
 
 // Float dtypes of the interface (activations, scales, outputs).
 enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kOther = 99 };
+// Bytes of one element of a DType (scales: float32, 16-bit floats, or uint8 codes).
+constexpr JQ_HD int dtype_bytes(int32_t dt) { return dt == kF32 ? 4 : dt == kU8 ? 1 : 2; }
 
 JQ_HD float load_float(const void* p, int64_t i, int32_t dt) {
   switch (dt) {
