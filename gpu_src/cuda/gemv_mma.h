@@ -523,7 +523,7 @@ __device__ __forceinline__ void compute_chunk(const TileCursor& cur, int c,
                                               float gsv, float (&acc)[TB][NT][4]) {
   constexpr bool F16 = XDT == kF16;
   constexpr int NB = XDT == kF32 ? 4 : 2;
-  constexpr int ESZ = XDT == kF32 ? 4 : 2;
+  constexpr int ESZ = dtype_bytes(XDT);
   constexpr float MAGIC = AffineMagic<C, XDT>::value;
   constexpr bool FOLD = MAGIC != 0.0f;
   constexpr uint32_t ONES = F16 ? 0x3c003c00u : 0x3f803f80u;
@@ -712,7 +712,7 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
                                                  const char* x_smem, StageX&& stage_x,
                                                  float (&acc)[TB][NT][4]) {
   constexpr int BITS = C::kBits;
-  constexpr int ESZ = XDT == kF32 ? 4 : 2;
+  constexpr int ESZ = dtype_bytes(XDT);
   using Scales = ChunkScales<C, P, TAIL, SDT>;
   const QmvProblem& p = pr.q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -879,7 +879,7 @@ __device__ __forceinline__ void sts16(uint32_t a, uint4 v) {
 // 16 bytes of x (8 16-bit or 4 float32 elements) as float32, and back, rounded to x's
 // dtype as store_out rounds
 template <int XDT>
-__device__ __forceinline__ void unpack16(uint4 u, float (&f)[XDT == kF32 ? 4 : 8]) {
+__device__ __forceinline__ void unpack16(uint4 u, float (&f)[16 / dtype_bytes(XDT)]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -892,7 +892,7 @@ __device__ __forceinline__ void unpack16(uint4 u, float (&f)[XDT == kF32 ? 4 : 8
   }
 }
 template <int XDT>
-__device__ __forceinline__ uint4 pack16(const float (&f)[XDT == kF32 ? 4 : 8]) {
+__device__ __forceinline__ uint4 pack16(const float (&f)[16 / dtype_bytes(XDT)]) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -947,7 +947,7 @@ __device__ __forceinline__ void norm_weights(const Problem& pr, int64_t k, bool 
 // normalized, (x * r) * w, rounded to x's dtype.
 template <int XDT>
 __device__ __forceinline__ float add_squares16(uint4 u, float ss) {
-  float f[XDT == kF32 ? 4 : 8];
+  float f[16 / dtype_bytes(XDT)];
   unpack16<XDT>(u, f);
 #pragma unroll
   for (float e : f) ss = fmaf(e, e, ss);
@@ -955,8 +955,8 @@ __device__ __forceinline__ float add_squares16(uint4 u, float ss) {
 }
 template <int XDT>
 __device__ __forceinline__ uint4 normalized16(uint4 u, float r, bool weighted,
-                                              const float (&w)[XDT == kF32 ? 4 : 8]) {
-  constexpr int V = XDT == kF32 ? 4 : 8;
+                                              const float (&w)[16 / dtype_bytes(XDT)]) {
+  constexpr int V = 16 / dtype_bytes(XDT);
   float f[V];
   unpack16<XDT>(u, f);
 #pragma unroll
@@ -981,7 +981,7 @@ constexpr int kNormVecs = 4;
 template <int XDT>
 __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& pr, int rows,
                                                    float* norm_s) {
-  constexpr int V = XDT == kF32 ? 4 : 8;  // elements per 16-byte vector
+  constexpr int V = 16 / dtype_bytes(XDT);  // elements per 16-byte vector
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int64_t K = pr.q.K;
   const int vecs = (int)(K / V);  // K is a multiple of 64
@@ -1033,7 +1033,7 @@ __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& p
 template <int XDT>
 __device__ __forceinline__ void stage_normalized_row(uint8_t* xs, const Problem& pr,
                                                      const void* xrow, float* norm_s) {
-  constexpr int V = XDT == kF32 ? 4 : 8;  // elements per 16-byte vector
+  constexpr int V = 16 / dtype_bytes(XDT);  // elements per 16-byte vector
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int64_t K = pr.q.K;
   const int vecs = (int)(K / V);
@@ -1464,7 +1464,7 @@ static hipError_t launch_tb(const Problem& prx, int warps, hipStream_t stream) {
 template <class C, int XDT, int NT, int P, int SDT, int FUSE = kFuseNone>
 static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
   const int warps = FUSE == kFuseSwiglu ? swiglu_warps<C>(pr.chunks) : warps_for(pr.chunks);
-  const int esz = XDT == kF32 ? 4 : 2;
+  constexpr int esz = dtype_bytes(XDT);
   Problem prx = pr;
   prx.x_rows = pr.q.indices != nullptr ? (pr.dedupe ? 8 * NT : 1) : (int)pr.q.M;
   prx.x_stride = (int)(pr.q.K * esz + 16);

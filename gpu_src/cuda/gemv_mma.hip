@@ -163,7 +163,7 @@ static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi:
     return jq::invalid("the tensor-core GEMV takes M <= 16 rows per matrix (1 per gather slot); "
                        "got M=" + std::to_string(q.M));
   if (q.S > 65535) return jq::invalid("too many slots for one launch: " + std::to_string(q.S));
-  const int64_t x_bytes = q.M * (q.K * (q.x_dt == jq::kF32 ? 4 : 2) + 16);
+  const int64_t x_bytes = q.M * (q.K * jq::dtype_bytes(q.x_dt) + 16);
   if (!swiglu && x_bytes > kMaxNormXSharedBytes)
     return jq::invalid("rms_norm_qmm's kernel stages x in shared memory: M x (K x bytes + 16) = " +
                        std::to_string(x_bytes) + " is over " +
