@@ -6,16 +6,16 @@ from jaxquant.formats import FORMATS
 from jaxquant.layouts import prepack, unpack_layout
 from jaxquant.ops import (RowQuantizedArray, add_rms_norm, decode_attention, dequantize,
                           gated_rms_norm, gather_matmul, gather_qmm, gather_qmm_swiglu, qmm,
-                          qmm_a8, qmm_swiglu, quantize_rows, ragged_matmul, ragged_qmm,
-                          rms_norm, rms_norm_qmm)
+                          qmm_a8, qmm_add, qmm_swiglu, quantize_rows, ragged_matmul, ragged_qmm,
+                          rms_norm, rms_norm_qmm, rms_norm_qmm_swiglu)
 from jaxquant.quantize import quantize
 from jaxquant.quantized_array import QuantizedArray
 
 __all__ = [
     "FORMATS", "QuantizedArray", "RowQuantizedArray", "add_rms_norm", "available_backends", "backend",
     "decode_attention", "dequantize", "formats", "gated_rms_norm", "io", "layouts", "mlx",
-    "gather_matmul", "gather_qmm", "gather_qmm_swiglu", "prepack", "qmm", "qmm_a8", "qmm_swiglu", "quantize", "quantize_rows",
-    "ragged_matmul", "ragged_qmm", "rms_norm", "rms_norm_qmm", "unpack_layout",
+    "gather_matmul", "gather_qmm", "gather_qmm_swiglu", "prepack", "qmm", "qmm_a8", "qmm_add", "qmm_swiglu", "quantize",
+    "quantize_rows", "ragged_matmul", "ragged_qmm", "rms_norm", "rms_norm_qmm", "rms_norm_qmm_swiglu", "unpack_layout",
 ]
 __version__ = "0.2.0"
 

@@ -12,7 +12,8 @@ Registering a kernel (the one style every backend uses):
 
   primitive  the op's name: "qmm", "gather_qmm", "ragged_qmm", "dequantize",
              "rms_norm", "add_rms_norm", "gated_rms_norm", "rms_norm_qmm",
-             "qmm_swiglu", "gather_qmm_swiglu", "decode_attention";
+             "qmm_swiglu", "rms_norm_qmm_swiglu", "qmm_add", "gather_qmm_swiglu",
+             "decode_attention";
   backend    a name in BACKENDS;
   platforms  the lowering platforms it serves, e.g. ("cuda", "rocm") or ("cpu",);
   impl(*args, platform, **params)

@@ -210,6 +210,19 @@ def main():
     out["qmm_swiglu_rows"] = case(glu, (x, qw), (put(x, P(("data", "tp"))), put_q(qw, P())))
     out["qmm_swiglu_col_gathered"] = case(glu, (x, qw), (put(x, P("data")),
                                                          put_q(qw, P("tp", None))))
+    # rms_norm_qmm_swiglu: rows only, as qmm_swiglu; qmm_add: column-parallel with its
+    # addend split as the output, and its K does not split (a row-parallel qw is
+    # gathered, with a warning: each shard would add the addend to a partial sum)
+    nglu = lambda x, w, q: jq.rms_norm_qmm_swiglu(x, w, q, activation="gpt_oss", limit=7.0)
+    out["rms_norm_qmm_swiglu_rows"] = case(nglu, (x, wk, qw), (put(x, P(("data", "tp"))),
+                                                               put(wk, P()), put_q(qw, P())))
+    ra = rand(15, (x.shape[0], qw.shape[0]))
+    out["qmm_add_col"] = case(jq.qmm_add, (x, qw, ra), (put(x, P("data")),
+                                                        put_q(qw, P("tp", None)),
+                                                        put(ra, P("data", "tp"))))
+    out["qmm_add_row_gathered"] = case(jq.qmm_add, (x, qw, ra),
+                                       (put(x, P(None, "tp")), put_q(qw, P(None, "tp")),
+                                        put(ra, P())))
     # decode attention: batch on data, kv heads (and their query heads, sinks) on tp
     qa, ka, va = rand(14, (4, 2, 16, 32)), rand(15, (4, 24, 8, 32)), rand(16, (4, 24, 8, 32))
     pa = jnp.broadcast_to(jnp.arange(18, 20, dtype=jnp.int32), (4, 2))

@@ -1,13 +1,15 @@
-"""The fused decode ops (jaxquant/ops/fused.py) on CPU: rms_norm_qmm, qmm_swiglu and
-gather_qmm_swiglu against the float64 oracle and against the composition of the unfused ops, every
-mode of the activation, float32/bfloat16, edge values, bad inputs, jit/vmap/scan/grad,
-and the fallback to the unfused ops on a backend without a fused kernel.
+"""The fused decode ops (jaxquant/ops/fused.py) on CPU: rms_norm_qmm, qmm_swiglu,
+rms_norm_qmm_swiglu, qmm_add and gather_qmm_swiglu against the float64 oracle and against
+the composition of the unfused ops, every mode of the activation, float32/bfloat16, edge
+values, bad inputs, jit/vmap/scan/grad, and the fallback to the unfused ops on a backend
+without a fused kernel.
 
 The GPU tests (marked `gpu`; skipped with the reason without an NVIDIA GPU and the CUDA
 library with the fused GEMV; tools/gpu/check_decode.sh runs them): the fused decode GEMVs
-(gpu_src/cuda/gemv_mma.h, FUSE) on the cuda_mma layout: rms_norm_qmm's norm prologue and
-qmm_swiglu's epilogue against the unfused ffi ops (to rounding) and the float64 oracle,
-every mode x float32/float16/bfloat16 x M in {1, 2, 8, 16}; gather_qmm_swiglu's on gather
+(gpu_src/cuda/gemv_mma.h, FUSE) on the cuda_mma layout: rms_norm_qmm's norm prologue,
+qmm_swiglu's epilogue, both (rms_norm_qmm_swiglu) and qmm_add's addend against the unfused
+ffi ops (to rounding; qmm_add bit for bit) and the float64 oracle, every mode x
+float32/float16/bfloat16 x M in {1, 2, 8, 16}; gather_qmm_swiglu's on gather
 slots (bad ids, dedupe, a bias row per expert); the cases the kernel does not take (I not a
 multiple of 16, more than 16 rows, x too large to stage) run the unfused kernels; the
 handler's checks."""
@@ -70,6 +72,11 @@ def swiglu64(gate, up, activation, limit=None, alpha=1.702):
 
 def assert_swiglu_close(out, x, qw, bias, dtype, activation, limit=None, alpha=1.702, w64=None):
     y, b = matmul_bound(f64(x), deq64(qw) if w64 is None else w64, dtype)
+    assert_swiglu_of(out, y, b, bias, dtype, activation, limit, alpha)
+
+
+def assert_swiglu_of(out, y, b, bias, dtype, activation, limit=None, alpha=1.702):
+    """out against act(y + bias) for the float64 product y, within b of it elementwise."""
     if bias is not None:
         y = y + f64(bias)
     i = y.shape[-1] // 2
@@ -318,6 +325,166 @@ def test_gather_qmm_swiglu_float64_and_transforms():
 
 
 # ---------------------------------------------------------------------------
+# rms_norm_qmm_swiglu and qmm_add
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", [dict(activation="silu"), GPT_OSS], ids=["silu", "gpt_oss"])
+def test_rms_norm_qmm_swiglu_matches_oracle(mode, bits, dtype, act):
+    i, k = 24, 128
+    qw = oracle_quantized(nrand(0, (2 * i, k), scale=0.5), mode, bits)
+    x = jnp.asarray(nrand(1, (2, 3, k), scale=3.0), dtype)
+    w = jnp.asarray(nrand(2, (k,)), dtype)
+    bias = jnp.asarray(nrand(3, (2 * i,)), dtype)
+    y = jax.jit(lambda x, w, q, b: jq.rms_norm_qmm_swiglu(x, w, q, eps=1e-5, weight_offset=0.5,
+                                                          bias=b, **act))(x, w, qw, bias)
+    assert y.shape == (2, 3, i) and y.dtype == dtype
+    h64, w64 = rms64(x, w, eps=1e-5, off=0.5), deq64(qw)
+    prod, b = matmul_bound(h64, w64, dtype)
+    # the normalized x is rounded to x's dtype before the product: one more eps of |h|
+    b = b + EPS[jnp.dtype(dtype)] * (np.abs(h64) @ np.abs(w64).T)
+    assert_swiglu_of(y, prod, b, bias, dtype, act["activation"], act.get("limit"))
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 5), i=st.integers(1, 24), groups=st.integers(1, 3),
+       act=st.sampled_from(["silu", "gpt_oss"]), weighted=st.booleans(), with_bias=st.booleans(),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_rms_norm_qmm_swiglu_equals_unfused(rows, i, groups, act, weighted, with_bias, dtype,
+                                            seed):
+    k = 64 * groups
+    qw = oracle_quantized(nrand(seed, (2 * i, k)), "affine", 4)
+    x = jnp.asarray(nrand(seed + 1, (rows, k), scale=np.exp(seed % 5 - 2)), dtype)
+    w = jnp.asarray(nrand(seed + 2, (k,)), dtype) if weighted else None
+    bias = jnp.asarray(nrand(seed + 3, (2 * i,)), dtype) if with_bias else None
+    kw = dict(activation=act, limit=5.0 if act == "gpt_oss" else None, bias=bias)
+    fused = jq.rms_norm_qmm_swiglu(x, w, qw, eps=1e-6, weight_offset=1.0, **kw)
+    unfused = jq.qmm_swiglu(jq.rms_norm(x, w, eps=1e-6, weight_offset=1.0), qw, **kw)
+    np.testing.assert_array_equal(f64(fused), f64(unfused))
+
+
+@pytest.mark.parametrize("mode,bits", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qmm_add_matches_oracle(mode, bits, dtype):
+    n, k = 48, 128
+    qw = oracle_quantized(nrand(0, (n, k)), mode, bits)
+    x = jnp.asarray(nrand(1, (2, 3, k)), dtype)
+    r = jnp.asarray(nrand(2, (2, 3, n), scale=4.0), dtype)
+    y = jax.jit(jq.qmm_add)(x, qw, r)
+    assert y.dtype == dtype and y.shape == (2, 3, n)
+    prod, bound = matmul_bound(f64(x), deq64(qw), dtype)
+    want = prod + f64(r)
+    # the product rounded to x's dtype (in `bound`), then the sum rounded once more
+    bound = bound + EPS[jnp.dtype(dtype)] * (np.abs(prod) + np.abs(want)) + 1e-30
+    assert np.all(np.abs(f64(y) - want) <= bound)
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 5), n=st.integers(1, 40), groups=st.integers(1, 3),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_qmm_add_equals_unfused(rows, n, groups, dtype, seed):
+    k = 32 * groups
+    qw = oracle_quantized(nrand(seed, (n, k)), "mxfp4")
+    x = jnp.asarray(nrand(seed + 1, (rows, k), scale=np.exp(seed % 5 - 2)), dtype)
+    r = jnp.asarray(nrand(seed + 2, (rows, n), scale=np.exp(seed % 3)), dtype)
+    np.testing.assert_array_equal(f64(jq.qmm_add(x, qw, r)), f64(jq.qmm(x, qw) + r))
+
+
+def test_qmm_add_edge_values():
+    k, n = 64, 16
+    qw = oracle_quantized(nrand(0, (n, k)), "affine", 4)
+    x = np.stack([np.zeros(k), np.ones(k), np.ones(k), np.full(k, 1e30)]).astype(np.float32)
+    r = np.stack([nrand(1, (n,)), np.full(n, np.nan), np.full(n, np.inf),
+                  np.full(n, -3e38)]).astype(np.float32)
+    y = f64(jq.qmm_add(x, qw, r))
+    np.testing.assert_array_equal(y[0], f64(r[0]))  # a zero row: the addend itself
+    assert np.all(np.isnan(y[1])) and np.all(y[2] == np.inf)
+    np.testing.assert_array_equal(y, f64(jq.qmm(x, qw) + r))  # overflow as the two ops'
+
+
+def test_fused_float64():
+    with jax.enable_x64(True):
+        qw = oracle_quantized(nrand(0, (16, 64)), "affine", 4)
+        x = jnp.asarray(nrand(1, (2, 64)), jnp.float64)
+        w = jnp.asarray(nrand(2, (64,)), jnp.float64)
+        r = jnp.asarray(nrand(3, (2, 16)), jnp.float64)
+        y = jq.qmm_add(x, qw, r)
+        assert y.dtype == jnp.float64
+        np.testing.assert_allclose(f64(y), f64(x) @ deq64(qw).T + f64(r), rtol=1e-12)
+        z = jq.rms_norm_qmm_swiglu(x, w, qw)
+        assert z.dtype == jnp.float64
+        h = rms64(x, w, eps=1e-6, off=0.0) @ deq64(qw).T
+        want, _ = swiglu64(h[:, :8], h[:, 8:], "silu")
+        np.testing.assert_allclose(f64(z), want, rtol=1e-12, atol=1e-300)
+
+
+def test_new_fused_ops_bad_inputs():
+    qw = oracle_quantized(nrand(0, (6, 64)), "mxfp4")
+    x, w, r = nrand(1, (2, 64)), nrand(2, (64,)), nrand(3, (2, 6))
+    with pytest.raises(ValueError, match=r"addend must have the product's shape \(2, 6\)"):
+        jq.qmm_add(x, qw, r[:, :3])
+    with pytest.raises(ValueError, match="addend must have .* x's dtype float32; got bfloat16"):
+        jq.qmm_add(x, qw, r.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="addend"):
+        jq.qmm_add(x, qw, np.ones((2, 6), np.int32))
+    with pytest.raises(ValueError, match="x's last axis must be K=64"):
+        jq.qmm_add(x[:, :32], qw, r)
+    with pytest.raises(TypeError, match="qw"):
+        jq.qmm_add(x, np.ones((6, 64), np.float32), r)
+    with pytest.raises(ValueError, match="qw must have 2 dimensions"):
+        jq.qmm_add(x, oracle_quantized(nrand(0, (2, 6, 64)), "mxfp4"), r)
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        jq.rms_norm_qmm_swiglu(x, w[:32], qw)
+    with pytest.raises(ValueError, match="even number of rows"):
+        jq.rms_norm_qmm_swiglu(x, w, oracle_quantized(nrand(0, (5, 64)), "mxfp4"))
+    with pytest.raises(ValueError, match="activation='gelu' is not known"):
+        jq.rms_norm_qmm_swiglu(x, w, qw, activation="gelu")
+    with pytest.raises(ValueError, match=r"bias must have shape \(6,\)"):
+        jq.rms_norm_qmm_swiglu(x, w, qw, bias=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="eps"):
+        jq.rms_norm_qmm_swiglu(x, w, qw, eps=-1.0)
+    with pytest.raises(TypeError, match="eps of jq.rms_norm_qmm_swiglu is a static argument"):
+        jax.jit(lambda e: jq.rms_norm_qmm_swiglu(x, w, qw, eps=e))(1e-6)
+    with pytest.raises(TypeError, match="x must be"):
+        jq.rms_norm_qmm_swiglu(np.ones((2, 64), np.int32), w, qw)
+
+
+def test_new_fused_ops_transforms():
+    qw = oracle_quantized(nrand(0, (32, 64)), "affine", 4)
+    x, w, r = nrand(1, (4, 3, 64)), nrand(2, (64,)), nrand(3, (4, 3, 32))
+    glu = lambda x: jq.rms_norm_qmm_swiglu(x, w, qw, **GPT_OSS)
+    np.testing.assert_array_equal(jax.vmap(glu)(x), glu(x))
+    names = [e.primitive.name for e in jax.make_jaxpr(jax.vmap(glu))(x).eqns]
+    assert len([n for n in names if n.startswith("jaxquant_")]) == 1, names
+    # qmm_add: x and the addend batched, or either alone (the other broadcast)
+    np.testing.assert_array_equal(jax.vmap(lambda x, r: jq.qmm_add(x, qw, r))(x, r),
+                                  jq.qmm_add(x, qw, r))
+    np.testing.assert_array_equal(jax.vmap(lambda r: jq.qmm_add(x[0], qw, r))(r),
+                                  jq.qmm_add(jnp.broadcast_to(x[0], (4, 3, 64)), qw, r))
+    np.testing.assert_array_equal(jax.vmap(lambda x: jq.qmm_add(x, qw, r[:, 0]), in_axes=1,
+                                           out_axes=1)(x),
+                                  jq.qmm_add(x, qw, jnp.broadcast_to(r[:, :1], (4, 3, 32))))
+    names = [e.primitive.name for e in jax.make_jaxpr(jax.vmap(
+        lambda x, r: jq.qmm_add(x, qw, r)))(x, r).eqns]
+    assert len([n for n in names if n.startswith("jaxquant_")]) == 1, names
+    # grad through the reference equals the unfused ops'
+    gate_up = oracle_quantized(nrand(8, (64, 64)), "affine", 4)
+    down = oracle_quantized(nrand(7, (16, 32)), "mxfp4")
+    x2, r2, b = nrand(4, (3, 64)), nrand(5, (3, 16)), nrand(6, (64,))
+    fused = lambda x, w, r, b: jnp.sum(jq.qmm_add(jq.rms_norm_qmm_swiglu(x, w, gate_up, bias=b),
+                                                  down, r))
+
+    def unfused(x, w, r, b):
+        h = jq.qmm_swiglu(jq.rms_norm(x, w), gate_up, bias=b)
+        return jnp.sum(jq.qmm(h, down) + r)
+    g1 = jax.grad(fused, argnums=(0, 1, 2, 3))(x2, w, r2, b)
+    g2 = jax.grad(unfused, argnums=(0, 1, 2, 3))(x2, w, r2, b)
+    for a, c in zip(g1, g2):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
 # Bad inputs: ValueError / TypeError naming the argument.
 
 
@@ -462,8 +629,11 @@ def test_fallback_is_the_unfused_ops_of_the_backend():
         pytest.skip("the ffi CPU library is not built here")
     qw = oracle_quantized(nrand(0, (32, 64)), "affine", 4)
     x, w = nrand(1, (2, 64)), nrand(2, (64,))
+    r = nrand(3, (2, 32))
     for fn in (lambda b: jq.rms_norm_qmm(x, w, qw, backend=b),
-               lambda b: jq.qmm_swiglu(x, qw, backend=b)):
+               lambda b: jq.qmm_swiglu(x, qw, backend=b),
+               lambda b: jq.rms_norm_qmm_swiglu(x, w, qw, backend=b),
+               lambda b: jq.qmm_add(x, qw, r, backend=b)):
         text = jax.jit(lambda: fn("ffi")).lower().as_text()
         assert "jaxquant_qmv" in text  # the ffi GEMV, not the reference's dot
         want = np.asarray(fn("reference"))  # to rounding: a dot's, relative to its largest terms
@@ -480,7 +650,7 @@ def test_automatic_choice_of_the_fused_kernel_by_rows():
     it): up to configs.FUSED_MAX_ROWS rows of x, counted over every leading axis."""
     from jaxquant.ffi import configs
 
-    assert configs.FUSED_MAX_ROWS == {"rms_norm_qmm": 1, "qmm_swiglu": 4}
+    assert configs.FUSED_MAX_ROWS == {"rms_norm_qmm": 1, "qmm_swiglu": 4, "qmm_add": 16}
     for op, most in configs.FUSED_MAX_ROWS.items():
         auto = configs.auto_fused(op)
         x = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -559,6 +729,18 @@ def test_rms_norm_qmm_kernel(mode, bits):
         assert np.all(np.abs(f64(y) - want) <= bound), (name, m)
 
 
+def _swiglu_cases(mode, bits, i, k, *, key, aux, x_scale=1.0):
+    """A SwiGLU kernel test's inputs: qw and its cuda_mma copy [2I, K], x per (dtype
+    name, M), an operand of aux = (key, length) per dtype name, and the cases (x's key,
+    the activation's index, with the operand or not)."""
+    qw, packed = _packed(mode, bits, (2 * i, k), key=key, scale=0.5)
+    xs = {(jnp.dtype(dt).name, m): rand(m, (m, k), dt, scale=x_scale)
+          for dt in ALL_DTYPES for m in MS}
+    auxs = {jnp.dtype(dt).name: rand(aux[0], (aux[1],), dt) for dt in ALL_DTYPES}
+    cases = [(c, a, with_aux) for c in xs for a in range(len(ACTS)) for with_aux in (False, True)]
+    return qw, packed, xs, auxs, cases
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("mode,bits", ALL_MODES)
@@ -566,11 +748,8 @@ def test_qmm_swiglu_kernel(mode, bits):
     # I = 32: two gate tiles and two up tiles; every dtype, M, activation, with and
     # without a bias, in one program per side
     i, k = 32, 192
-    qw, packed = _packed(mode, bits, (2 * i, k), key=bits + 1, scale=0.5)
-    xs = {(jnp.dtype(dt).name, m): rand(m, (m, k), dt) for dt in ALL_DTYPES for m in MS}
-    bias = {jnp.dtype(dt).name: rand(77, (2 * i,), dt) for dt in ALL_DTYPES}
-    cases = [(key, a, with_bias) for key in xs for a in range(len(ACTS))
-             for with_bias in (False, True)]
+    qw, packed, xs, bias, cases = _swiglu_cases(mode, bits, i, k, key=bits + 1,
+                                                aux=(77, 2 * i))
 
     def run(one):
         return jax.jit(lambda xs, bs, q: {
@@ -602,6 +781,79 @@ def _unfused_swiglu(x, q, bias, act):
         return (jax.nn.silu(gate) * up).astype(x.dtype)
     gate, up = jnp.minimum(gate, act["limit"]), jnp.clip(up, -act["limit"], act["limit"])
     return ((up + 1) * gate * jax.nn.sigmoid(gate * act["alpha"])).astype(x.dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode,bits", ALL_MODES)
+def test_rms_norm_qmm_swiglu_kernel(mode, bits):
+    # I = 32, K = 192; every dtype, M, activation, with and without a norm weight
+    i, k = 32, 192
+    qw, packed, xs, ws, cases = _swiglu_cases(mode, bits, i, k, key=bits + 2, aux=(99, k),
+                                              x_scale=3.0)
+    norm = dict(eps=1e-5, weight_offset=0.5)
+
+    def run(one):
+        return jax.jit(lambda xs, ws, q: {
+            c: one(xs[c[0]], ws[c[0][0]] if c[2] else None, q, ACTS[c[1]]) for c in cases})(
+                xs, ws, packed)
+    fused_one = lambda x, w, q, act: jq.rms_norm_qmm_swiglu(x, w, q, backend="ffi", **norm, **act)
+    unfused_one = lambda x, w, q, act: jq.qmm_swiglu(jq.rms_norm(x, w, **norm), q, backend="ffi",
+                                                     **act)
+    assert "jaxquant_gemv_mma_fused" in _targets(
+        lambda x, w, q: fused_one(x, w, q, ACTS[0]), xs["bfloat16", 1], ws["bfloat16"], packed)
+    fused, unfused = run(fused_one), run(unfused_one)
+    for c in cases:
+        (name, m), a, weighted = c
+        y, z, eps = fused[c], unfused[c], EPS[jnp.dtype(name)]
+        assert y.dtype == jnp.dtype(name) and y.shape == (m, i)
+        # the normalized x may round the other way than the unfused norm's (an ulp of
+        # h: rms_norm_qmm's kernel test), which moves gate and up by the GEMV's bound,
+        # then the activation's float32 steps and the output's rounding
+        h64 = rms64(xs[name, m], ws[name] if weighted else None, eps=1e-5, off=0.5)
+        mag = np.abs(h64) @ np.abs(deq64(qw)).T
+        gemv = (2 * eps + k * 2.0**-24) * mag
+        gu = f64(jq.qmm(jq.rms_norm(xs[name, m], ws[name] if weighted else None, **norm),
+                        packed))
+        act = ACTS[a]
+        _, (dg, du) = swiglu64(gu[:, :i], gu[:, i:], act["activation"], act.get("limit"),
+                               act.get("alpha", 1.702))
+        bound = ((dg + 1) * gemv[:, :i] + (du + 1) * gemv[:, i:]
+                 + max(4 * eps, 2.0**-20) * np.abs(f64(z)) + 2.0**-24)
+        assert np.all(np.abs(f64(y) - f64(z)) <= bound), (name, m, a, weighted)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode,bits", ALL_MODES)
+def test_qmm_add_kernel(mode, bits):
+    # N = 37: two full tiles and a partial one (the canonical tail); K = 192
+    n, k = 37, 192
+    qw, packed = _packed(mode, bits, (n, k), key=bits + 3)
+    xs = {(jnp.dtype(dt).name, m): rand(m, (m, k), dt) for dt in ALL_DTYPES for m in MS}
+    rs = {key: rand(50 + key[1], (key[1], n), jnp.dtype(key[0]), scale=8.0) for key in xs}
+    add = lambda x, q, r: jq.qmm_add(x, q, r, backend="ffi")
+    assert "jaxquant_gemv_mma_fused" in _targets(add, xs["bfloat16", 1], packed,
+                                                 rs["bfloat16", 1])
+    fused = jax.jit(lambda xs, rs, q: {c: add(xs[c], q, rs[c]) for c in xs})(xs, rs, packed)
+    unfused = jax.jit(lambda xs, rs, q: {c: jq.qmm(xs[c], q, backend="ffi") + rs[c]
+                                         for c in xs})(xs, rs, packed)
+    for c, y in fused.items():
+        assert y.dtype == jnp.dtype(c[0]) and y.shape == (c[1], n)
+        # the GEMV's sum rounded to x's dtype, then the add rounded: the two ops' steps
+        np.testing.assert_array_equal(f64(y), f64(unfused[c]), err_msg=str(c))
+    # under jit with a scan: the addend of each step is the last step's output (a stack
+    # of one nvfp4 global scale does not scan: its other modes')
+    if mode == "nvfp4":
+        return
+    layers = jq.prepack(quantize_for(mode, bits, rand(9, (3, 64, 64), jnp.float32, scale=0.2)),
+                        layout="cuda_mma")
+    h = rand(10, (1, 64), jnp.bfloat16)
+    step = lambda add_op: jax.jit(lambda h, ls: jax.lax.scan(
+        lambda h, q: (add_op(h, q), None), h, ls)[0])
+    np.testing.assert_array_equal(
+        f64(step(lambda h, q: jq.qmm_add(h, q, h, backend="ffi"))(h, layers)),
+        f64(step(lambda h, q: jq.qmm(h, q, backend="ffi") + h)(h, layers)))
 
 
 # gather_qmm_swiglu's slots: one token's four experts with a repeat and an id past E
@@ -777,14 +1029,22 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
     _, packed = _packed("mxfp4", 4, (64, 192), key=4)
     w = rand(5, (192,), jnp.bfloat16)
     ops = {"rms_norm_qmm": lambda x, q: jq.rms_norm_qmm(x, w, q),
-           "qmm_swiglu": lambda x, q: jq.qmm_swiglu(x, q)}
+           "qmm_swiglu": lambda x, q: jq.qmm_swiglu(x, q),
+           "qmm_add": lambda x, q: jq.qmm_add(x, q, jnp.zeros((x.shape[0], 64), x.dtype))}
     for op, f in ops.items():
         most = configs.FUSED_MAX_ROWS[op]
         for m, fused in ((1, True), (most, True), (most + 1, False)):
             text = _targets(f, rand(4, (m, 192), jnp.bfloat16), packed)
             assert ("jaxquant_gemv_mma_fused" in text) == fused, (op, m)
-            # the unfused ops still run the tensor-core GEMV, not a fallback
-            assert fused or "jaxquant_qmv_mma" in text, (op, m)
+            # the unfused ops still run the tensor-core kernels, not a fallback (qmm_add's
+            # qmm past 16 rows: the prefill GEMM)
+            unfused = "jaxquant_qmm_gemm" if op == "qmm_add" else "jaxquant_qmv_mma"
+            assert fused or unfused in text, (op, m)
+    # rms_norm_qmm_swiglu: opt-in (configs.py): the norm, then qmm_swiglu's fused kernel
+    nglu = lambda backend: (lambda x, q: jq.rms_norm_qmm_swiglu(x, w, q, backend=backend))
+    text = _targets(nglu(None), rand(4, (1, 192), jnp.bfloat16), packed)
+    assert "jaxquant_gemv_mma_fused" in text and "fuse = 2" in text, text[-2000:]
+    assert "fuse = 3" in _targets(nglu("ffi"), rand(4, (1, 192), jnp.bfloat16), packed)
     # gather_qmm_swiglu: opt-in (configs.py): the gather GEMV, then XLA's epilogue
     _, experts = _packed("mxfp4", 4, (3, 64, 192), key=5)
     idx = jnp.array([[0, 2]], jnp.int32)
@@ -808,19 +1068,30 @@ def test_handler_checks():
     with pytest.raises(Exception, match="bias must be"):
         call(x, q3, jnp.ones((k,), jnp.float32), fuse=mma.FUSE_SWIGLU)
     with pytest.raises(Exception, match="fuse must be"):
-        call(x, q3, None, fuse=3)
+        call(x, q3, None, fuse=5)
+    with pytest.raises(Exception, match="addend must have the output's shape"):
+        call(x, q3, jnp.ones((1, 2, 16), jnp.bfloat16), fuse=mma.FUSE_ADD)
+    with pytest.raises(Exception, match="addend must have .* x's dtype"):
+        call(x, q3, jnp.ones((1, 2, 32), jnp.float32), fuse=mma.FUSE_ADD)
+    with pytest.raises(Exception, match="norm weight must be"):
+        call(x, q3, jnp.ones((k + 1,), jnp.float32), fuse=mma.FUSE_NORM_SWIGLU)
     _, odd = _packed("mxfp4", 4, (48, k))
     with pytest.raises(Exception, match="I a multiple of 16"):
         call(x, odd.flatten_leading(), None, fuse=mma.FUSE_SWIGLU)
     _, big = _packed("affine", 4, (32, 8192))
     with pytest.raises(Exception, match="stages x in shared memory"):
         call(rand(0, (1, 16, 8192), jnp.float32), big.flatten_leading(), None, fuse=mma.FUSE_NORM)
+    with pytest.raises(Exception, match="rms_norm_qmm_swiglu's kernel stages x"):  # 36 KiB
+        call(rand(0, (1, 2, 8192), jnp.float32), big.flatten_leading(), None,
+             fuse=mma.FUSE_NORM_SWIGLU)
     # gather_qmm_swiglu: a bias row per expert; no indices with the norm
     _, experts = _packed("mxfp4", 4, (3, 32, k))
     ids, x1 = jnp.array([0, 2], jnp.int32), rand(0, (2, 1, k), jnp.bfloat16)
     with pytest.raises(Exception, match=r"bias must be .*\[3, 32\]"):
         call(x1, experts, jnp.ones((32,), jnp.float32), fuse=mma.FUSE_SWIGLU, indices=ids)
-    with pytest.raises(Exception, match="takes no indices"):
-        call(x1, experts, None, fuse=mma.FUSE_NORM, indices=ids)
+    for fuse in (mma.FUSE_NORM, mma.FUSE_NORM_SWIGLU, mma.FUSE_ADD):
+        with pytest.raises(Exception, match=r"only qmm_swiglu's kernel \(fuse 2\) takes indices"):
+            call(x1, experts, None if fuse != mma.FUSE_ADD else jnp.ones((2, 1, 32), jnp.bfloat16),
+                 fuse=fuse, indices=ids)
     with pytest.raises(Exception, match="1 per gather slot"):
         call(rand(0, (2, 2, k), jnp.bfloat16), experts, None, fuse=mma.FUSE_SWIGLU, indices=ids)

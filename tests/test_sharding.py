@@ -54,6 +54,7 @@ NO_COLLECTIVES = [f"qmm_col_{m}" for m in ("affine", "mxfp4", "nvfp4")] + [
     f"qmm_col_{layout}_{m}" for layout, m in KERNEL_LAYOUTS] + [
     "qmm_batch_col", "qmm_col_one_group", "rms_norm_rows", "add_rms_norm_rows", "gated_rms_norm_rows",
     "dequantize_col", "shard_map_qmm", "rms_norm_qmm_col", "qmm_swiglu_rows",
+    "rms_norm_qmm_swiglu_rows", "qmm_add_col",
     "gather_qmm_swiglu_tokens",
     "decode_attention_heads", "decode_attention_stacked",
     "gather_matmul_col", "ragged_matmul_col", "qmm_a8_col_float8_e4m3fn", "qmm_a8_col_int8"]
@@ -93,6 +94,12 @@ def test_fused_ops_split_as_documented(cases):
     case = cases["qmm_swiglu_col_gathered"]
     assert case["err"] <= 1e-6 * case["scale"] and case["collectives"]["all-gather"] >= 1
     assert any("qmm_swiglu" in w and "'r'" in w for w in case["warnings"]), case
+    # qmm_add: column-parallel with the addend; K does not split
+    assert cases["qmm_add_col"]["out_spec"] == ["P('data', 'tp')"]
+    assert cases["rms_norm_qmm_swiglu_rows"]["out_spec"] == ["P(('data', 'tp'),)"]
+    case = cases["qmm_add_row_gathered"]
+    assert case["err"] <= 1e-6 * case["scale"] and case["collectives"]["all-gather"] >= 1
+    assert any("qmm_add" in w and "'g'" in w for w in case["warnings"]), case
     # gather_qmm_swiglu: tokens only; experts on tp are gathered
     assert cases["gather_qmm_swiglu_tokens"]["out_spec"] == ["P('data',)"]
     case = cases["gather_qmm_swiglu_ep_gathered"]

@@ -92,16 +92,24 @@ struct Problem {
   int x_stride;      // > 0: the block stages its rows of x in shared memory, this many
                      // bytes apart (K * x bytes + 16, against bank conflicts); 0: from L1/L2
   int x_rows;        // rows of x staged (x_stride > 0)
-  // the fused variants (FUSE != kFuseNone): norm weight [K] (kFuseNorm) or bias
-  // (kFuseSwiglu: [N], or [E, N] with aux_stride = N, a row per expert), nullptr for
-  // none; the norm's eps and weight offset; the SwiGLU's activation
-  // (SwigluActivation), clamp limit (gpt_oss; inf: none) and alpha
-  const void* aux = nullptr;
-  int32_t aux_dt = kOther;
-  int64_t aux_stride = 0;
+  // The fused steps. The norm prologue (kFuseNorm always, kFuseSwiglu where `normalize`
+  // is set): x's rows rms-normalized as the block stages them, with eps, the weight
+  // offset and the weight norm_w [K] (nullptr: none). The SwiGLU's epilogue
+  // (kFuseSwiglu): bias [N], or [E, N] with bias_stride = N (a row per expert), or
+  // nullptr; the activation (SwigluActivation), its clamp limit (gpt_oss; inf: none)
+  // and alpha. The plain GEMV's (kFuseNone) addend: y = x W^T + addend, addend [S, M, N]
+  // in y's dtype (the product rounded to it first, as qmm(x, w) + addend rounds), or
+  // nullptr.
+  bool normalize = false;
+  const void* norm_w = nullptr;
+  int32_t norm_dt = kOther;
   float eps = 0.0f, offset = 0.0f;
+  const void* bias = nullptr;
+  int32_t bias_dt = kOther;
+  int64_t bias_stride = 0;
   int activation = kActSilu;
   float limit = 0.0f, alpha = 0.0f;
+  const void* addend = nullptr;
 };
 
 __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -912,15 +920,15 @@ __device__ __forceinline__ uint4 pack16(const float (&f)[16 / dtype_bytes(XDT)])
 template <int V>
 __device__ __forceinline__ void norm_weights(const Problem& pr, int64_t k, bool vec,
                                              float (&w)[V]) {
-  if (vec && pr.aux_dt == kF32) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(pr.aux) + k);
+  if (vec && pr.norm_dt == kF32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(pr.norm_w) + k);
 #pragma unroll
     for (int i = 0; i < V / 4; ++i) {
       const float4 f = __ldg(p + i);
       w[4 * i] = f.x, w[4 * i + 1] = f.y, w[4 * i + 2] = f.z, w[4 * i + 3] = f.w;
     }
   } else if (vec) {  // 16-bit: V x 2 bytes
-    const uint16_t* p = static_cast<const uint16_t*>(pr.aux) + k;
+    const uint16_t* p = static_cast<const uint16_t*>(pr.norm_w) + k;
     uint32_t h[V / 2];
     if constexpr (V == 8) {
       const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
@@ -931,12 +939,12 @@ __device__ __forceinline__ void norm_weights(const Problem& pr, int64_t k, bool 
     }
 #pragma unroll
     for (int i = 0; i < V / 2; ++i) {
-      w[2 * i] = raw_to_float(h[i] & 0xffffu, pr.aux_dt);
-      w[2 * i + 1] = raw_to_float(h[i] >> 16, pr.aux_dt);
+      w[2 * i] = raw_to_float(h[i] & 0xffffu, pr.norm_dt);
+      w[2 * i + 1] = raw_to_float(h[i] >> 16, pr.norm_dt);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < V; ++i) w[i] = raw_to_float(load_raw(pr.aux, k + i, pr.aux_dt), pr.aux_dt);
+    for (int i = 0; i < V; ++i) w[i] = raw_to_float(load_raw(pr.norm_w, k + i, pr.norm_dt), pr.norm_dt);
   }
 #pragma unroll
   for (int i = 0; i < V; ++i) w[i] += pr.offset;
@@ -967,7 +975,7 @@ __device__ __forceinline__ uint4 normalized16(uint4 u, float r, bool weighted,
   return pack16<XDT>(f);
 }
 
-// kFuseNorm: the block's `rows` staged rows of x, rms-normalized in place:
+// The norm prologue: the block's `rows` staged rows of x, rms-normalized in place:
 // r = rsqrt(sum(x^2) / K + eps) per row, then (x * r) * (w + offset) in float32 (x * r
 // without a weight), rounded to x's dtype: the reference's float32 steps in its order.
 // While the first weight copies are in flight. A thread takes 16-byte vectors of each
@@ -1003,8 +1011,8 @@ __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& p
     row_scale[threadIdx.x] = rsqrtf(ss / (float)K + pr.eps);
   }
   __syncthreads();
-  const bool weighted = pr.aux != nullptr;
-  const bool vec = (reinterpret_cast<uintptr_t>(pr.aux) & 15) == 0;
+  const bool weighted = pr.norm_w != nullptr;
+  const bool vec = (reinterpret_cast<uintptr_t>(pr.norm_w) & 15) == 0;
   for (int v0 = threadIdx.x; v0 < vecs; v0 += kNormVecs * blockDim.x) {
     float wk[kNormVecs][V];
 #pragma unroll
@@ -1025,7 +1033,7 @@ __device__ __forceinline__ void normalize_staged_x(uint8_t* xs, const Problem& p
   }
 }
 
-// kFuseNorm with one row of x and at most kNormVecs 16-byte vectors a thread (K <= 4096
+// The norm prologue with one row of x and at most kNormVecs 16-byte vectors a thread (K <= 4096
 // in 16-bit x with 4 warps, 8192 with 8): x and the norm weight go to registers together
 // (one memory latency, not one per phase as in stage x / normalize_staged_x), the sum of
 // squares and the normalized x from those registers, one store of it to shared memory.
@@ -1038,8 +1046,8 @@ __device__ __forceinline__ void stage_normalized_row(uint8_t* xs, const Problem&
   const int64_t K = pr.q.K;
   const int vecs = (int)(K / V);
   const uint32_t xs_s = (uint32_t)__cvta_generic_to_shared(xs);
-  const bool weighted = pr.aux != nullptr;
-  const bool vec = (reinterpret_cast<uintptr_t>(pr.aux) & 15) == 0;
+  const bool weighted = pr.norm_w != nullptr;
+  const bool vec = (reinterpret_cast<uintptr_t>(pr.norm_w) & 15) == 0;
   uint4 xv[kNormVecs];
 #pragma unroll
   for (int j = 0; j < kNormVecs; ++j) {
@@ -1084,15 +1092,15 @@ __device__ __forceinline__ float sigmoid_f32(float v) { return 1.0f / (1.0f + ex
 // silu(gate) * up, or gpt-oss's gate = min(gate, limit), up = clip(up, -limit,
 // limit), (up + 1) * gate * sigmoid(gate * alpha). The comparisons keep NaN as
 // jnp.minimum / jnp.clip do.
-// e: the matrix's expert (the bias row, with aux_stride).
+// e: the matrix's expert (the bias row, with bias_stride).
 __device__ __forceinline__ float swiglu_out(const Problem& pr, float gate, float up, int64_t e,
                                             int64_t n, int64_t half) {
   gate = round_to_dtype(gate, pr.q.x_dt);
   up = round_to_dtype(up, pr.q.x_dt);
-  if (pr.aux != nullptr) {
-    const int64_t b = e * pr.aux_stride + n;
-    gate += raw_to_float(load_raw(pr.aux, b, pr.aux_dt), pr.aux_dt);
-    up += raw_to_float(load_raw(pr.aux, b + half, pr.aux_dt), pr.aux_dt);
+  if (pr.bias != nullptr) {
+    const int64_t b = e * pr.bias_stride + n;
+    gate += raw_to_float(load_raw(pr.bias, b, pr.bias_dt), pr.bias_dt);
+    up += raw_to_float(load_raw(pr.bias, b + half, pr.bias_dt), pr.bias_dt);
   }
   if (pr.activation == kActGptOss) {
     gate = gate > pr.limit ? pr.limit : gate;
@@ -1105,20 +1113,27 @@ __device__ __forceinline__ float swiglu_out(const Problem& pr, float gate, float
 // TB: full tiles per block (1 or 2: see tiles_per_block). Blocks
 // 0 .. ceil(full_tiles / TB) - 1 take TB consecutive full tiles each (the last
 // maybe fewer), the block after them the partial last tile, if any. FUSE
-// (kFuseNone compiles to the plain GEMV): kFuseNorm (x always staged) or kFuseSwiglu
-// (TB = 2, N = 2I with I % 16 == 0: block b owns tiles b and b + I / 16).
+// (kFuseNone compiles to the plain GEMV, with Problem::addend its epilogue): kFuseNorm
+// (x always staged) or kFuseSwiglu (TB = 2, N = 2I with I % 16 == 0: block b owns tiles
+// b and b + I / 16; with Problem::normalize the norm prologue too, x staged, M <= 8).
 template <class C, int XDT, int NT, int P, int SDT, int S = Stages<C::kBits>::value,
           bool EARLY = true, int PF = S - 1, int TB = 1, int FUSE = kFuseNone>
 __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   constexpr int CAP = 8 * NT;  // rows of x per segment
   constexpr bool SWIGLU = FUSE == kFuseSwiglu;
   static_assert(!SWIGLU || TB == 2, "the SwiGLU's block owns a gate and an up tile");
+  // the variants with the norm prologue, and whether this launch runs it (a runtime
+  // choice in the SwiGLU's: one kernel for qmm_swiglu and rms_norm_qmm_swiglu). Not in
+  // the SwiGLU's two-n-tile kernels (M > 8): at 5, 6 and 2 bits with 32-row groups the
+  // norm's registers made them spill, and launch_s refuses them the norm.
+  constexpr bool CAN_NORM = FUSE == kFuseNorm || (SWIGLU && NT == 1);
+  const bool norm = FUSE == kFuseNorm || (CAN_NORM && pr.normalize);
   const QmvProblem& p = pr.q;
 
   __shared__ int64_t xrow_s[16], yrow_s[16];
   __shared__ int mcount_s;
-  // kFuseNorm: the rows' partial sums of squares per warp, then their scales
-  __shared__ float norm_s[FUSE == kFuseNorm ? (kMaxWarps + 1) * 16 : 1];
+  // the norm prologue: the rows' partial sums of squares per warp, then their scales
+  __shared__ float norm_s[CAN_NORM ? (kMaxWarps + 1) * 16 : 1];
   // Dynamic shared memory, sized by the launch for the block's warps (SharedLayout):
   // x rows | weight stages | scale stages; the warps' partial sums reuse the stages.
   extern __shared__ __align__(16) uint8_t smem_dyn[];
@@ -1156,11 +1171,11 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
       }
     }
   }
-  if constexpr (FUSE == kFuseNorm) {  // the norm weight, which every block reads first
-    if (pr.aux != nullptr) {
-      const int64_t bytes = p.K * (pr.aux_dt == kF32 ? 4 : 2);
+  if constexpr (CAN_NORM) {  // the norm weight, which every block reads first
+    if (norm && pr.norm_w != nullptr) {
+      const int64_t bytes = p.K * (pr.norm_dt == kF32 ? 4 : 2);
       for (int64_t o = 128 * (int64_t)threadIdx.x; o < bytes; o += 128 * (int64_t)blockDim.x)
-        prefetch_l2(static_cast<const char*>(pr.aux) + o);
+        prefetch_l2(static_cast<const char*>(pr.norm_w) + o);
     }
   }
   grid_dependency_wait();
@@ -1224,8 +1239,8 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
   auto stage_x = [&]() {
     if (x_smem == nullptr) return;
     const int esz = p.x_dt == kF32 ? 4 : 2;
-    if constexpr (FUSE == kFuseNorm) {
-      if (mcount == 1 && p.K * esz <= 16 * kNormVecs * (int64_t)blockDim.x) {
+    if constexpr (CAN_NORM) {
+      if (norm && mcount == 1 && p.K * esz <= 16 * kNormVecs * (int64_t)blockDim.x) {
         stage_normalized_row<XDT>(smem_dyn, pr,
                                   static_cast<const char*>(p.x) + xrow_s[0] * p.K * esz, norm_s);
         return;
@@ -1238,9 +1253,11 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
                                    static_cast<const char*>(p.x) + xrow_s[m] * p.K * esz) + v);
       *reinterpret_cast<uint4*>(smem_dyn + (int64_t)m * pr.x_stride + 16 * v) = val;
     }
-    if constexpr (FUSE == kFuseNorm) {
-      __syncthreads();
-      normalize_staged_x<XDT>(smem_dyn, pr, mcount, norm_s);
+    if constexpr (CAN_NORM) {
+      if (norm) {
+        __syncthreads();
+        normalize_staged_x<XDT>(smem_dyn, pr, mcount, norm_s);
+      }
     }
     __syncthreads();
   };
@@ -1292,7 +1309,10 @@ __global__ void __launch_bounds__(256, 2) qmv_mma_kernel(Problem pr) {
       if (n >= p.N) continue;
       float v = 0.0f;
       for (int wi = 0; wi < warps; ++wi) v += red[j * warps + wi][r][m];
-      store_out(p.y, yrow_s[m] * p.N + n, p.x_dt, valid ? v : quiet_nan());
+      const int64_t at = yrow_s[m] * p.N + n;
+      if (pr.addend != nullptr)  // qmm(x, w) + addend: the product rounded first, as there
+        v = round_to_dtype(v, p.x_dt) + raw_to_float(load_raw(pr.addend, at, p.x_dt), p.x_dt);
+      store_out(p.y, at, p.x_dt, valid ? v : quiet_nan());
     }
   }
 }
@@ -1483,6 +1503,8 @@ static hipError_t launch_s(const Problem& pr, hipStream_t stream) {
     if (prx.x_stride == 0) return hipErrorInvalidValue;
     return launch_tb<C, XDT, NT, P, SDT, 1, FUSE>(prx, warps, stream);
   } else if constexpr (FUSE == kFuseSwiglu) {
+    // the norm: one n-tile (CAN_NORM), x staged
+    if (prx.normalize && (NT != 1 || prx.x_stride == 0)) return hipErrorInvalidValue;
     return launch_tb<C, XDT, NT, P, SDT, 2, FUSE>(prx, warps, stream);
   } else {
     // two tiles' registers fit the 128 of __launch_bounds__ without spills up to 6

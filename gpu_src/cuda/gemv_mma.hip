@@ -11,7 +11,9 @@
 //   jaxquant_dequant_mma (qmm_gemm.h): data, scales, biases, global_scale ->
 //     w [..., N, K] (16-bit, canonical order), the values the GEMM multiplies.
 //   jaxquant_gemv_mma_fused (gemv_mma.h, FUSE): the decode GEMV with rms_norm_qmm's
-//     norm prologue or qmm_swiglu's epilogue (gemv_mma_fused_impl below).
+//     norm prologue, qmm_swiglu's epilogue, both (rms_norm_qmm_swiglu), or qmm_add's
+//     addend (gemv_mma_fused_impl below).
+#include <algorithm>
 #include <string>
 
 #include "jq/ffi_common.h"
@@ -104,12 +106,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma, qmv_mma_impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmv_mma_uncaptured, qmv_mma_impl,
                               bind_layout_kernel().Attr<int64_t>("dedupe"));
 // jaxquant_gemv_mma_fused (gemv_mma.h, FUSE): the GEMV's operands, then `aux`, plus the
-// fused op's attributes. fuse 1, rms_norm_qmm: no indices (slot s uses matrix s), aux =
-// the norm weight [K] or [0], y [S, M, N]; fuse 2, qmm_swiglu: N = 2I with I % 16 == 0,
-// y [S, M, I]; without indices aux = the bias [N] or [0]; with indices int32 [S]
-// (jq.gather_qmm_swiglu: slot s uses expert indices[s], M = 1, `dedupe` as
-// jaxquant_qmv_mma's) aux = the bias [E, N] or [0]. activation: 0 silu, 1 gpt_oss
-// (limit: its clamp, inf for none).
+// fused op's attributes. Without indices slot s uses matrix s.
+//   fuse 1, rms_norm_qmm: aux = the norm weight [K] or [0], y [S, M, N];
+//   fuse 2, qmm_swiglu: N = 2I with I % 16 == 0, y [S, M, I]; without indices aux = the
+//     bias [N] or [0]; with indices int32 [S] (jq.gather_qmm_swiglu: slot s uses expert
+//     indices[s], M = 1, `dedupe` as jaxquant_qmv_mma's) aux = the bias [E, N] or [0];
+//   fuse 3, rms_norm_qmm_swiglu: fuse 2's product and epilogue without a bias, on x
+//     normalized as fuse 1 normalizes it, M <= 8: aux = the norm weight [K] or [0];
+//   fuse 4, qmm_add: the plain GEMV, y [S, M, N] = x W^T + aux, aux [S, M, N] in x's dtype.
+// activation: 0 silu, 1 gpt_oss (limit: its clamp, inf for none).
 static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer data,
                                      ffi::AnyBuffer scales, ffi::AnyBuffer biases,
                                      ffi::AnyBuffer gs, ffi::AnyBuffer indices,
@@ -117,14 +122,14 @@ static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi:
                                      int64_t fmt, int64_t bits, int64_t group_size, int64_t fuse,
                                      float eps, float weight_offset, int64_t activation,
                                      float limit, float alpha, int64_t dedupe) {
-  if (fuse != 1 && fuse != 2)
-    return jq::invalid("attribute fuse must be 1 (rms_norm_qmm) or 2 (qmm_swiglu); got " +
-                       std::to_string(fuse));
-  const bool swiglu = fuse == 2;
+  if (fuse < 1 || fuse > 4)
+    return jq::invalid("attribute fuse must be 1 (rms_norm_qmm), 2 (qmm_swiglu), 3 "
+                       "(rms_norm_qmm_swiglu) or 4 (qmm_add); got " + std::to_string(fuse));
+  const bool swiglu = fuse == 2 || fuse == 3, norm = fuse == 1 || fuse == 3, add = fuse == 4;
   const bool gather = indices.element_count() != 0;
-  if (gather && !swiglu)
-    return jq::invalid("rms_norm_qmm's kernel takes no indices (fuse 1); got " +
-                       jq::dims_str(indices.dimensions()));
+  if (gather && fuse != 2)
+    return jq::invalid("only qmm_swiglu's kernel (fuse 2) takes indices; got fuse " +
+                       std::to_string(fuse) + " with " + jq::dims_str(indices.dimensions()));
   auto dd = data.dimensions();
   if (dd.size() != 3) return jq::invalid("data must be [E, N, W] (rank 3); got shape " +
                                          jq::dims_str(dd));
@@ -136,18 +141,28 @@ static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi:
                             false, swiglu ? dd[1] / 2 : -1);
       e.failure())
     return e;
-  // the bias: one row [N], or one per expert [E, N] when the slots pick experts
-  const int64_t aux_len = swiglu ? q.N : q.K;
-  const char* aux_name = swiglu ? "bias" : "norm weight";
   const int32_t aux_dt = jq::dtype_of(aux.element_type());
   auto ad = aux.dimensions();
-  const bool aux_shape_ok = gather ? ad.size() == 2 && ad[0] == q.E && ad[1] == aux_len
-                                   : ad.size() == 1 && ad[0] == aux_len;
-  if (aux.element_count() != 0 && (!jq::is_float_dt(aux_dt) || !aux_shape_ok))
-    return jq::invalid(std::string(aux_name) + " must be float32, float16 or bfloat16 [" +
-                       (gather ? std::to_string(q.E) + ", " : std::string()) +
-                       std::to_string(aux_len) + "] or empty; got " +
-                       jq::dtype_name(aux.element_type()) + " " + jq::dims_str(ad));
+  if (add) {  // the addend: y's shape and dtype, required
+    auto yd = y->dimensions();
+    const bool same = ad.size() == yd.size() && std::equal(ad.begin(), ad.end(), yd.begin());
+    if (!same || aux_dt != q.x_dt)
+      return jq::invalid("qmm_add's addend must have the output's shape " + jq::dims_str(yd) +
+                         " and x's dtype " + jq::dtype_name(x.element_type()) + "; got " +
+                         jq::dtype_name(aux.element_type()) + " " + jq::dims_str(ad));
+  } else {
+    // the norm weight [K]; the bias: one row [N], or one per expert [E, N] when the slots
+    // pick experts
+    const int64_t aux_len = norm ? q.K : q.N;
+    const char* aux_name = norm ? "norm weight" : "bias";
+    const bool aux_shape_ok = gather ? ad.size() == 2 && ad[0] == q.E && ad[1] == aux_len
+                                     : ad.size() == 1 && ad[0] == aux_len;
+    if (aux.element_count() != 0 && (!jq::is_float_dt(aux_dt) || !aux_shape_ok))
+      return jq::invalid(std::string(aux_name) + " must be float32, float16 or bfloat16 [" +
+                         (gather ? std::to_string(q.E) + ", " : std::string()) +
+                         std::to_string(aux_len) + "] or empty; got " +
+                         jq::dtype_name(aux.element_type()) + " " + jq::dims_str(ad));
+  }
   if (!(eps >= 0.0f)) return jq::invalid("attribute eps must be >= 0; got " + std::to_string(eps));
   if (activation != 0 && activation != 1)
     return jq::invalid("attribute activation must be 0 (silu) or 1 (gpt_oss); got " +
@@ -163,17 +178,38 @@ static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi:
     return jq::invalid("the tensor-core GEMV takes M <= 16 rows per matrix (1 per gather slot); "
                        "got M=" + std::to_string(q.M));
   if (q.S > 65535) return jq::invalid("too many slots for one launch: " + std::to_string(q.S));
+  // the norm normalizes x where the block stages it: in the SwiGLU's kernel up to what
+  // that stages (kMaxXSharedBytes)
   const int64_t x_bytes = q.M * (q.K * jq::dtype_bytes(q.x_dt) + 16);
-  if (!swiglu && x_bytes > kMaxNormXSharedBytes)
-    return jq::invalid("rms_norm_qmm's kernel stages x in shared memory: M x (K x bytes + 16) = " +
-                       std::to_string(x_bytes) + " is over " +
-                       std::to_string(kMaxNormXSharedBytes));
+  const int64_t x_most = swiglu ? kMaxXSharedBytes : kMaxNormXSharedBytes;
+  if (fuse == 3 && q.M > 8)
+    return jq::invalid("rms_norm_qmm_swiglu's kernel takes M <= 8 rows of x; got M=" +
+                       std::to_string(q.M));
+  if (norm && x_bytes > x_most)
+    return jq::invalid(std::string(fuse == 1 ? "rms_norm_qmm" : "rms_norm_qmm_swiglu") +
+                       "'s kernel stages x in shared memory: M x (K x bytes + 16) = " +
+                       std::to_string(x_bytes) + " is over " + std::to_string(x_most));
   if (auto e = check_scale_dtype(q, "x"); e.failure()) return e;
   int nt = 1;
   Problem P = gemv_launch_problem(q, dedupe, &nt);
-  P.aux = aux.element_count() != 0 ? aux.untyped_data() : nullptr;
-  P.aux_dt = aux_dt;
-  P.aux_stride = gather ? q.N : 0;
+  const void* aux_data = aux.element_count() != 0 ? aux.untyped_data() : nullptr;
+  if (add) {
+    P.addend = aux_data;
+    JQ_LAUNCH_CHECK(q.x_dt == jq::kF32   ? launch_qmv_mma_f32(P, nt, stream)
+                    : q.x_dt == jq::kF16 ? launch_qmv_mma_f16(P, nt, stream)
+                                         : launch_qmv_mma_bf16(P, nt, stream),
+                    "the tensor-core GEMV with an addend");
+    return ffi::Error::Success();
+  }
+  P.normalize = norm;
+  if (norm) {
+    P.norm_w = aux_data;
+    P.norm_dt = aux_dt;
+  } else {
+    P.bias = aux_data;
+    P.bias_dt = aux_dt;
+    P.bias_stride = gather ? q.N : 0;
+  }
   P.eps = eps;
   P.offset = weight_offset;
   P.activation = (int)activation;

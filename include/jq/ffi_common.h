@@ -521,7 +521,7 @@ struct Handlers {
 //   jq_format_name(i)     format id i's name (jaxquant.formats), NULL past the last:
 //                         the ffi package's FORMAT_IDS
 // HANDLERS is a Handlers<...> type name without commas (a `using` alias).
-#define JQ_ABI_VERSION 2
+#define JQ_ABI_VERSION 3
 #define JQ_FFI_HANDLER_SYMBOL(target, PREFIX, HANDLERS)                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                           \
       PREFIX##target, HANDLERS::target, HANDLERS::bind_##target(),                         \

@@ -15,7 +15,9 @@
 - fused: the fused decode GEMVs against their unfused ops (and the plain qmm), back to
   back at Llama-3-8B dims: rms_norm_qmm (norm + QKV, 4096 -> 6144) against rms_norm then
   qmm, qmm_swiglu (gate + up, 4096 -> 2 x 14336, silu) against qmm then the
-  activation in XLA; M = 1 and 8, affine4 and mxfp4, % of the copy bandwidth.
+  activation in XLA, rms_norm_qmm_swiglu (the two) against rms_norm then qmm_swiglu,
+  qmm_add (down, 14336 -> 4096, plus the residual) against qmm then the add; M = 1 and
+  8, affine4 and mxfp4, % of the copy bandwidth.
 - step: a decode step of 8 layers (rms_norm -> gate, up, down qmm -> residual,
   M = 1, synced per step as a generation loop is), unrolled and as a lax.scan
   over the stacked layers, against bf16 dense.
@@ -250,7 +252,32 @@ def bench_moe(bw, out, copies=8):
     return res
 
 
-FUSED_SHAPES = {"rms_norm_qmm": (4096, 6144), "qmm_swiglu": (4096, 2 * 14336)}  # (K, N)
+# (K, N): Llama-3-8B's q/k/v, gate and up, and down projection (qmm_add: the residual)
+FUSED_SHAPES = {"rms_norm_qmm": (4096, 6144), "qmm_swiglu": (4096, 2 * 14336),
+                "rms_norm_qmm_swiglu": (4096, 2 * 14336), "qmm_add": (14336, 4096)}
+
+
+def fused_variants(op, nw, r):
+    """op's fused kernel (backend="ffi": at every M, where the automatic choice takes it
+    up to configs.FUSED_MAX_ROWS rows only), the automatic choice, and the unfused ops:
+    (x, q) -> y each. nw: the norm weight [K]; r(m): the addend [m, N]."""
+    def swiglu(y):
+        g, u = jnp.split(y.astype(jnp.float32), 2, axis=-1)
+        return (jax.nn.silu(g) * u).astype(y.dtype)
+    return {
+        "rms_norm_qmm": (lambda x, q: jq.rms_norm_qmm(x, nw, q, backend="ffi"),
+                         lambda x, q: jq.rms_norm_qmm(x, nw, q),
+                         lambda x, q: jq.qmm(jq.rms_norm(x, nw), q)),
+        "qmm_swiglu": (lambda x, q: jq.qmm_swiglu(x, q, backend="ffi"),
+                       lambda x, q: jq.qmm_swiglu(x, q),
+                       lambda x, q: swiglu(jq.qmm(x, q))),
+        "rms_norm_qmm_swiglu": (lambda x, q: jq.rms_norm_qmm_swiglu(x, nw, q, backend="ffi"),
+                                lambda x, q: jq.rms_norm_qmm_swiglu(x, nw, q),
+                                lambda x, q: jq.qmm_swiglu(jq.rms_norm(x, nw), q)),
+        "qmm_add": (lambda x, q: jq.qmm_add(x, q, r(x.shape[0]), backend="ffi"),
+                    lambda x, q: jq.qmm_add(x, q, r(x.shape[0])),
+                    lambda x, q: jq.qmm(x, q) + r(x.shape[0])),
+    }[op]
 
 
 def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
@@ -260,19 +287,8 @@ def bench_fused(bw, out, modes=("affine4", "mxfp4"), copies=8, ms=(1, 8)):
         ws = [(0.05 * jax.random.normal(jax.random.key(7 * i + 1), (n, k), jnp.float32)
                ).astype(jnp.bfloat16) for i in range(copies)]
         nw = 1 + 0.1 * jax.random.normal(jax.random.key(5), (k,), jnp.bfloat16)
-        if op == "rms_norm_qmm":
-            # backend="ffi": the fused kernel at every M (the automatic choice takes it up
-            # to configs.FUSED_MAX_ROWS rows only)
-            fused = lambda x, q: jq.rms_norm_qmm(x, nw, q, backend="ffi")
-            auto = lambda x, q: jq.rms_norm_qmm(x, nw, q)
-            unfused = lambda x, q: jq.qmm(jq.rms_norm(x, nw), q)
-        else:
-            fused = lambda x, q: jq.qmm_swiglu(x, q, backend="ffi")
-            auto = lambda x, q: jq.qmm_swiglu(x, q)
-
-            def unfused(x, q):
-                g, u = jnp.split(jq.qmm(x, q).astype(jnp.float32), 2, axis=-1)
-                return (jax.nn.silu(g) * u).astype(x.dtype)
+        r = lambda m: jax.random.normal(jax.random.key(6), (m, n), jnp.bfloat16)
+        fused, auto, unfused = fused_variants(op, nw, r)
         for mode in modes:
             packed = [jq.prepack(quantize_mode(mode, w), layout="cuda_mma") for w in ws]
             default = [quantize_mode(mode, w, layout=None) for w in ws]

@@ -145,7 +145,12 @@ def auto_norm(x, *operands, platform, **params) -> bool:
 # automatic choice takes the fused kernel, where it measured faster than the unfused ops
 # it replaces (h100/decode.json `fused.*`). Past one row the norm prologue is slower, as
 # every block normalizes its rows itself; the SwiGLU epilogue stays ahead to four rows.
-FUSED_MAX_ROWS = {"rms_norm_qmm": 1, "qmm_swiglu": 4}
+FUSED_MAX_ROWS = {"rms_norm_qmm": 1, "qmm_swiglu": 4, "qmm_add": 16}
+# rms_norm_qmm_swiglu's fused kernel is opt-in (backend="ffi"): in the SwiGLU's grid (896
+# blocks at Llama-3-8B's 4096 -> 2 x 14336) every block normalizing x cost 4.5-6.5 us a
+# call at one row, where the norm as a kernel of its own costs about 2 (h200/decode.json
+# `fused.rms_norm_qmm_swiglu.*`); the automatic choice runs rms_norm, then qmm_swiglu's
+# kernel.
 # gather_qmm_swiglu's fused kernel is opt-in (backend="ffi"): a block owns a gate tile and
 # its up tile, which halves the gather GEMV's grid, and at gpt-oss-20b's experts that
 # costs what the epilogue saves; in the whole model XLA had merged the epilogue into a

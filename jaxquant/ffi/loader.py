@@ -32,7 +32,7 @@ PLATFORMS = {
 SYMBOL_PREFIX = {"cpu": "jq_cpu_", "cuda": "jq_gpu_", "rocm": "jq_gpu_"}
 
 # include/jq/ffi_common.h: JQ_ABI_VERSION
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 @dataclasses.dataclass

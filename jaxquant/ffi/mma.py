@@ -9,11 +9,12 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
   ragged_qmm, whose row blocks skip empty groups on the device. ragged_qmm with
   few rows (configs.RAGGED_GATHER_MAX_T) runs as gather_qmm on the GEMV instead.
 - The fused GEMVs (gpu_src/cuda/gemv_mma.h, FUSE): rms_norm_qmm (the norm applied to x
-  as the block stages it) and qmm_swiglu (a block owns a gate tile and its up tile
-  and writes the activation), with at most configs.MMA_GEMV_MAX_M rows of x, and
-  gather_qmm_swiglu (the same epilogue on gather_qmm's slots, each with its
-  expert's bias row); other cases of those ops run the unfused ops
-  (jaxquant/ops/fused.py).
+  as the block stages it), qmm_swiglu (a block owns a gate tile and its up tile
+  and writes the activation), rms_norm_qmm_swiglu (both, without a bias) and qmm_add
+  (the plain GEMV adding the addend as it writes y), with at most
+  configs.MMA_GEMV_MAX_M rows of x, and gather_qmm_swiglu (the same epilogue on
+  gather_qmm's slots, each with its expert's bias row); other cases of those ops run
+  the unfused ops (jaxquant/ops/fused.py).
 - The layout's dequantize (gpu_src/cuda/qmm_gemm.h) for `jq.dequantize` into a 16-bit
   dtype and, under automatic choice, for qmm with more than
   configs.mma_gemm_max_m rows: the dequantized weight, then XLA's dot (cuBLAS).
@@ -43,11 +44,14 @@ TARGET = "jaxquant_qmv_mma"
 GEMM_TARGET = "jaxquant_qmm_gemm"
 DEQUANT_TARGET = "jaxquant_dequant_mma"
 FUSED_TARGET = "jaxquant_gemv_mma_fused"
-# The fused GEMV (gemv_mma.h): its kinds, activations, and the most bytes of x the
-# norm's block stages in shared memory (M x (K x bytes + 16); kMaxNormXSharedBytes).
-FUSE_NORM, FUSE_SWIGLU = 1, 2
+# The fused GEMV (gemv_mma.h; the handler's `fuse`, gemv_mma.hip): its kinds,
+# activations, and the most bytes of x the norm's block stages in shared memory (M x
+# (K x bytes + 16)): kMaxNormXSharedBytes in rms_norm_qmm's kernel, kMaxXSharedBytes in
+# the SwiGLU's.
+FUSE_NORM, FUSE_SWIGLU, FUSE_NORM_SWIGLU, FUSE_ADD = 1, 2, 3, 4
 SWIGLU_ACTIVATION_IDS = {"silu": 0, "gpt_oss": 1}
 NORM_MAX_X_SHARED_BYTES = 96 * 1024
+SWIGLU_MAX_X_SHARED_BYTES = 36 * 1024
 PRIORITY = dispatch.PRIORITY["ffi_layout"]  # the cuBLAS path registers one below
 
 _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -87,10 +91,13 @@ def gemv_mma_fused_call(x3, qw3: QuantizedArray, aux, *, fuse, eps=0.0, weight_o
     FUSE_NORM: rms_norm_qmm, aux the norm weight [K] or None -> [E, M, N];
     FUSE_SWIGLU: qmm_swiglu, aux the bias [N] or None -> [E, M, N / 2]; with
     `indices` int32 [S] (gather_qmm_swiglu: slot s uses expert indices[s], M = 1,
-    `dedupe` as qmv_mma_call's) aux the bias [E, N] or None -> [S, 1, N / 2]."""
+    `dedupe` as qmv_mma_call's) aux the bias [E, N] or None -> [S, 1, N / 2];
+    FUSE_NORM_SWIGLU: rms_norm_qmm_swiglu without a bias, aux the norm weight [K] or
+    None -> [E, M, N / 2]; FUSE_ADD: qmm_add, aux the addend [E, M, N] -> [E, M, N]."""
     e, n, _ = qw3.shape
     s = indices.shape[0] if indices is not None else e
-    out = jax.ShapeDtypeStruct((s, x3.shape[1], n // 2 if fuse == FUSE_SWIGLU else n), x3.dtype)
+    half = fuse in (FUSE_SWIGLU, FUSE_NORM_SWIGLU)
+    out = jax.ShapeDtypeStruct((s, x3.shape[1], n // 2 if half else n), x3.dtype)
     aux = aux if aux is not None else jnp.zeros((0,), jnp.float32)
     idx = indices if indices is not None else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(FUSED_TARGET, out, vmap_method="sequential")(
@@ -200,6 +207,38 @@ def qmm_swiglu_applies(x, qw, bias, *, activation, limit, alpha, precision, plat
     return _fused_ok(x, qw, bias) and qw.shape[0] % (2 * cuda_mma.TILE_ROWS) == 0
 
 
+def rms_norm_qmm_swiglu_applies(x, norm_weight, qw, bias, *, eps, weight_offset, activation,
+                                limit, alpha, precision, platform):
+    # the SwiGLU's kernel with the norm prologue: no bias operand left for it (the norm
+    # weight takes the kernel's one), at most 8 rows (its one-n-tile kernels), x staged
+    # as that kernel stages it
+    rows = _rows_per_matrix(x, qw)
+    x_bytes = rows * (x.shape[-1] * jnp.dtype(x.dtype).itemsize + 16)
+    return (bias is None and rows <= 8 and _fused_ok(x, qw, norm_weight)
+            and qw.shape[0] % (2 * cuda_mma.TILE_ROWS) == 0
+            and x_bytes <= SWIGLU_MAX_X_SHARED_BYTES)
+
+
+def rms_norm_qmm_swiglu_impl(x, norm_weight, qw, bias, *, eps, weight_offset, activation, limit,
+                             alpha, precision, platform):
+    m, i = _rows_per_matrix(x, qw), qw.shape[0] // 2
+    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), qw.flatten_leading(), norm_weight,
+                            fuse=FUSE_NORM_SWIGLU, eps=eps, weight_offset=weight_offset,
+                            activation=activation, limit=limit, alpha=alpha)
+    return y.reshape(*x.shape[:-1], i)
+
+
+def qmm_add_applies(x, qw, addend, *, precision, platform):
+    return _fused_ok(x, qw, None)
+
+
+def qmm_add_impl(x, qw, addend, *, precision, platform):
+    m, n = _rows_per_matrix(x, qw), qw.shape[0]
+    y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), qw.flatten_leading(),
+                            addend.reshape(1, m, n), fuse=FUSE_ADD)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def qmm_swiglu_impl(x, qw, bias, *, activation, limit, alpha, precision, platform):
     m, i = _rows_per_matrix(x, qw), qw.shape[0] // 2
     y = gemv_mma_fused_call(x.reshape(1, m, x.shape[-1]), qw.flatten_leading(), bias, fuse=FUSE_SWIGLU,
@@ -293,6 +332,10 @@ def register(lib) -> None:
            configs.auto_fused("rms_norm_qmm")),
           ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY,
            configs.auto_fused("qmm_swiglu")),
+          # opt-in: slower than the norm and qmm_swiglu's kernel apart (configs.py)
+          ("rms_norm_qmm_swiglu", rms_norm_qmm_swiglu_impl, rms_norm_qmm_swiglu_applies,
+           PRIORITY, configs.never),
+          ("qmm_add", qmm_add_impl, qmm_add_applies, PRIORITY, configs.auto_fused("qmm_add")),
           # opt-in: slower than the unfused ops it replaces (configs.py)
           ("gather_qmm_swiglu", gather_qmm_swiglu_impl, gather_qmm_swiglu_applies, PRIORITY,
            configs.never))),

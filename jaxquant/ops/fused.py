@@ -1,4 +1,5 @@
-"""Fused decode ops: rms_norm_qmm, qmm_swiglu and gather_qmm_swiglu (docs/fused.md).
+"""Fused decode ops: rms_norm_qmm, qmm_swiglu, rms_norm_qmm_swiglu, qmm_add and
+gather_qmm_swiglu (docs/fused.md).
 
 Each is a primitive whose reference is the composition of the unfused
 references (docs/ops.md: a fused op equals that composition to rounding):
@@ -8,6 +9,11 @@ references (docs/ops.md: a fused op equals that composition to rounding):
   do;
 - qmm_swiglu(x, qw, bias) splits y = qmm(x, qw) (+ bias, in float32) into
   gate and up halves along N and returns act(gate, up) in x's dtype;
+- rms_norm_qmm_swiglu(x, norm_weight, qw, bias) == qmm_swiglu(rms_norm(x,
+  norm_weight), qw, bias): a pre-norm MLP's norm and gate+up projection;
+- qmm_add(x, qw, addend) == qmm(x, qw) + addend, the product rounded to x's dtype
+  before the add as the two ops apart round it (a projection into the residual
+  stream);
 - gather_qmm_swiglu(x, qw, indices, bias) is the same epilogue on
   y = gather_qmm(x, qw, indices) with each slot's expert's bias row, bias[indices]
   (a routed MoE's gate+up projection at decode).
@@ -29,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.ops.common import (check_x, compute_dtype, default_precision,
-                                 jvp_through_reference, move_to_front, require_quantized)
+                                 jvp_through_reference, move_to_front, require_quantized,
+                                 to_front_or_broadcast)
 from jaxquant.ops.norms import check_norm_args, rms_norm_op, rms_norm_reference
 from jaxquant.ops.qmm import (check_gather_args, gather_batch, gather_factors, gather_qmm_op,
                               gather_qmm_reference, qmm_factors, qmm_op, qmm_reference)
@@ -75,6 +82,23 @@ def qmm_swiglu_reference(x, qw, bias, *, activation, limit, alpha, precision):
                             dtype=x.dtype)
 
 
+def rms_norm_qmm_swiglu_reference(x, norm_weight, qw, bias, *, eps, weight_offset, activation,
+                                  limit, alpha, precision):
+    h = rms_norm_reference(x, norm_weight, eps=eps, weight_offset=weight_offset)
+    return qmm_swiglu_reference(h, qw, bias, activation=activation, limit=limit, alpha=alpha,
+                                precision=precision)
+
+
+def _add(y, addend):
+    """y + addend in the compute dtype, rounded to y's dtype (a jnp add of the two)."""
+    acc = compute_dtype(y.dtype)
+    return (y.astype(acc) + addend.astype(acc)).astype(y.dtype)
+
+
+def qmm_add_reference(x, qw, addend, *, precision):
+    return _add(qmm_reference(x, qw, transpose=True, precision=precision), addend)
+
+
 def _expert_bias(bias, qw, indices):
     """Each slot's bias row: bias [E, N] at indices [T, k] -> [T, k, N] (an id outside
     [0, E) reads row 0; gather_qmm's row is NaN there anyway)."""
@@ -99,6 +123,17 @@ def _qmm_swiglu_unfused(x, qw, bias, *, backend, activation, limit, alpha, preci
     y = qmm_op.bind(x, qw, backend=backend, transpose=True, precision=precision)
     return _swiglu_epilogue(y, bias, activation=activation, limit=limit, alpha=alpha,
                             dtype=x.dtype)
+
+
+def _rms_norm_qmm_swiglu_unfused(x, norm_weight, qw, bias, *, backend, eps, weight_offset,
+                                 activation, limit, alpha, precision):
+    h = rms_norm_op.bind(x, norm_weight, backend=backend, eps=eps, weight_offset=weight_offset)
+    return qmm_swiglu_op.bind(h, qw, bias, backend=backend, activation=activation, limit=limit,
+                              alpha=alpha, precision=precision)
+
+
+def _qmm_add_unfused(x, qw, addend, *, backend, precision):
+    return _add(qmm_op.bind(x, qw, backend=backend, transpose=True, precision=precision), addend)
 
 
 def gather_qmm_swiglu_unfused(x, qw, indices, bias, *, backend, activation, limit, alpha,
@@ -135,6 +170,26 @@ def qmm_swiglu_factors(x, qw, bias, *, activation, limit, alpha, precision):
                    replicated=f.replicated + ("g", "r", "i"), priority=(1,), allowed=f.allowed)
 
 
+def rms_norm_qmm_swiglu_factors(x, norm_weight, qw, bias, *, eps, weight_offset, activation,
+                                limit, alpha, precision):
+    """qmm_swiglu's (rows split, N and K not), with the norm weight along K."""
+    f = qmm_swiglu_factors(x, qw, bias, activation=activation, limit=limit, alpha=alpha,
+                           precision=precision)
+    xdims, qdims, bdims = f.operands
+    wdims = None if norm_weight is None else Dims([xdims[-1]])
+    return Factors([xdims, wdims, qdims, bdims], f.results, f.sizes, replicated=f.replicated,
+                   priority=(1,) if norm_weight is None else (2,), allowed=f.allowed)
+
+
+def qmm_add_factors(x, qw, addend, *, precision):
+    """qmm's, the addend as the output; K does not split (each shard's partial product
+    would be added to the addend, which is to be added once)."""
+    f = qmm_factors(x, qw, transpose=True, precision=precision)
+    xdims, qdims = f.operands
+    return Factors([xdims, qdims, f.results[0]], f.results, f.sizes,
+                   replicated=f.replicated + ("g",), priority=(1,), allowed=f.allowed)
+
+
 def gather_qmm_swiglu_factors(x, qw, indices, bias, *, activation, limit, alpha, precision):
     """Tokens split; experts do not (each shard's activation needs its slots' whole
     sums: an expert-parallel partial sum would be summed after the activation), nor
@@ -153,6 +208,11 @@ rms_norm_qmm_op = Op("rms_norm_qmm", rms_norm_qmm_reference, composition=_rms_no
                      factors=rms_norm_qmm_factors)
 qmm_swiglu_op = Op("qmm_swiglu", qmm_swiglu_reference, composition=_qmm_swiglu_unfused,
                    factors=qmm_swiglu_factors)
+rms_norm_qmm_swiglu_op = Op("rms_norm_qmm_swiglu", rms_norm_qmm_swiglu_reference,
+                            composition=_rms_norm_qmm_swiglu_unfused,
+                            factors=rms_norm_qmm_swiglu_factors)
+qmm_add_op = Op("qmm_add", qmm_add_reference, composition=_qmm_add_unfused,
+                factors=qmm_add_factors)
 gather_qmm_swiglu_op = Op("gather_qmm_swiglu", gather_qmm_swiglu_reference,
                           composition=gather_qmm_swiglu_unfused, factors=gather_qmm_swiglu_factors)
 
@@ -200,6 +260,46 @@ def qmm_swiglu(x, qw, *, activation: str = "silu", limit: float | None = None,
     params = _swiglu_params("qmm_swiglu", activation, limit, alpha, qw.shape[0], qw.shape)
     bias = _check_bias(bias, qw.shape[:1], "qw's rows")
     return qmm_swiglu_op.bind(x, qw, bias, backend=backend, **params)
+
+
+def rms_norm_qmm_swiglu(x, norm_weight, qw, *, eps: float = 1e-6, weight_offset: float = 0.0,
+                        activation: str = "silu", limit: float | None = None,
+                        alpha: float = 1.702, bias=None, backend: str | None = None):
+    """qmm_swiglu(rms_norm(x, norm_weight, eps, weight_offset), qw, ...): a pre-norm MLP's
+    norm, gate and up projections and activation in one op. x [..., K], norm_weight [K]
+    or None, qw [2I, K] (gate rows, then up rows), bias [2I] or None -> [..., I] in x's
+    dtype. The normalized x is rounded to x's dtype before the product, as the two ops
+    apart round it; the rest is qmm_swiglu's.
+
+    Static (Python values, not traced under jax.jit): eps, weight_offset, activation,
+    limit, alpha, backend."""
+    x, norm_weight = check_norm_args(x, norm_weight, eps, weight_offset, "rms_norm_qmm_swiglu",
+                                   weight_name="norm_weight")
+    _check_qw(x, qw)
+    params = _swiglu_params("rms_norm_qmm_swiglu", activation, limit, alpha, qw.shape[0],
+                            qw.shape)
+    bias = _check_bias(bias, qw.shape[:1], "qw's rows")
+    return rms_norm_qmm_swiglu_op.bind(x, norm_weight, qw, bias, backend=backend,
+                                       eps=float(eps), weight_offset=float(weight_offset),
+                                       **params)
+
+
+def qmm_add(x, qw, addend, *, backend: str | None = None):
+    """qmm(x, qw) + addend: x [..., K], qw [N, K], addend [..., N] in x's dtype ->
+    [..., N] in x's dtype. The product is rounded to x's dtype before the add, as the two
+    ops apart round it (for float64 x, float64 throughout). A projection into a
+    residual stream (the attention's output projection, an MLP's down projection) in
+    one kernel where one exists.
+
+    Static (Python values, not traced under jax.jit): backend."""
+    x = check_x(x)
+    _check_qw(x, qw)
+    addend = check_x(addend, "addend")
+    out = (*x.shape[:-1], qw.shape[0])
+    if addend.shape != out or addend.dtype != x.dtype:
+        raise ValueError(f"addend must have the product's shape {out} and x's dtype "
+                         f"{x.dtype}; got {addend.dtype} {addend.shape}")
+    return qmm_add_op.bind(x, qw, addend, backend=backend, precision=default_precision())
 
 
 def gather_qmm_swiglu(x, qw, indices, *, activation: str = "silu", limit: float | None = None,
@@ -273,8 +373,22 @@ def _rows_batch(op: Op):
     return rule
 
 
-for _op in (rms_norm_qmm_op, qmm_swiglu_op):
+def _qmm_add_batch(args, dims, *, backend, **params):
+    """A batch of x and the addend folds into their leading axes (the weight unbatched)."""
+    x, qw, addend = args
+    x_dim, q_dim, a_dim = dims
+    if jax.tree_util.tree_leaves(q_dim):
+        return None  # batched weights: vmap of the reference
+    size = x.shape[x_dim] if x_dim is not None else addend.shape[a_dim]
+    return qmm_add_op.bind(to_front_or_broadcast(x, x_dim, size), qw,
+                           to_front_or_broadcast(addend, a_dim, size), backend=backend,
+                           **params), 0
+
+
+for _op in (rms_norm_qmm_op, qmm_swiglu_op, rms_norm_qmm_swiglu_op):
     _op.batch_rule = _rows_batch(_op)
+qmm_add_op.batch_rule = _qmm_add_batch
 gather_qmm_swiglu_op.batch_rule = functools.partial(gather_batch, gather_qmm_swiglu_op)
-for _op in (rms_norm_qmm_op, qmm_swiglu_op, gather_qmm_swiglu_op):
+for _op in (rms_norm_qmm_op, qmm_swiglu_op, rms_norm_qmm_swiglu_op, qmm_add_op,
+            gather_qmm_swiglu_op):
     jvp_through_reference(_op)

@@ -34,11 +34,22 @@ constexpr uint32_t kFmts = (1u << jq::kAffine) | (1u << jq::kMxfp4) | (1u << jq:
 static int g_fuse = N::kFuseNone;
 static const void* g_norm_weight = nullptr;
 
+// The norm weight into a revision's Problem: `norm_w` where it has one, else `aux` (the
+// revisions before rms_norm_qmm_swiglu shared one operand field between the fused steps).
+template <class P>
+static auto set_norm_weight(P& pr, int) -> decltype(pr.norm_w = nullptr, void()) {
+  pr.norm_w = g_norm_weight;
+  pr.norm_dt = kBF16;
+}
+template <class P> static void set_norm_weight(P& pr, long) {
+  pr.aux = g_norm_weight;
+  pr.aux_dt = kBF16;
+}
+
 template <class P> static P launch_problem(const QmvProblem& q) {
   P pr = gemv_problem<P>(q);
   if (g_fuse == N::kFuseNorm) {
-    pr.aux = g_norm_weight;
-    pr.aux_dt = kBF16;
+    set_norm_weight(pr, 0);
     pr.eps = 1e-5f;
   }
   return pr;

@@ -11,8 +11,8 @@
 // GEMM with M = 17 / 64 / 100 and ragged group sizes with empty groups, sizes
 // past T, rows past the groups (zero); the layout's dequantize; the fused GEMVs
 // (rms_norm_qmm's norm with and without a weight, N with a tail; qmm_swiglu's
-// silu / gpt_oss with and without a bias, two slots; gather_qmm_swiglu with bad ids,
-// a bias per expert and dedupe). Values are checked by
+// silu / gpt_oss with and without a bias, two slots; rms_norm_qmm_swiglu; qmm_add's
+// addend, N with a tail; gather_qmm_swiglu with bad ids, a bias per expert and dedupe). Values are checked by
 // tests/test_decode_gpu.py, test_prefill_gpu.py and test_fused.py's GPU tests; here: NaN
 // rows exactly where the ids are bad, zero rows past the groups, every output
 // element written. Not part of the library.
@@ -181,26 +181,32 @@ static void run_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M,
   }
 }
 
-// The fused GEMV over S = E matrices of M rows: kFuseNorm (aux: the norm weight [K]
-// in x's dtype, or none) or kFuseSwiglu (N = 2I; aux: a float32 bias [N], or none;
-// y [E, M, I] of exactly that size); or gather_qmm_swiglu (ids: slot s of M = 1 row
-// uses expert ids[s]; aux: a float32 bias [E, N] or none; y [S, 1, I]). Every output
-// element written, NaN exactly in the rows of ids outside [0, E).
-static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M, int fuse,
+// The fused GEMV over S = E matrices of M rows, `kind` as the handler's `fuse`
+// (gemv_mma.hip): 1 rms_norm_qmm (aux: the norm weight [K] in x's dtype, or none), 2
+// qmm_swiglu (N = 2I; aux: a float32 bias [N], or none; y [E, M, I] of exactly that
+// size), 3 rms_norm_qmm_swiglu (the SwiGLU kernel with the norm prologue; aux: the norm
+// weight, or none), 4 qmm_add (the plain GEMV; aux: the addend [E, M, N] in x's dtype);
+// or gather_qmm_swiglu (kind 2 with ids: slot s of M = 1 row uses expert ids[s]; aux: a
+// float32 bias [E, N] or none; y [S, 1, I]). Every output element written, NaN exactly
+// in the rows of ids outside [0, E).
+static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_t M, int kind,
                            bool with_aux, int activation,
                            const std::vector<int32_t>* ids = nullptr, int dedupe = 0) {
+  static const char* kNames[] = {"", "rms_norm_qmm", "qmm_swiglu", "rms_norm_qmm_swiglu",
+                                 "qmm_add"};
+  const bool swiglu = kind == 2 || kind == 3, norm = kind == 1 || kind == 3, add = kind == 4;
   const int64_t S = ids ? (int64_t)ids->size() : E;
   QmvProblem q = make_problem(c, E, N, K, S, S, M, ids);
   std::mt19937 rng(99 + (int)N + (int)M);
   const int esz = c.x_dt == kF32 ? 4 : 2;
-  if (fuse == kFuseSwiglu && c.x_dt == kF16) {
+  if (swiglu && c.x_dt == kF16) {
     // f16 x of up to ~1 with E8M0 scales up to 2^13 overflows f16 (|y| to ~1e7): the
     // activation of -inf is NaN, as the unfused ops give. Smaller x (<= 2^-8) keeps
     // y finite, so every NaN below is the kernel's.
     CK(cudaFree(const_cast<void*>(q.x)));
     q.x = dev_random<uint16_t>(S * M * K, rng, 0x1bffu);
   }
-  const int64_t out_n = fuse == kFuseSwiglu ? N / 2 : N;
+  const int64_t out_n = swiglu ? N / 2 : N;
   CK(cudaFree(q.y));  // the output's exact size
   CK(cudaMalloc(&q.y, S * M * out_n * esz));
   CK(cudaMemset(q.y, kUnwritten, S * M * out_n * esz));
@@ -211,25 +217,42 @@ static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64
   P.chunks = K / 64;
   P.dedupe = ids != nullptr && dedupe > 0;
   void* aux = nullptr;
-  if (with_aux && fuse == kFuseNorm) {  // small positive weights in x's dtype
+  // f16 x normalized to a unit RMS overflows as the small x above would: a small norm
+  // weight (<= 2^-8) without an offset keeps the SwiGLU's y finite
+  const bool small_norm = norm && swiglu && c.x_dt == kF16;
+  if (small_norm) with_aux = true;
+  if (add) {  // the addend: y's exact size, small values in x's dtype
+    aux = esz == 4 ? (void*)dev_random<uint32_t>(S * M * N, rng, 0x3bffffffu)
+                   : (void*)dev_random<uint16_t>(S * M * N, rng, 0x3bffu);
+    P.addend = aux;
+  } else if (with_aux && norm) {  // small positive weights in x's dtype
     aux = esz == 4 ? (void*)dev_random<uint32_t>(K, rng, 0x3bffffffu)
-                   : (void*)dev_random<uint16_t>(K, rng, 0x3bffu);
-    P.aux_dt = c.x_dt;
+                   : (void*)dev_random<uint16_t>(K, rng, small_norm ? 0x1bffu : 0x3bffu);
+    P.norm_w = aux;
+    P.norm_dt = c.x_dt;
   } else if (with_aux) {
     aux = dev_random<uint32_t>(ids ? E * N : N, rng, 0x3bffffffu);
-    P.aux_dt = kF32;
-    P.aux_stride = ids ? N : 0;
+    P.bias = aux;
+    P.bias_dt = kF32;
+    P.bias_stride = ids ? N : 0;
   }
-  P.aux = aux;
+  P.normalize = norm;
   P.eps = 1e-6f;
-  P.offset = 1.0f;
+  P.offset = small_norm ? 0.0f : 1.0f;
   P.activation = activation;
   P.limit = 7.0f;
   P.alpha = 1.702f;
   const int nt = (ids ? dedupe : M) > 8 ? 2 : 1;
-  CK(c.x_dt == kF32   ? launch_gemv_mma_fused_f32(P, nt, fuse, 0)
-     : c.x_dt == kF16 ? launch_gemv_mma_fused_f16(P, nt, fuse, 0)
-                      : launch_gemv_mma_fused_bf16(P, nt, fuse, 0));
+  if (add) {
+    CK(c.x_dt == kF32   ? launch_qmv_mma_f32(P, nt, 0)
+       : c.x_dt == kF16 ? launch_qmv_mma_f16(P, nt, 0)
+                        : launch_qmv_mma_bf16(P, nt, 0));
+  } else {
+    const int fuse = swiglu ? kFuseSwiglu : kFuseNorm;
+    CK(c.x_dt == kF32   ? launch_gemv_mma_fused_f32(P, nt, fuse, 0)
+       : c.x_dt == kF16 ? launch_gemv_mma_fused_f16(P, nt, fuse, 0)
+                        : launch_gemv_mma_fused_bf16(P, nt, fuse, 0));
+  }
   q.N = out_n;  // (the launch has its copy) finish reads S x M x out_n outputs
   const Output y = finish(q);
   if (aux) cudaFree(aux);
@@ -238,10 +261,8 @@ static void run_fused_case(const Case& c, int64_t E, int64_t N, int64_t K, int64
     const bool bad = ids && ((*ids)[s] < 0 || (*ids)[s] >= E);
     const bool nan = isnan(y.v[i]);
     if (y.unwritten[i] || (bad ? !nan : (nan && !any_code_nan(c.fmt)))) {
-      const char* what = fuse == kFuseNorm ? (y.unwritten[i] ? "rms_norm_qmm: unwritten"
-                                                             : "rms_norm_qmm: NaN")
-                                           : (y.unwritten[i] ? "qmm_swiglu: unwritten"
-                                                             : "qmm_swiglu: NaN mismatch");
+      char what[64];
+      snprintf(what, sizeof what, "%s: %s", kNames[kind], y.unwritten[i] ? "unwritten" : "NaN");
       fail(what, c.fmt, c.bits, (long long)i);
       break;
     }
@@ -341,15 +362,19 @@ int main() {
       run_case(c, 5, 48, 128, 1, &ids, 7);       // dedupe, 8 rows
       run_case(c, 5, 33, 128, 1, &ids, 12);      // dedupe, 16 rows
       for (int64_t m : {1, 9, 16}) {
-        run_fused_case(c, 1, 37, 192, m, kFuseNorm, m != 9, kActSilu);  // a tail tile
-        run_fused_case(c, 2, 96, 192, m, kFuseSwiglu, m != 1, m == 16 ? kActSilu : kActGptOss);
+        run_fused_case(c, 1, 37, 192, m, 1, m != 9, kActSilu);  // a tail tile
+        run_fused_case(c, 2, 96, 192, m, 2, m != 1, m == 16 ? kActSilu : kActGptOss);
+        run_fused_case(c, 2, 37, 192, m, 4, true, kActSilu);  // qmm_add, a tail tile
       }
-      run_fused_case(c, 1, 64, 4096, 1, kFuseNorm, true, kActSilu);  // 4 warps, 8-16 KiB of x
-      run_fused_case(c, 1, 64, 4096, 1, kFuseSwiglu, true, kActGptOss);  // affine4: 8 warps
+      for (int64_t m : {1, 8})  // rms_norm_qmm_swiglu: one n-tile
+        run_fused_case(c, 2, 96, 192, m, 3, m == 1, m == 1 ? kActGptOss : kActSilu);
+      run_fused_case(c, 1, 64, 4096, 1, 1, true, kActSilu);  // 4 warps, 8-16 KiB of x
+      run_fused_case(c, 1, 64, 4096, 1, 2, true, kActGptOss);  // affine4: 8 warps
+      run_fused_case(c, 1, 64, 4096, 1, 3, true, kActSilu);
       // gather_qmm_swiglu: bad ids, per-expert bias rows, dedupe of 8 and 16 rows
-      run_fused_case(c, 5, 64, 192, 1, kFuseSwiglu, true, kActGptOss, &ids, 0);
-      run_fused_case(c, 5, 32, 128, 1, kFuseSwiglu, false, kActSilu, &ids, 7);
-      run_fused_case(c, 5, 96, 128, 1, kFuseSwiglu, true, kActGptOss, &ids, 12);
+      run_fused_case(c, 5, 64, 192, 1, 2, true, kActGptOss, &ids, 0);
+      run_fused_case(c, 5, 32, 128, 1, 2, false, kActSilu, &ids, 7);
+      run_fused_case(c, 5, 96, 128, 1, 2, true, kActGptOss, &ids, 12);
       if (xd == kF32) continue;                  // the GEMM takes 16-bit x
       for (int64_t m : {17, 64, 100}) run_gemm_case(c, 2, 37, 192, m, nullptr);
       for (const auto& sizes : ragged_sizes) run_gemm_case(c, 5, 37, 192, 150, &sizes);
