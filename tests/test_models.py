@@ -384,6 +384,40 @@ def test_norm_linear_and_swiglu_linear():
         swiglu_linear(x, w, kind="gelu")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_residuals_in_the_products_change_no_value(dtype, monkeypatch):
+    """A quantized dense layer adds its residuals in its products (decoder.fuses_residuals:
+    jq.qmm_add, jq.rms_norm_qmm_swiglu) with the same values as add_rms_norm, qmm_swiglu
+    and the add apart: prefill and decode logits equal bit for bit; float weights, biased
+    projections and MoE layers keep the ops apart."""
+    from jaxquant.models import decoder
+    cfg = tiny("llama", dtype=dtype)
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4")
+    prompt = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
+
+    def run():
+        _, cache, tok = jax.jit(models.prefill, static_argnums=(0, 3))(cfg, params, prompt, 9)
+        toks, last, _ = jax.jit(models.decode, static_argnums=(0, 5))(cfg, params, cache, tok,
+                                                                       6, 3)
+        return np.asarray(toks), np.asarray(last.astype(jnp.float32))
+
+    jaxpr = str(jax.make_jaxpr(lambda p, t: models.forward(
+        cfg, p, t, jnp.zeros_like(t), models.init_cache(cfg, 2, 4)))(params, prompt[:, :1]))
+    assert "jaxquant_qmm_add" in jaxpr and "jaxquant_rms_norm_qmm_swiglu" in jaxpr
+    assert "jaxquant_add_rms_norm" not in jaxpr
+    fused = run()
+    monkeypatch.setattr(decoder, "fuses_residuals", lambda cfg, p: False)
+    unfused = run()
+    np.testing.assert_array_equal(fused[0], unfused[0])
+    np.testing.assert_array_equal(fused[1], unfused[1])
+    layer = {k: v[0] for k, v in params["layers"].items()}
+    monkeypatch.undo()
+    assert decoder.fuses_residuals(cfg, layer)
+    assert not decoder.fuses_residuals(cfg, dict(layer, bo=jnp.zeros(64)))
+    assert not decoder.fuses_residuals(cfg, dict(layer, wo=jq.dequantize(layer["wo"])))
+    assert not decoder.fuses_residuals(tiny("gpt_oss"), layer)
+
+
 def test_quantize_params_layout():
     """Kernel-ready by default: the default device's layout (canonical on a CPU);
     a named layout prepacks every quantized matrix, the model's logits unchanged."""

@@ -14,7 +14,8 @@ from jax import lax
 import jaxquant as jq
 from jaxquant.models import parallel
 from jaxquant.models.config import Config
-from jaxquant.models.layers import attention, dense_mlp, linear, on_several_devices
+from jaxquant.models.layers import (attention, dense_mlp, linear, on_several_devices,
+                                    residual_mlp)
 from jaxquant.models.moe import ExpertsOfLayer, experts_mlp, flatten_layers, route
 from jaxquant.models.params import EXPERT_BIASES, EXPERT_STACKS, is_per_layer
 from jaxquant.quantized_array import QuantizedArray
@@ -31,12 +32,30 @@ def moe_mlp(cfg: Config, p, x, mesh=None):
     return experts_mlp(cfg, p, x, idx, weights, cfg.num_experts).astype(x.dtype)
 
 
+def fuses_residuals(cfg: Config, p) -> bool:
+    """Whether a layer adds the residuals in its products (layers.linear_add,
+    layers.residual_mlp) instead of in add_rms_norm and an add of their own: a dense
+    layer whose output projection, gate and up, and down projection are quantized and
+    unbiased, on one device. The values are the same either way; on a GPU the
+    products then follow one another with no small kernel between (docs/decode.md,
+    "What the step's structure costs")."""
+    names = ("wo", "w_gate_up", "w_down")
+    return (not cfg.moe and all(isinstance(p.get(n), QuantizedArray) for n in names)
+            and "bo" not in p
+            and not any(on_several_devices(leaf) for n in names
+                        for leaf in jax.tree_util.tree_leaves(p[n])))
+
+
 def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table, mesh=None,
           from_start=False):
     """One pre-norm block. h [B, T, D] is the residual stream; cache (k, v) of all
     layers, this one's updated in place; mesh: moe_mlp's; from_start: attention's.
     Returns (h, cache)."""
     b, t, d = h.shape
+    if fuses_residuals(cfg, p):
+        h, cache = attention(cfg, p, h, positions, cache, layer_index, window, rope_table,
+                             from_start, add_residual=True)
+        return residual_mlp(cfg, p, h), cache
     a, cache = attention(cfg, p, h, positions, cache, layer_index, window, rope_table,
                          from_start)
     x, h = jq.add_rms_norm(a, h, p["mlp_norm"], eps=cfg.rms_eps)

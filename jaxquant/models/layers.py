@@ -85,6 +85,18 @@ def float_linear(x, w):
     return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
 
 
+def linear_add(x, w, addend, bias=None):
+    """addend + linear(x, w) (+ bias), in addend's dtype: a projection into the residual
+    stream. jq.qmm_add on a quantized w without a bias on one device (one kernel where
+    one exists: the product then follows the product before it, with no add between;
+    docs/decode.md, "What the step's structure costs"); the two ops elsewhere, the same
+    values: qmm_add rounds the product to x's dtype before the add, as linear does."""
+    if (isinstance(w, QuantizedArray) and bias is None and x.dtype == addend.dtype
+            and not any(on_several_devices(leaf) for leaf in jax.tree_util.tree_leaves(w))):
+        return jq.qmm_add(x, w, addend)
+    return addend + linear(x, w, bias)
+
+
 def norm_linear(x, norm_weight, w, eps, bias=None):
     """linear(rms_norm(x, norm_weight), w) (+ bias): a projection of the normalized
     residual stream: jq.rms_norm_qmm on a quantized w (one kernel where one exists,
@@ -125,6 +137,19 @@ def swiglu_linear(x, w_gate_up, bias=None, kind="silu", limit=7.0, alpha=1.702):
         gu = gu + bias.astype(jnp.float32)
     gate, up = jnp.split(gu, 2, axis=-1)
     return swiglu(gate, up, kind, limit, alpha).astype(x.dtype)
+
+
+def norm_swiglu_linear(x, norm_weight, w_gate_up, eps, kind="silu", limit=7.0):
+    """swiglu_linear(rms_norm(x, norm_weight), w_gate_up): a pre-norm MLP's gate and up
+    projections of the residual stream x. jq.rms_norm_qmm_swiglu on a quantized w_gate_up
+    (one kernel where one exists), the two ops elsewhere."""
+    if isinstance(w_gate_up, QuantizedArray):
+        if kind not in SWIGLU_KINDS:
+            raise ValueError(f"kind={kind!r} is not known; expected one of {SWIGLU_KINDS}")
+        return jq.rms_norm_qmm_swiglu(x, norm_weight, w_gate_up, eps=eps, activation=kind,
+                                      limit=limit if kind == "gpt_oss" else None)
+    return swiglu_linear(jq.rms_norm(x, norm_weight, eps=eps), w_gate_up, kind=kind,
+                         limit=limit)
 
 
 def rope(x, positions, inv_freq, attention_factor):
@@ -176,10 +201,11 @@ def prompt_attention_applies(cfg: Config, p, q) -> str | None:
 
 
 def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_table,
-              from_start: bool = False):
+              from_start: bool = False, add_residual: bool = False):
     """Self-attention of the residual stream h [B, T, D] at positions [B, T]. cache:
     (k, v), each [L, B, S, Hkv, hd] for all layers, updated in place at
-    (layer_index, positions). Returns (out [B, T, D], cache).
+    (layer_index, positions). Returns (out [B, T, D], cache); with add_residual, out is
+    h + the attention's output (linear_add: the output projection adds it).
 
     from_start: positions are arange(T) in every row and the cache holds nothing before
     them (models.prefill), so the attention is causal over these T tokens alone: a fused
@@ -204,7 +230,10 @@ def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_tab
         # the op reads layer `layer_index` of the stacked caches in place (no slice copy)
         o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"),
                                 window=window, layer=layer_index)
-    return linear(o.reshape(b, t, hq * hd), p["wo"], p.get("bo")), (cache_k, cache_v)
+    o = o.reshape(b, t, hq * hd)
+    if add_residual:
+        return linear_add(o, p["wo"], h, p.get("bo")), (cache_k, cache_v)
+    return linear(o, p["wo"], p.get("bo")), (cache_k, cache_v)
 
 
 def dense_mlp(cfg: Config, p, x):
@@ -214,3 +243,12 @@ def dense_mlp(cfg: Config, p, x):
         h = swiglu(linear(x, p["w_gate"]), linear(x, p["w_up"]), cfg.mlp_activation,
                    cfg.swiglu_limit).astype(x.dtype)
     return linear(h, p["w_down"])
+
+
+def residual_mlp(cfg: Config, p, h):
+    """h + dense_mlp(rms_norm(h, mlp_norm)) with the norm in the gate and up projection
+    (norm_swiglu_linear) and the residual in the down projection (linear_add): the same
+    values as the norm, dense_mlp and the add apart."""
+    g = norm_swiglu_linear(h, p["mlp_norm"], p["w_gate_up"], cfg.rms_eps, cfg.mlp_activation,
+                           cfg.swiglu_limit)
+    return linear_add(g, p["w_down"], h)

@@ -1,0 +1,81 @@
+"""Variants of the decode step timed in turns in one process (each compiled once, then
+run round after round, so that the GPU's drift between processes does not enter the
+comparison), their first outputs compared with the first variant's.
+
+  AB=residuals CONFIG=llama3-8b LAYERS=32 MODES=affine4,mxfp4 python tools/gpu/decode_step_ab.py
+      a dense layer's residual adds in its products (decoder.fuses_residuals: jq.qmm_add,
+      jq.rms_norm_qmm_swiglu; the default where they apply) against add_rms_norm and the
+      layer's add as kernels of their own (benchmarks/h200/decode.json
+      `decode_step.fused_residuals.*`; docs/decode.md, "What the step's structure costs")
+  AB=norm CONFIG=llama3-8b LAYERS=32 MODES=affine4 python tools/gpu/decode_step_ab.py
+      the MLP's add_rms_norm on each backend: the default (XLA's fusions of the reference
+      at one row on a GPU), the CUDA kernel (backend="ffi") and Pallas
+      (benchmarks/h100/decode.json `decode_step.add_rms_norm_backend.*`)
+"""
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+from jaxquant import demo, models
+from jaxquant.models import decoder
+
+AB = os.environ.get("AB", "residuals")
+CONFIG = os.environ.get("CONFIG", "llama3-8b")
+LAYERS = int(os.environ.get("LAYERS", "32"))
+MODES = os.environ.get("MODES", "affine4,mxfp4").split(",")
+PROMPT, TOKENS, ROUNDS = 128, 64, 5
+
+
+def residual_variants():
+    automatic = decoder.fuses_residuals  # read by decoder.layer while a variant traces
+
+    def use(rule):
+        decoder.fuses_residuals = rule
+    return {"unfused": lambda: use(lambda cfg, p: False), "fused": lambda: use(automatic)}
+
+
+def norm_variants():
+    automatic = jq.add_rms_norm  # models call jq.add_rms_norm while a variant traces
+
+    def use(backend):
+        jq.add_rms_norm = (automatic if backend is None else
+                           lambda *a, **kw: automatic(*a, **dict(kw, backend=backend)))
+    return {name: (lambda b=b: use(b))
+            for name, b in (("default", None), ("ffi", "ffi"), ("pallas", "pallas"))}
+
+
+variants = {"residuals": residual_variants, "norm": norm_variants}[AB]()
+cfg = demo.preset(CONFIG, "bfloat16", LAYERS)
+base = jax.block_until_ready(jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0)))
+prompt = jax.random.randint(jax.random.key(1), (1, PROMPT), 0, cfg.vocab_size, jnp.int32)
+for mode in MODES:
+    params = base if mode == "bf16" else jax.block_until_ready(models.quantize_params(base, mode))
+    _, cache, token = jax.block_until_ready(jax.jit(
+        lambda p, x: models.prefill(cfg, p, x, PROMPT + TOKENS))(params, prompt))
+    compiled = {}
+    for name, setup in variants.items():
+        setup()
+        compiled[name] = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, PROMPT, TOKENS),
+                                 donate_argnums=1).lower(params, cache, token).compile()
+    next(iter(variants.values()))()  # the first variant's setting back
+    times, first = {k: [] for k in compiled}, {}
+    for r in range(ROUNDS + 1):  # round 0 warms up
+        for name, f in compiled.items():
+            c = jax.block_until_ready(jax.tree_util.tree_map(lambda a: a.copy(), cache))
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(f(params, c, token))
+            if r:
+                times[name].append(time.perf_counter() - t0)
+            else:
+                first[name] = np.asarray(jax.tree_util.tree_leaves(out)[0])
+    ref = next(iter(first))
+    for name, ts in times.items():
+        same = np.array_equal(first[name], first[ref])
+        print(f"{CONFIG} L={LAYERS} {mode} {AB} {name:8s} {TOKENS / min(ts):8.1f} tok/s "
+              f"(best of {ROUNDS}) {TOKENS / statistics.median(ts):8.1f} (median); first "
+              f"output equal to {ref}'s: {same}")
