@@ -14,7 +14,7 @@ from jax import lax
 import jaxquant as jq
 from jaxquant.models import parallel
 from jaxquant.models.config import Config
-from jaxquant.models.layers import (attention, dense_mlp, linear, on_several_devices,
+from jaxquant.models.layers import (any_on_several_devices, attention, dense_mlp, linear,
                                     residual_mlp)
 from jaxquant.models.moe import ExpertsOfLayer, experts_mlp, flatten_layers, route
 from jaxquant.models.params import EXPERT_BIASES, EXPERT_STACKS, is_per_layer
@@ -42,8 +42,7 @@ def fuses_residuals(cfg: Config, p) -> bool:
     names = ("wo", "w_gate_up", "w_down")
     return (not cfg.moe and all(isinstance(p.get(n), QuantizedArray) for n in names)
             and "bo" not in p
-            and not any(on_several_devices(leaf) for n in names
-                        for leaf in jax.tree_util.tree_leaves(p[n])))
+            and not any_on_several_devices([p[n] for n in names]))
 
 
 def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table, mesh=None,
@@ -102,8 +101,7 @@ def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer, mesh=None) -
     if experts_by_layer is not None:
         return bool(experts_by_layer)
     stacks = [layers[k] for k in EXPERT_STACKS if k in layers]
-    return bool(stacks) and not any(on_several_devices(leaf) for w in stacks
-                                    for leaf in jax.tree_util.tree_leaves(w))
+    return bool(stacks) and not any_on_several_devices(stacks)
 
 
 def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None, mesh=None,

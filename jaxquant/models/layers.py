@@ -34,6 +34,12 @@ def on_several_devices(a) -> bool:
     return sharding is not None and len(sharding.device_set) > 1
 
 
+def any_on_several_devices(tree) -> bool:
+    """Whether any array of a pytree (a QuantizedArray's, a layer's) lives on a mesh of
+    several devices."""
+    return any(on_several_devices(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+
 def float_gemv_applies(x, w) -> bool:
     """Whether linear(x, w) on a float w [N, K] takes the Pallas float GEMV (the float GEMV's
     shapes in jaxquant/pallas/configs.py, FLOAT_GEMV_OVER_XLA).
@@ -92,7 +98,7 @@ def linear_add(x, w, addend, bias=None):
     docs/decode.md, "What the step's structure costs"); the two ops elsewhere, the same
     values: qmm_add rounds the product to x's dtype before the add, as linear does."""
     if (isinstance(w, QuantizedArray) and bias is None and x.dtype == addend.dtype
-            and not any(on_several_devices(leaf) for leaf in jax.tree_util.tree_leaves(w))):
+            and not any_on_several_devices(w)):
         return jq.qmm_add(x, w, addend)
     return addend + linear(x, w, bias)
 
@@ -195,7 +201,7 @@ def prompt_attention_applies(cfg: Config, p, q) -> str | None:
         return None
     if "sinks" in p or cfg.windows().any():
         return None
-    if any(on_several_devices(leaf) for leaf in jax.tree_util.tree_leaves(p.get("wo"))):
+    if any_on_several_devices(p.get("wo")):
         return None
     return impl
 
