@@ -14,8 +14,8 @@ from jax import lax
 import jaxquant as jq
 from jaxquant.models import parallel
 from jaxquant.models.config import Config
-from jaxquant.models.layers import (any_on_several_devices, attention, dense_mlp, linear,
-                                    residual_mlp)
+from jaxquant.models.layers import (adds_in_the_product, any_on_several_devices, attention,
+                                    dense_mlp, linear, residual_mlp)
 from jaxquant.models.moe import ExpertsOfLayer, experts_mlp, flatten_layers, route
 from jaxquant.models.params import EXPERT_BIASES, EXPERT_STACKS, is_per_layer
 from jaxquant.quantized_array import QuantizedArray
@@ -39,10 +39,10 @@ def fuses_residuals(cfg: Config, p) -> bool:
     unbiased, on one device. The values are the same either way; on a GPU the
     products then follow one another with no small kernel between (docs/decode.md,
     "What the step's structure costs")."""
-    names = ("wo", "w_gate_up", "w_down")
-    return (not cfg.moe and all(isinstance(p.get(n), QuantizedArray) for n in names)
-            and "bo" not in p
-            and not any_on_several_devices([p[n] for n in names]))
+    return (not cfg.moe and isinstance(p.get("w_gate_up"), QuantizedArray)
+            and not any_on_several_devices(p["w_gate_up"])
+            and adds_in_the_product(p.get("wo"), p.get("bo"))
+            and adds_in_the_product(p.get("w_down")))
 
 
 def layer(cfg: Config, p, h, positions, cache, layer_index, window, rope_table, mesh=None,

@@ -91,14 +91,19 @@ def float_linear(x, w):
     return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
 
 
+def adds_in_the_product(w, bias=None) -> bool:
+    """Whether linear_add of w (and bias) is one jq.qmm_add: w quantized, no bias, on
+    one device."""
+    return isinstance(w, QuantizedArray) and bias is None and not any_on_several_devices(w)
+
+
 def linear_add(x, w, addend, bias=None):
     """addend + linear(x, w) (+ bias), in addend's dtype: a projection into the residual
     stream. jq.qmm_add on a quantized w without a bias on one device (one kernel where
     one exists: the product then follows the product before it, with no add between;
     docs/decode.md, "What the step's structure costs"); the two ops elsewhere, the same
     values: qmm_add rounds the product to x's dtype before the add, as linear does."""
-    if (isinstance(w, QuantizedArray) and bias is None and x.dtype == addend.dtype
-            and not any_on_several_devices(w)):
+    if adds_in_the_product(w, bias) and x.dtype == addend.dtype:
         return jq.qmm_add(x, w, addend)
     return addend + linear(x, w, bias)
 
