@@ -12,9 +12,9 @@ rocm: clang (clang++-19 from tools/toolchain/install_hip_toolchain.sh, or $JQ_HI
   not know (gfx950 before clang 20) is reported as skipped, with the reason.
   gfx942 (wave64) and gfx1100 (wave32) go through the whole AMDGPU backend;
   gfx90a and gfx1201, the same source for the same wave size, stop at
-  LLVM's optimized IR (-S -emit-llvm: clang's code generation for the target,
-  its builtins and features, and the -O2 pipeline, without instruction
-  selection: half the time); --backend-archs picks the first kind.
+  LLVM's IR (-S -emit-llvm at -O0: clang's code generation for the target,
+  its builtins and features, without the optimizer and instruction selection:
+  about a fifth of the backend's time); --backend-archs picks the first kind.
   The GEMV files build their default kernel variants only
   (-DJQ_QMV_DEFAULT_CONFIGS_ONLY), except for --all-qmv-configs (default
   gfx942), which builds every variant launch_qmv can launch, as the real build
@@ -76,7 +76,7 @@ CUDA_ARCHS = ["80", "90"]
 # backend on gfx942 and gfx1100 in the default variants).
 ALL_QMV_CONFIG_ARCHS = ["gfx90a"]
 # Through the AMDGPU backend (instruction selection, register allocation); the other
-# archs stop at LLVM's optimized IR. One arch per wave size: gpu_src/ branches on the
+# archs stop at LLVM's IR. One arch per wave size: gpu_src/ branches on the
 # wave size alone (JQ_WARP) outside cdna4_qmm.hip's gfx950 code, which
 # tools/toolchain/cdna4_compile_check.py compiles to the ISA.
 BACKEND_ARCHS = ["gfx942", "gfx1100"]
@@ -93,13 +93,13 @@ PTXAS_FILES = ["gemv_mma_fused_float_f16.hip", "gemv_mma_fused_float_f32.hip", "
 # the covering set; ROCm: one arch, default GEMV variants): the jobs start longest
 # first, so that the parallel jobs finish together (qmm_wgmma.hip last would leave one
 # core on it alone). Every variant (--every-variant) takes about 2.5-5x these.
-_SECONDS = {"qmm_wgmma.hip": 24, "gemv_mma_affine_bf16.hip": 18, "gemv_mma_float_bf16.hip": 16,
-            "gemv_mma_fused_affine_bf16.hip": 13, "gemv_float.hip": 13, "gemv_mma.hip": 9,
-            "gemv_mma_fused_float_bf16.hip": 8, "gpu_ffi.hip": 8, "gemv_affine.hip": 7.5,
-            "gemv_mma_fused_affine_f32.hip": 5.3, "gemv_mma_affine_f16.hip": 4,
-            "gemv_mma_affine_f32.hip": 3.7, "dequant.hip": 3.7, "gemv_mma_fused_float_f32.hip": 3.6,
-            "gemv_mma_float_f16.hip": 3.1, "gemv_mma_fused_affine_f16.hip": 2.9,
-            "gemv_mma_float_f32.hip": 2.7, "gemv_mma_fused_float_f16.hip": 2.2, "norms.hip": 1.8,
+_SECONDS = {"qmm_wgmma.hip": 26, "gemv_mma_affine_bf16.hip": 5.3, "gemv_mma_float_bf16.hip": 5.3,
+            "gemv_mma_fused_affine_bf16.hip": 7.6, "gemv_float.hip": 13, "gemv_mma.hip": 10,
+            "gemv_mma_fused_float_bf16.hip": 5.1, "gpu_ffi.hip": 8, "gemv_affine.hip": 7.5,
+            "gemv_mma_fused_affine_f32.hip": 3.3, "gemv_mma_affine_f16.hip": 2.4,
+            "gemv_mma_affine_f32.hip": 3.2, "dequant.hip": 3.7, "gemv_mma_fused_float_f32.hip": 3.9,
+            "gemv_mma_float_f16.hip": 2.5, "gemv_mma_fused_affine_f16.hip": 3.5,
+            "gemv_mma_float_f32.hip": 2.5, "gemv_mma_fused_float_f16.hip": 3.9, "norms.hip": 1.8,
             "cdna4_qmm.hip": 1}
 
 
@@ -134,7 +134,7 @@ def run(cmd, timeout=600):
 
 def rocm_jobs(clang, archs, out_dir, all_qmv_configs=(), backend_archs=BACKEND_ARCHS):
     rocm_path = os.environ.get("ROCM_PATH", "/usr")
-    common = [clang, "-x", "hip", "-std=c++17", "-O2", "-nogpulib", f"--rocm-path={rocm_path}",
+    common = [clang, "-x", "hip", "-std=c++17", "-nogpulib", f"--rocm-path={rocm_path}",
               "-DJQ_HIP_NOGPULIB", "-Iinclude", "-Igpu_src/common",
               "-isystem", ffi_include(), "-Wno-unused-command-line-argument"]
     defaults_only = ["-DJQ_QMV_DEFAULT_CONFIGS_ONLY"]
@@ -142,11 +142,14 @@ def rocm_jobs(clang, archs, out_dir, all_qmv_configs=(), backend_archs=BACKEND_A
     for arch in archs:
         for f in HIP_FILES + ROCM_ONLY_FILES:
             every = arch in all_qmv_configs and f in QMV_FILES
-            stage = ["-c"] if arch in backend_archs else ["-S", "-emit-llvm"]
+            # the archs that stop at LLVM's IR at -O0 (what they check is the front end's:
+            # about a third of -O2's time); the backend ones at -O2 (at -O0 the device
+            # code keeps assert's call into the device library, which -nogpulib leaves out)
+            stage = ["-O2", "-c"] if arch in backend_archs else ["-O0", "-S", "-emit-llvm"]
             jobs.append((f"{arch}:{f}", common + ([] if every else defaults_only) + [
                 f"--offload-arch={arch}", "--offload-device-only", "--no-gpu-bundle-output",
                 *stage, f"{SOURCE_DIR[f]}/{f}", "-o", str(out_dir / f"{arch}-{f}.o")]))
-    jobs.append(("host:gpu_ffi.hip", common + defaults_only + [
+    jobs.append(("host:gpu_ffi.hip", common + defaults_only + ["-O2",
         f"--offload-arch={archs[0] if archs else 'gfx942'}", "--offload-host-only", "-c",
         "gpu_src/common/gpu_ffi.hip", "-o", str(out_dir / "host-gpu_ffi.o")]))
     return jobs
@@ -208,9 +211,20 @@ def cuda_jobs(nvcc, archs, out_dir, ptxas_opt=0, every_variant=False, keep_dir=N
         code = "sm" if every_variant or f in PTXAS_FILES else "compute"
         return f"-gencode=arch=compute_{arch},code={code}_{arch}"
 
+    def cicc_opt(f):
+        # NVVM's level. What the check asks (the source compiles; the ptxas files' inline
+        # PTX assembles) holds at any level, and -O0's PTX holds every inline PTX form
+        # that -O3's does (it removes none), in a seventh of the time
+        # (gemv_mma_fused_affine_bf16.hip 48 -> 6.7 s). nvcc crashed (segmentation
+        # fault) on qmm_wgmma.hip at -O0 through ptxas, so the ptxas files take -O1
+        # (89 -> 37 s). --every-variant, the build's own check, keeps the build's -O3.
+        if every_variant:
+            return []
+        return ["-Xcicc", "-O1" if f in PTXAS_FILES else "-O0"]
+
     def job(f, arch_list):
         keep = [] if keep_dir is None else ["--keep", f"--keep-dir={keep_dir}"]
-        return (f"cuda:{f}", base + keep + [gencode(f, a) for a in arch_list] + [
+        return (f"cuda:{f}", base + keep + cicc_opt(f) + [gencode(f, a) for a in arch_list] + [
             "-c", f"{SOURCE_DIR[f]}/{f}", "-o", str(out_dir / f"cuda-{f}.o")])
 
     return ([job(f, archs) for f in HIP_FILES + CUDA_ONLY_FILES] +
@@ -251,7 +265,7 @@ def main(argv=None):
                          "each codec in one variant of each kernel, affine 4-bit in all)")
     ap.add_argument("--backend-archs", nargs="*", default=BACKEND_ARCHS,
                     help="ROCm archs compiled through the AMDGPU backend; the others stop "
-                         "at LLVM's optimized IR (default: %(default)s)")
+                         "at LLVM's IR (default: %(default)s)")
     ap.add_argument("--all-qmv-configs", nargs="*", default=ALL_QMV_CONFIG_ARCHS,
                     help="ROCm archs whose GEMV files build every kernel variant "
                          "(default: %(default)s)")
