@@ -7,6 +7,12 @@ comparison), their first outputs compared with the first variant's.
       jq.rms_norm_qmm_swiglu; the default where they apply) against add_rms_norm and the
       layer's add as kernels of their own (benchmarks/h200/decode.json
       `decode_step.fused_residuals.*`; docs/decode.md, "What the step's structure costs")
+  AB=qkv_norm CONFIG=llama3-8b LAYERS=32 MODES=affine4,mxfp4 python tools/gpu/decode_step_ab.py
+      the attention's norm in the q/k/v product (jq.rms_norm_qmm's kernel, the default at
+      one row) against the norm apart (XLA's fusions) and the plain GEMV
+  AB=mlp_norm CONFIG=llama3-8b LAYERS=32 MODES=affine4 python tools/gpu/decode_step_ab.py
+      with the residuals in the products, the MLP's norm before the SwiGLU product on each
+      backend: the default (XLA's fusions), the CUDA kernel and Pallas
   AB=norm CONFIG=llama3-8b LAYERS=32 MODES=affine4 python tools/gpu/decode_step_ab.py
       the MLP's add_rms_norm on each backend: the default (XLA's fusions of the reference
       at one row on a GPU), the CUDA kernel (backend="ffi") and Pallas
@@ -49,7 +55,30 @@ def norm_variants():
             for name, b in (("default", None), ("ffi", "ffi"), ("pallas", "pallas"))}
 
 
-variants = {"residuals": residual_variants, "norm": norm_variants}[AB]()
+def qkv_norm_variants():
+    automatic = jq.rms_norm_qmm  # layers.norm_linear calls it while a variant traces
+
+    def apart(x, norm_weight, qw, *, eps, weight_offset=0.0, backend=None):
+        return jq.qmm(jq.rms_norm(x, norm_weight, eps=eps, weight_offset=weight_offset), qw)
+
+    def use(f):
+        jq.rms_norm_qmm = f
+    return {"fused": lambda: use(automatic), "apart": lambda: use(apart)}
+
+
+def mlp_norm_variants():
+    automatic = jq.rms_norm_qmm_swiglu  # layers.norm_swiglu_linear calls it
+
+    def use(backend):
+        def apart(x, norm_weight, qw, *, eps, activation, limit=None, **kw):
+            h = jq.rms_norm(x, norm_weight, eps=eps, backend=backend)
+            return jq.qmm_swiglu(h, qw, activation=activation, limit=limit)
+        jq.rms_norm_qmm_swiglu = automatic if backend == "default" else apart
+    return {b: (lambda b=b: use(b)) for b in ("default", "ffi", "pallas")}
+
+
+variants = {"residuals": residual_variants, "norm": norm_variants,
+            "qkv_norm": qkv_norm_variants, "mlp_norm": mlp_norm_variants}[AB]()
 cfg = demo.preset(CONFIG, "bfloat16", LAYERS)
 base = jax.block_until_ready(jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0)))
 prompt = jax.random.randint(jax.random.key(1), (1, PROMPT), 0, cfg.vocab_size, jnp.int32)
