@@ -650,7 +650,7 @@ def test_automatic_choice_of_the_fused_kernel_by_rows():
     it): up to configs.FUSED_MAX_ROWS rows of x, counted over every leading axis."""
     from jaxquant.ffi import configs
 
-    assert configs.FUSED_MAX_ROWS == {"rms_norm_qmm": 1, "qmm_swiglu": 4, "qmm_add": 16}
+    assert configs.FUSED_MAX_ROWS == {"qmm_swiglu": 4, "qmm_add": 16}
     for op, most in configs.FUSED_MAX_ROWS.items():
         auto = configs.auto_fused(op)
         x = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -1023,13 +1023,12 @@ def test_cases_the_kernel_does_not_take_run_unfused():
 @needs_gpu
 def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
     """configs.FUSED_MAX_ROWS: the fused kernel up to its rows of x, the unfused ops above;
-    gather_qmm_swiglu's only when asked for."""
+    rms_norm_qmm's, rms_norm_qmm_swiglu's and gather_qmm_swiglu's only when asked for."""
     from jaxquant.ffi import configs
 
     _, packed = _packed("mxfp4", 4, (64, 192), key=4)
     w = rand(5, (192,), jnp.bfloat16)
-    ops = {"rms_norm_qmm": lambda x, q: jq.rms_norm_qmm(x, w, q),
-           "qmm_swiglu": lambda x, q: jq.qmm_swiglu(x, q),
+    ops = {"qmm_swiglu": lambda x, q: jq.qmm_swiglu(x, q),
            "qmm_add": lambda x, q: jq.qmm_add(x, q, jnp.zeros((x.shape[0], 64), x.dtype))}
     for op, f in ops.items():
         most = configs.FUSED_MAX_ROWS[op]
@@ -1040,6 +1039,11 @@ def test_automatic_choice_takes_the_fused_kernel_where_it_is_faster():
             # qmm past 16 rows: the prefill GEMM)
             unfused = "jaxquant_qmm_gemm" if op == "qmm_add" else "jaxquant_qmv_mma"
             assert fused or unfused in text, (op, m)
+    # rms_norm_qmm: opt-in (configs.py): the norm, then the plain GEMV
+    norm = lambda backend: (lambda x, q: jq.rms_norm_qmm(x, w, q, backend=backend))
+    text = _targets(norm(None), rand(4, (1, 192), jnp.bfloat16), packed)
+    assert "jaxquant_gemv_mma_fused" not in text and "jaxquant_qmv_mma" in text, text[-2000:]
+    assert "fuse = 1" in _targets(norm("ffi"), rand(4, (1, 192), jnp.bfloat16), packed)
     # rms_norm_qmm_swiglu: opt-in (configs.py): the norm, then qmm_swiglu's fused kernel
     nglu = lambda backend: (lambda x, q: jq.rms_norm_qmm_swiglu(x, w, q, backend=backend))
     text = _targets(nglu(None), rand(4, (1, 192), jnp.bfloat16), packed)

@@ -259,7 +259,7 @@ FUSED_SHAPES = {"rms_norm_qmm": (4096, 6144), "qmm_swiglu": (4096, 2 * 14336),
 
 def fused_variants(op, nw, r):
     """op's fused kernel (backend="ffi": at every M, where the automatic choice takes it
-    up to configs.FUSED_MAX_ROWS rows only), the automatic choice, and the unfused ops:
+    up to configs.FUSED_MAX_ROWS rows, or never), the automatic choice, and the unfused ops:
     (x, q) -> y each. nw: the norm weight [K]; r(m): the addend [m, N]."""
     def swiglu(y):
         g, u = jnp.split(y.astype(jnp.float32), 2, axis=-1)

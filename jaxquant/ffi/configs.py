@@ -141,11 +141,15 @@ def auto_norm(x, *operands, platform, **params) -> bool:
     return platform == "cpu" and math.prod(x.shape) >= NORM_MIN_ELEMENTS
 
 
-# The fused GEMVs (rms_norm_qmm, qmm_swiglu): the rows of x per call up to which the
-# automatic choice takes the fused kernel, where it measured faster than the unfused ops
-# it replaces (h100/decode.json `fused.*`). Past one row the norm prologue is slower, as
-# every block normalizes its rows itself; the SwiGLU epilogue stays ahead to four rows.
-FUSED_MAX_ROWS = {"rms_norm_qmm": 1, "qmm_swiglu": 4, "qmm_add": 16}
+# The fused GEMVs (qmm_swiglu, qmm_add): the rows of x per call up to which the automatic
+# choice takes the fused kernel, where it measured faster than the unfused ops it
+# replaces (h100/decode.json `fused.*`): the SwiGLU epilogue up to four rows, the addend
+# up to the GEMV's 16.
+FUSED_MAX_ROWS = {"qmm_swiglu": 4, "qmm_add": 16}
+# rms_norm_qmm's fused kernel is opt-in (backend="ffi"): every block normalizes x itself,
+# and in the decode step on an H200 the norm apart (XLA's fusions, then the plain GEMV)
+# decoded 1.2-1.4% faster (Llama-3-8B) and 0.9-1.0% (gpt-oss-20b), affine4 and mxfp4
+# (h200/decode.json `decode_step.qkv_norm.*`); past one row it was slower on an H100 too.
 # rms_norm_qmm_swiglu's fused kernel is opt-in (backend="ffi"): in the SwiGLU's grid (896
 # blocks at Llama-3-8B's 4096 -> 2 x 14336) every block normalizing x cost 4.5-6.5 us a
 # call at one row, where the norm as a kernel of its own costs about 2 (h200/decode.json

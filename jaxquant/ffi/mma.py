@@ -328,8 +328,8 @@ def register(lib) -> None:
     # the handlers a newer library adds: symbol, target, the kernels on it
     optional = (
         ("jq_gpu_gemv_mma_fused", FUSED_TARGET,  # the fused GEMVs
-         (("rms_norm_qmm", rms_norm_qmm_impl, rms_norm_qmm_applies, PRIORITY,
-           configs.auto_fused("rms_norm_qmm")),
+         # opt-in: slower in the decode step than the norm and the GEMV apart (configs.py)
+         (("rms_norm_qmm", rms_norm_qmm_impl, rms_norm_qmm_applies, PRIORITY, configs.never),
           ("qmm_swiglu", qmm_swiglu_impl, qmm_swiglu_applies, PRIORITY,
            configs.auto_fused("qmm_swiglu")),
           # opt-in: slower than the norm and qmm_swiglu's kernel apart (configs.py)
