@@ -8,8 +8,9 @@ comparison), their first outputs compared with the first variant's.
       layer's add as kernels of their own (benchmarks/h200/decode.json
       `decode_step.fused_residuals.*`; docs/decode.md, "What the step's structure costs")
   AB=qkv_norm CONFIG=llama3-8b LAYERS=32 MODES=affine4,mxfp4 python tools/gpu/decode_step_ab.py
-      the attention's norm in the q/k/v product (jq.rms_norm_qmm's kernel, the default at
-      one row) against the norm apart (XLA's fusions) and the plain GEMV
+      the attention's norm in the q/k/v product (jq.rms_norm_qmm's kernel, backend="ffi")
+      against the default: the norm apart (XLA's fusions), then the plain GEMV
+      (benchmarks/h200/decode.json `decode_step.qkv_norm.*`)
   AB=mlp_norm CONFIG=llama3-8b LAYERS=32 MODES=affine4 python tools/gpu/decode_step_ab.py
       with the residuals in the products, the MLP's norm before the SwiGLU product on each
       backend: the default (XLA's fusions), the CUDA kernel and Pallas
@@ -58,12 +59,10 @@ def norm_variants():
 def qkv_norm_variants():
     automatic = jq.rms_norm_qmm  # layers.norm_linear calls it while a variant traces
 
-    def apart(x, norm_weight, qw, *, eps, weight_offset=0.0, backend=None):
-        return jq.qmm(jq.rms_norm(x, norm_weight, eps=eps, weight_offset=weight_offset), qw)
-
-    def use(f):
-        jq.rms_norm_qmm = f
-    return {"fused": lambda: use(automatic), "apart": lambda: use(apart)}
+    def use(backend):
+        jq.rms_norm_qmm = (automatic if backend is None else
+                           lambda *a, **kw: automatic(*a, **dict(kw, backend=backend)))
+    return {"fused": lambda: use("ffi"), "apart": lambda: use(None)}
 
 
 def mlp_norm_variants():
