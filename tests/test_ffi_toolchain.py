@@ -121,9 +121,9 @@ def test_cuda_source_compiles(source, tmp_path):
     all, float16/float32 x with affine 4-bit and MXFP4 alone, float16 x in one variant
     (gpu_src/cuda/gemv_mma.h, kEveryVariant, kBuiltForX; about a fifth of the time of every
     variant, docs/building.md); through ptxas at -O0 for ncc.PTXAS_FILES (NVVM at -O1),
-    to PTX for the others (NVVM at -O0). sm_80 differs by two `__CUDA_ARCH__ >= 900` guards; `python
-    tools/toolchain/native_compile_check.py cuda --every-variant` compiles both archs and every
-    variant through ptxas. Where the library was built, its build compiled every
+    to PTX for the others (NVVM at -O0). sm_80 differs by two `__CUDA_ARCH__ >= 900`
+    guards; `python tools/toolchain/native_compile_check.py cuda --every-variant`
+    compiles both archs and every variant through ptxas. Where the library was built, its build compiled every
     source (test_cuda_library_compiled checks it)."""
     if _cuda_library() is not None:
         pytest.skip("this install built libjaxquant_cuda.so from every CUDA source "

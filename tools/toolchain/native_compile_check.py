@@ -89,10 +89,12 @@ QMV_FILES = ("gemv_affine.hip", "gemv_float.hip")
 # inline_asm_forms). The others' ptxas was about a quarter of the check's CPU time.
 # --every-variant runs ptxas on every source.
 PTXAS_FILES = ["gemv_mma_fused_float_f16.hip", "gemv_mma_fused_float_f32.hip", "qmm_wgmma.hip"]
-# Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, ptxas -O0,
-# the covering set; ROCm: one arch, default GEMV variants): the jobs start longest
-# first, so that the parallel jobs finish together (qmm_wgmma.hip last would leave one
-# core on it alone). Every variant (--every-variant) takes about 2.5-5x these.
+# Seconds of one core per job, measured on a 2-core machine (CUDA: sm_90, NVVM at the
+# check's levels (cuda_jobs), ptxas -O0, the covering set; ROCm: one arch, default GEMV
+# variants; a HIP source's entry is its ROCm time): the jobs start longest first, so
+# that the parallel jobs finish together (qmm_wgmma.hip last would leave one core on it
+# alone). Every variant (--every-variant, at the build's NVVM level) takes several times
+# these.
 _SECONDS = {"qmm_wgmma.hip": 26, "gemv_mma_affine_bf16.hip": 5.3, "gemv_mma_float_bf16.hip": 5.3,
             "gemv_mma_fused_affine_bf16.hip": 7.6, "gemv_float.hip": 13, "gemv_mma.hip": 10,
             "gemv_mma_fused_float_bf16.hip": 5.1, "gpu_ffi.hip": 8, "gemv_affine.hip": 7.5,
