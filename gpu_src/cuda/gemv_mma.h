@@ -636,6 +636,13 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The stage after `stage` in a ring of S.
+template <int S>
+__device__ __forceinline__ int next_stage(int stage) {
+  if constexpr ((S & (S - 1)) == 0) return (stage + 1) & (S - 1);
+  else return stage + 1 == S ? 0 : stage + 1;
+}
+
 // The lane's unit of a chunk, global -> shared, with the widest copies its
 // alignment allows (the unit is `BITS` words at a multiple of BITS words).
 // `read` false: nothing read (zeros; the chunk past the warp's last, never used).
@@ -779,7 +786,12 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
     // of a block are a multiple of 16 rows apart: they share tile0's alignment.
     const uintptr_t align =
         reinterpret_cast<uintptr_t>(s_tile[0]) | reinterpret_cast<uintptr_t>(b_tile[0]);
-    const bool async_scales = (align & 3) == 0;
+    // The issues below advance the scales' offset by a fixed step, which needs a warp's
+    // chunks (warps x 64 k apart) to be whole groups apart: not so only with one warp
+    // and groups of 128 (K < 256), which then takes the loop that loads scales itself.
+    const uint32_t warp_k = (uint32_t)warps << 6;  // k between a warp's chunks
+    const uint32_t step_s = (warp_k >> gshift) * (16u * ssz);
+    const bool async_scales = (align & 3) == 0 && (warp_k >> gshift << gshift) == warp_k;
     // The lane's part of a chunk's scale copies, set once: a chunk's scales (and
     // biases) are kPieces 4-byte words each; where both fit a warp, lanes [0, kPieces)
     // copy the scales and the next kPieces lanes the biases: one predicated copy per
@@ -793,38 +805,47 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
 #pragma unroll
     for (int j = 0; j < TB; ++j)
       lane_ssrc[j] = (bias_lane ? b_tile[j] : s_tile[j]) + 4 * (lane % kPieces);
-    // chunk i of the warp's, issued S - 1 ahead; past its last, a copy that reads
-    // nothing (of chunk 0, a valid address): no branch in the loop. Offsets in
-    // unsigned 32-bit arithmetic: one wide multiply-add per address (the issue took
-    // a third of the affine 4-bit loop's instructions in 64-bit signed arithmetic;
-    // 119 -> 108 instructions a chunk, 2-7% less time at Llama's shapes).
-    auto issue = [&](int i, bool scales) {
-      const bool read = i < mine;
-      const uint32_t cc = read ? (uint32_t)(warp + i * warps) : 0u;
-      const uint32_t sbyte = ((cc << 6) >> gshift) * (16u * ssz);
-      const uint32_t slot0 = (uint32_t)((i % S) * TB);
+    // The warp's chunks are issued in order, S - 1 ahead of their use: the next one's
+    // index among the warp's, chunk number, unit and scale byte offsets and stage
+    // advance by a step per issue instead of being recomputed from the index (affine
+    // 4-bit 108 -> 101 SASS instructions a chunk, MXFP4 160 -> 154; 3-5% less time
+    // at Llama's shapes on an H200: docs/decode.md). Past the warp's last chunk, a
+    // copy that reads nothing (of chunk 0, a valid address): no branch in the loop.
+    // Offsets in unsigned 32-bit arithmetic.
+    int iss_n = 0, iss_stage = 0;
+    uint32_t iss_cc = (uint32_t)warp, iss_w = (uint32_t)warp * (128u * BITS);
+    uint32_t iss_s = ((uint32_t)(warp << 6) >> gshift) * (16u * ssz);
+    const uint32_t step_w = (uint32_t)warps * (128u * BITS);
+    auto issue = [&](bool scales) {
+      const bool read = iss_n < mine;
+      const uint32_t wbyte = read ? iss_w : 0u, sbyte = read ? iss_s : 0u;
 #pragma unroll
       for (int j = 0; j < TB; ++j) {
         const bool rj = read && j < ntile;
-        const uint32_t slot = slot0 + j;
+        const uint32_t slot = (uint32_t)(iss_stage * TB + j);
         unit_to_shared<BITS>(slots_s + slot * (kSlotStride * 4),
                              reinterpret_cast<const uint32_t*>(
-                                 reinterpret_cast<const char*>(cur[j].w) + cc * (128u * BITS)),
+                                 reinterpret_cast<const char*>(cur[j].w) + wbyte),
                              rj);
         if (scales) {
           if constexpr (kOneCopy) {
             cp_async_fill4_if(sstage_s + slot * (2 * kSB) + lane_sdst, lane_ssrc[j] + sbyte,
                               rj ? 4 : 0, scale_lane);
           } else {
-            scales_to_shared<C, P, ssz>(sstage_s + slot * 2 * kSB, s_tile[j], b_tile[j], cc,
-                                        gshift, lane, rj);
+            scales_to_shared<C, P, ssz>(sstage_s + slot * 2 * kSB, s_tile[j], b_tile[j],
+                                        read ? iss_cc : 0u, gshift, lane, rj);
           }
         }
       }
+      ++iss_n;
+      iss_cc += (uint32_t)warps;
+      iss_w += step_w;
+      iss_s += step_s;
+      iss_stage = next_stage<S>(iss_stage);
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) {
-      issue(i, async_scales);
+      issue(async_scales);
       cp_async_commit();
     }
     if constexpr (EARLY) stage_x();
@@ -836,9 +857,10 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
       if (!ASYNC && mine > 0)
 #pragma unroll
         for (int j = 0; j < TB; ++j) sc[j].load(p, cur[j], warp, gshift, g);
+      int stage = 0;  // chunk i's (i % S)
       for (int i = 0; i < mine; ++i) {
         const int c = warp + i * warps;
-        issue(i + S - 1, ASYNC);
+        issue(ASYNC);  // chunk i + S - 1
         cp_async_commit();
         Scales sc_next[TB];
         if (!ASYNC) {
@@ -853,10 +875,11 @@ __device__ __forceinline__ void accumulate_tiles(const Problem& pr, int64_t e, i
         uint32_t w[TB][BITS];
 #pragma unroll
         for (int j = 0; j < TB; ++j) {
-          const int slot = (i % S) * TB + j;
+          const int slot = stage * TB + j;
           if constexpr (ASYNC) sc[j].load_shared(sstage + slot * 2 * kSB, g);
           load_unit<BITS, false>(slots + slot * kSlotStride, w[j]);
         }
+        stage = next_stage<S>(stage);
         __syncwarp();  // every lane has read stage i % S before it is refilled
         compute_chunk<C, XDT, NT, P, TAIL, SDT, TB>(cur[0], c, w, sc, gsv, acc);
         if constexpr (!ASYNC)
@@ -1402,7 +1425,7 @@ inline int swiglu_warps(int64_t chunks) {
 //   give every SM two blocks.
 // - M = 1 (qmm), 4-bit codes (launch_s): two tiles where the grid stays 8 blocks
 //   of two per SM deep (a language model's head). Per tile and chunk the loop then
-//   issues fewer instructions (affine4 108 -> 84, mxfp4 160 -> 143; SASS, sm_90); the
+//   issues fewer instructions (affine4 101 -> 81; SASS, sm_90); the
 //   head (4096 -> 128256) took 114 -> 104 us for affine4 and 129 -> 112 for mxfp4,
 //   gpt-oss-20b's (2880 -> 201088, mxfp4) 153 -> 128 (H100,
 //   tools/cuda/ab_mma_driver.hip); at 3-7 blocks per SM (4096 -> 14336 / 28672) the
