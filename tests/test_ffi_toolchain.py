@@ -123,8 +123,8 @@ def test_cuda_source_compiles(source, tmp_path):
     variant, docs/building.md); through ptxas at -O0 for ncc.PTXAS_FILES (NVVM at -O1),
     to PTX for the others (NVVM at -O0). sm_80 differs by two `__CUDA_ARCH__ >= 900`
     guards; `python tools/toolchain/native_compile_check.py cuda --every-variant`
-    compiles both archs and every variant through ptxas. Where the library was built, its build compiled every
-    source (test_cuda_library_compiled checks it)."""
+    compiles both archs and every variant through ptxas. Where the library was built, its
+    build compiled every source (test_cuda_library_compiled checks it)."""
     if _cuda_library() is not None:
         pytest.skip("this install built libjaxquant_cuda.so from every CUDA source "
                     "(test_cuda_library_compiled checks its handlers)")

@@ -23,15 +23,6 @@
 using namespace jq;
 namespace N = jq::gpu::mma;
 
-// The launchers' SM count (tiles_per_block); the library defines it (gpu_ffi.hip) and
-// this driver links no library.
-int jq_device_sm_count() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 1;
-  return sms;
-}
 namespace O = jq::gpu::mma_old;
 
 // the formats of the shapes below (each one built twice: keep the list short)

@@ -15,6 +15,17 @@
 #include "cuda_check.h"  // CK
 #include "gemv_mma.h"  // jq::QmvProblem, the format and dtype ids, the GEMV's tiling
 
+// The device's SM count, which the GEMV's launchers ask for (tiles_per_block): the
+// library defines it (gpu_ffi.hip, cached), and these drivers, one translation unit
+// each, link no library.
+int jq_device_sm_count() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 1;
+  return sms;
+}
+
 // `bytes` of random words (each & mask) on the device.
 static void* dev_random(size_t bytes, std::mt19937& rng, uint32_t mask) {
   std::vector<uint32_t> h((bytes + 3) / 4);

@@ -46,23 +46,24 @@ def residual_variants():
     return {"unfused": lambda: use(lambda cfg, p: False), "fused": lambda: use(automatic)}
 
 
+def backend_variants(op, backends):
+    """jq.<op> with each (name, backend) forced (None: the automatic choice); the models
+    call jq.<op> while a variant traces."""
+    automatic = getattr(jq, op)
+
+    def use(backend):
+        setattr(jq, op, automatic if backend is None else
+                lambda *a, **kw: automatic(*a, **dict(kw, backend=backend)))
+    return {name: (lambda b=b: use(b)) for name, b in backends}
+
+
 def norm_variants():
-    automatic = jq.add_rms_norm  # models call jq.add_rms_norm while a variant traces
-
-    def use(backend):
-        jq.add_rms_norm = (automatic if backend is None else
-                           lambda *a, **kw: automatic(*a, **dict(kw, backend=backend)))
-    return {name: (lambda b=b: use(b))
-            for name, b in (("default", None), ("ffi", "ffi"), ("pallas", "pallas"))}
+    return backend_variants("add_rms_norm", (("default", None), ("ffi", "ffi"),
+                                             ("pallas", "pallas")))
 
 
-def qkv_norm_variants():
-    automatic = jq.rms_norm_qmm  # layers.norm_linear calls it while a variant traces
-
-    def use(backend):
-        jq.rms_norm_qmm = (automatic if backend is None else
-                           lambda *a, **kw: automatic(*a, **dict(kw, backend=backend)))
-    return {"fused": lambda: use("ffi"), "apart": lambda: use(None)}
+def qkv_norm_variants():  # layers.norm_linear calls jq.rms_norm_qmm
+    return backend_variants("rms_norm_qmm", (("fused", "ffi"), ("apart", None)))
 
 
 def mlp_norm_variants():

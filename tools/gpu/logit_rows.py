@@ -30,7 +30,8 @@ def logits(params, tokens):
 
 ref, got = logits(base, prompt), logits(quantized, prompt)
 scale = np.abs(ref).max()
-print(f"{CONFIG} {LAYERS} layers {MODE}: Δlogits of the batch {np.abs(got - ref).max() / scale:.1%}")
+print(f"{CONFIG} {LAYERS} layers {MODE}: Δlogits of the batch "
+      f"{np.abs(got - ref).max() / scale:.1%}")
 for i in range(BATCH):
     q_alone, f_alone = logits(quantized, prompt[i:i + 1])[0], logits(base, prompt[i:i + 1])[0]
     print(f"  row {i}: against float {np.abs(got[i] - ref[i]).max() / scale:6.1%}; alone "
