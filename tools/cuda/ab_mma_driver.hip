@@ -22,7 +22,6 @@
 
 using namespace jq;
 namespace N = jq::gpu::mma;
-
 namespace O = jq::gpu::mma_old;
 
 // the formats of the shapes below (each one built twice: keep the list short)
