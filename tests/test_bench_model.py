@@ -126,19 +126,29 @@ def test_matmul_flops_per_token_counts_the_weight_products():
 
 
 def test_prefill_share_of_the_gemm_column():
+    # 1000 tok/s at 4e11 FLOPs a token: 50% of an 8e14 FLOP/s GEMM. Its bound: 512 tokens
+    # take 0.256 s of FLOPs at the GEMM's rate; their 1e12 bytes at 2e12 B/s take 0.5 s,
+    # against 0.512 s measured: 98% of the bound. The second row's bytes take 0.1 s: its
+    # bound is the FLOPs' 0.256 s, 50%.
     rows = [{"config": "c", "impl": "jaxquant", "mode": "bf16", "batch": 1, "decode_tps": 10.0,
-             "step_bytes": 1e9, "prefill_tps": 1000.0, "prefill_flops": 4e14},
+             "step_bytes": 1e9, "prefill_tps": 1000.0, "prefill_flops": 4e14,
+             "prefill_tokens": 512, "prefill_bytes": 1e12},
+            {"config": "c", "impl": "jaxquant", "mode": "mxfp4", "batch": 1,
+             "decode_tps": 20.0, "step_bytes": 1e9, "prefill_tps": 1000.0,
+             "prefill_flops": 4e14, "prefill_tokens": 512, "prefill_bytes": 2e11},
             {"config": "c", "impl": "jaxquant", "mode": "bf16", "batch": 8, "decode_tps": 70.0,
              "step_bytes": 1e9}]
     lines = []
     bench_model.print_rows(rows, 2e12, lines.append, [], gemm_flops=8e14)
     header, got = _tables(lines)[-1]
-    assert header[5:10] == ["% of bound", "bound tok/s", "vs float", "prefill tok/s",
-                            "prefill % of GEMM"]
-    assert [r["prefill % of GEMM"] for r in got] == ["50%", ""]
+    assert header[5:11] == ["% of bound", "bound tok/s", "vs float", "prefill tok/s",
+                            "prefill % of GEMM", "prefill % of bound"]
+    assert [r["prefill % of GEMM"] for r in got] == ["50%", "50%", ""]
+    assert [r["prefill % of bound"] for r in got] == ["98%", "50%", ""]
     lines.clear()
     bench_model.print_rows(rows, 2e12, lines.append, [])  # no GEMM timed: no column
     assert "prefill % of GEMM" not in _tables(lines)[-1][0]
+    assert "prefill % of bound" not in _tables(lines)[-1][0]
 
 
 def test_dense_matmul_flops_on_cpu():

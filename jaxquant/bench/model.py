@@ -18,7 +18,9 @@ counted) at the copy bandwidth measured in this process (a streaming
 read+write, calls back to back). On a CPU a copy measures caches, so the
 bound's columns are left out there. "prefill % of GEMM" (accelerators) is the
 prefill's weight-product FLOP/s (`matmul_flops_per_token`) against a dense bf16
-8192^3 GEMM timed in this process. "Δlogits" is max |logits - float logits| /
+8192^3 GEMM timed in this process; "prefill % of bound" its time at the longer of
+that rate and its weight bytes at the copy bandwidth, over its time
+(`prefill_of_bound`). "Δlogits" is max |logits - float logits| /
 max |float logits| at the prompt's last position.
 
 The peer (dense configs; `jaxquant/bench/torch_peer.py`): the same function on
@@ -112,6 +114,17 @@ def matmul_flops_per_token(cfg) -> float:
     else:
         mlp = 3 * d * cfg.intermediate_size
     return 2.0 * (cfg.num_layers * (attn + mlp) + cfg.vocab_size * d)
+
+
+def prefill_of_bound(row, gemm_flops: float, bw: float) -> float:
+    """A prefill's time at its bound over its time. The bound is the longer of its weight
+    products' FLOPs at the dense GEMM's rate and the weight bytes it reads at the copy
+    bandwidth (`step_bytes` at the prompt's tokens: every expert, where a prompt of
+    hundreds of tokens picks them all). A MoE's prefill of a few hundred tokens is bound
+    by the bytes: gpt-oss-20b's 512 tokens read 40 GB of experts in bf16."""
+    tokens, tps = row["prefill_tokens"], row["prefill_tps"]
+    bound_s = max(tokens * row["prefill_flops"] / tps / gemm_flops, row["prefill_bytes"] / bw)
+    return bound_s * tps / tokens
 
 
 def _fmt_bytes(n: float) -> str:
@@ -430,6 +443,8 @@ def config_rows(args, name, out):
                         p = prefill_run(cfg, placed, args.prefill, args.forward_kw, args.iters,
                                         mesh, profile_dir and profile_dir + "_prefill")
                         row.update(prefill_rates(cfg, p))
+                        row["prefill_tokens"] = args.prefill
+                        row["prefill_bytes"] = step_bytes(cfg, placed, args.prefill)
                     else:
                         p = {}
                     if b == args.batch[0] and args.prefill and mesh is None:
@@ -506,7 +521,8 @@ def print_rows(rows, bw, out, meshes, gemm_flops=None):
     each prefill's weight-product FLOP/s as a share of it."""
     cols = ["config", "impl", "mode", "batch", "decode tok/s", "% of bound", "bound tok/s",
             "vs float"]
-    cols += ["prefill tok/s"] + (["prefill % of GEMM"] if gemm_flops else [])
+    cols += ["prefill tok/s"] + (["prefill % of GEMM", "prefill % of bound"] if gemm_flops
+                                 else [])
     cols += ["prefill vs float", "weights read/step", "Δlogits"]
     cols += ["vs 1 device", "vs best 1 device", "prefill vs best 1 device"] if meshes else []
     out("")
@@ -550,6 +566,8 @@ def print_rows(rows, bw, out, meshes, gemm_flops=None):
         if gemm_flops:
             cells.append(f"{100 * r['prefill_flops'] / gemm_flops:.0f}%"
                          if "prefill_flops" in r else "")
+            cells.append(f"{100 * prefill_of_bound(r, gemm_flops, bw):.0f}%"
+                         if "prefill_bytes" in r and not callable(bw) else "")
         cells += [vs_float(r, "prefill_tps"),
                   _fmt_bytes(r["step_bytes"]) if "step_bytes" in r else "",
                   _cell(r, "dlogits", "{:.2%}")]
@@ -754,7 +772,8 @@ def run(args, out=print):
         gemm_flops = harness.dense_matmul_flops()
         out(f"# dense bf16 GEMM (8192^3, XLA's dot) here: {gemm_flops / 1e12:.0f} TFLOP/s; "
             f"prefill % of GEMM = the prefill's weight-product FLOP/s (attention's own not "
-            f"counted) / that")
+            f"counted) / that; prefill % of bound = its time at the longer of that rate and "
+            f"its weight bytes at the copy bandwidth / its time")
     if args.peer == "torch":
         import torch
 
