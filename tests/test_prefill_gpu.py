@@ -3,7 +3,8 @@ cuda_mma layout: qmm with M > 16 for every mode and 16-bit activation dtype
 against the float64 oracle (N with a canonical tail, K of 1..many chunks,
 batched weights), ragged_qmm's edge cases (empty groups, all rows in one group,
 T not a multiple of the row block, rows past sum(group_sizes) zero, sizes past
-T), its few-rows path through the decode GEMV, and `auto` picking both.
+T), its few-rows path through the decode GEMV, `auto` picking both, and ragged_matmul's
+grouped GEMM on float experts (qmm_wgmma.h) with the same edge cases.
 Skipped without a CUDA GPU and library (tools/gpu/check_prefill.sh runs it)."""
 
 from __future__ import annotations
@@ -243,6 +244,86 @@ def test_auto_picks_the_gemm():
                            dict(transpose=True, precision=None))
     assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi.mma"
     assert _gemm_used(jq.qmm, jnp.ones((64, 128), jnp.bfloat16), packed)
+
+
+_ragged_matmul_ffi = jax.jit(lambda x, w, s: jq.ragged_matmul(x, w, s, backend="ffi"))
+needs_wgmma = pytest.mark.skipif(not configs.wgmma_usable(),
+                                 reason="ragged_matmul's kernel needs compute capability 9.0")
+
+
+def _float_experts(key, shape, dt):
+    w = rand(key, shape, dt)
+    return w, np.asarray(w, np.float64)
+
+
+@needs_wgmma
+@pytest.mark.parametrize("case", RAGGED_CASES)
+def test_ragged_matmul_edge_cases(case):
+    # float experts w [E, N, K] in x's dtype. N = 200: two 128-row weight boxes, the
+    # second running into the next expert's rows (past the stack's end for the last);
+    # K = 328: six chunks, the last of 8 k (zeros past K in both boxes). T = 264 rows,
+    # the last 128-row item of a group partial.
+    sizes = RAGGED_CASES[case]
+    for dt in X16:
+        w, w64 = _float_experts(3, (5, 200, 328), dt)
+        x = rand(4, (264, 328), dt)
+        y = _ragged_matmul_ffi(x, w, jnp.asarray(sizes, jnp.int32))
+        _check_ragged(y, x, w64, sizes, jnp.dtype(dt))
+    assert "jaxquant_ragged_matmul" in _ragged_matmul_ffi.lower(
+        x, w, jnp.asarray(sizes, jnp.int32)).as_text()
+
+
+@needs_wgmma
+@pytest.mark.parametrize("t", [1, 7, 64, 100, 513, 2100])
+def test_ragged_matmul_random_groups(t):
+    # random group sizes summing to T or less, 16 experts: from one row to groups of
+    # several 128-row items
+    rng = np.random.default_rng(t)
+    e = 16
+    cuts = np.sort(rng.integers(0, t + 1, e - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [rng.integers(cuts[-1], t + 1)]]))
+    for dt in X16:
+        w, w64 = _float_experts(t + 5, (e, 96, 512), dt)
+        x = rand(t + 6, (t, 512), dt)
+        y = _ragged_matmul_ffi(x, w, jnp.asarray(sizes, jnp.int32))
+        _check_ragged(y, x, w64, sizes, jnp.dtype(dt))
+
+
+@needs_wgmma
+def test_ragged_matmul_gpt_oss_shape_and_auto():
+    # gpt-oss-20b's experts' width (K = 2880: 45 chunks), 8 of its 5760 rows' worth
+    w, w64 = _float_experts(31, (8, 640, 2880), jnp.bfloat16)
+    sizes = jnp.asarray([64, 0, 100, 200, 0, 48, 0, 100], jnp.int32)
+    x = rand(32, (512, 2880), jnp.bfloat16)
+    impl = dispatch.select("ragged_matmul", None, "cuda", (x, w, sizes),
+                           dict(transpose=True, precision=None))
+    assert impl is not None and getattr(impl, "func", impl).__module__ == "jaxquant.ffi.mma"
+    y = jax.jit(jq.ragged_matmul)(x, w, sizes)
+    _check_ragged(y, x, w64, np.asarray(sizes), jnp.bfloat16)
+
+
+@needs_wgmma
+def test_ragged_matmul_bad_operands_are_refused():
+    from jaxquant.ffi.mma import ragged_matmul_call
+    w = rand(1, (3, 64, 128), jnp.bfloat16)
+    x = rand(2, (100, 128), jnp.bfloat16)
+    sizes = jnp.asarray([30, 30, 40], jnp.int32)
+    for args, match in (((x, w, jnp.ones((4,), jnp.int32)), "group_sizes"),
+                        ((x, w.astype(jnp.float16), sizes), "w in x's dtype"),
+                        ((x.astype(jnp.float32), w.astype(jnp.float32), sizes),
+                         "float16 or bfloat16"),
+                        ((x[:, :100], w[:, :, :100], sizes), "multiple of 8"),
+                        ((x, w[:, :, :64], sizes), r"x \[T, K\] and w \[E, N, K\]")):
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(ragged_matmul_call(*args))
+    # no experts: every row is past the groups
+    y = ragged_matmul_call(x, w[:0], jnp.zeros((0,), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), 0.0)
+    # the cases the kernel does not take go to the other kernels, not to it
+    for xx, ww in ((x.astype(jnp.float32), w), (x[:, :100], w[:, :, :100])):
+        impl = dispatch.select("ragged_matmul", "ffi", "cuda", (xx, ww, sizes),
+                               dict(transpose=True, precision=None))
+        assert impl is None or getattr(impl, "func", impl).__module__ != "jaxquant.ffi.mma"
 
 
 def test_bad_group_sizes_are_refused():

@@ -10,6 +10,9 @@
 //     y [1, T, N].
 //   jaxquant_dequant_mma (qmm_gemm.h): data, scales, biases, global_scale ->
 //     w [..., N, K] (16-bit, canonical order), the values the GEMM multiplies.
+//   jaxquant_ragged_matmul (ragged_matmul_wgmma.h, compute capability 9.0 only): x [T, K] and
+//     float experts w [E, N, K], both float16 or both bfloat16, group_sizes int32 [E]
+//     -> y [T, N], rows past the groups zero (ragged_matmul, transpose=True).
 //   jaxquant_gemv_mma_fused (gemv_mma.h, FUSE): the decode GEMV with rms_norm_qmm's
 //     norm prologue, qmm_swiglu's epilogue, both (rms_norm_qmm_swiglu), or qmm_add's
 //     addend (gemv_mma_fused_impl below).
@@ -344,4 +347,80 @@ static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_dequant_mma, dequant_mma_impl,
                               jq::format_attrs(jq::ffi_rets<1>(jq::ffi_args<4>(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<hipStream_t>>()))),
+                              JQ_CAPTURABLE);
+
+static ffi::Error ragged_matmul_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                     ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(),
+       yd = y->dimensions();
+  const int32_t x_dt = jq::dtype_of(x.element_type());
+  if (x_dt != jq::kF16 && x_dt != jq::kBF16)
+    return jq::invalid(std::string("ragged_matmul's kernel takes float16 or bfloat16 x; got ") +
+                       jq::dtype_name(x.element_type()));
+  if (w.element_type() != x.element_type())
+    return jq::invalid(std::string("ragged_matmul's kernel takes w in x's dtype (") +
+                       jq::dtype_name(x.element_type()) + "); got " +
+                       jq::dtype_name(w.element_type()));
+  if (xd.size() != 2 || wd.size() != 3 || !jq::dims_ok(xd) || !jq::dims_ok(wd) ||
+      wd[2] != xd[1])
+    return jq::invalid("ragged_matmul takes x [T, K] and w [E, N, K]; got " + jq::dims_str(xd) +
+                       " and " + jq::dims_str(wd));
+  const int64_t T = xd[0], K = xd[1], E = wd[0], N = wd[1];
+  if (group_sizes.element_type() != ffi::DataType::S32 || gd.size() != 1 || gd[0] != E)
+    return jq::invalid("group_sizes must be int32 [E=" + std::to_string(E) + "]; got " +
+                       jq::dtype_name(group_sizes.element_type()) + " " + jq::dims_str(gd));
+  if (y->element_type() != x.element_type() || yd.size() != 2 || yd[0] != T || yd[1] != N)
+    return jq::invalid("ragged_matmul's y must be [T, N] = (" + std::to_string(T) + ", " +
+                       std::to_string(N) + ") in x's dtype; got " + jq::dims_str(yd));
+  // the tensor maps: rows 16-byte strided, coordinates in int32
+  if (K % 8 != 0 || K == 0)
+    return jq::invalid("ragged_matmul's kernel takes K a positive multiple of 8; got K=" +
+                       std::to_string(K));
+  if (T > 2147483647 || E * N > 2147483647)
+    return jq::invalid("ragged_matmul's kernel takes T and E x N below 2**31; got T=" +
+                       std::to_string(T) + ", E x N=" + std::to_string(E * N));
+  if (((reinterpret_cast<uintptr_t>(x.untyped_data()) |
+        reinterpret_cast<uintptr_t>(w.untyped_data())) & 15) != 0)
+    return jq::invalid("ragged_matmul's kernel takes 16-byte aligned x and w");
+#if defined(JQ_PLATFORM_CUDA)
+  using namespace jq::gpu::mma;
+  if (!wgmma_usable())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "jaxquant ffi: ragged_matmul's kernel runs on compute capability 9.0 only");
+  if (T == 0 || N == 0) return ffi::Error::Success();
+  if (E == 0) {  // no groups: every row is past them
+    JQ_LAUNCH_CHECK(cudaMemsetAsync(y->untyped_data(), 0, T * N * 2, stream),
+                    "ragged_matmul's zeros");
+    return ffi::Error::Success();
+  }
+  GemmProblem P{};
+  jq::QmvProblem& q = P.q;
+  q.S = q.Sx = q.x_div = 1;
+  q.M = T;
+  q.K = K;
+  q.N = N;
+  q.E = E;
+  q.x = x.untyped_data();
+  q.x_dt = x_dt;
+  q.data = static_cast<const uint32_t*>(w.untyped_data());
+  q.y = y->untyped_data();
+  P.chunks = (K + kChunkK - 1) / kChunkK;
+  P.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  plan_ragged_matmul(P);
+  JQ_LAUNCH_CHECK(launch_ragged_matmul_wgmma(P, stream), "ragged_matmul's grouped GEMM");
+  return ffi::Error::Success();
+#else
+  (void)stream;
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "jaxquant ffi: ragged_matmul's kernel is CUDA only");
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_ragged_matmul, ragged_matmul_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
                               JQ_CAPTURABLE);

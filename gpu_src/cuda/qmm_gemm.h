@@ -489,6 +489,11 @@ JQ_FAMILY_LAUNCHERS(launch_qmm_wgmma, bf16)
 JQ_FAMILY_LAUNCHERS(launch_qmm_wgmma, f16)
 #undef JQ_FAMILY_LAUNCHERS
 
+// ragged_matmul's grouped GEMM on float experts (ragged_matmul_wgmma.h, built in
+// qmm_wgmma.hip): P.q.data the experts' weights [E, N, K] in x's 16-bit dtype, planned by
+// plan_ragged_matmul.
+hipError_t launch_ragged_matmul_wgmma(const GemmProblem& pr, hipStream_t stream);
+
 // The wgmma kernel's weight rows per block (qmm_wgmma.h: kWgWarps 16-row tiles).
 constexpr int kWgBlockTiles = 8;
 
@@ -572,6 +577,22 @@ inline void plan_gemm(GemmProblem& P) {
   // short blocks, each filling the producer's pipeline from empty, and measured 6-8%
   // slower than the warps' own copies (docs/prefill.md)
   P.producer = P.wgmma && aligned16 && !producer_off && !(ragged && P.block_m == 64);
+}
+
+// ragged_matmul's plan (wgmma_usable() holds), for P with q, chunks and group_sizes
+// set: rows of x per item and the most items (ragged_row_block's). The float experts'
+// GEMM reads an item's 128 x K weight box once, so items of 128 rows read each weight
+// once for a group of up to 128 rows, where 64-row items read it again for each 64 rows
+// past the first: while the weights outweigh x, the bytes cost more than the tensor
+// cores' padding (gpt-oss-20b's bf16 prefill of 512 tokens on an H200: 158 us a
+// product at 128, 194 at 64; benchmarks/h200/model.json `gpt-oss-20b.bf16.prefill512*`).
+inline void plan_ragged_matmul(GemmProblem& P) {
+  const QmvProblem& q = P.q;
+  P.wgmma = true;
+  P.block_m = 128;
+  P.row_blocks = (q.M + P.block_m - 1) / P.block_m + q.E;
+  P.ksplit = 1;
+  P.producer = true;
 }
 
 inline hipError_t launch_gemm(const GemmProblem& P, hipStream_t stream) {

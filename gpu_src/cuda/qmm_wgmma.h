@@ -181,6 +181,11 @@ __device__ __forceinline__ void mma_order_unit(uint32_t (&w)[BITS], int lane) {
     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define JQ_WG_OUT_64(d) JQ_WG_OUT_AT(d, 0)
 #define JQ_WG_OUT_128(d) JQ_WG_OUT_AT(d, 0), JQ_WG_OUT_AT(d, 64)
+// wgmma_ss: the same with A from shared memory too (K-major, 128-byte swizzle, like b):
+// the float experts' GEMM (ragged_matmul_wgmma.h), whose weights need no decode.
+#define JQ_WG_SS_32 "%32, %33"
+#define JQ_WG_SS_64 "%64, %65"
+#define JQ_WG_SS_128 "%128, %129"
 #define JQ_WGMMA(N, R, TY)                                                                      \
   __device__ __forceinline__ void wgmma_##TY(float (&d)[R], const uint32_t (&a)[4], uint64_t b) { \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                     \
@@ -188,6 +193,13 @@ __device__ __forceinline__ void mma_order_unit(uint32_t (&w)[BITS], int lane) {
                  "}, " JQ_WG_AB_##R ", p, 1, 1, 0;\n}\n"                                        \
                  : JQ_WG_OUT_##R(d)                                                             \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                         \
+  }                                                                                             \
+  __device__ __forceinline__ void wgmma_ss_##TY(float (&d)[R], uint64_t a, uint64_t b) {        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " {" JQ_WG_ACC_##R \
+                 "}, " JQ_WG_SS_##R ", p, 1, 1, 0, 0;\n}\n"                                     \
+                 : JQ_WG_OUT_##R(d)                                                             \
+                 : "l"(a), "l"(b));                                                             \
   }
 JQ_WGMMA(64, 32, bf16)
 JQ_WGMMA(64, 32, f16)
@@ -201,6 +213,48 @@ template <int XDT, int R>
 __device__ __forceinline__ void wgmma(float (&d)[R], const uint32_t (&a)[4], uint64_t b) {
   if constexpr (XDT == kF16) wgmma_f16(d, a, b);
   else wgmma_bf16(d, a, b);
+}
+template <int XDT, int R>
+__device__ __forceinline__ void wgmma_ss(float (&d)[R], uint64_t a, uint64_t b) {
+  if constexpr (XDT == kF16) wgmma_ss_f16(d, a, b);
+  else wgmma_ss_bf16(d, a, b);
+}
+
+// The block's output tile from the MMA warps' accumulators (the wgmma fragment above;
+// warps past kWgWarps hold none): through shared memory `out`, [m][128 weight rows] in
+// x's dtype, then to y's rows [blk.y0, blk.y0 + blk.rows), columns [n0, n0 + 128) cut
+// at N, as 16-byte rows where whole. `out_threads` of the block store; mma_warps_sync
+// is the barrier between the two steps that every one of them reaches.
+template <int XDT, int R, class Sync>
+__device__ __forceinline__ void store_block_y(const float (&acc)[R], uint8_t* out, int warp,
+                                              int lane, const RowBlock& blk, int64_t n0,
+                                              const QmvProblem& p, int out_threads,
+                                              Sync&& mma_warps_sync) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < (warp < kWgWarps ? R : 0); i += 2) {
+    const int m = 8 * (i >> 2) + 2 * t, row = 16 * warp + g + 8 * ((i >> 1) & 1);
+    const uint32_t v = XDT == kF16 ? pack_f16x2(acc[i], acc[i + 1]) : pack_bf16x2(acc[i], acc[i + 1]);
+    *reinterpret_cast<uint16_t*>(out + m * kWgOutStride + row * 2) = (uint16_t)(v & 0xffffu);
+    *reinterpret_cast<uint16_t*>(out + (m + 1) * kWgOutStride + row * 2) = (uint16_t)(v >> 16);
+  }
+  mma_warps_sync();
+  const int ncols = (int)min((int64_t)kWgRows, p.N - n0);
+  uint16_t* y = static_cast<uint16_t*>(p.y);
+  if (ncols == kWgRows && (p.N & 7) == 0) {  // 16-byte rows
+    for (int idx = threadIdx.x; idx < blk.rows * (kWgRows / 8); idx += out_threads) {
+      const int m = idx / (kWgRows / 8), v8 = idx % (kWgRows / 8);
+      *reinterpret_cast<uint4*>(y + (blk.y0 + m) * p.N + n0 + 8 * v8) =
+          *reinterpret_cast<const uint4*>(out + m * kWgOutStride + 16 * v8);
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < blk.rows * kWgRows; idx += out_threads) {
+      const int m = idx / kWgRows, col = idx % kWgRows;
+      if (col < ncols)
+        y[(blk.y0 + m) * p.N + n0 + col] =
+            *reinterpret_cast<const uint16_t*>(out + m * kWgOutStride + col * 2);
+    }
+  }
 }
 
 // The kernel's parameters: the problem and the tensor map of x (rows [Sx * M or T, K]).
@@ -257,7 +311,7 @@ __global__ void __launch_bounds__(kWgThreads<BN, WS>, KS > 1 ? 2 : 1)
   // branch that leaves the producer out (otherwise it spills at 96 registers)
   const int lane = threadIdx.x & 31;
   const int warp = WS ? __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0) : threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2;
   const int64_t n0 = (int64_t)blockIdx.x * kWgRows;
 
   const uint32_t full_s = (uint32_t)__cvta_generic_to_shared(x_full);
@@ -449,33 +503,8 @@ __global__ void __launch_bounds__(kWgThreads<BN, WS>, KS > 1 ? 2 : 1)
     if (rank != 0) return;
   }
 
-  // --- y through shared memory: [m][128 weight rows] in x's dtype, then rows ------
-  uint8_t* out = smem;
-#pragma unroll
-  for (int i = 0; i < (warp < kWgWarps ? R : 0); i += 2) {
-    const int m = 8 * (i >> 2) + 2 * t, row = 16 * warp + g + 8 * ((i >> 1) & 1);
-    const uint32_t v = XDT == kF16 ? pack_f16x2(acc[i], acc[i + 1]) : pack_bf16x2(acc[i], acc[i + 1]);
-    *reinterpret_cast<uint16_t*>(out + m * kWgOutStride + row * 2) = (uint16_t)(v & 0xffffu);
-    *reinterpret_cast<uint16_t*>(out + (m + 1) * kWgOutStride + row * 2) = (uint16_t)(v >> 16);
-  }
-  mma_warps_sync();
-  const int ncols = (int)min((int64_t)kWgRows, p.N - n0);
-  const int out_threads = kRegSplit ? kWgWarps * 32 : (int)blockDim.x;
-  uint16_t* y = static_cast<uint16_t*>(p.y);
-  if (ncols == kWgRows && (p.N & 7) == 0) {  // 16-byte rows
-    for (int idx = threadIdx.x; idx < blk.rows * (kWgRows / 8); idx += out_threads) {
-      const int m = idx / (kWgRows / 8), v8 = idx % (kWgRows / 8);
-      *reinterpret_cast<uint4*>(y + (blk.y0 + m) * p.N + n0 + 8 * v8) =
-          *reinterpret_cast<const uint4*>(out + m * kWgOutStride + 16 * v8);
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < blk.rows * kWgRows; idx += out_threads) {
-      const int m = idx / kWgRows, col = idx % kWgRows;
-      if (col < ncols)
-        y[(blk.y0 + m) * p.N + n0 + col] =
-            *reinterpret_cast<const uint16_t*>(out + m * kWgOutStride + col * 2);
-    }
-  }
+  store_block_y<XDT>(acc, smem, warp, lane, blk, n0, p,
+                     kRegSplit ? kWgWarps * 32 : (int)blockDim.x, mma_warps_sync);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

@@ -3,16 +3,20 @@
 // architecture list), so the handler checks the device before it launches.
 // Compiled once per launcher and rows of x per block (JQ_WGMMA_PART = 1..12: affine
 // bf16, float bf16, affine f16, float f16, each for BN = 64, 128, 256; part 1 also
-// holds wgmma_usable, x_tensor_map and the launchers that pick the BN), as the GEMV
+// holds wgmma_usable, the tensor maps and the launchers that pick the BN), as the GEMV
 // files are per JQ_MMA_PART: the whole file was the build's longest compile (139 s on
 // the 2-core machine under load), and one part per launcher took 125 s of the 16-core
-// machine's 148 s build once BN = 64 came. Without JQ_WGMMA_PART it defines all.
+// machine's 148 s build once BN = 64 came. Part 13 is ragged_matmul's GEMM on float
+// experts. Without JQ_WGMMA_PART it defines all.
 #include <stdlib.h>
 #include <string.h>
 
 #include <cudaTypedefs.h>
 
 #include "qmm_wgmma.h"
+#if !defined(JQ_WGMMA_PART) || JQ_WGMMA_PART == 13
+#include "ragged_matmul_wgmma.h"
+#endif
 
 #if defined(JQ_PLATFORM_CUDA)
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(JQ_NO_WGMMA)
@@ -36,6 +40,7 @@ hipError_t launch_qmm_wgmma_affine_bf16(const GemmProblem&, hipStream_t) { retur
 hipError_t launch_qmm_wgmma_float_bf16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
 hipError_t launch_qmm_wgmma_affine_f16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
 hipError_t launch_qmm_wgmma_float_f16(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
+hipError_t launch_ragged_matmul_wgmma(const GemmProblem&, hipStream_t) { return hipErrorInvalidValue; }
 #endif
 #else
 #if JQ_WGMMA_BUILDS(1)
@@ -79,6 +84,20 @@ bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
                 const_cast<void*>(q.x), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool float_weight_map(const GemmProblem& pr, bool f16, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const QmvProblem& q = pr.q;
+  const cuuint64_t dims[2] = {(cuuint64_t)q.K, (cuuint64_t)(q.E * q.N)};
+  const cuuint64_t strides[1] = {(cuuint64_t)q.K * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)kChunkK, (cuuint32_t)kWgRows};
+  const cuuint32_t elem[2] = {1, 1};
+  return encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                const_cast<uint32_t*>(q.data), dims, strides, box, elem,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 bool wgmma_piece_maps(const GemmProblem& pr, int bits, int scale_bytes, CUtensorMap* w,
@@ -165,6 +184,12 @@ JQ_WG_PART(float, f16, kF16, kFloatFormats, 128)
 #endif
 #if JQ_WGMMA_BUILDS(12)
 JQ_WG_PART(float, f16, kF16, kFloatFormats, 256)
+#endif
+#if JQ_WGMMA_BUILDS(13)
+hipError_t launch_ragged_matmul_wgmma(const GemmProblem& pr, hipStream_t stream) {
+  return pr.q.x_dt == kF16 ? launch_ragged_matmul_bn<kF16, 128>(pr, stream)
+                           : launch_ragged_matmul_bn<kBF16, 128>(pr, stream);
+}
 #endif
 #undef JQ_WG_PART
 #undef JQ_WG_LAUNCHER

@@ -20,6 +20,8 @@
     dense pallas  jq.ragged_matmul's Pallas kernel on dense weights: the float GEMM over
                   the same schedule, reading the experts in place (what models use for
                   float experts)
+    dense ffi   jq.ragged_matmul(backend="ffi") on dense weights, where it has a kernel
+                (the grouped GEMM on float experts, compute capability 9.0)
     dense gemm  one dense [T*top_k, K] x [N, K]^T product (cuBLAS on a GPU): the same
                 FLOPs as the routed product, for scale
 Each timed call does one product per routing, over `--copies` distinct routings
@@ -169,6 +171,7 @@ def run(args, out=print):
     import numpy as np
 
     import jaxquant as jq
+    from jaxquant import dispatch
     from jaxquant.pallas import moe
 
     bw = harness.start(out, args.interpret)
@@ -217,6 +220,13 @@ def run(args, out=print):
                                                            for a, g in zip(xs, sizes)))
                     time(f, (xs, w, sizes), nbytes=e * n * k * dt.itemsize + io, mode="-",
                          impl=f"dense {label}")
+                if dispatch.select("ragged_matmul", "ffi", "cuda", (xs[0], w, sizes[0]),
+                                   dict(transpose=True, precision=None),
+                                   required=False) is not None:
+                    f = jax.jit(lambda xs, w, sizes: tuple(
+                        jq.ragged_matmul(a, w, g, backend="ffi") for a, g in zip(xs, sizes)))
+                    time(f, (xs, w, sizes), nbytes=e * n * k * dt.itemsize + io, mode="-",
+                         impl="dense ffi")
                 mats = [w[c % e] + jnp.zeros((), dt) for c in range(len(idxs))]
                 time(jax.jit(lambda xs, mats: tuple(
                     jnp.einsum("tk,nk->tn", a, m, preferred_element_type=jnp.float32).astype(dt)

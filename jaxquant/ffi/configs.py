@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,13 @@ def mma_gemm_max_m(qw) -> int:
     n, groups = qw.scales.shape[-2:]
     aligned = n * groups * jnp.dtype(qw.scales.dtype).itemsize % 4 == 0
     return MMA_GEMM_MAX_M_SM90 if aligned and _cuda_capability() == "9.0" else MMA_GEMM_MAX_M
+
+
+def wgmma_usable() -> bool:
+    """Whether the CUDA library's Hopper kernels run on the default CUDA device: compute
+    capability 9.0, unless $JAXQUANT_GEMM_KERNEL=mma turns them off (the C++ side's
+    `wgmma_usable`, gpu_src/cuda/qmm_wgmma.hip, which the handlers check again)."""
+    return _cuda_capability() == "9.0" and os.environ.get("JAXQUANT_GEMM_KERNEL") != "mma"
 
 
 @functools.lru_cache(maxsize=None)

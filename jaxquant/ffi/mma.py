@@ -15,6 +15,9 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
   configs.MMA_GEMV_MAX_M rows of x, and gather_qmm_swiglu (the same epilogue on
   gather_qmm's slots, each with its expert's bias row); other cases of those ops run
   the unfused ops (jaxquant/ops/fused.py).
+- The float experts' grouped GEMM (gpu_src/cuda/qmm_wgmma.h, ragged_matmul_wgmma_kernel):
+  ragged_matmul on 16-bit experts w [E, N, K] in x's dtype, on compute capability 9.0
+  (no layout: the experts as they are).
 - The layout's dequantize (gpu_src/cuda/qmm_gemm.h) for `jq.dequantize` into a 16-bit
   dtype and, under automatic choice, for qmm with more than
   configs.mma_gemm_max_m rows: the dequantized weight, then XLA's dot (cuBLAS).
@@ -44,6 +47,7 @@ TARGET = "jaxquant_qmv_mma"
 GEMM_TARGET = "jaxquant_qmm_gemm"
 DEQUANT_TARGET = "jaxquant_dequant_mma"
 FUSED_TARGET = "jaxquant_gemv_mma_fused"
+RAGGED_MATMUL_TARGET = "jaxquant_ragged_matmul"
 # The fused GEMV (gemv_mma.h; the handler's `fuse`, gemv_mma.hip): its kinds,
 # activations, and the most bytes of x the norm's block stages in shared memory (M x
 # (K x bytes + 16)): kMaxNormXSharedBytes in rms_norm_qmm's kernel, kMaxXSharedBytes in
@@ -307,11 +311,36 @@ def ragged_qmm_impl(x, qw, group_sizes, *, transpose, precision, platform):
     return jnp.where(past[:, None], jnp.zeros((), y.dtype), y[:, 0, :])
 
 
+def ragged_matmul_call(x, w, group_sizes):
+    """x [T, K] with float experts w [E, N, K] in x's dtype (float16 or bfloat16),
+    group_sizes int32 [E] -> [T, N]; rows past sum(group_sizes) zero."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+    return jax.ffi.ffi_call(RAGGED_MATMUL_TARGET, out, vmap_method="sequential")(
+        x, w, group_sizes)
+
+
+def ragged_matmul_applies(x, w, group_sizes, *, transpose, precision, platform):
+    # the kernel's tensor maps: K a multiple of 8 (16-byte rows), int32 coordinates
+    if not (transpose and x.ndim == 2 and w.ndim == 3 and configs.wgmma_usable()):
+        return False
+    e, n, k = w.shape
+    return (jnp.dtype(x.dtype) in _GEMM_X_DTYPES and jnp.dtype(w.dtype) == jnp.dtype(x.dtype)
+            and x.shape[1] == k and k > 0 and k % 8 == 0 and group_sizes.shape == (e,)
+            and x.shape[0] < 2**31 and e * n < 2**31)
+
+
+def ragged_matmul_impl(x, w, group_sizes, *, transpose, precision, platform):
+    # 16-bit products are exact in the float32 accumulators: `precision` changes nothing.
+    # The kernel cuts the groups at T itself; the clip keeps wide sizes from wrapping.
+    t = x.shape[0]
+    return ragged_matmul_call(x, w, jnp.clip(group_sizes, 0, t).astype(jnp.int32))
+
+
 def register(lib) -> None:
-    """Register the CUDA library's kernels on the layout (their own handler symbols,
-    jq_gpu_qmv_mma, jq_gpu_gemv_mma_fused, jq_gpu_qmm_gemm and jq_gpu_dequant_mma, beside the targets
-    every library lists)
-    and their lowerings;
+    """Register the CUDA library's kernels on the layout and on float experts (their own
+    handler symbols, jq_gpu_qmv_mma, jq_gpu_gemv_mma_fused, jq_gpu_qmm_gemm,
+    jq_gpu_ragged_matmul and jq_gpu_dequant_mma, beside the targets every library
+    lists) and their lowerings;
     make cuda_mma `jq.prepack`'s default on CUDA. A library without the symbol
     (built before it existed) leaves everything as it was."""
     try:
@@ -342,6 +371,8 @@ def register(lib) -> None:
         ("jq_gpu_qmm_gemm", GEMM_TARGET,  # the prefill GEMM
          (("qmm", gemm_qmm_impl, gemm_qmm_applies, PRIORITY, gemm_qmm_auto),
           ("ragged_qmm", ragged_qmm_impl, ragged_qmm_applies, PRIORITY, None))),
+        ("jq_gpu_ragged_matmul", RAGGED_MATMUL_TARGET,  # float experts' grouped GEMM
+         (("ragged_matmul", ragged_matmul_impl, ragged_matmul_applies, PRIORITY, None),)),
         ("jq_gpu_dequant_mma", DEQUANT_TARGET,  # the layout's dequantize
          (("dequantize", dequantize_mma_call, dequantize_applies, PRIORITY, None),
           # many rows: below the GEMM, which an explicit backend="ffi" gets

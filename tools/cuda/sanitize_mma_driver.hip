@@ -12,7 +12,8 @@
 // past T, rows past the groups (zero); the layout's dequantize; the fused GEMVs
 // (rms_norm_qmm's norm with and without a weight, N with a tail; qmm_swiglu's
 // silu / gpt_oss with and without a bias, two slots; rms_norm_qmm_swiglu; qmm_add's
-// addend, N with a tail; gather_qmm_swiglu with bad ids, a bias per expert and dedupe). Values are checked by
+// addend, N with a tail; gather_qmm_swiglu with bad ids, a bias per expert and dedupe);
+// ragged_matmul's GEMM on float experts (sm_90). Values are checked by
 // tests/test_decode_gpu.py, test_prefill_gpu.py and test_fused.py's GPU tests; here: NaN
 // rows exactly where the ids are bad, zero rows past the groups, every output
 // element written. Not part of the library.
@@ -322,6 +323,50 @@ static void run_dequant_case(const Case& c, int64_t E, int64_t N, int64_t K) {
     }
 }
 
+// ragged_matmul's grouped GEMM on float experts (qmm_wgmma.h, sm_90 only): x [T, K] and
+// w [E, N, K] of small finite 16-bit values in buffers of exactly their size, y [T, N]:
+// every element written, rows past the groups zero, no NaN.
+static void run_ragged_matmul_case(int xd, int64_t E, int64_t N, int64_t K, int64_t T,
+                                   const std::vector<int32_t>& sizes) {
+  if (!wgmma_usable()) return;
+  std::mt19937 rng(99 + (int)(N + K + T));
+  GemmProblem P{};
+  QmvProblem& q = P.q;
+  q.S = q.Sx = q.x_div = 1;
+  q.M = T;
+  q.K = K;
+  q.N = N;
+  q.E = E;
+  q.x_dt = xd;
+  q.x = dev_random<uint16_t>(T * K, rng, 0x3bffu);
+  q.data = reinterpret_cast<const uint32_t*>(dev_random<uint16_t>(E * N * K, rng, 0x3bffu));
+  void* y = nullptr;
+  CK(cudaMalloc(&y, T * N * 2));
+  CK(cudaMemset(y, kUnwritten, T * N * 2));
+  q.y = y;
+  int32_t* gs = nullptr;
+  CK(cudaMalloc(&gs, 4 * E));
+  CK(cudaMemcpy(gs, sizes.data(), 4 * E, cudaMemcpyHostToDevice));
+  P.chunks = (K + 63) / 64;
+  P.group_sizes = gs;
+  plan_ragged_matmul(P);
+  CK(launch_ragged_matmul_wgmma(P, 0));
+  const Output out = finish(q);
+  cudaFree(gs);
+  int64_t total = 0;
+  for (int32_t v : sizes) total += v > 0 ? v : 0;
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      const float v = out.v[r * N + n];
+      if (out.unwritten[r * N + n] || isnan(v) || (r >= total && v != 0.0f)) {
+        fail(r >= total ? "ragged_matmul: row past the groups not zero"
+                        : "ragged_matmul: NaN or unwritten", -1, 16, r);
+        r = T;
+        break;
+      }
+    }
+}
+
 int main() {
   const std::vector<int32_t> ids = {0, 4, -1, 4, 5, 0, 0, 2, 1, 1, 4, 99, 3, 3, 3, 3, 3, 3, 3, 3, 3};
   const std::vector<int32_t> wide_sizes = {100, 0, 150, 90, 60};
@@ -395,6 +440,15 @@ int main() {
       run_gemm_case(c, 5, 272, 256, 420, &wide_sizes);
       run_dequant_case(c, 2, 37, 192);
     }
+  }
+  // ragged_matmul: N = 200 (the second weight box runs into the next expert, past the
+  // stack for the last), K = 328 (a last chunk of 8 k), T = 150 and 420 (groups of
+  // several items), empty groups, sizes past T, rows past the groups; then 8 experts of
+  // gpt-oss-20b's gate_up size at 64 rows each
+  for (int xd : {kBF16, kF16}) {
+    for (const auto& sizes : ragged_sizes) run_ragged_matmul_case(xd, 5, 200, 328, 150, sizes);
+    run_ragged_matmul_case(xd, 5, 200, 328, 420, wide_sizes);
+    run_ragged_matmul_case(xd, 8, 5760, 2880, 512, std::vector<int32_t>(8, 64));
   }
   printf(failures ? "FAILED (%d)\n" : "ALL OK\n", failures);
   return failures ? 1 : 0;
