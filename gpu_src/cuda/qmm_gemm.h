@@ -536,12 +536,18 @@ inline int wgmma_ksplit(const GemmProblem& P) {
 
 // The GEMM's plan, for P with q, tiles, full_tiles, chunks and group_sizes set: the
 // kernel (wgmma where usable, else mma.sync), its rows of x per block and grid rows.
-// wgmma blocks take 256 rows of x from 256 rows per matrix (or per expert, on average),
-// 64 from at most 64 (the tensor cores' work halves where a 128-row block would be
-// half padding), else 128: the decode's cost per MMA halves (H100, 4096 -> 14336, affine4 / mxfp4:
-// M = 512 117 / 127 us against 169 / 187 with 128 rows; M = 4096 860 / 894 against
-// 1189 / 1251); qmm takes 128 where the 256-row grid would leave SMs idle
-// (wgmma_rows_per_block).
+// wgmma blocks take 256 rows of x from 256 rows per matrix (or per expert, on average):
+// the decode's cost per MMA halves (H100, 4096 -> 14336, affine4 / mxfp4: M = 512
+// 117 / 127 us against 169 / 187 with 128 rows; M = 4096 860 / 894 against 1189 /
+// 1251); qmm takes 128 where the 256-row grid would leave SMs idle
+// (wgmma_rows_per_block), 64 from at most 64 rows (the tensor cores' work halves where
+// a 128-row block would be half padding), else 128. ragged_qmm takes 128 at fewer rows
+// too: its groups are uneven, and each group past a block's rows decodes its weights
+// once more (nor does the average say much where a model's experts of every layer are
+// one stack: jaxquant/models/moe.py). gpt-oss-20b's MXFP4 prefill of 512 tokens on an
+// H200: a ragged product 221 us with 64-row blocks, about 170 with 128, and the prefill
+// 19.9 -> 17.4 ms (benchmarks/h200/model.json `gpt-oss-20b.mxfp4.prefill512_rows.*`),
+// where uniform groups of 64 rows (`bench moe`, H100) had run 4-32% faster at 64.
 inline void plan_gemm(GemmProblem& P) {
   const QmvProblem& q = P.q;
   const bool ragged = P.group_sizes != nullptr;
@@ -563,12 +569,12 @@ inline void plan_gemm(GemmProblem& P) {
                          q.N % kTileRows == 0;
   static const int forced_bm = env_choice("JAXQUANT_WGMMA_BN", {64, 128, 256});  // sweeps
   const int64_t rows = ragged ? q.M / (q.E > 0 ? q.E : 1) : q.M;  // per matrix (expert)
-  P.block_m = !P.wgmma  ? kBlockM
-              : forced_bm ? forced_bm
-              : rows <= 64 ? 64
-              : rows < 256 ? 128
-              : ragged     ? 256
-                           : wgmma_rows_per_block(P.tiles, q.S, q.M);
+  P.block_m = !P.wgmma             ? kBlockM
+              : forced_bm            ? forced_bm
+              : rows <= 64 && !ragged ? 64
+              : rows < 256           ? 128
+              : ragged               ? 256
+                                     : wgmma_rows_per_block(P.tiles, q.S, q.M);
   const int64_t per = (q.M + P.block_m - 1) / P.block_m;
   P.row_blocks = ragged ? per + q.E : q.S * per;
   P.row_tiles = gemm_row_tiles(P.tiles, P.row_blocks);
