@@ -15,7 +15,7 @@ of qmm, gather_qmm and ragged_qmm (x @ W.T).
   configs.MMA_GEMV_MAX_M rows of x, and gather_qmm_swiglu (the same epilogue on
   gather_qmm's slots, each with its expert's bias row); other cases of those ops run
   the unfused ops (jaxquant/ops/fused.py).
-- The float experts' grouped GEMM (gpu_src/cuda/qmm_wgmma.h, ragged_matmul_wgmma_kernel):
+- The float experts' grouped GEMM (gpu_src/cuda/ragged_matmul_wgmma.h):
   ragged_matmul on 16-bit experts w [E, N, K] in x's dtype, on compute capability 9.0
   (no layout: the experts as they are).
 - The layout's dequantize (gpu_src/cuda/qmm_gemm.h) for `jq.dequantize` into a 16-bit
