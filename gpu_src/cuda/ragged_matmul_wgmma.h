@@ -15,9 +15,10 @@
 // N, so that the blocks running together share x's rows), and the copies run ahead
 // across items. A grid of every possible item (qmm_wgmma_kernel's: ceil(T / BN) + E
 // rows of it) is mostly blocks with nothing to do where the experts of every layer
-// are one stack with each layer's groups set (jaxquant/models/moe.py): E = 768 for
-// gpt-oss-20b's 24 layers, 32 of them used. Each block walks the groups 32 at a time,
-// as far as its next item needs (RaggedWalk), then the rows past them.
+// are one stack with each layer's groups set (stacked parameters under
+// jaxquant/models/moe.py's experts_by_layer): E = 768 for gpt-oss-20b's 24 layers, 32 of
+// them used. Each block walks the groups 32 at a time, as far as its next item needs
+// (RaggedWalk), then the rows past them.
 #pragma once
 
 #include "qmm_wgmma.h"
