@@ -55,8 +55,9 @@ struct RaggedWalk {
     blocks_here = __shfl_sync(0xffffffffu, bincl, 31);
     scanned = true;
   }
-  __device__ void next() {
-    rows_before = rows_before + rows_here;
+  // past the scanned 32 (rows cut at T, as ragged_row_block cuts them)
+  __device__ void next(int64_t T) {
+    rows_before = min(rows_before + rows_here, T);
     blocks_before += blocks_here;
     base += 32;
     scanned = false;
@@ -70,8 +71,7 @@ struct RaggedWalk {
         scan(pr, lane);
       }
       if (j < blocks_before + blocks_here) break;
-      next();
-      rows_before = min(rows_before, T);
+      next(T);
     }
     const unsigned mask = __ballot_sync(0xffffffffu, j >= first && j < first + blocks);
     const int src = __ffs(mask) - 1;
@@ -85,8 +85,7 @@ struct RaggedWalk {
   __device__ int64_t rows_in_groups(const GemmProblem& pr, int lane) {
     while (base < pr.q.E) {
       if (!scanned) scan(pr, lane);
-      next();
-      rows_before = min(rows_before, pr.q.M);
+      next(pr.q.M);
     }
     return rows_before;
   }
