@@ -592,13 +592,10 @@ inline void plan_gemm(GemmProblem& P) {
 // past the first: while the weights outweigh x, the bytes cost more than the tensor
 // cores' padding (gpt-oss-20b's bf16 prefill of 512 tokens on an H200: 158 us a
 // product at 128, 194 at 64; benchmarks/h200/model.json `gpt-oss-20b.bf16.prefill512*`).
+// Only block_m and row_blocks: the kernel has no K split and always its producer warp.
 inline void plan_ragged_matmul(GemmProblem& P) {
-  const QmvProblem& q = P.q;
-  P.wgmma = true;
   P.block_m = 128;
-  P.row_blocks = (q.M + P.block_m - 1) / P.block_m + q.E;
-  P.ksplit = 1;
-  P.producer = true;
+  P.row_blocks = (P.q.M + P.block_m - 1) / P.block_m + P.q.E;
 }
 
 inline hipError_t launch_gemm(const GemmProblem& P, hipStream_t stream) {

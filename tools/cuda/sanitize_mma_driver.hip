@@ -323,9 +323,9 @@ static void run_dequant_case(const Case& c, int64_t E, int64_t N, int64_t K) {
     }
 }
 
-// ragged_matmul's grouped GEMM on float experts (qmm_wgmma.h, sm_90 only): x [T, K] and
-// w [E, N, K] of small finite 16-bit values in buffers of exactly their size, y [T, N]:
-// every element written, rows past the groups zero, no NaN.
+// ragged_matmul's grouped GEMM on float experts (ragged_matmul_wgmma.h, sm_90 only):
+// x [T, K] and w [E, N, K] of small finite 16-bit values in buffers of exactly their size,
+// y [T, N]: every element written, rows past the groups zero, no NaN.
 static void run_ragged_matmul_case(int xd, int64_t E, int64_t N, int64_t K, int64_t T,
                                    const std::vector<int32_t>& sizes) {
   if (!wgmma_usable()) return;
