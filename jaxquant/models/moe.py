@@ -142,6 +142,12 @@ def experts_mlp(cfg: Config, p, x, idx, weights, num_experts: int):
         sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
         ys = experts(x[order // k], lambda a, w: expert_ragged(a, w, sizes),
                      jnp.minimum(flat[order], num_experts - 1))
-        y = jnp.zeros((t * k, d), jnp.float32).at[order].set(ys).reshape(t, k, d)
+        # back in (token, slot) order by a gather with the inverse permutation, which XLA
+        # fuses into the weighted sum below (and the residual's add). Scattering the rows
+        # into zeros instead cost a buffer of zeros and a scatter kernel a layer
+        # (gpt-oss-20b, 512 tokens, H200: 23 against 8 µs a layer)
+        back = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype),
+                                                    unique_indices=True)
+        y = ys[back].reshape(t, k, d)
     y = jnp.where(mine[..., None], y, 0.0)
     return jnp.einsum("tkd,tk->td", y, weights)
