@@ -366,17 +366,25 @@ def test_auto_past_the_gemm_dequantizes_then_cublas():
     assert _gemm_used(lambda x, q: jq.qmm(x, q, backend="ffi"), x, packed)
 
 
-def test_prompt_attention_takes_cudnn_and_equals_the_op(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_prompt_attention_takes_cudnn_and_equals_the_op(family, monkeypatch):
     """models.prefill's prompt attention on the GPU: cuDNN's fused kernel
-    (layers.PROMPT_ATTENTION), against decode_attention over the cache."""
+    (layers.PROMPT_ATTENTION), against decode_attention over the cache; gpt-oss with
+    its sinks and a window of 64 keys in every other layer, routing each token to every
+    expert (a top-k of fewer is discontinuous: the kernel's bf16 probabilities flip some
+    tokens' experts, and their logits then differ by more than the attention's
+    rounding)."""
     from jaxquant import models
     from jaxquant.models import layers
 
     assert layers.PROMPT_ATTENTION.get("gpu") == "cudnn"
-    cfg = models.Config(family="llama", vocab_size=64, hidden_size=256, num_layers=2,
+    extra = dict(num_experts=4, experts_per_token=4, moe_intermediate_size=128,
+                 attention_bias=True, layer_windows=(64, 0)) if family == "gpt_oss" else {}
+    cfg = models.Config(family=family, vocab_size=64, hidden_size=256, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256,
-                        dtype="bfloat16")
-    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4")
+                        dtype="bfloat16", **extra)
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(0)), "affine4",
+                                    per_layer=True)
     prompt = jax.random.randint(jax.random.key(1), (2, 200), 0, cfg.vocab_size)
     got = {}
     for name, table in (("op", {}), ("cudnn", {"gpu": "cudnn"})):
@@ -389,3 +397,41 @@ def test_prompt_attention_takes_cudnn_and_equals_the_op(monkeypatch):
     np.testing.assert_allclose(np.asarray(have), np.asarray(want), atol=0.05 * scale)
     np.testing.assert_array_equal(np.asarray(cache_h[0][0], np.float32),
                                   np.asarray(cache_w[0][0], np.float32))
+
+
+@pytest.mark.parametrize("window", [0, 128])
+def test_prompt_attention_sinks_on_cudnn_against_the_op(window):
+    """The sinks' rule on cuDNN (layers.prompt_attention: the kernel's attention times
+    sigmoid(logsumexp - sink)) against jq.decode_attention's reference, with sinks from
+    a small share of a row's mass to most of it, grouped heads and gpt-oss's head size;
+    and the logsumexp it takes against the float64 oracle, to float32's rounding of
+    the bf16 scores' sums (a logsumexp rounded to bfloat16 is up to 2^-9 of its size
+    off)."""
+    from jaxquant.models import layers
+
+    b, t, hq, hkv, hd = 2, 300, 8, 2, 64
+    kq, kk, kv, ks = jax.random.split(jax.random.key(5), 4)
+    q = jax.random.normal(kq, (b, t, hq, hd), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, t, hkv, hd), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, t, hkv, hd), jnp.bfloat16)
+    sinks = jnp.linspace(-3.0, 8.0, hq, dtype=jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    run = jax.jit(layers.prompt_attention, static_argnums=(3, 4))
+    assert "cudnn" in run.lower(q, k, v, "cudnn", window, sinks).as_text().lower()
+    got = np.asarray(run(q, k, v, "cudnn", window, sinks), np.float32)
+    want = np.asarray(jq.decode_attention(q, k, v, positions, sinks=sinks, window=window,
+                                          backend="reference"), np.float32)
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())
+
+    _, lse = jax.jit(layers.attention_with_logsumexp, static_argnums=(3, 4))(
+        q, k, v, "cudnn", window)
+    assert lse.dtype == jnp.float32 and lse.shape == (b, t, hq)
+    q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
+    k64 = np.repeat(k64, hq // hkv, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q64, k64) * hd ** -0.5
+    pos = np.arange(t)
+    visible = (pos[None, :] <= pos[:, None]) & ((window == 0) | (pos[:, None] - pos[None, :] < window))
+    s = np.where(visible, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    want_lse = (m[..., 0] + np.log(np.exp(s - m).sum(-1))).transpose(0, 2, 1)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=5e-4, atol=5e-4)

@@ -195,20 +195,68 @@ def qkv_projection(cfg: Config, p, h):
 PROMPT_ATTENTION = {"gpu": "cudnn"}
 
 
-def prompt_attention_applies(cfg: Config, p, q) -> str | None:
+def static_window(cfg: Config, window) -> int | None:
+    """The layer's attention window as a Python int (0: none), or None where it is traced
+    and differs between layers (the stacked layers' scan): the fused kernels take it
+    static."""
+    if isinstance(window, (int, np.integer)):
+        return int(window)
+    windows = set(cfg.windows().tolist())
+    return windows.pop() if len(windows) == 1 else None
+
+
+def prompt_attention_applies(cfg: Config, p, q, window=0) -> str | None:
     """The dot_product_attention implementation for a prompt's causal attention, or None
-    (the cache-reading op serves it): a float16/bfloat16 model without attention sinks
-    or windows, more than one query, on a platform with an entry in PROMPT_ATTENTION,
-    on one device (cuDNN's partitioning refuses q, k and v split differently, as
-    tensor parallel splits kv heads fewer than its devices; measured on one GPU)."""
+    (the cache-reading op serves it): a float16/bfloat16 model, more than one query, a
+    window known at trace time (static_window), on a platform with an entry in
+    PROMPT_ATTENTION, on one device (cuDNN's partitioning refuses q, k and v split
+    differently, as tensor parallel splits kv heads fewer than its devices; measured on
+    one GPU). Attention sinks (gpt-oss) take the kernel's logsumexp
+    (prompt_attention)."""
     impl = PROMPT_ATTENTION.get(jax.default_backend())
     if impl is None or q.shape[1] < 2 or q.dtype not in (jnp.bfloat16, jnp.float16):
         return None
-    if "sinks" in p or cfg.windows().any():
+    if static_window(cfg, window) is None:
         return None
     if any_on_several_devices(p.get("wo")):
         return None
     return impl
+
+
+def attention_with_logsumexp(q, k, v, impl, window):
+    """dot_product_attention's output and the logsumexp of each query's scaled scores
+    [B, T, Hq] in float32. jax.nn's cuDNN path rounds the logsumexp to the output's dtype
+    (bf16: up to 2% off the sinks' share below), so cuDNN's is taken from the function
+    jax.nn calls, where this jax has it; elsewhere jax.nn's."""
+    if impl == "cudnn":
+        try:
+            from jax._src.cudnn import fused_attention_stablehlo as cudnn
+            o, lse = cudnn.dot_product_attention(
+                q, k, v, scale=q.shape[-1] ** -0.5, mask_type=cudnn.MaskType.CAUSAL,
+                sliding_window_length=window or None, return_residual=True)
+            return o, jnp.swapaxes(lse, 1, 2).astype(jnp.float32)  # cuDNN's is [B, Hq, T]
+        except (ImportError, AttributeError, TypeError):
+            pass
+    o, lse = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                          local_window_size=(window - 1, 0) if window else None,
+                                          return_residual=True)
+    return o, lse.astype(jnp.float32)
+
+
+def prompt_attention(q, k, v, impl, window, sinks=None):
+    """Causal attention of a prompt's T queries q [B, T, Hq, hd] over its own keys and
+    values k, v [B, T, Hkv, hd], each query seeing the `window` keys up to its own (0:
+    all), with gpt-oss's sinks [Hq] or None: jq.decode_attention's definition, on the
+    fused kernel `impl`. A sink is a logit in the softmax's denominator only, so the
+    attention with it is the attention without it times S / (S + e^sink) =
+    sigmoid(lse - sink), S = e^lse the scores' sum, which the kernel returns."""
+    local = (window - 1, 0) if window else None
+    if sinks is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                            local_window_size=local)
+    o, lse = attention_with_logsumexp(q, k, v, impl, window)
+    keep = jax.nn.sigmoid(lse - sinks.astype(jnp.float32))
+    return (o.astype(jnp.float32) * keep[..., None]).astype(q.dtype)
 
 
 def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_table,
@@ -233,10 +281,10 @@ def attention(cfg: Config, p, h, positions, cache, layer_index, window, rope_tab
     cache_k, cache_v = (lax.dynamic_update_slice(c, new.astype(c.dtype)[None],
                                                  (layer_index, 0, start, 0, 0))
                         for c, new in zip(cache, (k, v)))
-    impl = prompt_attention_applies(cfg, p, q) if from_start else None
+    impl = prompt_attention_applies(cfg, p, q, window) if from_start else None
     if impl is not None:
-        o = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
-                                         is_causal=True, implementation=impl)
+        o = prompt_attention(q, k.astype(q.dtype), v.astype(q.dtype), impl,
+                             static_window(cfg, window), p.get("sinks"))
     else:
         # the op reads layer `layer_index` of the stacked caches in place (no slice copy)
         o = jq.decode_attention(q, cache_k, cache_v, positions, sinks=p.get("sinks"),
