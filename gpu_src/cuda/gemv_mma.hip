@@ -27,7 +27,7 @@ namespace ffi = xla::ffi;
 // Float scales (and biases) must be float32 or x's own 16-bit dtype (for the
 // dequantize: the output's): the kernels are built for those alone (gemv_mma.h,
 // launch_p); jaxquant/ffi/mma.py converts other scales to float32 before the call.
-[[maybe_unused]] static ffi::Error check_scale_dtype(const jq::QmvProblem& q, const char* x) {
+static ffi::Error check_scale_dtype(const jq::QmvProblem& q, const char* x) {
   static const char* kNames[] = {"float32", "float16", "bfloat16"};
   if (q.scale_dt == jq::kU8 || q.scale_dt == jq::kF32 ||
       (q.x_dt != jq::kF32 && q.scale_dt == q.x_dt))
@@ -37,7 +37,6 @@ namespace ffi = xla::ffi;
                      " scales (convert them to float32: exact)");
 }
 
-#if defined(JQ_PLATFORM_CUDA)
 // The decode GEMV's Problem for q, both handlers': its tiles and chunks, and with
 // indices the dedupe (it scans the slots' ids once per block: worth it for
 // decode-sized S only). *nt: the n-tiles, 2 where a segment holds more than 8 rows of x.
@@ -54,7 +53,6 @@ static jq::gpu::mma::Problem gemv_launch_problem(const jq::QmvProblem& q, int64_
   *nt = rows_per_segment > 8 ? 2 : 1;
   return P;
 }
-#endif
 
 // The handler: the operands of jaxquant_qmv (data, scales, biases in the
 // cuda_mma layout, which keeps their canonical shapes), `dedupe` for gather.
@@ -66,7 +64,6 @@ static ffi::Error qmv_mma_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
   if (auto e = jq::make_qmv(x, data, scales, biases, gs, indices, *y, fmt, bits, group_size, &q);
       e.failure())
     return e;
-#if defined(JQ_PLATFORM_CUDA)
   using namespace jq::gpu::mma;
   if (q.S == 0 || q.M == 0 || q.N == 0) return ffi::Error::Success();
   if (q.K % kChunkK != 0)
@@ -84,10 +81,6 @@ static ffi::Error qmv_mma_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                                        : launch_qmv_mma_bf16(P, nt, stream),
                   "the tensor-core GEMV");
   return ffi::Error::Success();
-#else
-  (void)stream;
-  return ffi::Error::Unimplemented("jaxquant ffi: the tensor-core GEMV is CUDA only");
-#endif
 }
 
 // Both handlers: the 6 operands of jaxquant_qmv, one result, the format's attributes.
@@ -171,7 +164,6 @@ static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi:
     return jq::invalid("attribute activation must be 0 (silu) or 1 (gpt_oss); got " +
                        std::to_string(activation));
   if (!(limit > 0.0f)) return jq::invalid("attribute limit must be > 0; got " + std::to_string(limit));
-#if defined(JQ_PLATFORM_CUDA)
   using namespace jq::gpu::mma;
   if (q.S == 0 || q.M == 0 || q.N == 0) return ffi::Error::Success();
   if (q.K % kChunkK != 0)
@@ -224,11 +216,6 @@ static ffi::Error gemv_mma_fused_impl(hipStream_t stream, ffi::AnyBuffer x, ffi:
                                        : launch_gemv_mma_fused_bf16(P, nt, kind, stream),
                   "the fused tensor-core GEMV");
   return ffi::Error::Success();
-#else
-  (void)stream;
-  (void)dedupe;
-  return ffi::Error::Unimplemented("jaxquant ffi: the tensor-core GEMV is CUDA only");
-#endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_gemv_mma_fused, gemv_mma_fused_impl,
@@ -265,7 +252,6 @@ static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
       return jq::invalid("ragged_qmm takes x [1, T, K] and y [1, T, N]; got " +
                          std::to_string(q.Sx) + " and " + std::to_string(q.S) + " leading");
   }
-#if defined(JQ_PLATFORM_CUDA)
   using namespace jq::gpu::mma;
   if (q.S == 0 || q.M == 0 || q.N == 0) return ffi::Error::Success();
   if (q.K % kChunkK != 0)
@@ -284,10 +270,6 @@ static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                        " blocks of " + std::to_string(P.block_m));
   JQ_LAUNCH_CHECK(launch_gemm(P, stream), "the tensor-core GEMM");
   return ffi::Error::Success();
-#else
-  (void)stream;
-  return ffi::Error::Unimplemented("jaxquant ffi: the tensor-core GEMM is CUDA only");
-#endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_qmm_gemm, qmm_gemm_impl, bind_layout_kernel(),
@@ -305,7 +287,6 @@ static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi:
     return jq::invalid("the cuda_mma dequantize writes float16 or bfloat16; got float32");
   if (d.gs_count > 1)
     return jq::invalid("the cuda_mma dequantize takes one global scale");
-#if defined(JQ_PLATFORM_CUDA)
   using namespace jq::gpu::mma;
   if (d.rows == 0 || d.k == 0) return ffi::Error::Success();
   if (d.k % kChunkK != 0)
@@ -338,10 +319,6 @@ static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi:
                                      : launch_dequant_mma_bf16(P, stream),
                   "the cuda_mma dequantize");
   return ffi::Error::Success();
-#else
-  (void)stream;
-  return ffi::Error::Unimplemented("jaxquant ffi: the cuda_mma dequantize is CUDA only");
-#endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_dequant_mma, dequant_mma_impl,
@@ -382,7 +359,6 @@ static ffi::Error ragged_matmul_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
   if (((reinterpret_cast<uintptr_t>(x.untyped_data()) |
         reinterpret_cast<uintptr_t>(w.untyped_data())) & 15) != 0)
     return jq::invalid("ragged_matmul's kernel takes 16-byte aligned x and w");
-#if defined(JQ_PLATFORM_CUDA)
   using namespace jq::gpu::mma;
   if (!wgmma_usable())
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -409,11 +385,6 @@ static ffi::Error ragged_matmul_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
   plan_ragged_matmul(P);
   JQ_LAUNCH_CHECK(launch_ragged_matmul_wgmma(P, stream), "ragged_matmul's grouped GEMM");
   return ffi::Error::Success();
-#else
-  (void)stream;
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "jaxquant ffi: ragged_matmul's kernel is CUDA only");
-#endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jq_gpu_ragged_matmul, ragged_matmul_impl,
