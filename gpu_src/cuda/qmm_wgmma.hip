@@ -72,32 +72,28 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
+// A row-major [rows, K] matrix of 16-bit floats as boxes of box_rows x 64 k,
+// 128-byte swizzled (the wgmma operands' shared-memory layout)
+static bool matrix16_map(const void* base, int64_t K, int64_t rows, int box_rows, bool f16,
+                         CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  const QmvProblem& q = pr.q;
-  const cuuint64_t dims[2] = {(cuuint64_t)q.K, (cuuint64_t)(q.Sx * q.M)};
-  const cuuint64_t strides[1] = {(cuuint64_t)q.K * 2};
-  const cuuint32_t box[2] = {(cuuint32_t)kChunkK, (cuuint32_t)bn};
+  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)kChunkK, (cuuint32_t)box_rows};
   const cuuint32_t elem[2] = {1, 1};
   return encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                const_cast<void*>(q.x), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+bool x_tensor_map(const GemmProblem& pr, int bn, bool f16, CUtensorMap* map) {
+  return matrix16_map(pr.q.x, pr.q.K, pr.q.Sx * pr.q.M, bn, f16, map);
+}
+
 bool float_weight_map(const GemmProblem& pr, bool f16, CUtensorMap* map) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const QmvProblem& q = pr.q;
-  const cuuint64_t dims[2] = {(cuuint64_t)q.K, (cuuint64_t)(q.E * q.N)};
-  const cuuint64_t strides[1] = {(cuuint64_t)q.K * 2};
-  const cuuint32_t box[2] = {(cuuint32_t)kChunkK, (cuuint32_t)kWgRows};
-  const cuuint32_t elem[2] = {1, 1};
-  return encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                const_cast<uint32_t*>(q.data), dims, strides, box, elem,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return matrix16_map(pr.q.data, pr.q.K, pr.q.E * pr.q.N, kWgRows, f16, map);
 }
 
 bool wgmma_piece_maps(const GemmProblem& pr, int bits, int scale_bytes, CUtensorMap* w,
