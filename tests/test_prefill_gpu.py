@@ -371,9 +371,9 @@ def test_prompt_attention_takes_cudnn_and_equals_the_op(family, monkeypatch):
     """models.prefill's prompt attention on the GPU: cuDNN's fused kernel
     (layers.PROMPT_ATTENTION), against decode_attention over the cache; gpt-oss with
     its sinks and a window of 64 keys in every other layer, routing each token to every
-    expert (a top-k of fewer is discontinuous: the kernel's bf16 probabilities flip some
-    tokens' experts, and their logits then differ by more than the attention's
-    rounding)."""
+    expert: with 2 of the 4 its logits missed this bound, which we put down to routing
+    (a top-k is discontinuous: a rounding's difference can move a token to another
+    expert); the attention alone is checked against the op below."""
     from jaxquant import models
     from jaxquant.models import layers
 
@@ -410,7 +410,7 @@ def test_prompt_attention_sinks_on_cudnn_against_the_op(window):
     from jaxquant.models import layers
 
     b, t, hq, hkv, hd = 2, 300, 8, 2, 64
-    kq, kk, kv, ks = jax.random.split(jax.random.key(5), 4)
+    kq, kk, kv, _ = jax.random.split(jax.random.key(5), 4)
     q = jax.random.normal(kq, (b, t, hq, hd), jnp.bfloat16)
     k = jax.random.normal(kk, (b, t, hkv, hd), jnp.bfloat16)
     v = jax.random.normal(kv, (b, t, hkv, hd), jnp.bfloat16)
@@ -430,7 +430,8 @@ def test_prompt_attention_sinks_on_cudnn_against_the_op(window):
     k64 = np.repeat(k64, hq // hkv, axis=2)
     s = np.einsum("bthd,bshd->bhts", q64, k64) * hd ** -0.5
     pos = np.arange(t)
-    visible = (pos[None, :] <= pos[:, None]) & ((window == 0) | (pos[:, None] - pos[None, :] < window))
+    back = pos[:, None] - pos[None, :]  # query position - key position
+    visible = (back >= 0) & ((window == 0) | (back < window))
     s = np.where(visible, s, -np.inf)
     m = s.max(-1, keepdims=True)
     want_lse = (m[..., 0] + np.log(np.exp(s - m).sum(-1))).transpose(0, 2, 1)
