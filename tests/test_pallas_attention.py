@@ -232,9 +232,10 @@ LLAMA = (32, 8, 128)     # (Hq, Hkv, hd)
 GPT_OSS = (64, 8, 64)
 
 
-def attention64(q, k, v, positions, window, sinks, scale):
-    """float64 on the host, vectorized: the definition of docs/ops.md."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+def scores64(q, k, positions, window, scale):
+    """float64 on the host: the scaled scores [B, Hkv, Hq / Hkv, T, S] (query head h is
+    (h // (Hq / Hkv), h % (Hq / Hkv))), -inf where the key is not visible (docs/ops.md)."""
+    q, k = (np.asarray(a, np.float64) for a in (q, k))
     b, t, hq, hd = q.shape
     s, hkv = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, hd)
@@ -242,7 +243,15 @@ def attention64(q, k, v, positions, window, sinks, scale):
     key = np.arange(s)
     pos = np.asarray(positions)[:, None, None, :, None]
     visible = (key <= pos) & ((window == 0) | (pos - key < window))
-    scores = np.where(visible, scores, -np.inf)
+    return np.where(visible, scores, -np.inf)
+
+
+def attention64(q, k, v, positions, window, sinks, scale):
+    """float64 on the host, vectorized: the definition of docs/ops.md."""
+    v = np.asarray(v, np.float64)
+    b, t, hq, hd = q.shape
+    hkv = k.shape[2]
+    scores = scores64(q, k, positions, window, scale)
     top = scores.max(-1, keepdims=True)
     if sinks is not None:
         sink = np.asarray(sinks, np.float64).reshape(1, hkv, hq // hkv, 1, 1)

@@ -21,6 +21,7 @@ from jaxquant import dispatch
 from jaxquant.ffi import configs
 from tests.common import GPU_NATIVE_MODES, assert_matmul_close, cuda_library, deq64, rand
 from tests.test_decode_gpu import _packed
+from tests.test_pallas_attention import attention64, scores64
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_library(),
@@ -402,7 +403,7 @@ def test_prompt_attention_takes_cudnn_and_equals_the_op(family, monkeypatch):
 @pytest.mark.parametrize("window", [0, 128])
 def test_prompt_attention_sinks_on_cudnn_against_the_op(window):
     """The sinks' rule on cuDNN (layers.prompt_attention: the kernel's attention times
-    sigmoid(logsumexp - sink)) against jq.decode_attention's reference, with sinks from
+    sigmoid(logsumexp - sink)) against the float64 oracle of the op, with sinks from
     a small share of a row's mass to most of it, grouped heads and gpt-oss's head size;
     and the logsumexp it takes against the float64 oracle, to float32's rounding of
     the bf16 scores' sums (a logsumexp rounded to bfloat16 is up to 2^-9 of its size
@@ -418,21 +419,14 @@ def test_prompt_attention_sinks_on_cudnn_against_the_op(window):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     run = jax.jit(layers.prompt_attention, static_argnums=(3, 4))
     assert "cudnn" in run.lower(q, k, v, "cudnn", window, sinks).as_text().lower()
-    got = np.asarray(run(q, k, v, "cudnn", window, sinks), np.float32)
-    want = np.asarray(jq.decode_attention(q, k, v, positions, sinks=sinks, window=window,
-                                          backend="reference"), np.float32)
+    got = np.asarray(run(q, k, v, "cudnn", window, sinks), np.float64)
+    want = attention64(q, k, v, positions, window, sinks, hd ** -0.5)
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())
 
     _, lse = jax.jit(layers.attention_with_logsumexp, static_argnums=(3, 4))(
         q, k, v, "cudnn", window)
     assert lse.dtype == jnp.float32 and lse.shape == (b, t, hq)
-    q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
-    k64 = np.repeat(k64, hq // hkv, axis=2)
-    s = np.einsum("bthd,bshd->bhts", q64, k64) * hd ** -0.5
-    pos = np.arange(t)
-    back = pos[:, None] - pos[None, :]  # query position - key position
-    visible = (back >= 0) & ((window == 0) | (back < window))
-    s = np.where(visible, s, -np.inf)
+    s = scores64(q, k, positions, window, hd ** -0.5).reshape(b, hq, t, t)
     m = s.max(-1, keepdims=True)
     want_lse = (m[..., 0] + np.log(np.exp(s - m).sum(-1))).transpose(0, 2, 1)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=5e-4, atol=5e-4)
