@@ -91,39 +91,20 @@ def main(argv=None) -> int:
         print(f"python -m jaxquant generate: error: the checkpoint's end tokens {bad} are past "
               f"its vocabulary ({cfg.vocab_size})", file=sys.stderr)
         return 2
-    max_len = len(ids) + args.max_tokens
     key = jax.random.key(args.seed)
-
-    @jax.jit
-    def first(params, prompt):
-        logits, cache, _ = models.prefill(cfg, params, prompt, max_len)
-        return models.sample(jax.random.fold_in(key, 0), logits[:, -1], sampling), cache
-
-    @jax.jit
-    def step(params, cache, token, i):
-        pos = jnp.full((1, 1), len(ids) - 1, jnp.int32) + i
-        logits, cache = models.forward(cfg, params, token[:, None], pos, cache)
-        return models.sample(jax.random.fold_in(key, i), logits[:, -1], sampling), cache
-
-    t0 = time.perf_counter()
-    token, cache = first(params, jnp.asarray([ids], jnp.int32))
-    token.block_until_ready()
-    prefill_s = time.perf_counter() - t0
-    # compiled before the clock starts: the rate is decoding's alone
-    step = step.lower(params, cache, token, jnp.int32(1)).compile()
     out, shown = [], ""
-    t1 = time.perf_counter()
-    for i in range(1, args.max_tokens + 1):
-        t = int(token[0])
-        if t in stops:
-            break
-        out.append(t)
+    t0 = time.perf_counter()
+    blocks = models.stream(cfg, params, jnp.asarray([ids], jnp.int32), args.max_tokens,
+                           sampling=sampling, key=key, stop_tokens=stops or None)
+    for n, block in enumerate(blocks):
+        if n == 0:  # the first token: the prefill, with both programs' compilation
+            t1 = time.perf_counter()
+            prefill_s = t1 - t0
+        new = [int(t) for t in block[0]]
+        out += new[:next((j for j, t in enumerate(new) if t in stops), None)]
         piece = _stream_text(tokenizer, out, shown, final=False)
         shown += piece
         print(piece, end="", flush=True)
-        if i == args.max_tokens:
-            break
-        token, cache = step(params, cache, token, jnp.int32(i))
     decode_s = time.perf_counter() - t1
     print(_stream_text(tokenizer, out, shown, final=True), flush=True)
     ended = "end token" if len(out) < args.max_tokens else f"--max-tokens {args.max_tokens}"

@@ -226,6 +226,63 @@ def test_generate_arguments_checked(llama):
 
 
 # ---------------------------------------------------------------------------
+# models.stream: generate's tokens, block by block.
+
+
+def _streamed(cfg, params, prompt, steps, block, **kw):
+    parts = list(models.stream(cfg, params, prompt, steps, block=block, **kw))
+    assert parts[0].shape == (prompt.shape[0], 1) and parts[0].dtype == np.int32
+    assert all(1 <= p.shape[1] <= block for p in parts[1:]), [p.shape for p in parts]
+    return np.concatenate(parts, 1)
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 32])
+def test_stream_yields_generates_tokens(llama, block):
+    """Blocks that divide the steps, that do not (the last one's extra steps write the
+    cache's last slot and are dropped) and one longer than all of them."""
+    cfg, params = llama
+    prompt = jax.random.randint(jax.random.key(1), (2, 7), 0, cfg.vocab_size)
+    np.testing.assert_array_equal(_streamed(cfg, params, prompt, 9, block),
+                                  GEN(cfg, params, prompt, 9))
+    s = models.Sampling(1.3, top_k=20)
+    key = jax.random.key(6)
+    np.testing.assert_array_equal(_streamed(cfg, params, prompt, 9, block, sampling=s, key=key),
+                                  GEN(cfg, params, prompt, 9, sampling=s, key=key))
+    np.testing.assert_array_equal(_streamed(cfg, params, prompt, 1, block),
+                                  GEN(cfg, params, prompt, 1))
+
+
+def test_stream_ends_when_every_row_has_stopped(llama):
+    cfg, params = llama
+    prompt = jax.random.randint(jax.random.key(5), (2, 6), 0, cfg.vocab_size)
+    free = np.asarray(GEN(cfg, params, prompt, 10))
+    stops = (int(free[0, 2]), int(free[1, 5]))
+    want = np.asarray(GEN(cfg, params, prompt, 10, stop_tokens=stops))
+    # the step at which the later of the two rows stops
+    end = max(int(np.flatnonzero(np.isin(free[r], stops))[0]) for r in range(2))
+    for block in (1, 2, 4):
+        got = _streamed(cfg, params, prompt, 10, block, stop_tokens=stops)
+        np.testing.assert_array_equal(got, want[:, :end + 1], err_msg=f"block {block}")
+    # a first token that stops every row: nothing is decoded after it
+    first = tuple(int(t) for t in free[:, 0])
+    assert _streamed(cfg, params, prompt, 10, 4, stop_tokens=first).shape == (2, 1)
+
+
+def test_stream_arguments_checked(llama):
+    cfg, params = llama
+    prompt = jnp.zeros((1, 4), jnp.int32)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="block"):
+            next(models.stream(cfg, params, prompt, 4, block=bad))
+    with pytest.raises(ValueError, match="key"):
+        next(models.stream(cfg, params, prompt, 4, sampling=models.Sampling(1.0)))
+    with pytest.raises(ValueError, match="steps"):
+        next(models.stream(cfg, params, prompt, 0))
+    with pytest.raises(ValueError, match="stop_tokens"):
+        next(models.stream(cfg, params, prompt, 4, stop_tokens=[cfg.vocab_size]))
+
+
+# ---------------------------------------------------------------------------
 # The checkpoint's text side and `python -m jaxquant generate`.
 
 

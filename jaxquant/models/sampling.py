@@ -19,6 +19,7 @@ position until decoding overwrites them, so attention never reads them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -171,19 +172,8 @@ def _step_rows(cfg: Config, params, cache, token, positions, experts_by_layer, m
     return logits, (k, v)
 
 
-def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=None, *,
-             lengths=None, sampling: Sampling | None = None, key=None, stop_tokens=None):
-    """prompt [B, S] -> [B, steps] new tokens (jit this whole; mesh: forward's).
-
-    lengths [B] (optional): each row's prompt length (right-padded: row b's tokens
-    are prompt[b, :lengths[b]], the rest is ignored); each row then decodes as its
-    own single-prompt run would. sampling: a `Sampling` (None: greedy); key: a
-    jax.random key, needed when sampling (step i draws with fold_in(key, i)).
-    stop_tokens: token ids (e.g. the checkpoint's eos_token_id,
-    models.checkpoint.stop_tokens); a row that produced one repeats it for its
-    remaining steps, and the loop ends once every row has stopped.
-
-    Greedy with neither lengths nor stop_tokens is prefill + decode exactly."""
+def _check_generation(cfg: Config, prompt, steps, sampling, key, stop_tokens):
+    """generate's and stream's arguments checked: -> (sampling, stop ids or None, prompt)."""
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
         raise TypeError(f"steps must be an int; got {steps!r}")
     if steps < 1:
@@ -197,6 +187,31 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2:
         raise ValueError(f"prompt must be [B, S] token ids; got shape {prompt.shape}")
+    return sampling, stops, prompt
+
+
+def _next_token(logits, token, done, i, key, sampling, stop_ids):
+    """Step i's tokens from its logits [B, V] (drawn with fold_in(key, i)); a row that
+    has stopped repeats its stop token. -> (tokens [B], done [B])."""
+    nxt = sample(jax.random.fold_in(key, i), logits, sampling)
+    nxt = jnp.where(done, token, nxt)
+    return nxt, done | jnp.isin(nxt, stop_ids)
+
+
+def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=None, *,
+             lengths=None, sampling: Sampling | None = None, key=None, stop_tokens=None):
+    """prompt [B, S] -> [B, steps] new tokens (jit this whole; mesh: forward's).
+
+    lengths [B] (optional): each row's prompt length (right-padded: row b's tokens
+    are prompt[b, :lengths[b]], the rest is ignored); each row then decodes as its
+    own single-prompt run would. sampling: a `Sampling` (None: greedy); key: a
+    jax.random key, needed when sampling (step i draws with fold_in(key, i)).
+    stop_tokens: token ids (e.g. the checkpoint's eos_token_id,
+    models.checkpoint.stop_tokens); a row that produced one repeats it for its
+    remaining steps, and the loop ends once every row has stopped.
+
+    Greedy with neither lengths nor stop_tokens is prefill + decode exactly."""
+    sampling, stops, prompt = _check_generation(cfg, prompt, steps, sampling, key, stop_tokens)
     b, s = prompt.shape
     if lengths is None and sampling.greedy and stops is None:
         _, cache, token = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh)
@@ -233,11 +248,93 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
             logits, cache = forward(cfg, params, token[:, None], pos[:, None], cache,
                                     experts_by_layer, mesh)
             logits = logits[:, -1]
-        nxt = sample(jax.random.fold_in(key, i), logits, sampling)
-        nxt = jnp.where(done, token, nxt)  # a stopped row repeats its stop token
-        done = done | jnp.isin(nxt, stop_ids)
+        nxt, done = _next_token(logits, token, done, i, key, sampling, stop_ids)
         return i + 1, nxt, cache, done, lax.dynamic_update_index_in_dim(out, nxt, i, 1)
 
     i, token, _, _, out = lax.while_loop(cond, body, (jnp.int32(1), token, tuple(cache), done,
                                                       out))
     return jnp.where(jnp.arange(steps) < i, out, token[:, None])
+
+
+# stream's two programs, compiled once per config, shape and static argument: the prefill
+# with the first draw, and a block of `n` decode steps.
+@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("sampling",
+                                                                    "experts_by_layer", "mesh"))
+def _stream_prefill(cfg, params, prompt, key, max_len, *, sampling, experts_by_layer, mesh):
+    logits, cache, _ = prefill(cfg, params, prompt, max_len, experts_by_layer, mesh)
+    return sample(jax.random.fold_in(key, 0), logits[:, -1], sampling), tuple(cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
+                   static_argnames=("n", "sampling", "experts_by_layer", "mesh"))
+def _stream_block(cfg, params, cache, token, done, first, start, key, stop_ids, *, n, sampling,
+                  experts_by_layer, mesh):
+    """Decode steps first .. first + n - 1 (step i writes the token of step i - 1 at
+    start + i - 1). Positions past the cache (the last block's steps past `steps`) are
+    clamped to its last slot: those steps' tokens are dropped, and nothing reads the
+    cache after them."""
+    b, max_len = token.shape[0], cache[0].shape[2]
+
+    def step(carry, i):
+        token, cache, done = carry
+        pos = jnp.full((b, 1), jnp.minimum(start + i - 1, max_len - 1), jnp.int32)
+        logits, cache = forward(cfg, params, token[:, None], pos, cache, experts_by_layer, mesh)
+        nxt, done = _next_token(logits[:, -1], token, done, i, key, sampling, stop_ids)
+        return (nxt, cache, done), nxt
+
+    (token, cache, done), tokens = lax.scan(step, (token, cache, done), first + jnp.arange(n))
+    return tokens.T, token, cache, done
+
+
+def stream(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=None, *,
+           sampling: Sampling | None = None, key=None, stop_tokens=None, block: int = 16):
+    """`generate`'s tokens as they are decoded: yields int32 NumPy arrays [B, n] (the
+    first [B, 1], then up to `block` tokens each) whose concatenation is `generate(cfg,
+    params, prompt, steps, sampling=..., key=..., stop_tokens=...)` up to the step at
+    which every row has stopped (that step's tokens included), or all `steps`.
+
+    The prefill and each block of `block` decode steps are one call each of a program
+    compiled once (per config, shape and sampling), the cache donated from one block to
+    the next, and each block is dispatched before the previous block's tokens are read
+    back: the host's work per call (argument handling, XLA's set-up of the program's
+    kernels, the launch: milliseconds for a model of hundreds of kernels) is paid once
+    per block and runs while the device decodes, where a jitted call per token would
+    pay it every token (docs/models.md, "Generation"). Past the last stop or `steps`,
+    at most one block more is computed and dropped."""
+    sampling, stops, prompt = _check_generation(cfg, prompt, steps, sampling, key, stop_tokens)
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ValueError(f"block must be a positive int; got {block!r}")
+    b, s = prompt.shape
+    key = jax.random.key(0) if key is None else key  # greedy: never drawn from
+    stop_ids = jnp.full((1,), -1, jnp.int32) if stops is None else stops
+    stop_set = np.asarray(stop_ids)
+    static = dict(sampling=sampling, experts_by_layer=experts_by_layer, mesh=mesh)
+    token, cache = _stream_prefill(cfg, params, prompt.astype(jnp.int32), key, s + steps,
+                                   **static)
+    done = jnp.isin(token, stop_ids)
+
+    def launch(first, token, cache, done):
+        if first >= steps:
+            return None
+        return _stream_block(cfg, params, cache, token, done, jnp.int32(first), jnp.int32(s),
+                             key, stop_ids, n=int(min(block, steps - 1)), **static)
+
+    pending = launch(1, token, cache, done)
+    del cache  # donated to the block
+    out = np.asarray(token)[:, None]
+    stopped = np.isin(out[:, 0], stop_set)
+    yield out
+    first = 1
+    while pending is not None and not stopped.all():
+        tokens, token, cache, done = pending
+        pending = launch(first + tokens.shape[1], token, cache, done)
+        del cache
+        tokens = np.asarray(tokens)[:, :steps - first]
+        # the first step after which every row has stopped ends the stream
+        hit = np.logical_or.accumulate(np.isin(tokens, stop_set), axis=1) | stopped[:, None]
+        ended = np.flatnonzero(hit.all(axis=0))
+        if ended.size:
+            tokens = tokens[:, :ended[0] + 1]
+        stopped = hit[:, tokens.shape[1] - 1]
+        first += tokens.shape[1]
+        yield tokens

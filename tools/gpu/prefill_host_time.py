@@ -1,0 +1,117 @@
+"""Where a prefill's wall time goes outside its kernels, on a GPU:
+
+  python tools/gpu/prefill_host_time.py [gpt-oss-20b] [layers] [bf16] [512] [trace_dir]
+
+Times one compiled `models.prefill` three ways in one process (each call blocked, as
+`bench model` times it; back to back; the time until the call returns), then traces
+three blocked calls and, per call, sets the host's events (XLA's thunks, the runtime)
+against the device's kernels: when the first kernel starts after the call, how long the
+kernels span, when the call's result is ready after the last kernel."""
+import collections
+import dataclasses
+import gzip
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant import demo, models
+from jaxquant.bench import profile
+
+
+def timed(fn, n):
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv):
+    config = argv[0] if argv else "gpt-oss-20b"
+    num_layers = int(argv[1]) if len(argv) > 1 and argv[1] != "all" else None
+    mode = argv[2] if len(argv) > 2 else "bf16"
+    n = int(argv[3]) if len(argv) > 3 else 512
+    trace_dir = argv[4] if len(argv) > 4 else "/tmp/prefill_trace"
+    cfg = models.Config(**demo.PRESETS[config])
+    if num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    base = jax.block_until_ready(
+        jax.jit(models.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16))
+    params = base if mode == "bf16" else jax.block_until_ready(models.quantize_params(base, mode))
+    prompt = jax.random.randint(jax.random.key(2), (1, n), 0, cfg.vocab_size, jnp.int32)
+    compiled = jax.jit(lambda p, t: models.prefill(cfg, p, t, n)).lower(params, prompt).compile()
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; "
+          f"{config} {cfg.num_layers} layers {mode}, prompt {n}; "
+          f"{len(jax.tree_util.tree_leaves(params))} parameter arrays")
+    call = lambda: compiled(params, prompt)
+    jax.block_until_ready(call())
+    blocked = timed(lambda: jax.block_until_ready(call()), 9)
+    returns, rest = [], []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        out = call()
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        returns.append(t1 - t0)
+        rest.append(time.perf_counter() - t1)
+    t0 = time.perf_counter()
+    outs = [call() for _ in range(10)]
+    jax.block_until_ready(outs)
+    b2b = (time.perf_counter() - t0) / 10
+    del outs
+    med = lambda v: 1e3 * statistics.median(v)
+    print(f"blocked {med(blocked):.2f} ms ({n / statistics.median(blocked):.0f} tok/s); "
+          f"call returns after {med(returns):.2f} ms, result ready {med(rest):.2f} ms later; "
+          f"back to back {1e3 * b2b:.2f} ms ({n / b2b:.0f} tok/s)")
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for i in range(3):
+            with jax.profiler.TraceAnnotation(f"prefill_call_{i}"):
+                jax.block_until_ready(call())
+    with gzip.open(profile.trace_file(trace_dir), "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels, _ = profile.device_events(profile.trace_file(trace_dir))
+    host_pids = {pid for pid, name in procs.items() if not name.startswith("/device:")}
+    calls = sorted((e for e in spans if e["name"].startswith("prefill_call_")),
+                   key=lambda e: e["ts"])
+    for c in calls:
+        t0, t1 = c["ts"], c["ts"] + c["dur"]
+        ks = [k for k in kernels if t0 <= k.ts <= t1]
+        first, last = (ks[0].ts, max(k.ts + k.dur for k in ks)) if ks else (t0, t0)
+        busy, end = 0.0, t0
+        for k in ks:
+            s, e = max(k.ts, end), k.ts + k.dur
+            if e > s:
+                busy += e - s
+            end = max(end, e)
+        print(f"\n{c['name']}: {c['dur'] / 1e3:.2f} ms; {len(ks)} kernels; first kernel "
+              f"{(first - t0) / 1e3:.2f} ms after the call, span {(last - first) / 1e3:.2f} ms "
+              f"(busy {busy / 1e3:.2f}), result {(t1 - last) / 1e3:.2f} ms after the last")
+        # the host's events inside the call, by thread and name: total and count
+        by = collections.defaultdict(lambda: [0.0, 0])
+        for e in spans:
+            if e["pid"] in host_pids and t0 <= e["ts"] and e["ts"] + e["dur"] <= t1 and e is not c:
+                key = (threads.get((e["pid"], e["tid"]), str(e["tid"]))[:28], e["name"][:90])
+                by[key][0] += e["dur"]
+                by[key][1] += 1
+        for (th, name), (dur, cnt) in sorted(by.items(), key=lambda kv: -kv[1][0])[:40]:
+            print(f"  {dur / 1e3:8.3f} ms {cnt:5d}x  [{th}] {name}")
+        # device idle stretches longer than 50 us inside the span: where the host was
+        gaps = [(a.ts + a.dur, b.ts) for a, b in zip(ks, ks[1:]) if b.ts - (a.ts + a.dur) > 50]
+        for g0, g1 in gaps[:12]:
+            print(f"  device idle {(g1 - g0) / 1e3:.3f} ms at +{(g0 - t0) / 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
