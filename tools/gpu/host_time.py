@@ -1,16 +1,21 @@
-"""Where a prefill's wall time goes outside its kernels, on a GPU:
+"""Where a call's wall time goes outside its kernels, on a GPU:
 
-  python tools/gpu/prefill_host_time.py [gpt-oss-20b] [layers] [bf16] [512] [trace_dir]
+  python tools/gpu/host_time.py prefill|decode [gpt-oss-20b] [layers|all] [bf16] [512] [dir]
 
-Times one compiled `models.prefill` three ways in one process (each call blocked, as
-`bench model` times it; back to back; the time until the call returns), then traces
-three blocked calls and, per call, sets the host's events (XLA's thunks, the runtime)
-against the device's kernels: when the first kernel starts after the call, how long the
-kernels span, when the call's result is ready after the last kernel."""
+prefill: one compiled `models.prefill` of a prompt of N tokens; decode: `models.decode`
+of N greedy steps in one call (its `lax.scan`) after a 128-token prompt, the cache
+donated. Times the call three ways in one process (each call blocked, as `bench model`
+times it; back to back; the time until the call returns), then traces three blocked
+calls and, per call, sets the host's events (XLA's thunks, the runtime, the launches of
+the command buffers) against the device's kernels: when the first kernel starts after
+the call, how long the kernels span, when the call's result is ready after the last
+kernel, where the device idles. XLA_FLAGS apply as usual (e.g. which ops the command
+buffers take)."""
 import collections
 import dataclasses
 import gzip
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,23 +37,42 @@ def timed(fn, n):
 
 
 def main(argv):
+    what = argv[0] if argv else "prefill"
+    if what not in ("prefill", "decode"):
+        raise SystemExit(f"the first argument is prefill or decode; got {what!r}")
+    argv = argv[1:]
     config = argv[0] if argv else "gpt-oss-20b"
     num_layers = int(argv[1]) if len(argv) > 1 and argv[1] != "all" else None
     mode = argv[2] if len(argv) > 2 else "bf16"
-    n = int(argv[3]) if len(argv) > 3 else 512
-    trace_dir = argv[4] if len(argv) > 4 else "/tmp/prefill_trace"
+    n = int(argv[3]) if len(argv) > 3 else (512 if what == "prefill" else 16)
+    trace_dir = argv[4] if len(argv) > 4 else f"/tmp/{what}_trace"
     cfg = models.Config(**demo.PRESETS[config])
     if num_layers:
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
     base = jax.block_until_ready(
         jax.jit(models.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16))
     params = base if mode == "bf16" else jax.block_until_ready(models.quantize_params(base, mode))
-    prompt = jax.random.randint(jax.random.key(2), (1, n), 0, cfg.vocab_size, jnp.int32)
-    compiled = jax.jit(lambda p, t: models.prefill(cfg, p, t, n)).lower(params, prompt).compile()
+    if what == "prefill":
+        prompt = jax.random.randint(jax.random.key(2), (1, n), 0, cfg.vocab_size, jnp.int32)
+        compiled = jax.jit(lambda p, t: models.prefill(cfg, p, t, n)).lower(
+            params, prompt).compile()
+        call = lambda: compiled(params, prompt)
+        shape, tokens = f"prompt {n}", n
+    else:
+        prompt = jax.random.randint(jax.random.key(2), (1, 128), 0, cfg.vocab_size, jnp.int32)
+        _, cache, token = models.prefill(cfg, params, prompt, 128 + n)
+        compiled = jax.jit(lambda p, c, t: models.decode(cfg, p, c, t, 128, n),
+                           donate_argnums=1).lower(params, cache, token).compile()
+        state = {"cache": cache}
+
+        def call():  # each call decodes from where the last left its cache: the same work
+            tokens, _, state["cache"] = compiled(params, state["cache"], token)
+            return tokens
+        shape, tokens = f"{n} decode steps in one call after a 128-token prompt", n
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; "
-          f"{config} {cfg.num_layers} layers {mode}, prompt {n}; "
-          f"{len(jax.tree_util.tree_leaves(params))} parameter arrays")
-    call = lambda: compiled(params, prompt)
+          f"{config} {cfg.num_layers} layers {mode}, {shape}; "
+          f"{len(jax.tree_util.tree_leaves(params))} parameter arrays; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     jax.block_until_ready(call())
     blocked = timed(lambda: jax.block_until_ready(call()), 9)
     returns, rest = [], []
@@ -65,13 +89,13 @@ def main(argv):
     b2b = (time.perf_counter() - t0) / 10
     del outs
     med = lambda v: 1e3 * statistics.median(v)
-    print(f"blocked {med(blocked):.2f} ms ({n / statistics.median(blocked):.0f} tok/s); "
+    print(f"blocked {med(blocked):.2f} ms ({tokens / statistics.median(blocked):.1f} tok/s); "
           f"call returns after {med(returns):.2f} ms, result ready {med(rest):.2f} ms later; "
-          f"back to back {1e3 * b2b:.2f} ms ({n / b2b:.0f} tok/s)")
+          f"back to back {1e3 * b2b:.2f} ms ({tokens / b2b:.1f} tok/s)")
 
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for i in range(3):
-            with jax.profiler.TraceAnnotation(f"prefill_call_{i}"):
+            with jax.profiler.TraceAnnotation(f"traced_call_{i}"):
                 jax.block_until_ready(call())
     with gzip.open(profile.trace_file(trace_dir), "rt") as f:
         data = json.load(f)
@@ -83,7 +107,7 @@ def main(argv):
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     kernels, _ = profile.device_events(profile.trace_file(trace_dir))
     host_pids = {pid for pid, name in procs.items() if not name.startswith("/device:")}
-    calls = sorted((e for e in spans if e["name"].startswith("prefill_call_")),
+    calls = sorted((e for e in spans if e["name"].startswith("traced_call_")),
                    key=lambda e: e["ts"])
     for c in calls:
         t0, t1 = c["ts"], c["ts"] + c["dur"]
