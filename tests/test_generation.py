@@ -153,6 +153,27 @@ def test_greedy_default_is_prefill_and_decode(llama):
     np.testing.assert_array_equal(GEN(cfg, params, prompt, 5, lengths=jnp.array([7, 7])), want)
 
 
+def test_prefill_logits_at_one_position_a_row(llama):
+    """The head at one position of each row: those rows of the full logits (the head's
+    product on one row instead of all, within float32 rounding), the token their
+    argmax; a shape other than [B] is refused."""
+    cfg, params = llama
+    prompt = jax.random.randint(jax.random.key(2), (3, 9), 0, cfg.vocab_size)
+    full, cache_full, _ = models.prefill(cfg, params, prompt, 12)
+    at = jnp.array([8, 0, 4], jnp.int32)
+    logits, cache, token = models.prefill(cfg, params, prompt, 12, logits_at=at)
+    assert logits.shape == (3, 1, cfg.vocab_size)
+    want = np.asarray(full)[np.arange(3), np.asarray(at)]
+    np.testing.assert_allclose(np.asarray(logits)[:, 0], want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(token, np.argmax(np.asarray(logits)[:, 0], -1))
+    for a, b in zip(cache, cache_full):
+        np.testing.assert_array_equal(a, b)
+    for bad in (jnp.array([8, 8], jnp.int32), jnp.array([[8], [8], [8]], jnp.int32)):
+        with pytest.raises(ValueError, match="logits_at"):
+            models.prefill(cfg, params, prompt, 12, logits_at=bad)
+
+
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_moe", marks=pytest.mark.full),
                                     pytest.param("gpt_oss", marks=pytest.mark.full)])
 def test_rows_of_different_lengths_equal_their_own_runs(family):

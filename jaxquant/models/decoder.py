@@ -105,7 +105,7 @@ def resolve_experts_by_layer(cfg: Config, layers, experts_by_layer, mesh=None) -
 
 
 def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None, mesh=None,
-            from_start=False):
+            from_start=False, logits_at=None):
     """tokens [B, T] at positions [B, T] -> (logits [B, T, V] float32, cache).
 
     The layer loop follows the parameters' form: per-layer buffers (a tuple of
@@ -130,7 +130,12 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
     from_start: the caller promises positions[b] = arange(T) and an empty cache (a
     prompt from its first token: prefill passes it), so attention may run as causal
     attention over the T tokens alone (layers.prompt_attention_applies: a fused kernel
-    on GPUs)."""
+    on GPUs).
+
+    logits_at: None, or an int array [B] of indices into T: the final norm and the head
+    run at that one token of each row, and the logits are [B, 1, V]. A prompt's next
+    token needs its last position's only, and the head over every position of a long
+    prompt is a product as large as a layer's (gpt-oss-20b's 201088 x 2880)."""
     inv_freq, factor = cfg.rope_inv_freq()
     rope_table = (jnp.asarray(inv_freq, jnp.float32), factor)
     h = embed(params, tokens).astype(jnp.dtype(cfg.dtype))
@@ -158,21 +163,29 @@ def forward(cfg: Config, params, tokens, positions, cache, experts_by_layer=None
 
         (h, cache), _ = lax.scan(step, (h, cache), (layers, jnp.asarray(cfg.windows()),
                                                     jnp.arange(cfg.num_layers)))
+    if logits_at is not None:
+        h = jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
     h = jq.rms_norm(h, params["final_norm"], eps=cfg.rms_eps)
     head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     logits = linear(h, head).astype(jnp.float32)
     return logits, cache
 
 
-def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None, mesh=None):
-    """prompt [B, S] -> (logits [B, S, V], cache, next token [B]); mesh: forward's."""
+def prefill(cfg: Config, params, prompt, max_len: int, experts_by_layer=None, mesh=None, *,
+            logits_at=None):
+    """prompt [B, S] -> (logits [B, S, V], cache, next token [B]: the argmax at the last
+    position); mesh: forward's. logits_at (forward's): an int array [B] of positions, the
+    logits then [B, 1, V] at those only and the token their argmax."""
     b, s = prompt.shape
     if s > max_len:
         raise ValueError(f"max_len={max_len} must be >= the prompt's length {s} (the cache "
                          f"holds prompt and generated tokens)")
+    if logits_at is not None and jnp.shape(logits_at) != (b,):
+        raise ValueError(f"logits_at must be one position per row, shape ({b},); got "
+                         f"{jnp.shape(logits_at)}")
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     logits, cache = forward(cfg, params, prompt, positions, init_cache(cfg, b, max_len),
-                            experts_by_layer, mesh, from_start=True)
+                            experts_by_layer, mesh, from_start=True, logits_at=logits_at)
     return logits, cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
 

@@ -214,7 +214,8 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
     sampling, stops, prompt = _check_generation(cfg, prompt, steps, sampling, key, stop_tokens)
     b, s = prompt.shape
     if lengths is None and sampling.greedy and stops is None:
-        _, cache, token = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh)
+        _, cache, token = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh,
+                                  logits_at=jnp.full((b,), s - 1, jnp.int32))
         tokens, _, _ = decode(cfg, params, cache, token, s, steps - 1, experts_by_layer, mesh)
         return jnp.concatenate([token[:, None], tokens], axis=1)
 
@@ -228,9 +229,9 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
         lengths = jnp.full((b,), s, jnp.int32)
     if key is None:
         key = jax.random.key(0)  # greedy: never drawn from
-    logits, cache, _ = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    token = sample(jax.random.fold_in(key, 0), last, sampling)
+    logits, cache, _ = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh,
+                               logits_at=lengths - 1)
+    token = sample(jax.random.fold_in(key, 0), logits[:, 0], sampling)
     stop_ids = jnp.full((1,), -1, jnp.int32) if stops is None else stops
     done = jnp.isin(token, stop_ids)
     out = jnp.zeros((b, steps), jnp.int32).at[:, 0].set(token)
@@ -261,8 +262,10 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
 @functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("sampling",
                                                                     "experts_by_layer", "mesh"))
 def _stream_prefill(cfg, params, prompt, key, max_len, *, sampling, experts_by_layer, mesh):
-    logits, cache, _ = prefill(cfg, params, prompt, max_len, experts_by_layer, mesh)
-    return sample(jax.random.fold_in(key, 0), logits[:, -1], sampling), tuple(cache)
+    b, s = prompt.shape
+    logits, cache, _ = prefill(cfg, params, prompt, max_len, experts_by_layer, mesh,
+                               logits_at=jnp.full((b,), s - 1, jnp.int32))
+    return sample(jax.random.fold_in(key, 0), logits[:, 0], sampling), tuple(cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),

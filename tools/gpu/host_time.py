@@ -2,7 +2,8 @@
 
   python tools/gpu/host_time.py prefill|decode [gpt-oss-20b] [layers|all] [bf16] [512] [dir]
 
-prefill: one compiled `models.prefill` of a prompt of N tokens; decode: `models.decode`
+prefill: one compiled `models.prefill` of a prompt of N tokens (and, in turns with it, the
+same with `logits_at` the last position, as `generate` runs it); decode: `models.decode`
 of N greedy steps in one call (its `lax.scan`) after a 128-token prompt, the cache
 donated. Times the call three ways in one process (each call blocked, as `bench model`
 times it; back to back; the time until the call returns), then traces three blocked
@@ -89,6 +90,16 @@ def main(argv):
     b2b = (time.perf_counter() - t0) / 10
     del outs
     med = lambda v: 1e3 * statistics.median(v)
+    if what == "prefill":  # the head at the last position only, as generate runs it
+        last = jnp.full((1,), n - 1, jnp.int32)
+        tail = jax.jit(lambda p, t: models.prefill(cfg, p, t, n, logits_at=last)).lower(
+            params, prompt).compile()
+        jax.block_until_ready(tail(params, prompt))
+        rounds = [timed(lambda: jax.block_until_ready(f()), 5)
+                  for _ in range(2) for f in (call, lambda: tail(params, prompt))]
+        every, only = rounds[0] + rounds[2], rounds[1] + rounds[3]
+        print(f"logits at every position {1e3 * statistics.median(every):.2f} ms, at the last "
+              f"only (logits_at) {1e3 * statistics.median(only):.2f} ms, in turns")
     print(f"blocked {med(blocked):.2f} ms ({tokens / statistics.median(blocked):.1f} tok/s); "
           f"call returns after {med(returns):.2f} ms, result ready {med(rest):.2f} ms later; "
           f"back to back {1e3 * b2b:.2f} ms ({tokens / b2b:.1f} tok/s)")
