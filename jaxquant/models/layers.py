@@ -223,6 +223,12 @@ def prompt_attention_applies(cfg: Config, p, q, window=0) -> str | None:
     return impl
 
 
+def local_window(window) -> tuple[int, int] | None:
+    """jax.nn.dot_product_attention's local_window_size for a window of `window` keys up
+    to the query's own (0: all): the keys 0 .. window - 1 before it."""
+    return (window - 1, 0) if window else None
+
+
 def attention_with_logsumexp(q, k, v, impl, window):
     """dot_product_attention's output and the logsumexp of each query's scaled scores
     [B, T, Hq] in float32. jax.nn's cuDNN path rounds the logsumexp to the output's dtype
@@ -238,7 +244,7 @@ def attention_with_logsumexp(q, k, v, impl, window):
         except (ImportError, AttributeError, TypeError):
             pass
     o, lse = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
-                                          local_window_size=(window - 1, 0) if window else None,
+                                          local_window_size=local_window(window),
                                           return_residual=True)
     return o, lse.astype(jnp.float32)
 
@@ -250,10 +256,9 @@ def prompt_attention(q, k, v, impl, window, sinks=None):
     fused kernel `impl`. A sink is a logit in the softmax's denominator only, so the
     attention with it is the attention without it times S / (S + e^sink) =
     sigmoid(lse - sink), S = e^lse the scores' sum, which the kernel returns."""
-    local = (window - 1, 0) if window else None
     if sinks is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
-                                            local_window_size=local)
+                                            local_window_size=local_window(window))
     o, lse = attention_with_logsumexp(q, k, v, impl, window)
     keep = jax.nn.sigmoid(lse - sinks.astype(jnp.float32))
     return (o.astype(jnp.float32) * keep[..., None]).astype(q.dtype)
