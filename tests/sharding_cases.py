@@ -355,7 +355,11 @@ def checkpoint_cases():
                                       for a, b in zip(lw, lg)),
                 "split": sum(not b.sharding.is_fully_replicated for b in lg),
                 "linears_read_whole": sorted(n for n in read if "_proj." in n),
-                "same_tokens": bool(jnp.all(gen(want) == gen(got)))}
+                "same_tokens": bool(jnp.all(gen(want) == gen(got))),
+                # models.stream on the placed weights: generate's tokens, block by block
+                "stream_tokens": bool(np.array_equal(
+                    np.concatenate(list(models.stream(cfg, got, prompt, 4, block=2)), 1),
+                    gen(got)))}
     return out
 
 

@@ -207,5 +207,6 @@ def test_checkpoint_load_on_a_mesh(cases, name):
     split ones among them, the same greedy tokens."""
     case = cases[name]
     assert case["same_tree"] and case["same_placement"] and case["same_tokens"], case
+    assert case["stream_tokens"], case
     assert case["err"] == 0.0 and case["split"] > 0, case
     assert case["linears_read_whole"] == [], case  # q/k/v/o, gate/up/down: slices only
