@@ -142,6 +142,20 @@ def main(argv):
                 by[key][1] += 1
         for (th, name), (dur, cnt) in sorted(by.items(), key=lambda kv: -kv[1][0])[:40]:
             print(f"  {dur / 1e3:8.3f} ms {cnt:5d}x  [{th}] {name}")
+        if c is calls[-1]:  # the call's kernels by name and the code that emitted them
+            index = profile.hlo_index(compiled.as_text())
+            kinds = collections.defaultdict(lambda: [0.0, 0])
+            for k in ks:
+                op = index.get(k.hlo_op)
+                where = f"{op.opcode} {op.function}" if op else ""
+                key = (profile.classify(k.name, k.hlo_op, op), k.name.split(".")[0][:60],
+                       where[:50])
+                kinds[key][0] += k.dur
+                kinds[key][1] += 1
+            print("  kernels (class, name, HLO op and Python function): µs, count")
+            for (cls, name, where), (dur, cnt) in sorted(kinds.items(),
+                                                         key=lambda kv: -kv[1][0])[:60]:
+                print(f"  {dur:9.1f} µs {cnt:5d}x  {cls:10s} {name:60s} {where}")
         # device idle stretches longer than 50 us inside the span: where the host was
         gaps = [(a.ts + a.dur, b.ts) for a, b in zip(ks, ks[1:]) if b.ts - (a.ts + a.dur) > 50]
         for g0, g1 in gaps[:12]:
