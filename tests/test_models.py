@@ -8,6 +8,7 @@ CUDA library): what the defaults give there (per-layer buffers, the cuda_mma lay
 the model to the tokens of the stacked, canonical form; jq.prepack of a stacked expert
 weight stays within its memory bound."""
 
+import functools
 import json
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import models
-from jaxquant.models import checkpoint, layers
+from jaxquant.models import checkpoint, layers, moe
 from jaxquant.models.config import MOE_FAMILIES
 from jaxquant.models.decoder import moe_mlp
 from jaxquant.quantized_array import QuantizedArray
@@ -492,6 +493,36 @@ def test_moe_against_naive(family, tokens):
     params = models.quantize_params(models.init_params(cfg, jax.random.key(2)), "mxfp4")
     p = jax.tree_util.tree_map(lambda a: a[0], params["layers"])
     x = jax.random.normal(jax.random.key(3), (tokens, cfg.hidden_size), jnp.float32)
+    got = jax.jit(lambda p, x: moe_mlp(cfg, p, x))(p, x)
+    want = _moe_naive(cfg, p, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("by", ["sort", "count"])
+def test_expert_order_is_the_stable_argsort(by):
+    """Both orderings of the MoE prefill's pairs (the CPU's argsort, the GPUs' counting
+    sort) against NumPy's stable argsort, and the inverse; uneven, empty and all-in-one
+    experts, other devices' pairs (id num_experts), one pair."""
+    rng = np.random.default_rng(7)
+    cases = [rng.integers(0, 9, 300), rng.integers(0, 33, 2048), np.full(50, 3),
+             np.full(20, 8), np.array([2]), rng.choice([0, 8], 64), rng.integers(0, 2, 17)]
+    for flat, e in zip(cases, [8, 32, 8, 8, 8, 8, 1]):
+        order, back = moe.expert_order(jnp.asarray(flat, jnp.int32), e, by)
+        want = np.argsort(flat, kind="stable")
+        np.testing.assert_array_equal(order, want)
+        np.testing.assert_array_equal(np.asarray(back)[want], np.arange(flat.size))
+    with pytest.raises(ValueError, match="by"):
+        moe.expert_order(jnp.zeros(4, jnp.int32), 2, "radix")
+
+
+def test_moe_prefill_with_the_counting_sort(monkeypatch):
+    """The MoE prefill on the GPUs' ordering (a counting sort), run here on the CPU."""
+    count = functools.partial(moe.expert_order, by="count")
+    monkeypatch.setattr(moe, "expert_order", count)
+    cfg = tiny("gpt_oss", dtype="float32")
+    params = models.quantize_params(models.init_params(cfg, jax.random.key(2)), "mxfp4")
+    p = jax.tree_util.tree_map(lambda a: a[0], params["layers"])
+    x = jax.random.normal(jax.random.key(3), (40, cfg.hidden_size), jnp.float32)
     got = jax.jit(lambda p, x: moe_mlp(cfg, p, x))(p, x)
     want = _moe_naive(cfg, p, x)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
