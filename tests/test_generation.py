@@ -271,6 +271,10 @@ def test_stream_yields_generates_tokens(llama, block):
                                   GEN(cfg, params, prompt, 9, sampling=s, key=key))
     np.testing.assert_array_equal(_streamed(cfg, params, prompt, 1, block),
                                   GEN(cfg, params, prompt, 1))
+    # right-padded prompts with their lengths: each row at its own position
+    lengths = jnp.array([7, 3], jnp.int32)
+    np.testing.assert_array_equal(_streamed(cfg, params, prompt, 9, block, lengths=lengths),
+                                  GEN(cfg, params, prompt, 9, lengths=lengths))
 
 
 def test_stream_ends_when_every_row_has_stopped(llama):
@@ -301,6 +305,8 @@ def test_stream_arguments_checked(llama):
         next(models.stream(cfg, params, prompt, 0))
     with pytest.raises(ValueError, match="stop_tokens"):
         next(models.stream(cfg, params, prompt, 4, stop_tokens=[cfg.vocab_size]))
+    with pytest.raises(ValueError, match="lengths"):
+        next(models.stream(cfg, params, prompt, 4, lengths=jnp.array([5])))
 
 
 # ---------------------------------------------------------------------------

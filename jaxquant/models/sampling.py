@@ -172,6 +172,28 @@ def _step_rows(cfg: Config, params, cache, token, positions, experts_by_layer, m
     return logits, (k, v)
 
 
+def _step(cfg: Config, params, cache, token, positions, per_row: bool, experts_by_layer,
+          mesh):
+    """One decode step of token [B] at positions [B] -> (logits [B, V], cache): each row
+    at its own position (_step_rows) where per_row, else the batch in lockstep."""
+    if per_row:
+        return _step_rows(cfg, params, cache, token, positions, experts_by_layer, mesh)
+    logits, cache = forward(cfg, params, token[:, None], positions[:, None], cache,
+                            experts_by_layer, mesh)
+    return logits[:, -1], cache
+
+
+def _prompt_rows(prompt, lengths):
+    """-> (prompt, lengths [B] int32, per_row): with lengths, checked, and the padding's
+    ids set to 0 (they only need to be valid: an invalid id's NaN would reach the cache,
+    and 0 * NaN in attention is NaN even where masked); without, every row's S."""
+    b, s = prompt.shape
+    if lengths is None:
+        return prompt, jnp.full((b,), s, jnp.int32), False
+    lengths = _check_lengths(lengths, b, s)
+    return jnp.where(jnp.arange(s) < lengths[:, None], prompt, 0), lengths, True
+
+
 def _check_generation(cfg: Config, prompt, steps, sampling, key, stop_tokens):
     """generate's and stream's arguments checked: -> (sampling, stop ids or None, prompt)."""
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
@@ -219,14 +241,7 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
         tokens, _, _ = decode(cfg, params, cache, token, s, steps - 1, experts_by_layer, mesh)
         return jnp.concatenate([token[:, None], tokens], axis=1)
 
-    per_row = lengths is not None
-    if per_row:
-        lengths = _check_lengths(lengths, b, s)
-        # the padding's ids only need to be valid (an invalid id's NaN would reach the
-        # cache, and 0 * NaN in attention is NaN even where masked)
-        prompt = jnp.where(jnp.arange(s) < lengths[:, None], prompt, 0)
-    else:
-        lengths = jnp.full((b,), s, jnp.int32)
+    prompt, lengths, per_row = _prompt_rows(prompt, lengths)
     if key is None:
         key = jax.random.key(0)  # greedy: never drawn from
     logits, cache, _ = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh,
@@ -242,13 +257,9 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
 
     def body(carry):
         i, token, cache, done, out = carry
-        pos = lengths + i - 1  # where `token` (the previous step's) sits
-        if per_row:
-            logits, cache = _step_rows(cfg, params, cache, token, pos, experts_by_layer, mesh)
-        else:
-            logits, cache = forward(cfg, params, token[:, None], pos[:, None], cache,
-                                    experts_by_layer, mesh)
-            logits = logits[:, -1]
+        # `token` (the previous step's) sits at lengths + i - 1
+        logits, cache = _step(cfg, params, cache, token, lengths + i - 1, per_row,
+                              experts_by_layer, mesh)
         nxt, done = _next_token(logits, token, done, i, key, sampling, stop_ids)
         return i + 1, nxt, cache, done, lax.dynamic_update_index_in_dim(out, nxt, i, 1)
 
@@ -259,30 +270,30 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
 
 # stream's two programs, compiled once per config, shape and static argument: the prefill
 # with the first draw, and a block of `n` decode steps.
-@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("sampling",
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("sampling",
                                                                     "experts_by_layer", "mesh"))
-def _stream_prefill(cfg, params, prompt, key, max_len, *, sampling, experts_by_layer, mesh):
-    b, s = prompt.shape
+def _stream_prefill(cfg, params, prompt, lengths, key, max_len, *, sampling, experts_by_layer,
+                    mesh):
     logits, cache, _ = prefill(cfg, params, prompt, max_len, experts_by_layer, mesh,
-                               logits_at=jnp.full((b,), s - 1, jnp.int32))
+                               logits_at=lengths - 1)
     return sample(jax.random.fold_in(key, 0), logits[:, 0], sampling), tuple(cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
-                   static_argnames=("n", "sampling", "experts_by_layer", "mesh"))
-def _stream_block(cfg, params, cache, token, done, first, start, key, stop_ids, *, n, sampling,
-                  experts_by_layer, mesh):
+                   static_argnames=("n", "per_row", "sampling", "experts_by_layer", "mesh"))
+def _stream_block(cfg, params, cache, token, done, first, lengths, key, stop_ids, *, n,
+                  per_row, sampling, experts_by_layer, mesh):
     """Decode steps first .. first + n - 1 (step i writes the token of step i - 1 at
-    start + i - 1). Positions past the cache (the last block's steps past `steps`) are
+    lengths + i - 1). Positions past the cache (the last block's steps past `steps`) are
     clamped to its last slot: those steps' tokens are dropped, and nothing reads the
     cache after them."""
-    b, max_len = token.shape[0], cache[0].shape[2]
+    max_len = cache[0].shape[2]
 
     def step(carry, i):
         token, cache, done = carry
-        pos = jnp.full((b, 1), jnp.minimum(start + i - 1, max_len - 1), jnp.int32)
-        logits, cache = forward(cfg, params, token[:, None], pos, cache, experts_by_layer, mesh)
-        nxt, done = _next_token(logits[:, -1], token, done, i, key, sampling, stop_ids)
+        pos = jnp.minimum(lengths + i - 1, max_len - 1)
+        logits, cache = _step(cfg, params, cache, token, pos, per_row, experts_by_layer, mesh)
+        nxt, done = _next_token(logits, token, done, i, key, sampling, stop_ids)
         return (nxt, cache, done), nxt
 
     (token, cache, done), tokens = lax.scan(step, (token, cache, done), first + jnp.arange(n))
@@ -290,11 +301,13 @@ def _stream_block(cfg, params, cache, token, done, first, start, key, stop_ids, 
 
 
 def stream(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=None, *,
-           sampling: Sampling | None = None, key=None, stop_tokens=None, block: int = 16):
+           lengths=None, sampling: Sampling | None = None, key=None, stop_tokens=None,
+           block: int = 16):
     """`generate`'s tokens as they are decoded: yields int32 NumPy arrays [B, n] (the
     first [B, 1], then up to `block` tokens each) whose concatenation is `generate(cfg,
-    params, prompt, steps, sampling=..., key=..., stop_tokens=...)` up to the step at
-    which every row has stopped (that step's tokens included), or all `steps`.
+    params, prompt, steps, lengths=..., sampling=..., key=..., stop_tokens=...)` up to
+    the step at which every row has stopped (that step's tokens included), or all
+    `steps`.
 
     The prefill and each block of `block` decode steps are one call each of a program
     compiled once (per config, shape and sampling), the cache donated from one block to
@@ -307,20 +320,20 @@ def stream(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=
     sampling, stops, prompt = _check_generation(cfg, prompt, steps, sampling, key, stop_tokens)
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
         raise ValueError(f"block must be a positive int; got {block!r}")
-    b, s = prompt.shape
+    s = prompt.shape[1]
+    prompt, lengths, per_row = _prompt_rows(prompt, lengths)
     key = jax.random.key(0) if key is None else key  # greedy: never drawn from
     stop_ids = jnp.full((1,), -1, jnp.int32) if stops is None else stops
     stop_set = np.asarray(stop_ids)
     static = dict(sampling=sampling, experts_by_layer=experts_by_layer, mesh=mesh)
-    token, cache = _stream_prefill(cfg, params, prompt.astype(jnp.int32), key, s + steps,
-                                   **static)
+    token, cache = _stream_prefill(cfg, params, prompt, lengths, key, s + steps, **static)
     done = jnp.isin(token, stop_ids)
 
     def launch(first, token, cache, done):
         if first >= steps:
             return None
-        return _stream_block(cfg, params, cache, token, done, jnp.int32(first), jnp.int32(s),
-                             key, stop_ids, n=int(min(block, steps - 1)), **static)
+        return _stream_block(cfg, params, cache, token, done, jnp.int32(first), lengths, key,
+                             stop_ids, n=int(min(block, steps - 1)), per_row=per_row, **static)
 
     pending = launch(1, token, cache, done)
     del cache  # donated to the block
