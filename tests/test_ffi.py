@@ -1208,6 +1208,10 @@ def test_gemm_rows_follow_the_kernel_the_device_runs(monkeypatch):
         assert configs.mma_gemm_max_m(aligned) == want
         assert configs.mma_gemm_max_m(mx) == want
         assert configs.mma_gemm_max_m(odd) == configs.MMA_GEMM_MAX_M
+    # $JAXQUANT_GEMM_KERNEL=mma runs the mma.sync GEMM on 9.0 too: its rows
+    monkeypatch.setattr(configs, "_cuda_capability", lambda: "9.0")
+    monkeypatch.setenv("JAXQUANT_GEMM_KERNEL", "mma")
+    assert configs.mma_gemm_max_m(aligned) == configs.MMA_GEMM_MAX_M
     assert configs.MMA_GEMM_MAX_M_SM90 > configs.MMA_GEMM_MAX_M
 
 

@@ -96,11 +96,11 @@ def ragged_gather_dedupe(rows: int) -> int:
 
 def mma_gemm_max_m(qw) -> int:
     """MMA_GEMM_MAX_M for the GEMM that runs `qw` on the default CUDA device: the wgmma
-    one on compute capability 9.0 where every tile's scales are 4-byte aligned (the
+    one where it runs (wgmma_usable) and every tile's scales are 4-byte aligned (the
     C++ side's choice, plan_gemm), else the mma.sync one."""
     n, groups = qw.scales.shape[-2:]
     aligned = n * groups * jnp.dtype(qw.scales.dtype).itemsize % 4 == 0
-    return MMA_GEMM_MAX_M_SM90 if aligned and _cuda_capability() == "9.0" else MMA_GEMM_MAX_M
+    return MMA_GEMM_MAX_M_SM90 if aligned and wgmma_usable() else MMA_GEMM_MAX_M
 
 
 def wgmma_usable() -> bool:
