@@ -82,7 +82,7 @@ def main(argv):
         for way, (rate, got) in rates.items():
             print(f"| {mode} | {way} | {rate:.1f} | {rate / ref:.2f}x | "
                   f"{np.array_equal(got, want)} |")
-        del params
+        params = None  # the next mode's weights without these
 
 
 if __name__ == "__main__":
