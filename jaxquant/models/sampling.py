@@ -195,7 +195,8 @@ def _prompt_rows(prompt, lengths):
 
 
 def _check_generation(cfg: Config, prompt, steps, sampling, key, stop_tokens):
-    """generate's and stream's arguments checked: -> (sampling, stop ids or None, prompt)."""
+    """generate's and stream's arguments checked: -> (sampling, stop ids [n] (none: [-1],
+    which no token is), prompt, key (none: a key never drawn from, greedy))."""
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
         raise TypeError(f"steps must be an int; got {steps!r}")
     if steps < 1:
@@ -209,7 +210,8 @@ def _check_generation(cfg: Config, prompt, steps, sampling, key, stop_tokens):
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2:
         raise ValueError(f"prompt must be [B, S] token ids; got shape {prompt.shape}")
-    return sampling, stops, prompt
+    stop_ids = jnp.full((1,), -1, jnp.int32) if stops is None else stops
+    return sampling, stop_ids, prompt, jax.random.key(0) if key is None else key
 
 
 def _next_token(logits, token, done, i, key, sampling, stop_ids):
@@ -233,21 +235,19 @@ def generate(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mes
     remaining steps, and the loop ends once every row has stopped.
 
     Greedy with neither lengths nor stop_tokens is prefill + decode exactly."""
-    sampling, stops, prompt = _check_generation(cfg, prompt, steps, sampling, key, stop_tokens)
+    sampling, stop_ids, prompt, key = _check_generation(cfg, prompt, steps, sampling, key,
+                                                        stop_tokens)
     b, s = prompt.shape
-    if lengths is None and sampling.greedy and stops is None:
+    if lengths is None and sampling.greedy and stop_tokens is None:
         _, cache, token = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh,
                                   logits_at=jnp.full((b,), s - 1, jnp.int32))
         tokens, _, _ = decode(cfg, params, cache, token, s, steps - 1, experts_by_layer, mesh)
         return jnp.concatenate([token[:, None], tokens], axis=1)
 
     prompt, lengths, per_row = _prompt_rows(prompt, lengths)
-    if key is None:
-        key = jax.random.key(0)  # greedy: never drawn from
     logits, cache, _ = prefill(cfg, params, prompt, s + steps, experts_by_layer, mesh,
                                logits_at=lengths - 1)
     token = sample(jax.random.fold_in(key, 0), logits[:, 0], sampling)
-    stop_ids = jnp.full((1,), -1, jnp.int32) if stops is None else stops
     done = jnp.isin(token, stop_ids)
     out = jnp.zeros((b, steps), jnp.int32).at[:, 0].set(token)
 
@@ -317,13 +317,12 @@ def stream(cfg: Config, params, prompt, steps: int, experts_by_layer=None, mesh=
     per block and runs while the device decodes, where a jitted call per token would
     pay it every token (docs/models.md, "Generation"). Past the last stop or `steps`,
     at most one block more is computed and dropped."""
-    sampling, stops, prompt = _check_generation(cfg, prompt, steps, sampling, key, stop_tokens)
+    sampling, stop_ids, prompt, key = _check_generation(cfg, prompt, steps, sampling, key,
+                                                        stop_tokens)
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
         raise ValueError(f"block must be a positive int; got {block!r}")
     s = prompt.shape[1]
     prompt, lengths, per_row = _prompt_rows(prompt, lengths)
-    key = jax.random.key(0) if key is None else key  # greedy: never drawn from
-    stop_ids = jnp.full((1,), -1, jnp.int32) if stops is None else stops
     stop_set = np.asarray(stop_ids)
     static = dict(sampling=sampling, experts_by_layer=experts_by_layer, mesh=mesh)
     token, cache = _stream_prefill(cfg, params, prompt, lengths, key, s + steps, **static)
