@@ -501,16 +501,18 @@ def test_moe_against_naive(family, tokens):
 @pytest.mark.parametrize("by", ["sort", "count"])
 def test_expert_order_is_the_stable_argsort(by):
     """Both orderings of the MoE prefill's pairs (the CPU's argsort, the GPUs' counting
-    sort) against NumPy's stable argsort, and the inverse; uneven, empty and all-in-one
+    sort) against NumPy's stable argsort, the inverse and the group sizes; uneven, empty and all-in-one
     experts, other devices' pairs (id num_experts), one pair."""
     rng = np.random.default_rng(7)
     cases = [rng.integers(0, 9, 300), rng.integers(0, 33, 2048), np.full(50, 3),
              np.full(20, 8), np.array([2]), rng.choice([0, 8], 64), rng.integers(0, 2, 17)]
     for flat, e in zip(cases, [8, 32, 8, 8, 8, 8, 1]):
-        order, back = moe.expert_order(jnp.asarray(flat, jnp.int32), e, by)
+        order, back, sizes = moe.expert_order(jnp.asarray(flat, jnp.int32), e, by)
         want = np.argsort(flat, kind="stable")
         np.testing.assert_array_equal(order, want)
         np.testing.assert_array_equal(np.asarray(back)[want], np.arange(flat.size))
+        np.testing.assert_array_equal(sizes, np.bincount(flat, minlength=e + 1)[:e])
+        assert sizes.dtype == jnp.int32
     with pytest.raises(ValueError, match="by"):
         moe.expert_order(jnp.zeros(4, jnp.int32), 2, "radix")
 
