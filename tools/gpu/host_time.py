@@ -98,8 +98,8 @@ def main(argv):
         rounds = [timed(lambda: jax.block_until_ready(f()), 5)
                   for _ in range(2) for f in (call, lambda: tail(params, prompt))]
         every, only = rounds[0] + rounds[2], rounds[1] + rounds[3]
-        print(f"logits at every position {1e3 * statistics.median(every):.2f} ms, at the last "
-              f"only (logits_at) {1e3 * statistics.median(only):.2f} ms, in turns")
+        print(f"logits at every position {med(every):.2f} ms, at the last only (logits_at) "
+              f"{med(only):.2f} ms, in turns")
     print(f"blocked {med(blocked):.2f} ms ({tokens / statistics.median(blocked):.1f} tok/s); "
           f"call returns after {med(returns):.2f} ms, result ready {med(rest):.2f} ms later; "
           f"back to back {1e3 * b2b:.2f} ms ({tokens / b2b:.1f} tok/s)")
