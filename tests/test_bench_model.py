@@ -55,7 +55,7 @@ def test_table_on_cpu_with_the_peer(monkeypatch):
     header, rows = _tables(lines)[-1]
     assert header == ["config", "impl", "mode", "batch", "decode tok/s", "% of bound",
                       "bound tok/s", "vs float", "prefill tok/s", "prefill vs float",
-                      "weights read/step", "Δlogits"]
+                      "first token ms", "weights read/step", "Δlogits"]
     assert any(l.startswith("# CPU: bound = a host copy") for l in lines)
     got = {(r["config"], r["impl"], r["mode"], r["batch"]): r for r in rows}
     want = {("tiny-dense", "jaxquant", m, b) for m in ("bf16", "affine4") for b in ("1", "2")}
@@ -64,6 +64,11 @@ def test_table_on_cpu_with_the_peer(monkeypatch):
     for key, r in got.items():
         assert float(r["decode tok/s"]) > 0, key
         assert (r["prefill tok/s"] != "") == (r["batch"] == "1"), key
+        # the first token's time: jaxquant's prefill rows (the peer's prefill has no head
+        # at one position)
+        first = r["batch"] == "1" and key[1] == "jaxquant"
+        assert (r["first token ms"] != "") == first, key
+        assert not first or float(r["first token ms"]) > 0, key
     # the quantized model and the bf16 peer against jaxquant's bf16 logits
     assert 0 < float(got["tiny-dense", "jaxquant", "affine4", "1"]["Δlogits"][:-1]) < 60
     assert float(got["tiny-dense", bench_model.PEER_IMPL, "bf16", "2"]["Δlogits"][:-1]) < 3
@@ -266,7 +271,8 @@ def test_profile_of_a_cpu_prefill(tmp_path):
     profile.print_breakdown(b, lines.append, "tiny-dense affine4 prefill", what="prefill")
     text = "\n".join(lines)
     assert "1 prefill traced; per prefill:" in text and "| class | per prefill |" in text
-    assert bench_model.prefill_run(cfg, params, 8, {}, 1).keys() == {"prefill_tps"}
+    assert bench_model.prefill_run(cfg, params, 8, {}, 1).keys() == {"prefill_tps",
+                                                                    "first_token_s"}
 
 
 def _perfetto(path, events):
@@ -423,6 +429,7 @@ def test_sharded_init_on_an_expert_parallel_mesh_in_a_subprocess():
         ("jaxquant default layout", "mxfp4")}, rows
     assert all(r["vs best 1 device"].endswith("x") and r["prefill vs best 1 device"].endswith("x")
                for r in rows if r["impl"] == "jaxquant 1x2"), rows
+    assert all(float(r["first token ms"]) > 0 for r in rows if r["impl"] == "jaxquant 1x2"), rows
     by = {(r["impl"], r["mode"]): r for r in rows}
     assert by[("jaxquant 1x2", "bf16")]["Δlogits"] == "0.00%", rows
     assert by[("jaxquant 1x2", "mxfp4")]["Δlogits"] == by[("jaxquant", "mxfp4")]["Δlogits"], rows

@@ -20,7 +20,8 @@ bound's columns are left out there. "prefill % of GEMM" (accelerators) is the
 prefill's weight-product FLOP/s (`matmul_flops_per_token`) against a dense bf16
 8192^3 GEMM timed in this process; "prefill % of bound" its time at the longer of
 that rate and its weight bytes at the copy bandwidth, over its time
-(`prefill_of_bound`). "Δlogits" is max |logits - float logits| /
+(`prefill_of_bound`). "first token ms" is the same prompt's prefill as `models.generate`
+runs it (the head at the last position only, `logits_at`), waited for. "Δlogits" is max |logits - float logits| /
 max |float logits| at the prompt's last position.
 
 The peer (dense configs; `jaxquant/bench/torch_peer.py`): the same function on
@@ -203,6 +204,11 @@ def prefill_run(cfg, params, tokens, kw, iters, mesh=None, profile_dir=None):
     f = jax.jit(lambda params, prompt: models.prefill(cfg, params, prompt, tokens, **kw))
     compiled = f.lower(params, prompt).compile()
     out = {"prefill_tps": tokens / _median_time(lambda: _block(compiled(params, prompt)), iters)}
+    # what generate pays before its first token: the head at the last position only
+    last = jnp.full((1,), tokens - 1, jnp.int32)
+    first = jax.jit(lambda params, prompt: models.prefill(
+        cfg, params, prompt, tokens, logits_at=last, **kw)[1:]).lower(params, prompt).compile()
+    out["first_token_s"] = _median_time(lambda: _block(first(params, prompt)), iters)
     if profile_dir is not None:
         try:
             out["profile"] = profile_run(cfg, compiled, (params, prompt), 1, profile_dir)
@@ -212,9 +218,11 @@ def prefill_run(cfg, params, tokens, kw, iters, mesh=None, profile_dir=None):
 
 
 def prefill_rates(cfg, p):
-    """A row's prefill columns from prefill_run's result: tok/s and weight-product FLOP/s."""
+    """A row's prefill columns from prefill_run's result: tok/s, weight-product FLOP/s and
+    the time to the first token."""
     return {"prefill_tps": p["prefill_tps"],
-            "prefill_flops": p["prefill_tps"] * matmul_flops_per_token(cfg)}
+            "prefill_flops": p["prefill_tps"] * matmul_flops_per_token(cfg),
+            "first_token_s": p["first_token_s"]}
 
 
 def prefill_a8_rows(cfg, name, mode, params, prompt, ref_logits, args):
@@ -523,7 +531,7 @@ def print_rows(rows, bw, out, meshes, gemm_flops=None):
             "vs float"]
     cols += ["prefill tok/s"] + (["prefill % of GEMM", "prefill % of bound"] if gemm_flops
                                  else [])
-    cols += ["prefill vs float", "weights read/step", "Δlogits"]
+    cols += ["prefill vs float", "first token ms", "weights read/step", "Δlogits"]
     cols += ["vs 1 device", "vs best 1 device", "prefill vs best 1 device"] if meshes else []
     out("")
     out("| " + " | ".join(cols) + " |")
@@ -569,6 +577,7 @@ def print_rows(rows, bw, out, meshes, gemm_flops=None):
             cells.append(f"{100 * prefill_of_bound(r, gemm_flops, bw):.0f}%"
                          if "prefill_bytes" in r and not callable(bw) else "")
         cells += [vs_float(r, "prefill_tps"),
+                  "" if "first_token_s" not in r else f"{1e3 * r['first_token_s']:.2f}",
                   _fmt_bytes(r["step_bytes"]) if "step_bytes" in r else "",
                   _cell(r, "dlogits", "{:.2%}")]
         if meshes:
