@@ -330,7 +330,7 @@ def peer_rows(args, cfg, base, prompts, ref, out):
             except Exception as e:  # noqa: BLE001
                 row = _failed(args.config_name, PEER_IMPL, variant, b, e)
             rows.append(_done(row))
-        del peer
+        peer = None  # its weights and compiled step freed before the next variant's
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
