@@ -193,21 +193,37 @@ def trace_file(trace_dir: str) -> str:
     return max(found, key=os.path.getmtime)
 
 
-def device_events(path: str, module: str | None = None) -> tuple[list[Event], str]:
-    """The device events of a perfetto trace (GPU kernels and memcpys on their streams;
-    without a device timeline, the XLA CPU ops), of `module` where events name theirs.
-    Of a program on several GPUs (a mesh), the first GPU's only: its step is the
-    mesh's, and the devices' kernels would overlap in one timeline.
-    Returns (events sorted by start, "gpu" or "cpu")."""
+def trace_events(path: str) -> list[dict]:
+    """Every event of a perfetto trace (.json.gz), as the trace's dicts."""
     with gzip.open(path, "rt") as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def trace_names(events: list[dict]) -> tuple[dict, dict]:
+    """The trace's process names by pid and thread names by (pid, tid)."""
     procs, threads = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             procs[e["pid"]] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    return procs, threads
+
+
+def device_events(path: str, module: str | None = None) -> tuple[list[Event], str]:
+    """The device events of the perfetto trace at `path`: device_events_of its events."""
+    return device_events_of(trace_events(path), module)
+
+
+def device_events_of(events: list[dict], module: str | None = None
+                     ) -> tuple[list[Event], str]:
+    """The device events of a perfetto trace's events (GPU kernels and memcpys on their
+    streams; without a device timeline, the XLA CPU ops), of `module` where events name
+    theirs. Of a program on several GPUs (a mesh), the first GPU's only: its step is the
+    mesh's, and the devices' kernels would overlap in one timeline.
+    Returns (events sorted by start, "gpu" or "cpu")."""
+    procs, threads = trace_names(events)
     devices = {pid: n for pid, n in procs.items() if n.startswith("/device:")}
     device_pids = {min(devices, key=lambda pid: _device_order(devices[pid]))} if devices else set()
     streams = {k for k, n in threads.items() if k[0] in device_pids

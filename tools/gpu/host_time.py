@@ -14,8 +14,6 @@ kernel, where the device idles. XLA_FLAGS apply as usual (e.g. which ops the com
 buffers take)."""
 import collections
 import dataclasses
-import gzip
-import json
 import os
 import statistics
 import sys
@@ -108,15 +106,10 @@ def main(argv):
         for i in range(3):
             with jax.profiler.TraceAnnotation(f"traced_call_{i}"):
                 jax.block_until_ready(call())
-    with gzip.open(profile.trace_file(trace_dir), "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events = profile.trace_events(profile.trace_file(trace_dir))
+    procs, threads = profile.trace_names(events)
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    kernels, _ = profile.device_events(profile.trace_file(trace_dir))
+    kernels, _ = profile.device_events_of(events)
     host_pids = {pid for pid, name in procs.items() if not name.startswith("/device:")}
     calls = sorted((e for e in spans if e["name"].startswith("traced_call_")),
                    key=lambda e: e["ts"])
