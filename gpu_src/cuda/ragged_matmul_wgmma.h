@@ -29,68 +29,6 @@ namespace jq {
 namespace gpu {
 namespace mma {
 
-// ragged_row_block's items in increasing order, for a warp: the group sizes are
-// scanned 32 experts at a time, as far as the item asked for needs, so a block's walk
-// over all its items reads the E sizes once.
-struct RaggedWalk {
-  int64_t base = 0;           // the first expert of the scanned 32
-  int64_t rows_before = 0;    // rows of the groups before `base` (cut at T)
-  int64_t blocks_before = 0;  // items before `base`'s
-  bool scanned = false;       // the 32 at `base` are scanned (the lane's fields below)
-  int64_t start = 0, end = 0, first = 0, blocks = 0;  // this lane's expert
-  int64_t rows_here = 0, blocks_here = 0;             // the 32's, every lane
-
-  __device__ void scan(const GemmProblem& pr, int lane) {
-    const QmvProblem& p = pr.q;
-    const int64_t T = p.M, BM = pr.block_m, e = base + lane;
-    int64_t size = e < p.E ? (int64_t)pr.group_sizes[e] : 0;
-    size = size < 0 ? 0 : (size > T ? T : size);
-    const int64_t incl = warp_inclusive_sum(size, lane);
-    start = min(rows_before + incl - size, T);
-    end = min(start + size, T);
-    blocks = (end - start + BM - 1) / BM;
-    const int64_t bincl = warp_inclusive_sum(blocks, lane);
-    first = blocks_before + bincl - blocks;
-    rows_here = __shfl_sync(0xffffffffu, incl, 31);
-    blocks_here = __shfl_sync(0xffffffffu, bincl, 31);
-    scanned = true;
-  }
-  // past the scanned 32 (rows cut at T, as ragged_row_block cuts them)
-  __device__ void next(int64_t T) {
-    rows_before = min(rows_before + rows_here, T);
-    blocks_before += blocks_here;
-    base += 32;
-    scanned = false;
-  }
-  // Item j (no smaller than the last one asked for) into *b; false past the last item.
-  __device__ bool find(const GemmProblem& pr, int64_t j, int lane, RowBlock* b) {
-    const int64_t T = pr.q.M;
-    for (;;) {
-      if (!scanned) {
-        if (base >= pr.q.E) return false;
-        scan(pr, lane);
-      }
-      if (j < blocks_before + blocks_here) break;
-      next(T);
-    }
-    const unsigned mask = __ballot_sync(0xffffffffu, j >= first && j < first + blocks);
-    const int src = __ffs(mask) - 1;
-    b->e = base + src;
-    b->x0 = b->y0 = __shfl_sync(0xffffffffu, start, src) +
-                    (j - __shfl_sync(0xffffffffu, first, src)) * pr.block_m;
-    b->rows = (int)min((int64_t)pr.block_m, __shfl_sync(0xffffffffu, end, src) - b->x0);
-    return true;
-  }
-  // The rows in groups (those past them are zero), after the walk's last find.
-  __device__ int64_t rows_in_groups(const GemmProblem& pr, int lane) {
-    while (base < pr.q.E) {
-      if (!scanned) scan(pr, lane);
-      next(pr.q.M);
-    }
-    return rows_before;
-  }
-};
-
 template <int BN>
 struct RaggedMatmulShared {
   static constexpr int x_bytes = BN * 128;
