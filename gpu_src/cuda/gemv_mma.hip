@@ -258,12 +258,8 @@ static ffi::Error qmm_gemm_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     return jq::invalid("the cuda_mma layout needs K a multiple of 64; got K=" +
                        std::to_string(q.K));
   if (auto e = check_scale_dtype(q, "x"); e.failure()) return e;
-  GemmProblem P;
-  P.q = q;
-  P.tiles = (q.N + kTileRows - 1) / kTileRows;
-  P.full_tiles = q.N / kTileRows;
-  P.chunks = q.K / kChunkK;
-  P.group_sizes = ragged ? static_cast<const int32_t*>(group_sizes.untyped_data()) : nullptr;
+  GemmProblem P = gemm_problem(
+      q, ragged ? static_cast<const int32_t*>(group_sizes.untyped_data()) : nullptr);
   plan_gemm(P);
   if (P.row_blocks > 65535)
     return jq::invalid("too many rows for one launch: " + std::to_string(P.row_blocks) +
@@ -292,8 +288,7 @@ static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi:
   if (d.k % kChunkK != 0)
     return jq::invalid("the cuda_mma layout needs K a multiple of 64; got K=" +
                        std::to_string(d.k));
-  GemmProblem P{};
-  jq::QmvProblem& q = P.q;
+  jq::QmvProblem q{};
   q.fmt = d.fmt;
   q.bits = d.bits;
   q.group = d.group;
@@ -310,9 +305,7 @@ static ffi::Error dequant_mma_impl(hipStream_t stream, ffi::AnyBuffer data, ffi:
   q.global_scale = d.global_scale;
   q.y = d.out;
   if (auto e = check_scale_dtype(q, "the output"); e.failure()) return e;
-  P.tiles = (q.N + kTileRows - 1) / kTileRows;
-  P.full_tiles = q.N / kTileRows;
-  P.chunks = q.K / kChunkK;
+  const GemmProblem P = gemm_problem(q);
   if (q.E > 65535 || (P.tiles * P.chunks + 7) / 8 > 2147483647)
     return jq::invalid("too many matrices for one launch: " + std::to_string(q.E));
   JQ_LAUNCH_CHECK(q.x_dt == jq::kF16 ? launch_dequant_mma_f16(P, stream)
@@ -369,20 +362,9 @@ static ffi::Error ragged_matmul_impl(hipStream_t stream, ffi::AnyBuffer x, ffi::
                     "ragged_matmul's zeros");
     return ffi::Error::Success();
   }
-  GemmProblem P{};
-  jq::QmvProblem& q = P.q;
-  q.S = q.Sx = q.x_div = 1;
-  q.M = T;
-  q.K = K;
-  q.N = N;
-  q.E = E;
-  q.x = x.untyped_data();
-  q.x_dt = x_dt;
-  q.data = static_cast<const uint32_t*>(w.untyped_data());
-  q.y = y->untyped_data();
-  P.chunks = (K + kChunkK - 1) / kChunkK;
-  P.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
-  plan_ragged_matmul(P);
+  const GemmProblem P = ragged_matmul_problem(
+      x.untyped_data(), x_dt, w.untyped_data(), y->untyped_data(), T, K, E, N,
+      static_cast<const int32_t*>(group_sizes.untyped_data()));
   JQ_LAUNCH_CHECK(launch_ragged_matmul_wgmma(P, stream), "ragged_matmul's grouped GEMM");
   return ffi::Error::Success();
 }

@@ -631,6 +631,19 @@ inline void plan_gemm(GemmProblem& P) {
   P.producer = P.wgmma && aligned16 && !producer_off && !(ragged && P.block_m == 64);
 }
 
+// A GEMM (or the layout's dequantize) over q's weight: its 16-row tiles and 64-k
+// chunks; group_sizes for ragged_qmm. The handlers and the sanitizer driver build their
+// problems here, then plan_gemm sets the launch.
+inline GemmProblem gemm_problem(const QmvProblem& q, const int32_t* group_sizes = nullptr) {
+  GemmProblem P{};
+  P.q = q;
+  P.tiles = (q.N + kTileRows - 1) / kTileRows;
+  P.full_tiles = q.N / kTileRows;
+  P.chunks = q.K / kChunkK;
+  P.group_sizes = group_sizes;
+  return P;
+}
+
 // ragged_matmul's plan (wgmma_usable() holds), for P with q, chunks and group_sizes
 // set: rows of x per item and the most items (ragged_row_block's). The float experts'
 // GEMM reads an item's 128 x K weight box once, so items of 128 rows read each weight
@@ -642,6 +655,28 @@ inline void plan_gemm(GemmProblem& P) {
 inline void plan_ragged_matmul(GemmProblem& P) {
   P.block_m = 128;
   P.row_blocks = (P.q.M + P.block_m - 1) / P.block_m + P.q.E;
+}
+
+// ragged_matmul's problem, planned: x [T, K] of x_dt, w [E, N, K] of the same dtype,
+// y [T, N], group_sizes [E] (K a multiple of 8: the last chunk's k past K read as zeros).
+inline GemmProblem ragged_matmul_problem(const void* x, int32_t x_dt, const void* w, void* y,
+                                         int64_t T, int64_t K, int64_t E, int64_t N,
+                                         const int32_t* group_sizes) {
+  GemmProblem P{};
+  QmvProblem& q = P.q;
+  q.S = q.Sx = q.x_div = 1;
+  q.M = T;
+  q.K = K;
+  q.N = N;
+  q.E = E;
+  q.x = x;
+  q.x_dt = x_dt;
+  q.data = static_cast<const uint32_t*>(w);
+  q.y = y;
+  P.chunks = (K + kChunkK - 1) / kChunkK;
+  P.group_sizes = group_sizes;
+  plan_ragged_matmul(P);
+  return P;
 }
 
 inline hipError_t launch_gemm(const GemmProblem& P, hipStream_t stream) {

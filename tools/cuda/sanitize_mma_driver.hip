@@ -280,12 +280,7 @@ static void run_gemm_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_
     CK(cudaMalloc(&gs, 4 * E));
     CK(cudaMemcpy(gs, sizes->data(), 4 * E, cudaMemcpyHostToDevice));
   }
-  GemmProblem P;
-  P.q = q;
-  P.tiles = (N + 15) / 16;
-  P.full_tiles = N / 16;
-  P.chunks = K / 64;
-  P.group_sizes = gs;
+  GemmProblem P = gemm_problem(q, gs);
   plan_gemm(P);  // wgmma on sm_90 unless $JAXQUANT_GEMM_KERNEL=mma
   CK(launch_gemm(P, 0));
   const Output y = finish(q);
@@ -309,11 +304,7 @@ static void run_gemm_case(const Case& c, int64_t E, int64_t N, int64_t K, int64_
 // rows holds exactly E * N * K elements): every element written.
 static void run_dequant_case(const Case& c, int64_t E, int64_t N, int64_t K) {
   QmvProblem q = make_problem(c, E, N, K, E, E, K, nullptr);
-  GemmProblem P{};
-  P.q = q;
-  P.tiles = (N + 15) / 16;
-  P.full_tiles = N / 16;
-  P.chunks = K / 64;
+  const GemmProblem P = gemm_problem(q);
   CK(c.x_dt == kF16 ? launch_dequant_mma_f16(P, 0) : launch_dequant_mma_bf16(P, 0));
   const Output y = finish(q);
   for (size_t i = 0; i < y.v.size(); ++i)
@@ -330,28 +321,17 @@ static void run_ragged_matmul_case(int xd, int64_t E, int64_t N, int64_t K, int6
                                    const std::vector<int32_t>& sizes) {
   if (!wgmma_usable()) return;
   std::mt19937 rng(99 + (int)(N + K + T));
-  GemmProblem P{};
-  QmvProblem& q = P.q;
-  q.S = q.Sx = q.x_div = 1;
-  q.M = T;
-  q.K = K;
-  q.N = N;
-  q.E = E;
-  q.x_dt = xd;
-  q.x = dev_random<uint16_t>(T * K, rng, 0x3bffu);
-  q.data = reinterpret_cast<const uint32_t*>(dev_random<uint16_t>(E * N * K, rng, 0x3bffu));
+  const void* x = dev_random<uint16_t>(T * K, rng, 0x3bffu);
+  const void* w = dev_random<uint16_t>(E * N * K, rng, 0x3bffu);
   void* y = nullptr;
   CK(cudaMalloc(&y, T * N * 2));
   CK(cudaMemset(y, kUnwritten, T * N * 2));
-  q.y = y;
   int32_t* gs = nullptr;
   CK(cudaMalloc(&gs, 4 * E));
   CK(cudaMemcpy(gs, sizes.data(), 4 * E, cudaMemcpyHostToDevice));
-  P.chunks = (K + 63) / 64;
-  P.group_sizes = gs;
-  plan_ragged_matmul(P);
+  GemmProblem P = ragged_matmul_problem(x, xd, w, y, T, K, E, N, gs);
   CK(launch_ragged_matmul_wgmma(P, 0));
-  const Output out = finish(q);
+  const Output out = finish(P.q);
   cudaFree(gs);
   int64_t total = 0;
   for (int32_t v : sizes) total += v > 0 ? v : 0;
