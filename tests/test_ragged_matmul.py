@@ -242,15 +242,21 @@ GPU_TOL = {jnp.float32: 1e-5, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", ["pallas", None], ids=["pallas", "auto"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c[0])
-def test_kernel_vs_exact_and_reference(case):
-    """float32 x at precision "highest" (IEEE); at the default precision it is tf32 on
-    the tensor cores, like XLA's dot (test_float32_default_precision_is_tf32)."""
+def test_kernel_vs_exact_and_reference(case, backend):
+    """The Pallas kernel, and the automatic choice (on a Hopper GPU with the CUDA library
+    the grouped GEMM of ragged_matmul_wgmma.h for 16-bit x, else Pallas). float32 x at
+    precision "highest" (IEEE); at the default precision it is tf32 on the tensor cores,
+    like XLA's dot (test_float32_default_precision_is_tf32)."""
     _, e, n, k, rows, dtype = case
     x, w, sizes = _gpu_case(e, n, k, rows, dtype, spare=5)
     with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
-        f = jax.jit(jq.ragged_matmul)
-        assert "__gpu$xla.gpu.triton" in f.lower(x, w, sizes).as_text(), "not the Pallas kernel"
+        f = jax.jit(functools.partial(jq.ragged_matmul, backend=backend))
+        text = f.lower(x, w, sizes).as_text()
+        kernels = ("__gpu$xla.gpu.triton",) if backend == "pallas" else (
+            "__gpu$xla.gpu.triton", "jaxquant_ragged_matmul")
+        assert any(kernel in text for kernel in kernels), f"not a kernel of {kernels}"
         y = np.asarray(f(x, w, sizes), np.float64)
         ref = np.asarray(jax.jit(lambda *a: jq.ragged_matmul(*a, backend="reference"))(
             x, w, sizes), np.float64)
