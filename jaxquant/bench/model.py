@@ -20,9 +20,10 @@ bound's columns are left out there. "prefill % of GEMM" (accelerators) is the
 prefill's weight-product FLOP/s (`matmul_flops_per_token`) against a dense bf16
 8192^3 GEMM timed in this process; "prefill % of bound" its time at the longer of
 that rate and its weight bytes at the copy bandwidth, over its time
-(`prefill_of_bound`). "first token ms" is the same prompt's prefill as `models.generate`
-runs it (the head at the last position only, `logits_at`), waited for. "Δlogits" is max |logits - float logits| /
-max |float logits| at the prompt's last position.
+(`prefill_of_bound`). "first token ms" is the same prompt's prefill as
+`models.generate` runs it (the head at the last position only, `logits_at`), waited
+for. "Δlogits" is max |logits - float logits| / max |float logits| at the prompt's
+last position.
 
 The peer (dense configs; `jaxquant/bench/torch_peer.py`): the same function on
 the same weights in torch, a static KV cache, the decode step compiled with
