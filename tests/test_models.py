@@ -501,8 +501,8 @@ def test_moe_against_naive(family, tokens):
 @pytest.mark.parametrize("by", ["sort", "count"])
 def test_expert_order_is_the_stable_argsort(by):
     """Both orderings of the MoE prefill's pairs (the CPU's argsort, the GPUs' counting
-    sort) against NumPy's stable argsort, the inverse and the group sizes; uneven, empty and all-in-one
-    experts, other devices' pairs (id num_experts), one pair."""
+    sort) against NumPy's stable argsort, the inverse and the group sizes; uneven, empty
+    and all-in-one experts, other devices' pairs (id num_experts), one pair."""
     rng = np.random.default_rng(7)
     cases = [rng.integers(0, 9, 300), rng.integers(0, 33, 2048), np.full(50, 3),
              np.full(20, 8), np.array([2]), rng.choice([0, 8], 64), rng.integers(0, 2, 17)]

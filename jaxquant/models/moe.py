@@ -89,12 +89,13 @@ def expert_order(flat, num_experts: int, by: str | None = None):
     """The pairs' order by expert, stable, its inverse and the experts' pair counts:
     (order, back, sizes), order = argsort(flat, stable=True), back[order[i]] = i, sizes
     [num_experts] int32 (the ragged products' group sizes). flat: int [P] expert ids in
-    [0, num_experts] (num_experts: another device's pair, counted in no group). by: "sort" (argsort), "count" (a
-    counting sort: a pair's place is the pairs of lower experts plus those of its own
-    expert before it, a cumulative sum over the one-hot ids) or None, the platform's:
-    argsort on the CPU, whose cumulative sum is the slower (617 against 376 µs at 2048
-    pairs), the counting sort elsewhere (an H200: 7.8 against 19.0 µs at 2048 pairs,
-    gpt-oss's 512 tokens; 23.5 against 44.7 at 131072; docs/prefill.md)."""
+    [0, num_experts] (num_experts: another device's pair, counted in no group). by:
+    "sort" (argsort), "count" (a counting sort: a pair's place is the pairs of lower
+    experts plus those of its own expert before it, a cumulative sum over the one-hot
+    ids) or None, the platform's: argsort on the CPU, whose cumulative sum is the slower
+    (617 against 376 µs at 2048 pairs), the counting sort elsewhere (an H200: 7.8 against
+    19.0 µs at 2048 pairs, gpt-oss's 512 tokens; 23.5 against 44.7 at 131072;
+    docs/prefill.md)."""
     if by is None:
         return lax.platform_dependent(flat, cpu=lambda f: expert_order(f, num_experts, "sort"),
                                       default=lambda f: expert_order(f, num_experts, "count"))
